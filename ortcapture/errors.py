@@ -1,0 +1,30 @@
+"""Exception types.
+
+Every ortcapture error derives from :class:`CaptureError`, a subclass of ``ValueError`` — the type ORT's own
+Python layer raises for its WebGPU graph-capture guards (ORT PR #32074) — so ``except ValueError`` clauses
+written against ORT keep working.
+"""
+
+
+class CaptureError(ValueError):
+    """Base class: a graph-capture operation would be unsafe or cannot be done."""
+
+
+class CaptureUnsupportedError(CaptureError):
+    """The session, execution provider, or installed ORT version cannot capture (or lacks a needed feature)."""
+
+
+class BindingError(CaptureError):
+    """An IOBinding or buffer does not match what a captured graph pinned (rebind, clear, other buffer)."""
+
+
+class TransferError(CaptureError):
+    """An in-place update or copy was refused before reaching native code (shape, dtype, device, aliasing)."""
+
+
+class GraphReleasedError(CaptureError):
+    """A ``gpu_graph_id`` was released and cannot be replayed again (CUDA/TensorRT release is a no-op in ORT)."""
+
+
+class PatchError(RuntimeError):
+    """Applying, checking or reverting a source patch failed (used by ``ortcapture patch``)."""
