@@ -26,5 +26,5 @@ class GraphReleasedError(CaptureError):
     """A ``gpu_graph_id`` was released and cannot be replayed again (CUDA/TensorRT release is a no-op in ORT)."""
 
 
-class PatchError(RuntimeError):
+class PatchError(CaptureError):
     """Applying, checking or reverting a source patch failed (used by ``ortcapture patch``)."""

@@ -1,0 +1,5 @@
+import sys
+
+from ortcapture.cli import main
+
+sys.exit(main())

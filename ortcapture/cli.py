@@ -1,0 +1,48 @@
+"""The ``ortcapture`` command: ``demo``, ``bench``, ``doctor``, ``patch``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
+only wires them up, importing a module when its subcommand runs (so ``ortcapture patch`` never imports
+onnxruntime).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS = {
+    "demo": ("ortcapture.demo", "capture and replay a real model, verify it, and print a timing table"),
+    "bench": ("ortcapture.bench", "benchmark captured replay against raw ORT in fresh processes"),
+    "doctor": ("ortcapture.doctor", "say whether (and why not) a model can be captured"),
+    "patch": ("ortcapture.patching", "check/apply/revert ortcapture's patches on an ORT source tree"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ortcapture", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            p.set_defaults(_module=None)
+            continue
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args._module is None:
+        print(f"ortcapture {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
