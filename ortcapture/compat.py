@@ -1,0 +1,106 @@
+"""What the installed onnxruntime can do — the one place that probes versions and features.
+
+Every other module asks here instead of comparing version strings itself. Probes are cached; they never touch a
+GPU (a WebGPU probe that finds no adapter makes ORT call ``std::terminate``, so adapter probes run in a child
+process: see :mod:`ortcapture.probe`).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+
+import numpy as np
+import onnxruntime as ort
+
+_C = ort.capi._pybind_state
+
+
+def ort_version() -> tuple[int, int, int]:
+    """The installed onnxruntime version as ``(major, minor, patch)`` (dev/rc suffixes dropped)."""
+    nums = [int(x) for x in re.findall(r"\d+", ort.__version__)[:3]]
+    return tuple(nums + [0] * (3 - len(nums)))  # type: ignore[return-value]
+
+
+#: Oldest onnxruntime ortcapture supports (the WebGPU plugin EP's floor).
+MIN_ORT = (1, 24, 4)
+
+
+def has_native_webgpu_guards() -> bool:
+    """ORT >= 1.30 pins IOBindings per ``gpu_graph_id`` itself — for WebGPU capture only (ORT PR #32074)."""
+    return hasattr(ort.IOBinding, "_reject_if_pinned")
+
+
+def has_release_captured_graph() -> bool:
+    """``InferenceSession.release_captured_graph`` exists (WebGPU releases natively; CUDA/TensorRT: no-op)."""
+    return hasattr(_C.InferenceSession, "release_captured_graph")
+
+
+def has_webgpu_capture_query() -> bool:
+    """The C session answers ``is_webgpu_graph_capture_enabled()``."""
+    return hasattr(_C.InferenceSession, "is_webgpu_graph_capture_enabled")
+
+
+def has_session_ortvalues() -> bool:
+    """``InferenceSession.create_ortvalue_from_shape_and_type`` (session-scoped allocator) exists."""
+    return hasattr(ort.InferenceSession, "create_ortvalue_from_shape_and_type")
+
+
+def has_copy_tensors() -> bool:
+    """``onnxruntime.copy_tensors(src_list, dst_list)`` exists (uses the environment's data transfers)."""
+    return hasattr(ort, "copy_tensors")
+
+
+def has_ep_devices() -> bool:
+    """Plugin EP API: ``get_ep_devices`` / ``SessionOptions.add_provider_for_devices``."""
+    return hasattr(ort, "get_ep_devices") and hasattr(ort.SessionOptions, "add_provider_for_devices")
+
+
+def has_dlpack() -> bool:
+    """``OrtValue.from_dlpack`` / ``OrtValue.__dlpack__`` exist."""
+    return hasattr(_C.OrtValue, "from_dlpack")
+
+
+@functools.lru_cache(maxsize=None)
+def has_update_inplace_ortvalue() -> bool:
+    """``OrtValue.update_inplace(OrtValue)`` (device-to-device, ORT >= 1.26) works.
+
+    Probed on two tiny CPU values rather than by version, since builds differ.
+    """
+    dst = ort.OrtValue.ortvalue_from_numpy(np.zeros(2, np.float32))
+    src = ort.OrtValue.ortvalue_from_numpy(np.ones(2, np.float32))
+    try:
+        dst.update_inplace(src)
+    except (TypeError, RuntimeError, ValueError):
+        return False
+    return bool(dst.numpy()[0] == 1.0)
+
+
+@functools.lru_cache(maxsize=None)
+def has_cuda_python() -> bool:
+    """cuda-python's runtime bindings (``cuda.bindings.runtime`` or the older ``cuda.cudart``) import."""
+    return cudart() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def cudart():
+    """The cuda-python runtime module, or ``None`` when cuda-python is not installed."""
+    for name in ("cuda.bindings.runtime", "cuda.cudart"):
+        try:
+            if importlib.util.find_spec(name.rsplit(".", 1)[0]) is None:
+                continue
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def require(feature: str, available: bool, since: str) -> None:
+    """Raise :class:`~ortcapture.errors.CaptureUnsupportedError` naming the ORT version that adds ``feature``."""
+    if not available:
+        from ortcapture.errors import CaptureUnsupportedError
+
+        raise CaptureUnsupportedError(
+            f"{feature} needs onnxruntime >= {since}; this is onnxruntime {ort.__version__}. "
+            "Upgrade onnxruntime (or onnxruntime-gpu)."
+        )

@@ -1,0 +1,238 @@
+"""``CapturedGraph``: capture once, then ``run(feeds) -> outputs`` with strict in-place updates.
+
+What is captured: one ``gpu_graph_id`` of one session, replaying the model on fixed input and output device
+buffers allocated from the example feeds' shapes and dtypes. What must stay static: those shapes and dtypes (feeds
+are copied into the fixed buffers; a different shape raises). What silently breaks in raw ORT and is guarded here:
+rebinding after capture (ignored by replay), wrong-dtype ``update_inplace`` (bytes reinterpreted), warm-up runs
+advancing in-place state (ORT #32243), and output OrtValues overwritten by the next replay.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import onnxruntime as ort
+
+from ortcapture import transfer
+from ortcapture.errors import CaptureError, GraphReleasedError, TransferError
+
+
+class StaleOutputError(CaptureError):
+    """A ``copy_outputs=False`` output handle was read after a later replay overwrote its buffer."""
+
+
+class ReplayOutput(ort.OrtValue):
+    """A fixed output OrtValue as returned by ``CapturedGraph.run(..., copy_outputs=False)``.
+
+    It *is* the graph's fixed device buffer (no copy), so the next replay overwrites it. Reading it through
+    ``numpy()``/``np.asarray``/DLPack after that raises :class:`StaleOutputError`; ``is_stale`` tells. Copy what
+    you need to keep (``ortcapture.to_numpy``) before the next ``run``.
+    """
+
+    def __init__(self, value: ort.OrtValue, graph: "CapturedGraph", generation: int):
+        super().__init__(value._ortvalue, session=getattr(value, "_session", None))
+        self._graph = graph
+        self._generation = generation
+
+    @property
+    def is_stale(self) -> bool:
+        return self._graph._generation != self._generation
+
+    def _check(self) -> None:
+        if self.is_stale:
+            raise StaleOutputError(
+                f"this output of gpu_graph_id={self._graph.graph_id} was overwritten by a later replay "
+                f"(generation {self._generation}, now {self._graph._generation}); copy outputs before the next run"
+            )
+
+    def numpy(self) -> np.ndarray:
+        self._check()
+        return transfer.to_numpy(ort.OrtValue(self._ortvalue))
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __dlpack__(self, *, stream=None):
+        self._check()
+        return super().__dlpack__(stream=stream)
+
+
+def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, numpy dtype) of an example feed: numpy array, OrtValue or DLPack tensor."""
+    if isinstance(value, ort.OrtValue):
+        return tuple(value.shape()), transfer._np_dtype_of(value)
+    if isinstance(value, np.ndarray):
+        return tuple(value.shape), value.dtype
+    if hasattr(value, "__dlpack__"):
+        dt = str(getattr(value, "dtype", "")).replace("torch.", "")
+        try:
+            return tuple(int(d) for d in value.shape), np.dtype("bool" if dt == "bool" else dt)
+        except TypeError:
+            pass
+    raise TransferError(f"feed {name!r}: unsupported type {type(value).__name__} (numpy, OrtValue or DLPack tensor)")
+
+
+class CapturedGraph:
+    """A captured ``gpu_graph_id`` with its own fixed input/output buffers. Made by ``sess.capture(feeds)``.
+
+    * ``inputs`` / ``outputs``: name -> fixed device OrtValue (inputs: shapes/dtypes of the example feeds;
+      outputs: as the model produced them for those feeds), in ``get_inputs()`` / ``get_outputs()`` order.
+    * ``run(feeds)``: copies each given feed into its buffer (exact shape and dtype; numpy, OrtValue or DLPack),
+      replays, carries declared state, and returns the outputs as numpy arrays in ``get_outputs()`` order. Inputs
+      not in ``feeds`` keep their last values. ``copy_outputs=False`` returns the fixed output buffers as
+      :class:`ReplayOutput` (overwritten by the next replay; stale reads raise).
+    * ``state={"state_out": "state_in"}``: after each replay the output is copied device-to-device into the
+      input, so N runs equal N uncaptured steps; :meth:`reset_state` restores the initial (or given) values.
+    * ``release()`` or leaving a ``with`` block releases the graph (CUDA/TensorRT: its id is retired).
+
+    Thread-safe: runs of one session are serialised (ORT does not support concurrent ``Run`` under capture).
+    """
+
+    def __init__(self, session, example_feeds: Mapping[str, Any], graph_id: int, *, state=None, family=None):
+        from ortcapture.session import run_options_for
+
+        self._session = session
+        self._family = family if family is not None else session
+        self.graph_id = int(graph_id)
+        self._released = False
+        self._generation = 0
+        names = [m.name for m in session.get_inputs()]
+        unknown = sorted(set(example_feeds) - set(names))
+        if unknown:
+            raise TransferError(f"unknown input(s) {unknown}; the model's inputs are {names}")
+        missing = [n for n in names if n not in example_feeds]
+        if missing:
+            raise TransferError(f"example feeds miss input(s) {missing}; capture needs a value for every input")
+        self.inputs: dict[str, ort.OrtValue] = {}
+        for name in names:
+            shape, dtype = _source_spec(name, example_feeds[name])
+            self.inputs[name] = session.allocate(shape, dtype)
+            transfer.update_inplace(self.inputs[name], example_feeds[name])
+        self.outputs = self._allocate_outputs()
+        self._state = self._check_state(state or {})
+        self._binding = session.io_binding()
+        for name, buf in self.inputs.items():
+            self._binding.bind_ortvalue_input(name, buf)
+        for name, buf in self.outputs.items():
+            self._binding.bind_ortvalue_output(name, buf)
+        self._run_options = run_options_for(self.graph_id)
+        self._state_src = [self.outputs[o] for o in self._state]
+        self._state_dst = [self.inputs[i] for i in self._state.values()]
+        self._initial_state = {}
+        for iname in self._state.values():
+            buf = self.inputs[iname]
+            self._initial_state[iname] = session.allocate(buf.shape(), transfer._np_dtype_of(buf))
+        if self._state:
+            transfer.copy(self._state_dst, list(self._initial_state.values()))
+        with session._oc_lock:
+            self._record = session._oc_capture(self._binding, self.graph_id, self._run_options, owner=self)
+        self._output_list = list(self.outputs.values())
+
+    # -- construction ---------------------------------------------------------------------------------------
+    def _allocate_outputs(self) -> dict[str, ort.OrtValue]:
+        """Run once without capture (gpu_graph_id=-1) to learn output shapes/dtypes, then allocate fixed buffers."""
+        from ortcapture.session import run_options_for
+
+        sess, info = self._session, self._session.capture_info
+        probe = ort.IOBinding(sess)
+        for name, buf in self.inputs.items():
+            probe.bind_ortvalue_input(name, buf)
+        for meta in sess.get_outputs():
+            probe.bind_output(meta.name, info.device_type, info.device_id)
+        ort.InferenceSession.run_with_iobinding(sess, probe, run_options_for(-1))
+        outs = probe.get_outputs()
+        return {
+            meta.name: sess.allocate(v.shape(), transfer._np_dtype_of(v))
+            for meta, v in zip(sess.get_outputs(), outs)
+        }
+
+    def _check_state(self, state: Mapping[str, str]) -> dict[str, str]:
+        for out, inp in state.items():
+            if out not in self.outputs:
+                raise CaptureError(f"state output {out!r} is not an output of the model ({list(self.outputs)})")
+            if inp not in self.inputs:
+                raise CaptureError(f"state input {inp!r} is not an input of the model ({list(self.inputs)})")
+            o, i = self.outputs[out], self.inputs[inp]
+            if tuple(o.shape()) != tuple(i.shape()) or o.data_type() != i.data_type():
+                raise CaptureError(
+                    f"state {out!r} -> {inp!r}: output is {tuple(o.shape())} {o.data_type()}, input is "
+                    f"{tuple(i.shape())} {i.data_type()}; they must match to carry the state"
+                )
+        return dict(state)
+
+    # -- running --------------------------------------------------------------------------------------------
+    def run(self, feeds: Mapping[str, Any] | None = None, *, copy_outputs: bool = True) -> list:
+        """Copy ``feeds`` into the fixed inputs, replay, carry state; return outputs (see class docstring).
+
+        Raises :class:`~ortcapture.errors.TransferError` for an unknown input or a shape/dtype mismatch (before any
+        buffer is touched) and :class:`~ortcapture.errors.GraphReleasedError` after ``release()``.
+        """
+        sess = self._session
+        with sess._oc_lock:
+            if self._released:
+                self._raise_released()
+            if feeds:
+                bufs = self.inputs
+                for name in feeds:
+                    if name not in bufs:
+                        raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
+                for name, value in feeds.items():
+                    transfer.update_inplace(bufs[name], value)
+            sess._oc_replay(self._binding, self._run_options, self._record)
+            if self._state:
+                transfer.copy(self._state_src, self._state_dst)
+            self._generation += 1
+            if copy_outputs:
+                return [transfer.to_numpy(v) for v in self._output_list]
+            gen = self._generation
+            return [ReplayOutput(v, self, gen) for v in self._output_list]
+
+    def reset_state(self, values: Mapping[str, Any] | None = None) -> None:
+        """Restore the state inputs to their values at capture, or to ``values`` (``{input name: array}``)."""
+        with self._session._oc_lock:
+            if self._released:
+                self._raise_released()
+            if not self._state:
+                raise CaptureError("this graph has no declared state (capture(..., state={out: in}))")
+            transfer.copy(list(self._initial_state.values()), self._state_dst)
+            for name, value in (values or {}).items():
+                if name not in self._initial_state:
+                    raise CaptureError(f"{name!r} is not a state input ({list(self._initial_state)})")
+                transfer.update_inplace(self.inputs[name], value)
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def replays(self) -> int:
+        """Replays so far (including the capture call's own)."""
+        return self._record.replays
+
+    def release(self) -> None:
+        """Release the captured graph (idempotent). CUDA/TensorRT: the ``gpu_graph_id`` is retired."""
+        if not self._released:
+            self._session.release_captured_graph(self.graph_id)
+            self._family._oc_graphs.pop(self.graph_id, None)
+            self._released = True
+
+    def _on_released(self) -> None:
+        self._released = True
+
+    def _raise_released(self):
+        raise GraphReleasedError(
+            f"gpu_graph_id={self.graph_id} was released (release(), release_captured_graph or set_providers); "
+            "capture again with sess.capture(feeds)"
+        )
+
+    def __enter__(self) -> "CapturedGraph":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"{self.replays} replays"
+        return f"<CapturedGraph gpu_graph_id={self.graph_id} {self._session.capture_info.ep.name} {state}>"

@@ -1,0 +1,135 @@
+"""Which execution providers capture, how capture is switched on, and on which device they run.
+
+ORT's switches (shared/DESIGN.md): CUDA EP ``enable_cuda_graph``, TensorRT EP ``trt_cuda_graph_enable``, WebGPU EP
+``enableGraphCapture`` (plugin EP through ``SessionOptions.add_provider_for_devices``: session config key
+``ep.webgpuexecutionprovider.enableGraphCapture``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import onnxruntime as ort
+
+from ortcapture import compat
+
+NVIDIA_VENDOR_ID = 0x10DE
+
+
+@dataclass(frozen=True)
+class CaptureEP:
+    """A capture-capable execution provider: its capture option, the OrtValue device type and vendor id."""
+
+    name: str
+    option: str
+    device_type: str  # OrtValue device name: "cuda" | "webgpu"
+    vendor_id: int  # PCI vendor id of the device the EP's buffers live on (0 = not vendor-specific)
+    device_id_option: str  # provider option naming the device ordinal
+    releases_natively: bool  # release_captured_graph really frees the graph (False: ORT no-op)
+
+
+CAPTURE_EPS: dict[str, CaptureEP] = {
+    "CUDAExecutionProvider": CaptureEP(
+        "CUDAExecutionProvider", "enable_cuda_graph", "cuda", NVIDIA_VENDOR_ID, "device_id", False
+    ),
+    "TensorrtExecutionProvider": CaptureEP(
+        "TensorrtExecutionProvider", "trt_cuda_graph_enable", "cuda", NVIDIA_VENDOR_ID, "device_id", False
+    ),
+    "WebGpuExecutionProvider": CaptureEP(
+        "WebGpuExecutionProvider", "enableGraphCapture", "webgpu", 0, "deviceId", True
+    ),
+}
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """The EP that captures for a session, and the device its fixed buffers must live on."""
+
+    ep: CaptureEP
+    device_id: int
+
+    @property
+    def device_type(self) -> str:
+        return self.ep.device_type
+
+    @property
+    def releases_natively(self) -> bool:
+        """WebGPU frees a released graph; CUDA/TensorRT ``release_captured_graph`` is a no-op in ORT."""
+        return self.ep.releases_natively and compat.has_release_captured_graph()
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _normalize(providers, provider_options) -> list[tuple[str, Mapping[str, Any]]]:
+    out: list[tuple[str, Mapping[str, Any]]] = []
+    for i, p in enumerate(providers or []):
+        if isinstance(p, (tuple, list)):
+            name, opts = p[0], (p[1] if len(p) > 1 else {})
+        else:
+            name = p
+            opts = provider_options[i] if provider_options and i < len(provider_options) else {}
+        out.append((str(name), dict(opts or {})))
+    return out
+
+
+def _config_entry(sess_options: ort.SessionOptions | None, key: str) -> str | None:
+    if sess_options is None:
+        return None
+    try:
+        value = sess_options.get_session_config_entry(key)
+    except (RuntimeError, AttributeError):
+        return None
+    return value or None
+
+
+def requested_capture(
+    providers: Sequence[Any] | None,
+    provider_options: Sequence[Mapping[str, Any]] | None,
+    sess_options: ort.SessionOptions | None,
+) -> CaptureInfo | None:
+    """The capture the user asked for, the ORT way, before any session exists; ``None`` when none.
+
+    Looks at ``providers``/``provider_options`` (as ``InferenceSession`` takes them) and, for plugin EPs added with
+    ``SessionOptions.add_provider_for_devices``, at the session config entries ``ep.<ep name lower>.<option>``.
+    """
+    for name, opts in _normalize(providers, provider_options):
+        ep = CAPTURE_EPS.get(name)
+        if ep is not None and _truthy(opts.get(ep.option, "0")):
+            return CaptureInfo(ep, int(opts.get(ep.device_id_option, 0) or 0))
+    if not providers:
+        for ep in CAPTURE_EPS.values():
+            prefix = f"ep.{ep.name.lower()}."
+            if _truthy(_config_entry(sess_options, prefix + ep.option) or "0"):
+                dev = _config_entry(sess_options, prefix + ep.device_id_option)
+                return CaptureInfo(ep, int(dev or 0))
+    return None
+
+
+def detect_capture(session: ort.InferenceSession, requested: CaptureInfo | None) -> CaptureInfo | None:
+    """The capture a created session really does; ``None`` when it will not capture.
+
+    Reads the session's provider list and provider options (CUDA/TensorRT), and the C session's
+    ``is_webgpu_graph_capture_enabled()`` where ORT has it (WebGPU).
+    """
+    active = session.get_providers()
+    options = session.get_provider_options()
+    for name in active:
+        ep = CAPTURE_EPS.get(name)
+        if ep is None:
+            continue
+        opts = options.get(name, {})
+        if ep.device_type == "webgpu":
+            if compat.has_webgpu_capture_query():
+                on = bool(session._sess.is_webgpu_graph_capture_enabled())
+            else:
+                on = _truthy(opts.get(ep.option, "0")) or (requested is not None and requested.ep is ep)
+        else:
+            on = _truthy(opts.get(ep.option, "0"))
+        if on:
+            dev = opts.get(ep.device_id_option)
+            if dev in (None, "") and requested is not None and requested.ep is ep:
+                return requested
+            return CaptureInfo(ep, int(dev or 0))
+    return None
