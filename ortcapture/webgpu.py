@@ -1,0 +1,113 @@
+"""The WebGPU plugin EP (``onnxruntime-ep-webgpu``): registration, EP device, session options, and a safe probe.
+
+ORT aborts the whole process (``std::terminate``) when Dawn finds no adapter, so whether WebGPU works is asked in a
+child process (:func:`probe`; ``python -m ortcapture.webgpu`` is that child). On ORT 1.30 a plugin EP named in
+``providers=[...]`` can silently give a CPU-only session, so sessions add it with
+``SessionOptions.add_provider_for_devices`` (:func:`session_options`). Never pass ``None`` there: ORT segfaults.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+EP_NAME = "WebGpuExecutionProvider"
+_registered = False
+
+
+def plugin_installed() -> bool:
+    """Whether the ``onnxruntime-ep-webgpu`` package is importable."""
+    return importlib.util.find_spec("onnxruntime_ep_webgpu") is not None
+
+
+def register() -> None:
+    """Register the plugin EP library with ORT once per process. Raises :class:`CaptureUnsupportedError` without it."""
+    global _registered
+    if _registered:
+        return
+    import onnxruntime as ort
+
+    from ortcapture import compat
+    from ortcapture.errors import CaptureUnsupportedError
+
+    if not plugin_installed():
+        raise CaptureUnsupportedError("the WebGPU plugin EP is not installed: pip install onnxruntime-ep-webgpu")
+    compat.require("the WebGPU plugin EP", compat.has_ep_devices(), "1.24.4")
+    import onnxruntime_ep_webgpu as plugin
+
+    try:
+        ort.register_execution_provider_library("webgpu", plugin.get_library_path())
+    except Exception as exc:  # noqa: BLE001 - already registered under this name
+        if "already" not in str(exc).lower():
+            raise
+    _registered = True
+
+
+def ep_device():
+    """The WebGPU ``OrtEpDevice`` (a GPU one when present, else the software-adapter one); raises if none."""
+    import onnxruntime as ort
+
+    from ortcapture.errors import CaptureUnsupportedError
+
+    register()
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == EP_NAME]
+    if not devices:
+        raise CaptureUnsupportedError(
+            "no WebGPU EP device: on a machine without a GPU set ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1 and a "
+            "software Vulkan driver (tools/setup_webgpu.sh) before the first session"
+        )
+    devices.sort(key=lambda d: 0 if "GPU" in str(d.device.type) else 1)
+    return devices[0]
+
+
+def session_options(capture: bool = True, sess_options=None):
+    """``SessionOptions`` with the WebGPU EP added through ``add_provider_for_devices`` (``enableGraphCapture``
+    set from ``capture``) and memory patterns off (capture needs ``enable_mem_pattern=False``)."""
+    import onnxruntime as ort
+
+    so = sess_options if sess_options is not None else ort.SessionOptions()
+    so.enable_mem_pattern = False
+    so.add_provider_for_devices([ep_device()], {"enableGraphCapture": "1" if capture else "0"})
+    return so
+
+
+def probe(timeout: float = 180.0) -> dict:
+    """Run :func:`_probe_main` in a child process; return its JSON (``ok`` false when the child failed or died)."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ortcapture.webgpu"], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"WebGPU probe timed out after {timeout} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    why = f"exit code {proc.returncode}" if proc.returncode >= 0 else f"killed by signal {-proc.returncode}"
+    tail = proc.stderr.strip().splitlines()[-3:]
+    return {"ok": False, "error": f"WebGPU probe {why}: {' | '.join(tail)}"}
+
+
+def _probe_main() -> int:
+    """Capture a tiny Add model on WebGPU and replay it twice; print one JSON line."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    import ortcapture
+
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in "ABC"]
+    graph = helper.make_graph([helper.make_node("Add", ["A", "B"], ["C"])], "probe", vi[:2], vi[2:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    dev = ep_device()
+    sess = ortcapture.InferenceSession(model.SerializeToString(), session_options(True))
+    a, b = np.arange(8, dtype=np.float32).reshape(2, 4), np.ones((2, 4), np.float32)
+    with sess.capture({"A": a, "B": b}) as g:
+        ok = all(np.array_equal(g.run({"A": a * k})[0], a * k + b) for k in (2.0, 3.0))
+    print(json.dumps({"ok": bool(ok), "device_type": str(dev.device.type), "vendor_id": int(dev.device.vendor_id),
+                      "providers": sess.get_providers()}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_probe_main())

@@ -1,0 +1,95 @@
+"""Shared fixtures: the capture backends (WebGPU on the software adapter, CUDA on a GPU) and the reference model.
+
+WebGPU tests skip only where WebGPU cannot run; with ORTCAPTURE_REQUIRE_WEBGPU=1 (set by tools/test.sh, so in CI)
+an unusable WebGPU fails them instead. CUDA tests carry ``@pytest.mark.cuda`` and skip without the CUDA EP.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortcapture
+from ortcapture import compat
+
+WEBGPU_CAPTURE_SINCE = (1, 25, 0)  # first onnxruntime line whose plugin-EP WebGPU capture is checked below
+
+
+def _webgpu_status() -> tuple[bool, str]:
+    from ortcapture import webgpu
+
+    if not webgpu.plugin_installed():
+        return False, "onnxruntime-ep-webgpu not installed"
+    result = webgpu.probe()
+    return bool(result.get("ok")), str(result.get("error", ""))
+
+
+_WEBGPU = None
+
+
+def webgpu_available() -> bool:
+    global _WEBGPU
+    if _WEBGPU is None:
+        _WEBGPU = _webgpu_status()
+    ok, why = _WEBGPU
+    if not ok:
+        if os.environ.get("ORTCAPTURE_REQUIRE_WEBGPU") == "1" and compat.ort_version() >= WEBGPU_CAPTURE_SINCE:
+            pytest.fail(f"WebGPU is required here (ORTCAPTURE_REQUIRE_WEBGPU=1) but unusable: {why}")
+        pytest.skip(f"WebGPU unavailable: {why}")
+    return True
+
+
+def cuda_available() -> bool:
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+class Backend:
+    """How to make capturing sessions on one EP."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.device_type = "cuda" if name == "cuda" else "webgpu"
+        self.releases_natively = name == "webgpu"
+
+    def session_args(self, capture: bool = True) -> dict:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if self.name == "cuda":
+            opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": "0"}
+            return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
+        from ortcapture import webgpu
+
+        return {"sess_options": webgpu.session_options(capture, so)}
+
+    def session(self, model, capture: bool = True, **kw) -> ortcapture.InferenceSession:
+        return ortcapture.InferenceSession(model, **self.session_args(capture), **kw)
+
+    def plain(self, model) -> ort.InferenceSession:
+        return ort.InferenceSession(model, **self.session_args(False))
+
+    def __repr__(self):
+        return self.name
+
+
+@pytest.fixture(params=["webgpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def backend(request) -> Backend:
+    if request.param == "cuda":
+        if not cuda_available():
+            pytest.skip("CUDA EP unavailable (onnxruntime-gpu on an NVIDIA GPU)")
+    else:
+        webgpu_available()
+    return Backend(request.param)
+
+
+@pytest.fixture(scope="session")
+def reference_model_path() -> str:
+    from ortcapture import models
+
+    return str(models.reference_model())
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

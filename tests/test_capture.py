@@ -1,0 +1,332 @@
+"""Capture semantics on real capturing EPs: WebGPU (software adapter, CI) and CUDA (H200, @pytest.mark.cuda).
+
+Each test runs once per backend (see conftest.backend). Tiny models keep it fast; the reference model is in
+test_reference_model.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortcapture
+from ortcapture import BindingError, CaptureError, GraphReleasedError, TransferError
+from ortcapture.session import run_options_for
+from tests import tiny
+
+
+def _raw_setup(sess, shape=(2, 4)):
+    a, b, c = (sess.allocate(shape, np.float32) for _ in range(3))
+    binding = sess.io_binding()
+    binding.bind_ortvalue_input("A", a)
+    binding.bind_ortvalue_input("B", b)
+    binding.bind_ortvalue_output("C", c)
+    return binding, a, b, c
+
+
+def _fill(buf, arr):
+    ortcapture.update_inplace(buf, np.asarray(arr, np.float32))
+
+
+def test_capture_enabled_and_drop_in(backend):
+    sess = backend.session(tiny.add_model())
+    assert isinstance(sess, ort.InferenceSession)
+    assert sess.capture_enabled and sess.capture_info.device_type == backend.device_type
+    x = np.ones((2, 4), np.float32)
+    out = sess.run(None, {"A": x, "B": x}, run_options_for(-1))[0]
+    np.testing.assert_array_equal(out, 2 * x)
+
+
+def test_raw_iobinding_capture_and_replay_in_place(backend):
+    sess = backend.session(tiny.add_model())
+    binding, a, b, c = _raw_setup(sess)
+    ro = run_options_for(0)
+    for k in range(4):
+        av = np.arange(8, dtype=np.float32).reshape(2, 4) * (k + 1)
+        _fill(a, av)
+        _fill(b, np.ones((2, 4)))
+        sess.run_with_iobinding(binding, ro)
+        np.testing.assert_array_equal(ortcapture.to_numpy(c), av + 1)
+    assert list(sess.captured_graphs) == [0]
+    assert sess.captured_graphs[0]["replays"] == 3  # the first call captured
+    assert sess.captured_graphs[0]["bytes"] == 3 * 8 * 4
+
+
+def test_rebind_clear_and_other_binding_are_refused_after_capture(backend):
+    sess = backend.session(tiny.add_model())
+    binding, a, b, c = _raw_setup(sess)
+    _fill(a, np.zeros((2, 4)))
+    _fill(b, np.zeros((2, 4)))
+    sess.run_with_iobinding(binding, run_options_for(0))
+    other = sess.allocate((2, 4), np.float32)
+    with pytest.raises(BindingError, match="pin this IOBinding"):
+        binding.bind_ortvalue_input("A", other)
+    with pytest.raises(BindingError, match="pin this IOBinding"):
+        binding.bind_ortvalue_output("C", other)
+    with pytest.raises(BindingError):
+        binding.clear_binding_inputs()
+    with pytest.raises(BindingError):
+        binding.clear_binding_outputs()
+    b2, *_ = _raw_setup(sess)
+    with pytest.raises(BindingError, match="different IOBinding"):
+        sess.run_with_iobinding(b2, run_options_for(0))
+    # the original binding still replays correctly
+    _fill(a, np.full((2, 4), 5.0))
+    sess.run_with_iobinding(binding, run_options_for(0))
+    np.testing.assert_array_equal(ortcapture.to_numpy(c), np.full((2, 4), 5.0))
+
+
+def test_cpu_bound_input_and_unbound_output_are_refused(backend):
+    sess = backend.session(tiny.add_model())
+    binding = sess.io_binding()
+    binding.bind_cpu_input("A", np.zeros((2, 4), np.float32))
+    binding.bind_ortvalue_input("B", sess.allocate((2, 4), np.float32))
+    binding.bind_ortvalue_output("C", sess.allocate((2, 4), np.float32))
+    with pytest.raises(BindingError, match="bind_cpu_input"):
+        sess.run_with_iobinding(binding, run_options_for(0))
+    binding2 = sess.io_binding()
+    binding2.bind_ortvalue_input("A", sess.allocate((2, 4), np.float32))
+    binding2.bind_ortvalue_input("B", sess.allocate((2, 4), np.float32))
+    binding2.bind_output("C", backend.device_type)
+    with pytest.raises(BindingError, match="allocates per run"):
+        sess.run_with_iobinding(binding2, run_options_for(0))
+    assert sess.captured_graphs == {}
+
+
+def test_plain_ort_iobinding_is_refused_under_capture(backend):
+    sess = backend.session(tiny.add_model())
+    with pytest.raises(BindingError, match="sess.io_binding"):
+        sess.run_with_iobinding(ort.IOBinding(sess), run_options_for(0))
+
+
+@pytest.mark.parametrize("api", ["run", "run_with_ort_values", "run_async"])
+def test_plain_run_apis_need_graph_id_minus_one(backend, api):
+    sess = backend.session(tiny.add_model())
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(CaptureError, match="gpu_graph_id=-1"):
+        if api == "run":
+            sess.run(None, {"A": x, "B": x})
+        elif api == "run_with_ort_values":
+            v = ort.OrtValue.ortvalue_from_numpy(x)
+            sess.run_with_ort_values(["C"], {"A": v, "B": v})
+        else:
+            sess.run_async(None, {"A": x, "B": x}, lambda *a: None, None)
+    assert isinstance(CaptureError("x"), ValueError)
+
+
+def test_graph_id_minus_one_runs_without_capture_before_and_after(backend):
+    sess = backend.session(tiny.add_model())
+    x = np.ones((2, 4), np.float32)
+    skip = run_options_for(-1)
+    np.testing.assert_array_equal(sess.run(None, {"A": x, "B": x}, skip)[0], 2 * x)
+    binding, a, b, c = _raw_setup(sess)
+    _fill(a, x)
+    _fill(b, x)
+    sess.run_with_iobinding(binding, run_options_for(0))
+    np.testing.assert_array_equal(sess.run(None, {"A": 3 * x, "B": x}, skip)[0], 4 * x)
+    assert sess.captured_graphs[0]["replays"] == 0
+
+
+def test_release_and_recapture(backend):
+    sess = backend.session(tiny.add_model())
+    binding, a, b, c = _raw_setup(sess)
+    _fill(a, np.ones((2, 4)))
+    _fill(b, np.ones((2, 4)))
+    sess.run_with_iobinding(binding, run_options_for(0))
+    sess.release_captured_graph(0)
+    assert sess.captured_graphs == {}
+    binding.bind_ortvalue_input("A", sess.allocate((2, 4), np.float32))  # unpinned now
+    b2, a2, bb2, c2 = _raw_setup(sess)
+    _fill(a2, np.full((2, 4), 7.0))
+    _fill(bb2, np.ones((2, 4)))
+    if backend.releases_natively:
+        sess.run_with_iobinding(b2, run_options_for(0))  # WebGPU really released: id 0 is free again
+        np.testing.assert_array_equal(ortcapture.to_numpy(c2), np.full((2, 4), 8.0))
+    else:
+        with pytest.raises(GraphReleasedError, match="new gpu_graph_id"):
+            sess.run_with_iobinding(b2, run_options_for(0))
+        sess.run_with_iobinding(b2, run_options_for(1))  # a new id captures the new buffers
+        np.testing.assert_array_equal(ortcapture.to_numpy(c2), np.full((2, 4), 8.0))
+
+
+def test_two_graph_ids_with_own_buffers(backend):
+    sess = backend.session(tiny.add_model())
+    b0, a0, bb0, c0 = _raw_setup(sess)
+    b1, a1, bb1, c1 = _raw_setup(sess)
+    for k in range(3):
+        _fill(a0, np.full((2, 4), k))
+        _fill(bb0, np.ones((2, 4)))
+        _fill(a1, np.full((2, 4), 10 * k))
+        _fill(bb1, np.full((2, 4), 2.0))
+        sess.run_with_iobinding(b0, run_options_for(0))
+        sess.run_with_iobinding(b1, run_options_for(1))
+        np.testing.assert_array_equal(ortcapture.to_numpy(c0), np.full((2, 4), k + 1.0))
+        np.testing.assert_array_equal(ortcapture.to_numpy(c1), np.full((2, 4), 10 * k + 2.0))
+    assert sorted(sess.captured_graphs) == [0, 1]
+
+
+def test_set_providers_forgets_graphs(backend):
+    sess = backend.session(tiny.add_model())
+    g = sess.capture({"A": np.ones((2, 4), np.float32), "B": np.ones((2, 4), np.float32)})
+    assert sess.captured_graphs
+    args = backend.session_args(True)
+    if "providers" in args:
+        sess.set_providers(args["providers"])
+    else:
+        sess.set_providers()  # plugin EP: the session options carry the EP; ORT recreates the C session
+    assert sess.captured_graphs == {}
+    with pytest.raises(GraphReleasedError):
+        g.run({"A": np.ones((2, 4), np.float32)})
+    if sess.capture_enabled:
+        g2 = sess.capture({"A": np.ones((2, 4), np.float32), "B": np.ones((2, 4), np.float32)})
+        np.testing.assert_array_equal(g2.run()[0], np.full((2, 4), 2.0))
+
+
+def test_undeclared_aliasing_is_refused_and_declared_state_steps_once(backend):
+    sess = backend.session(tiny.counter_model())
+    buf = sess.allocate((4,), np.float32)
+    _fill(buf, np.zeros(4))
+    binding = sess.io_binding()
+    binding.bind_ortvalue_input("state_in", buf)
+    binding.bind_ortvalue_output("state_out", buf)
+    with pytest.raises(BindingError, match="'state_out' and input 'state_in'"):
+        sess.run_with_iobinding(binding, run_options_for(0))
+    binding.declare_state("state_out", "state_in")
+    sess.run_with_iobinding(binding, run_options_for(0))  # capture: ORT warms up several steps inside
+    np.testing.assert_array_equal(ortcapture.to_numpy(buf), np.ones(4))  # exactly one step (ORT #32243)
+    for _ in range(5):
+        sess.run_with_iobinding(binding, run_options_for(0))
+    np.testing.assert_array_equal(ortcapture.to_numpy(buf), np.full(4, 6.0))
+
+
+def test_captured_graph_run_numpy_and_ortvalue_feeds(backend, rng):
+    sess = backend.session(tiny.add_model())
+    plain = backend.plain(tiny.add_model())
+    a0, b0 = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with sess.capture({"A": a0, "B": b0}) as g:
+        assert g.graph_id == 0 and set(g.inputs) == {"A", "B"} and set(g.outputs) == {"C"}
+        for _ in range(5):
+            a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+            np.testing.assert_array_equal(g.run({"A": a, "B": b})[0], plain.run(None, {"A": a, "B": b})[0])
+        dev = sess.allocate((2, 4), np.float32)
+        ortcapture.update_inplace(dev, a0)
+        np.testing.assert_array_equal(g.run({"A": dev})[0], a0 + b)  # B keeps its last value
+        with pytest.raises(TransferError, match="dtype mismatch"):
+            g.run({"A": np.zeros((2, 4), np.int32)})
+        with pytest.raises(TransferError, match="shape mismatch"):
+            g.run({"A": np.zeros((4, 2), np.float32)})
+        with pytest.raises(TransferError, match="unknown input"):
+            g.run({"Z": a0})
+    assert g.released
+    with pytest.raises(GraphReleasedError):
+        g.run({"A": a0})
+
+
+def test_capture_picks_free_ids_and_refuses_taken_ones(backend):
+    sess = backend.session(tiny.add_model())
+    feeds = {"A": np.ones((2, 4), np.float32), "B": np.ones((2, 4), np.float32)}
+    g0, g1 = sess.capture(feeds), sess.capture(feeds)
+    assert (g0.graph_id, g1.graph_id) == (0, 1)
+    with pytest.raises(CaptureError, match="already captured"):
+        sess.capture(feeds, graph_id=1)
+    g0.release()
+    g2 = sess.capture(feeds)
+    assert g2.graph_id == (0 if backend.releases_natively else 2)
+
+
+def test_copy_outputs_false_returns_fixed_buffers_and_detects_stale_reads(backend):
+    sess = backend.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    (out1,) = g.run({"X": np.ones((2, 4), np.float32)}, copy_outputs=False)
+    assert isinstance(out1, ort.OrtValue) and not out1.is_stale
+    np.testing.assert_array_equal(out1.numpy(), np.full((2, 4), 3.0))
+    (out2,) = g.run({"X": np.full((2, 4), 2.0, np.float32)}, copy_outputs=False)
+    assert out1.is_stale
+    with pytest.raises(ortcapture.StaleOutputError):
+        out1.numpy()
+    np.testing.assert_array_equal(np.asarray(out2), np.full((2, 4), 5.0))
+
+
+def test_recurrent_state_1000_steps_match_uncaptured(backend, rng):
+    model = tiny.recurrent_model()
+    sess = backend.session(model)
+    plain = backend.plain(model)
+    x0, s0 = rng.random((1, 8), np.float32), np.zeros((1, 8), np.float32)
+    g = sess.capture({"x": x0, "state_in": s0}, state={"state_out": "state_in"})
+    state = s0
+    xs = rng.random((1000, 1, 8), np.float32) - 0.5
+    worst = 0.0
+    for t in range(1000):
+        y, s_new = plain.run(None, {"x": xs[t], "state_in": state})
+        got_y, got_s = g.run({"x": xs[t]})
+        worst = max(worst, float(np.abs(got_y - y).max()), float(np.abs(got_s - s_new).max()))
+        state = s_new
+    assert worst <= 1e-5, worst
+    g.reset_state()
+    y, _ = plain.run(None, {"x": xs[0], "state_in": s0})
+    np.testing.assert_allclose(g.run({"x": xs[0]})[0], y, atol=1e-6)
+    g.reset_state({"state_in": np.full((1, 8), 0.5, np.float32)})
+    y, _ = plain.run(None, {"x": xs[0], "state_in": np.full((1, 8), 0.5, np.float32)})
+    np.testing.assert_allclose(g.run({"x": xs[0]})[0], y, atol=1e-6)
+
+
+def test_capture_is_side_effect_free_for_state(backend):
+    sess = backend.session(tiny.counter_model())
+    g = sess.capture({"state_in": np.zeros(4, np.float32)}, state={"state_out": "state_in"})
+    np.testing.assert_array_equal(ortcapture.to_numpy(g.inputs["state_in"]), np.zeros(4))
+    for n in range(1, 4):
+        (out,) = g.run()
+        np.testing.assert_array_equal(out, np.full(4, float(n)))
+
+
+def test_thread_hammer_serialises_runs(backend):
+    import threading
+
+    sess = backend.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(50):
+                x = np.full((2, 4), float(k * 1000 + i), np.float32)
+                (y,) = g.run({"X": x})
+                if not np.array_equal(y, x * 2 + 1):
+                    errors.append((k, i, y[0, 0], x[0, 0] * 2 + 1))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert g.replays == 8 * 50
+
+
+def test_dynamic_dims_are_specialised(backend):
+    for named in (True, False):
+        model = tiny.dynamic_model(named)
+        sess = backend.session(model)
+        plain = backend.plain(model)
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        g = sess.capture({"X": x})
+        np.testing.assert_array_equal(g.run({"X": x + 1})[0], plain.run(None, {"X": x + 1})[0])
+        x2 = np.ones((5, 2), np.float32)
+        g2 = sess.capture({"X": x2})
+        np.testing.assert_array_equal(g2.run({"X": x2})[0], 3 * x2)
+        assert g.graph_id != g2.graph_id and len(sess.captured_graphs) == 2
+
+
+def test_static_shapes_specialises_up_front(backend):
+    sess = backend.session(tiny.dynamic_model(False), static_shapes={"X": (2, 3)})
+    assert sess.capture_enabled and not sess.capture_deferred
+    a = sess.allocate((2, 3), np.float32)
+    y = sess.allocate((2, 3), np.float32)
+    binding = sess.io_binding()
+    binding.bind_ortvalue_input("X", a)
+    binding.bind_ortvalue_output("Y", y)
+    _fill(a, np.ones((2, 3)))
+    sess.run_with_iobinding(binding, run_options_for(0))
+    np.testing.assert_array_equal(ortcapture.to_numpy(y), np.full((2, 3), 3.0))

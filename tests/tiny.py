@@ -1,0 +1,83 @@
+"""Tiny ONNX models built with onnx.helper for the tests (no downloads)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=17) -> bytes:
+    graph = helper.make_graph(nodes, "tiny", inputs, outputs, list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def vi(name, shape, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def add_model(shape=(2, 4), elem=TensorProto.FLOAT) -> bytes:
+    """C = A + B."""
+    return _model([helper.make_node("Add", ["A", "B"], ["C"])], [vi("A", shape, elem), vi("B", shape, elem)],
+                  [vi("C", shape, elem)])
+
+
+def affine_model(shape=(2, 4)) -> bytes:
+    """Y = X * 2 + 1 (one input, one output)."""
+    two = numpy_helper.from_array(np.full(shape, 2.0, np.float32), "two")
+    one = numpy_helper.from_array(np.full(shape, 1.0, np.float32), "one")
+    nodes = [helper.make_node("Mul", ["X", "two"], ["t"]), helper.make_node("Add", ["t", "one"], ["Y"])]
+    return _model(nodes, [vi("X", shape)], [vi("Y", shape)], [two, one])
+
+
+def recurrent_model(n=8) -> bytes:
+    """state_out = tanh(state_in * 0.9 + x); y = state_out * 2 — one recurrent step."""
+    a = numpy_helper.from_array(np.full((1, n), 0.9, np.float32), "a")
+    two = numpy_helper.from_array(np.full((1, n), 2.0, np.float32), "two")
+    nodes = [
+        helper.make_node("Mul", ["state_in", "a"], ["m"]),
+        helper.make_node("Add", ["m", "x"], ["s"]),
+        helper.make_node("Tanh", ["s"], ["state_out"]),
+        helper.make_node("Mul", ["state_out", "two"], ["y"]),
+    ]
+    return _model(nodes, [vi("x", [1, n]), vi("state_in", [1, n])], [vi("y", [1, n]), vi("state_out", [1, n])],
+                  [a, two])
+
+
+def recurrent_step(x: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy reference of :func:`recurrent_model`: returns (y, state_out)."""
+    s = np.tanh(state * np.float32(0.9) + x).astype(np.float32)
+    return s * np.float32(2.0), s
+
+
+def counter_model(n=4) -> bytes:
+    """state_out = state_in + 1 (detects extra warm-up steps)."""
+    one = numpy_helper.from_array(np.ones((n,), np.float32), "one")
+    return _model([helper.make_node("Add", ["state_in", "one"], ["state_out"])], [vi("state_in", [n])],
+                  [vi("state_out", [n])], [one])
+
+
+def dynamic_model(named=True) -> bytes:
+    """Y = Reshape(X, Shape(X)) * 3 with dims [batch, n] (named) or [?, ?] (unnamed): has a shape subgraph."""
+    dims = ["batch", "n"] if named else [None, None]
+    three = numpy_helper.from_array(np.array(3.0, np.float32), "three")
+    nodes = [
+        helper.make_node("Shape", ["X"], ["shp"]),
+        helper.make_node("Reshape", ["X", "shp"], ["r"]),
+        helper.make_node("Mul", ["r", "three"], ["Y"]),
+    ]
+    return _model(nodes, [vi("X", dims)], [vi("Y", dims)], [three])
+
+
+def if_model() -> bytes:
+    """Y = If(cond, X + 1, X - 1): control flow, which graph capture refuses."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    then_g = helper.make_graph([helper.make_node("Add", ["X", "one_c"], ["t"])], "then", [], [vi("t", [2])],
+                               [one])
+    then_g.initializer[0].name = "one_c"
+    else_g = helper.make_graph([helper.make_node("Sub", ["X", "one_c2"], ["e"])], "else", [], [vi("e", [2])],
+                               [helper.make_tensor("one_c2", TensorProto.FLOAT, [], [1.0])])
+    node = helper.make_node("If", ["cond"], ["Y"], then_branch=then_g, else_branch=else_g)
+    return _model([node], [vi("cond", [], TensorProto.BOOL), vi("X", [2])], [vi("Y", [2])])
