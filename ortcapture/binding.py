@@ -68,9 +68,9 @@ def onnx_type_of(dtype) -> str:
 
 def describe_ortvalue(value: ort.OrtValue, device_id: int | None = None) -> Bound:
     """A :class:`Bound` record for a tensor OrtValue (device from ``device_name()``, id from the buffer registry)."""
-    from ortcapture.buffers import device_id_of
+    from ortcapture.buffers import device_id_of, device_kind
 
-    device = value.device_name().lower()
+    device = device_kind(value)
     address = None
     if device != "webgpu":
         try:

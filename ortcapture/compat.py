@@ -24,6 +24,19 @@ def ort_version() -> tuple[int, int, int]:
 
 #: Oldest onnxruntime ortcapture supports (the WebGPU plugin EP's floor).
 MIN_ORT = (1, 24, 4)
+#: First onnxruntime whose WebGPU plugin EP (onnxruntime-ep-webgpu 0.4.0) really captures. Measured: 1.24.4 and
+#: 1.25.1 accept enableGraphCapture and silently never capture; 1.26.0 cannot load plugin 0.4.0; 1.27.0+ capture.
+WEBGPU_PLUGIN_CAPTURE_SINCE = (1, 27, 0)
+
+
+def webgpu_plugin_captures() -> bool:
+    """Whether this onnxruntime really captures graphs with the WebGPU plugin EP (see WEBGPU_PLUGIN_CAPTURE_SINCE)."""
+    return ort_version() >= WEBGPU_PLUGIN_CAPTURE_SINCE
+
+
+def device_name_is_reliable() -> bool:
+    """``OrtValue.device_name()`` names WebGPU buffers "webgpu" (ORT >= 1.30); older releases say "cuda"."""
+    return ort_version() >= (1, 30, 0)
 
 
 def has_native_webgpu_guards() -> bool:

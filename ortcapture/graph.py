@@ -30,7 +30,12 @@ class ReplayOutput(ort.OrtValue):
     """
 
     def __init__(self, value: ort.OrtValue, graph: "CapturedGraph", generation: int):
-        super().__init__(value._ortvalue, session=getattr(value, "_session", None))
+        super().__init__(value._ortvalue)
+        if hasattr(value, "_session"):  # ORT >= 1.30: session-scoped values remember their session
+            self._session = value._session
+        from ortcapture.buffers import device_id_of, device_kind, remember_device
+
+        remember_device(self, device_kind(value), device_id_of(value))
         self._graph = graph
         self._generation = generation
 
@@ -169,6 +174,7 @@ class CapturedGraph:
         buffer is touched) and :class:`~ortcapture.errors.GraphReleasedError` after ``release()``.
         """
         sess = self._session
+        sess._oc_check_foreign_capture()  # before any copy: CUDA calls inside a foreign capture break it
         with sess._oc_lock:
             if self._released:
                 self._raise_released()

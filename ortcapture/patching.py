@@ -14,10 +14,17 @@ dry-run first (``git apply --check`` when ``--ort-src`` is the top of a git work
 every command is idempotent. Changes are all or none: nothing is written unless every pending patch
 checks cleanly, and a tool failure midway restores the files it touched.
 
-Exit codes: 0 - ok (``check``: every patch applied, or the release line needs none; ``apply``/``revert``:
-done, or nothing to do). 1 - ``check`` only: patches are pending (they apply cleanly; run ``apply``).
-2 - usage error or refusal: no/unknown ``VERSION_NUMBER`` or series, sources that match neither the
-original nor the patched text (the message names the file and hunk), a missing tool, or a tool failure.
+A patch whose files already carry the upstream fix (a patch release that cherry-picked it) is
+reported as ``fixed upstream`` and left alone.
+
+Exit codes:
+
+* 0 - ok: ``check`` found every patch applied or fixed upstream (or the release line needs none);
+  ``apply``/``revert`` finished, or had nothing to do.
+* 1 - ``check`` only: patches are pending (they apply cleanly; run ``apply``).
+* 2 - usage error or refusal: no/unknown ``VERSION_NUMBER`` or series, sources that match neither the
+  original nor the patched text (the message names the file and hunk), a missing tool, a tool failure.
+
 This module never imports onnxruntime.
 """
 from __future__ import annotations
@@ -34,10 +41,11 @@ from pathlib import Path
 from ortcapture.errors import PatchError
 
 UPSTREAM_FIXED_FROM = (1, 30)  # first release line that carries ORT #32317 and #32315 itself
-# text whose presence shows a >=1.30 tree really has the upstream fixes (a pre-cut main tree may not)
+# text (any of) whose presence shows a file carries the fix: upstream's names, or this package's backport
 UPSTREAM_MARKERS = {
-    "onnxruntime/core/providers/webgpu/data_transfer.h": "IsSupportedDevicePair",
-    "onnxruntime/core/providers/webgpu/webgpu_provider_factory.cc": "API_IMPL_BEGIN",
+    "onnxruntime/core/providers/webgpu/data_transfer.h": ("IsSupportedDevicePair",),
+    "onnxruntime/core/providers/webgpu/webgpu_provider_factory.cc": ("CopyTensorsOrThrow",
+                                                                     "Backport of ORT #32315"),
 }
 _FILE_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
 
@@ -99,7 +107,7 @@ def _run(action: str, src: Path, series: str | None) -> int:
         if pending:
             print(f"{len(pending)} patch(es) pending; run: ortcapture patch apply --ort-src {src}")
             return 1
-        print("all patches applied")
+        print("nothing pending: every patch is applied or fixed upstream")
         return 0
     reverse = action == "revert"
     todo = [p for p in (reversed(patches) if reverse else patches)
@@ -130,11 +138,10 @@ def _line_key(line: str) -> tuple[int, ...]:
 
 
 def _check_upstream(src: Path, version: str) -> int:
-    for rel, marker in UPSTREAM_MARKERS.items():
-        path = src / rel
-        if not path.is_file() or marker not in path.read_text(encoding="utf-8", errors="replace"):
+    for rel, markers in UPSTREAM_MARKERS.items():
+        if not _has_fix(src, rel):
             raise PatchError(f"ORT {version} should carry ORT #32317/#32315 upstream, but {rel} lacks "
-                             f"{marker!r}; no series targets this tree (a pre-release main checkout?)")
+                             f"{' / '.join(markers)}; no series targets this tree (a pre-release main checkout?)")
     print(f"ORT {version}: upstream already carries ORT #32317 and #32315; no patches needed")
     return 0
 
@@ -188,7 +195,16 @@ def _classify(tool: _Tool, patch: Path) -> str:
         return "applied"
     if tool.run(patch, reverse=False, dry=True).returncode == 0:
         return "pending"
+    marked = [f for f in _files(patch.read_text(encoding="utf-8")) if f in UPSTREAM_MARKERS]
+    if marked and all(_has_fix(tool.src, f) for f in marked):
+        return "fixed upstream"  # e.g. a patch release that cherry-picked the fix; not ours to revert
     return "drifted"
+
+
+def _has_fix(src: Path, rel: str) -> bool:
+    path = src / rel
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    return any(marker in text for marker in UPSTREAM_MARKERS[rel])
 
 
 def _diagnose(tool: _Tool, patch: Path) -> str:

@@ -135,6 +135,12 @@ class InferenceSession(ort.InferenceSession):
             sess_options.add_session_config_entry(key, "1")
 
     def _oc_setup(self, requested: CaptureInfo | None) -> None:
+        if requested is not None and requested.device_type == "webgpu" and not compat.webgpu_plugin_captures():
+            raise CaptureUnsupportedError(
+                f"onnxruntime {ort.__version__} accepts enableGraphCapture for the WebGPU plugin EP but never "
+                "captures (measured on 1.24.4 and 1.25.1: every run recomputes, rebinding is not even ignored); "
+                "WebGPU graph capture needs onnxruntime >= 1.27.0"
+            )
         info = None if self._oc_deferred else detect_capture(self, requested)
         if requested is not None and info is None and not self._oc_deferred:
             raise CaptureUnsupportedError(
@@ -259,8 +265,7 @@ class InferenceSession(ort.InferenceSession):
 
     def _oc_replay(self, iobinding: IOBinding, run_options: ort.RunOptions, rec) -> None:
         """Hot path for :class:`~ortcapture.graph.CapturedGraph`: replay an already validated, pinned graph.
-        The caller holds ``self._oc_lock``."""
-        self._oc_check_foreign_capture()
+        The caller holds ``self._oc_lock`` and has called :meth:`_oc_check_foreign_capture`."""
         ort.InferenceSession.run_with_iobinding(self, iobinding, run_options)
         rec.replays += 1
 
@@ -271,7 +276,8 @@ class InferenceSession(ort.InferenceSession):
         return capture_bindings(self, iobinding, gid, run_options, owner)
 
     def _oc_check_foreign_capture(self) -> None:
-        if self._oc_info.device_type == "cuda":
+        """Raise :class:`CaptureError` when the caller's CUDA stream is being captured (ORT PR #32081)."""
+        if self._oc_info is not None and self._oc_info.device_type == "cuda":
             from ortcapture.cudart import caller_stream_is_capturing
 
             if caller_stream_is_capturing():
@@ -336,6 +342,7 @@ class InferenceSession(ort.InferenceSession):
 
         target = self._oc_specialized_for(example_feeds) if self._oc_deferred else self
         target._oc_require_capture("capture()")
+        target._oc_check_foreign_capture()
         with self._oc_lock:
             gid = self._oc_free_id() if graph_id is None else int(graph_id)
             if gid < 0:

@@ -12,12 +12,14 @@ returns, so a replay started afterwards reads the new values.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
 from ortcapture import compat
+from ortcapture.buffers import device_kind
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 _C = ort.capi._pybind_state
@@ -35,6 +37,9 @@ _ONNX_TO_NP = {
     "tensor(int32)": np.int32, "tensor(uint32)": np.uint32, "tensor(int64)": np.int64, "tensor(uint64)": np.uint64,
     "tensor(bool)": np.bool_,
 }
+#: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
+#: Set from $ORTCAPTURE_COPY_BACKEND at import; tests set it directly.
+COPY_BACKEND = os.environ.get("ORTCAPTURE_COPY_BACKEND") or None
 # DLPack device types (dlpack.h)
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -45,7 +50,7 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 def _endpoint(x) -> tuple[int, int, str]:
     """(OrtDevice type, vendor id, kind name) of an OrtValue or OrtDevice."""
     if isinstance(x, ort.OrtValue) or isinstance(x, _C.OrtValue):
-        name = x.device_name().lower()
+        name = device_kind(x) if isinstance(x, ort.OrtValue) else x.device_name().lower()
         if name not in _DEVICE_KINDS:
             raise TransferError(f"unknown OrtValue device {name!r}")
         t, v = _DEVICE_KINDS[name]
@@ -53,7 +58,7 @@ def _endpoint(x) -> tuple[int, int, str]:
     dev = x._get_c_device() if isinstance(x, ort.OrtDevice) else x
     if isinstance(dev, _C.OrtDevice):
         t = int(dev.device_type())
-        v = int(dev.device_vendor_id()) if hasattr(dev, "device_vendor_id") else NONE_VENDOR
+        v = int(dev.vendor_id()) if hasattr(dev, "vendor_id") else NONE_VENDOR
         if t == CPU:
             return t, v, "cpu"
         if t == GPU and v == NONE_VENDOR:
@@ -126,7 +131,7 @@ def _check_match(dst: ort.OrtValue, shape: tuple, dtype: np.dtype, what: str) ->
 
 
 def _span(value: ort.OrtValue) -> tuple[int, int] | None:
-    if value.device_name().lower() == "webgpu":
+    if device_kind(value) == "webgpu":
         return None
     try:
         start = int(value.data_ptr())
@@ -139,7 +144,7 @@ def _same_or_overlap(a: ort.OrtValue, b: ort.OrtValue) -> str | None:
     """``"same"`` when a and b are one buffer, ``"overlap"`` when their bytes overlap, else ``None``."""
     if a is b or a._ortvalue is b._ortvalue:
         return "same"
-    if a.device_name().lower() != b.device_name().lower():
+    if device_kind(a) != device_kind(b):
         return None
     sa, sb = _span(a), _span(b)
     if sa is None or sb is None or sa[0] == 0 or sb[0] == 0:
@@ -197,7 +202,7 @@ def _as_numpy(src: np.ndarray, dst: ort.OrtValue, cast: bool) -> np.ndarray:
             _check_match(dst, src.shape, src.dtype, "numpy source")
         src = src.astype(want)
     _check_match(dst, src.shape, src.dtype, "numpy source")
-    return np.ascontiguousarray(src)
+    return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,7 +237,7 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
         _copy_host_to(dst, arr)
         return dst
     _require_tensor(src, "source")
-    _check_match(dst, tuple(src.shape()), _np_dtype_of(src), f"source ({src.device_name()})")
+    _check_match(dst, tuple(src.shape()), _np_dtype_of(src), f"source ({device_kind(src)})")
     _require_copyable(src, dst)
     alias = _same_or_overlap(src, dst)
     if alias == "same":
@@ -269,8 +274,8 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
                 raise TransferError(f"pairs #{i} and #{j}: one's destination overlaps the other's source")
     if not src:
         return
-    if compat.has_copy_tensors():
-        ort.copy_tensors(src, dst, None)
+    if compat.has_copy_tensors() and any(device_kind(v) == "webgpu" for v in (*src, *dst)):
+        ort.copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
     else:
         for s, d in zip(src, dst):
             _copy_value(s, d)
@@ -279,7 +284,7 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
 def to_numpy(value: ort.OrtValue) -> np.ndarray:
     """A new host numpy array with the contents of ``value`` (any device; WebGPU read back via ``copy_tensors``)."""
     _require_tensor(value, "value")
-    if value.device_name().lower() == "webgpu":
+    if device_kind(value) == "webgpu":
         compat.require("WebGPU readback of an OrtValue", compat.has_copy_tensors(), "1.30")
         host = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), _np_dtype_of(value).type)
         ort.copy_tensors([value], [host], None)
@@ -291,7 +296,7 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
 # backends (inputs already validated)
 # ---------------------------------------------------------------------------------------------------------------
 def _copy_host_to(dst: ort.OrtValue, arr: np.ndarray) -> None:
-    if dst.device_name().lower() == "webgpu":
+    if device_kind(dst) == "webgpu":
         compat.require("copying numpy into a WebGPU OrtValue", compat.has_copy_tensors(), "1.30")
         ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(arr)], [dst], None)
     else:
@@ -299,8 +304,12 @@ def _copy_host_to(dst: ort.OrtValue, arr: np.ndarray) -> None:
 
 
 def _copy_value(src: ort.OrtValue, dst: ort.OrtValue) -> None:
-    kinds = {src.device_name().lower(), dst.device_name().lower()}
-    if "webgpu" in kinds or (compat.has_copy_tensors() and len(kinds) > 1 and "cpu" not in kinds):
+    kinds = {device_kind(src), device_kind(dst)}
+    if COPY_BACKEND == "cuda-python" and kinds == {"cuda"}:
+        from ortcapture.cudart import memcpy_d2d
+
+        memcpy_d2d(int(dst.data_ptr()), int(src.data_ptr()), int(src.tensor_size_in_bytes()))
+    elif "webgpu" in kinds:
         compat.require("copying WebGPU OrtValues", compat.has_copy_tensors(), "1.30")
         ort.copy_tensors([src], [dst], None)
     elif compat.has_update_inplace_ortvalue():
@@ -309,8 +318,8 @@ def _copy_value(src: ort.OrtValue, dst: ort.OrtValue) -> None:
         from ortcapture.cudart import memcpy_d2d
 
         memcpy_d2d(int(dst.data_ptr()), int(src.data_ptr()), int(src.tensor_size_in_bytes()))
-    elif src.device_name().lower() == "cpu":
-        dst.update_inplace(np.ascontiguousarray(src.numpy()))
+    elif device_kind(src) == "cpu":
+        dst.update_inplace(np.require(src.numpy(), requirements="C"))
     else:
         raise CaptureUnsupportedError(
             f"device-to-device update_inplace needs onnxruntime >= 1.26 (OrtValue.update_inplace(OrtValue)) or "

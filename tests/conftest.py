@@ -14,7 +14,7 @@ import pytest
 import ortcapture
 from ortcapture import compat
 
-WEBGPU_CAPTURE_SINCE = (1, 25, 0)  # first onnxruntime line whose plugin-EP WebGPU capture is checked below
+WEBGPU_CAPTURE_SINCE = compat.WEBGPU_PLUGIN_CAPTURE_SINCE
 
 
 def _webgpu_status() -> tuple[bool, str]:
@@ -22,6 +22,8 @@ def _webgpu_status() -> tuple[bool, str]:
 
     if not webgpu.plugin_installed():
         return False, "onnxruntime-ep-webgpu not installed"
+    if not compat.webgpu_plugin_captures():
+        return False, f"onnxruntime {ort.__version__} cannot capture with the WebGPU plugin EP (needs >= 1.27.0)"
     result = webgpu.probe()
     return bool(result.get("ok")), str(result.get("error", ""))
 
@@ -51,7 +53,6 @@ class Backend:
     def __init__(self, name: str):
         self.name = name
         self.device_type = "cuda" if name == "cuda" else "webgpu"
-        self.releases_natively = name == "webgpu"
 
     def session_args(self, capture: bool = True) -> dict:
         so = ort.SessionOptions()

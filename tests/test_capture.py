@@ -139,7 +139,7 @@ def test_release_and_recapture(backend):
     b2, a2, bb2, c2 = _raw_setup(sess)
     _fill(a2, np.full((2, 4), 7.0))
     _fill(bb2, np.ones((2, 4)))
-    if backend.releases_natively:
+    if sess.capture_info.releases_natively:
         sess.run_with_iobinding(b2, run_options_for(0))  # WebGPU really released: id 0 is free again
         np.testing.assert_array_equal(ortcapture.to_numpy(c2), np.full((2, 4), 8.0))
     else:
@@ -231,7 +231,7 @@ def test_capture_picks_free_ids_and_refuses_taken_ones(backend):
         sess.capture(feeds, graph_id=1)
     g0.release()
     g2 = sess.capture(feeds)
-    assert g2.graph_id == (0 if backend.releases_natively else 2)
+    assert g2.graph_id == (0 if sess.capture_info.releases_natively else 2)
 
 
 def test_copy_outputs_false_returns_fixed_buffers_and_detects_stale_reads(backend):

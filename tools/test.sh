@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # README command 2: set everything up and run the test suite against the newest and the oldest supported
-# onnxruntime (CPU unit tests and real WebGPU capture on the software adapter; CUDA tests skip without a GPU).
+# onnxruntime, plus 1.27.0 (the first whose WebGPU plugin EP captures): CPU unit tests and real WebGPU capture
+# on the software adapter; CUDA tests skip without a GPU.
 # Extra arguments go to pytest. ORTCAPTURE_ORT_VERSIONS="1.32.0" limits the matrix.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-versions=${ORTCAPTURE_ORT_VERSIONS:-"1.32.0 1.24.4"}
+versions=${ORTCAPTURE_ORT_VERSIONS:-"1.32.0 1.27.0 1.24.4"}
 status=0
 for v in $versions; do
   { read -r venv; read -r env_file; } < <(bash tools/bootstrap.sh --ort "$v")

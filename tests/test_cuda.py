@@ -1,0 +1,129 @@
+"""CUDA-only behaviour (run on the H200): DLPack sources without host copies, the cuda-python copy backend,
+foreign stream capture, DLPack export of fixed outputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ortcapture
+from ortcapture import transfer
+from tests import tiny
+from tests.conftest import Backend, cuda_available
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture
+def cuda():
+    if not cuda_available():
+        pytest.skip("CUDA EP unavailable (onnxruntime-gpu on an NVIDIA GPU)")
+    return Backend("cuda")
+
+
+@pytest.fixture
+def no_host_path(monkeypatch):
+    """Make any host round trip in ortcapture.transfer fail the test."""
+    def boom(*a, **k):
+        raise AssertionError("went through the host")
+
+    monkeypatch.setattr(transfer, "_copy_host_to", boom)
+    monkeypatch.setattr(transfer.np, "from_dlpack", boom)
+
+
+def test_torch_cuda_tensor_source_device_to_device(cuda, no_host_path):
+    torch = pytest.importorskip("torch")
+    sess = cuda.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    t = torch.arange(8, dtype=torch.float32, device="cuda").reshape(2, 4) * 3  # pending work on torch's stream
+    (y,) = g.run({"X": t})
+    np.testing.assert_array_equal(y, (t * 2 + 1).cpu().numpy())
+    with pytest.raises(ortcapture.TransferError, match="not C-contiguous"):
+        g.run({"X": torch.zeros(4, 2, device="cuda").t()})
+    with pytest.raises(ortcapture.TransferError, match="dtype mismatch"):
+        g.run({"X": torch.zeros(2, 4, dtype=torch.float16, device="cuda")})
+
+
+def test_cupy_source_device_to_device(cuda, no_host_path):
+    cp = pytest.importorskip("cupy")
+    sess = cuda.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    a = cp.arange(8, dtype=cp.float32).reshape(2, 4)
+    np.testing.assert_array_equal(g.run({"X": a})[0], cp.asnumpy(a * 2 + 1))
+
+
+def test_ortvalue_d2d_and_forced_cuda_python_backend(cuda, monkeypatch):
+    import onnxruntime as ort
+
+    src = ort.OrtValue.ortvalue_from_numpy(np.arange(6, dtype=np.float32), "cuda", 0)
+    dst = ort.OrtValue.ortvalue_from_shape_and_type([6], np.float32, "cuda", 0)
+    ortcapture.update_inplace(dst, src)
+    np.testing.assert_array_equal(dst.numpy(), np.arange(6))
+    from ortcapture import compat
+
+    assert compat.has_cuda_python(), "cuda-python expected on the GPU machine"
+    monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
+    called = []
+    import ortcapture.cudart as cudart
+
+    real = cudart.memcpy_d2d
+    monkeypatch.setattr(cudart, "memcpy_d2d", lambda *a: (called.append(a), real(*a)))
+    src2 = ort.OrtValue.ortvalue_from_numpy(np.full(6, 7.0, np.float32), "cuda", 0)
+    ortcapture.update_inplace(dst, src2)
+    assert called and dst.numpy().tolist() == [7.0] * 6
+    # replays read what the cuda-python copy wrote (the copy is complete before the replay starts)
+    sess = cuda.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    for k in range(20):
+        v = ort.OrtValue.ortvalue_from_numpy(np.full((2, 4), float(k), np.float32), "cuda", 0)
+        assert g.run({"X": v})[0][0, 0] == 2 * k + 1
+
+
+def test_cuda_ortvalue_pointer_device_is_known(cuda):
+    import onnxruntime as ort
+
+    from ortcapture.buffers import device_id_of
+
+    v = ort.OrtValue.ortvalue_from_shape_and_type([4], np.float32, "cuda", 0)
+    assert device_id_of(v) == 0
+
+
+def test_foreign_stream_capture_is_refused(cuda):
+    torch = pytest.importorskip("torch")
+    sess = cuda.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    static = torch.zeros(4, device="cuda")
+    tg = torch.cuda.CUDAGraph()
+    refused = None
+    with torch.cuda.graph(tg):
+        static.add_(1)
+        try:
+            g.run({"X": np.ones((2, 4), np.float32)})
+        except ortcapture.CaptureError as exc:
+            refused = exc
+    assert refused is not None and "#32081" in str(refused)
+    tg.replay()
+    torch.cuda.synchronize()
+    assert static.tolist() == [1.0] * 4
+    np.testing.assert_array_equal(g.run({"X": np.ones((2, 4), np.float32)})[0], np.full((2, 4), 3.0))
+
+
+def test_fixed_outputs_export_through_dlpack(cuda):
+    torch = pytest.importorskip("torch")
+    sess = cuda.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    (out,) = g.run({"X": np.ones((2, 4), np.float32)}, copy_outputs=False)
+    t = torch.from_dlpack(out)
+    assert t.is_cuda and t.tolist() == [[3.0] * 4] * 2
+
+
+def test_update_inplace_d2d_overhead_reasonable(cuda):
+    """Not a timing test: checks the OrtValue->OrtValue path takes the device-to-device backend."""
+    import onnxruntime as ort
+
+    from ortcapture import compat
+
+    assert compat.has_update_inplace_ortvalue()
+    src = ort.OrtValue.ortvalue_from_numpy(np.ones((1, 3, 320, 320), np.float32), "cuda", 0)
+    dst = ort.OrtValue.ortvalue_from_shape_and_type([1, 3, 320, 320], np.float32, "cuda", 0)
+    ortcapture.update_inplace(dst, src)
+    assert float(dst.numpy().sum()) == 3 * 320 * 320

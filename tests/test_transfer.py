@@ -1,0 +1,149 @@
+"""Strict in-place updates and copies (CPU OrtValues; device paths are covered in test_capture/test_cuda)."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import ortcapture
+from ortcapture import TransferError, can_copy, update_inplace
+
+
+def ov(arr):
+    return ort.OrtValue.ortvalue_from_numpy(np.require(arr, requirements="C"))
+
+
+class DLPackOnly:
+    """A minimal DLPack producer (not an ndarray): what torch/cupy tensors look like to ortcapture."""
+
+    def __init__(self, arr):
+        self._arr = arr
+        self.shape, self.dtype, self.flags = arr.shape, arr.dtype, arr.flags
+
+    def __dlpack__(self, *, stream=None, **kw):
+        return self._arr.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+
+def test_dtype_mismatch_is_refused_not_reinterpreted():
+    dst = ov(np.zeros((2, 3), np.float32))
+    with pytest.raises(TransferError, match="dtype mismatch: numpy source is int32, destination is float32"):
+        update_inplace(dst, np.ones((2, 3), np.int32))
+    np.testing.assert_array_equal(dst.numpy(), 0)
+    update_inplace(dst, np.arange(6, dtype=np.int32).reshape(2, 3), cast=True)
+    np.testing.assert_array_equal(dst.numpy(), np.arange(6).reshape(2, 3))
+
+
+def test_shape_must_match_exactly_not_just_element_count():
+    dst = ov(np.zeros((2, 3), np.float32))
+    with pytest.raises(TransferError, match=r"shape mismatch: numpy source has shape \(3, 2\)"):
+        update_inplace(dst, np.ones((3, 2), np.float32))
+    with pytest.raises(TransferError, match="shape mismatch"):
+        update_inplace(dst, ov(np.ones(6, np.float32)))
+
+
+def test_non_contiguous_numpy_is_normalised():
+    dst = ov(np.zeros((3, 2), np.float32))
+    src = np.arange(6, dtype=np.float32).reshape(2, 3).T  # Fortran-ordered view
+    update_inplace(dst, src)
+    np.testing.assert_array_equal(dst.numpy(), src)
+
+
+def test_ortvalue_and_dlpack_sources():
+    dst = ov(np.zeros(4, np.float32))
+    update_inplace(dst, ov(np.arange(4, dtype=np.float32)))
+    np.testing.assert_array_equal(dst.numpy(), np.arange(4))
+    update_inplace(dst, DLPackOnly(np.full(4, 9.0, np.float32)))
+    np.testing.assert_array_equal(dst.numpy(), 9.0)
+    strided = DLPackOnly(np.arange(8, dtype=np.float32)[::2])
+    with pytest.raises(TransferError, match="not C-contiguous"):
+        update_inplace(dst, strided)
+
+
+def test_same_buffer_is_a_noop_and_overlap_is_refused():
+    base = np.arange(8, dtype=np.float32)
+    whole = ort.OrtValue.ortvalue_from_numpy(base[0:4])
+    assert update_inplace(whole, whole) is whole
+    overlapping = ort.OrtValue.ortvalue_from_numpy(base[2:6])
+    with pytest.raises(TransferError, match="overlap"):
+        update_inplace(whole, overlapping)
+
+
+def test_bad_sources_and_destinations():
+    dst = ov(np.zeros(2, np.float32))
+    with pytest.raises(TransferError, match="unsupported source type"):
+        update_inplace(dst, [1.0, 2.0])
+    with pytest.raises(TransferError, match="must be an onnxruntime.OrtValue"):
+        update_inplace(np.zeros(2, np.float32), dst)
+
+
+def test_copy_checks_every_pair_before_copying():
+    a, b, c = ov(np.ones(4, np.float32)), ov(np.zeros(4, np.float32)), ov(np.zeros(4, np.float32))
+    ortcapture.copy([a], [b])
+    np.testing.assert_array_equal(b.numpy(), 1)
+    with pytest.raises(TransferError, match="same or overlapping"):
+        ortcapture.copy([a], [a])  # aliased pair: std::terminate in ORT before #32315
+    with pytest.raises(TransferError, match="shape mismatch"):
+        ortcapture.copy([a], [ov(np.zeros(2, np.float32))])  # undersized destination
+    with pytest.raises(TransferError, match="destinations #0 and #1"):
+        ortcapture.copy([a, c], [b, b])
+    with pytest.raises(TransferError, match="as many sources"):
+        ortcapture.copy([a, c], [b])
+    c2 = ov(np.full(4, 5.0, np.float32))
+    with pytest.raises(TransferError, match="dtype mismatch"):
+        ortcapture.copy([a, ov(np.zeros(4, np.int32))], [c2, b])
+    np.testing.assert_array_equal(c2.numpy(), 5.0)  # nothing copied when any pair is bad
+
+
+def dev(kind, vendor=-1):
+    return ort.OrtDevice.make(kind, 0, vendor)
+
+
+@pytest.mark.parametrize("src, dst, ok", [
+    ("cpu", "cpu", True),
+    ("cpu", "webgpu", True), ("webgpu", "cpu", True), ("webgpu", "webgpu", True),
+    ("cpu", "cuda", True), ("cuda", "cuda", True),
+    ("cuda", "webgpu", False), ("webgpu", "cuda", False),
+    ("webgpu", ("gpu", 0x1002), False), (("gpu", 0x8086), "webgpu", False), ("webgpu", ("gpu", 0x1414), False),
+])
+def test_can_copy_vendor_guard(src, dst, ok):
+    def mk(x):
+        return dev(*x) if isinstance(x, tuple) else dev(x)
+
+    assert can_copy(mk(src), mk(dst)) is ok
+    assert can_copy(ov(np.zeros(1, np.float32)), ov(np.zeros(1, np.float32)))
+
+
+DTYPES = [np.float32, np.float16, np.float64, np.int8, np.uint8, np.int32, np.int64, np.bool_]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dst_dtype=st.sampled_from(DTYPES), src_dtype=st.sampled_from(DTYPES),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
+    src_shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
+    transpose=st.booleans(), as_ortvalue=st.booleans(), data=st.data(),
+)
+def test_fuzz_update_inplace_copies_exactly_or_raises(dst_dtype, src_dtype, shape, src_shape, transpose,
+                                                      as_ortvalue, data):
+    dst = ov(np.zeros(shape, dst_dtype))
+    before = dst.numpy().copy()
+    src = data.draw(hnp.arrays(src_dtype, src_shape, elements={"allow_nan": False}
+                               if np.dtype(src_dtype).kind == "f" else None))
+    if transpose and src.ndim > 1:
+        src = src.T
+    source = ov(src) if as_ortvalue else src
+    expect_ok = src.dtype == np.dtype(dst_dtype) and tuple(src.shape) == tuple(shape)
+    try:
+        update_inplace(dst, source)
+    except TransferError:
+        assert not expect_ok
+        np.testing.assert_array_equal(dst.numpy(), before)
+    else:
+        assert expect_ok
+        np.testing.assert_array_equal(dst.numpy(), src)

@@ -1,0 +1,161 @@
+"""CPU-only unit tests: drop-in behaviour with capture off, provider parsing, the registry and binding pins."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortcapture
+from ortcapture import BindingError, CaptureUnsupportedError, GraphReleasedError
+from ortcapture.providers import CAPTURE_EPS, CaptureInfo, requested_capture
+from ortcapture.registry import GraphRegistry
+from ortcapture.session import graph_id_of, run_options_for
+from tests import tiny
+
+CUDA = CaptureInfo(CAPTURE_EPS["CUDAExecutionProvider"], 0)
+WEBGPU = CaptureInfo(CAPTURE_EPS["WebGpuExecutionProvider"], 0)
+
+
+def test_drop_in_with_capture_off_behaves_like_ort():
+    model = tiny.add_model()
+    ours = ortcapture.InferenceSession(model, providers=["CPUExecutionProvider"])
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    assert isinstance(ours, ort.InferenceSession)
+    assert not ours.capture_enabled and not ours.capture_deferred and ours.capture_info is None
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(ours.run(None, {"A": x, "B": x})[0], theirs.run(None, {"A": x, "B": x})[0])
+    v = ort.OrtValue.ortvalue_from_numpy(x)
+    np.testing.assert_array_equal(ours.run_with_ort_values(["C"], {"A": v, "B": v})[0].numpy(), 2 * x)
+    binding = ours.io_binding()
+    assert isinstance(binding, ort.IOBinding)
+    binding.bind_cpu_input("A", x)
+    binding.bind_cpu_input("B", x)
+    binding.bind_output("C")
+    ours.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], 2 * x)
+    assert ours.captured_graphs == {}
+    with pytest.raises(CaptureUnsupportedError, match="graph capture enabled"):
+        ours.capture({"A": x, "B": x})
+    with pytest.raises(CaptureUnsupportedError):
+        ours.allocate((2, 4), np.float32)
+    assert ours.get_providers() == theirs.get_providers()
+
+
+def test_capture_requested_but_unavailable_raises_at_construction():
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine has the CUDA EP")
+    with pytest.raises(CaptureUnsupportedError, match="without capture"):
+        ortcapture.InferenceSession(
+            tiny.add_model(), providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
+                                         "CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize(
+    "providers, provider_options, expect",
+    [
+        ([("CUDAExecutionProvider", {"enable_cuda_graph": "1", "device_id": "1"})], None, ("cuda", 1)),
+        ([("CUDAExecutionProvider", {"enable_cuda_graph": "0"})], None, None),
+        (["CUDAExecutionProvider"], [{"enable_cuda_graph": "True"}], ("cuda", 0)),
+        ([("TensorrtExecutionProvider", {"trt_cuda_graph_enable": 1, "device_id": 2})], None, ("cuda", 2)),
+        ([("WebGpuExecutionProvider", {"enableGraphCapture": "1"})], None, ("webgpu", 0)),
+        (["CPUExecutionProvider"], None, None),
+        (None, None, None),
+    ],
+)
+def test_requested_capture_parses_provider_arguments(providers, provider_options, expect):
+    info = requested_capture(providers, provider_options, None)
+    assert (None if info is None else (info.device_type, info.device_id)) == expect
+
+
+def test_requested_capture_reads_plugin_ep_session_config():
+    so = ort.SessionOptions()
+    so.add_session_config_entry("ep.webgpuexecutionprovider.enableGraphCapture", "1")
+    info = requested_capture(None, None, so)
+    assert info is not None and info.ep.name == "WebGpuExecutionProvider"
+    assert WEBGPU.ep.releases_natively is True  # WebGPU frees graphs; CUDA does not
+    assert CUDA.releases_natively is False
+
+
+def test_graph_id_of_run_options():
+    assert graph_id_of(None) == 0
+    assert graph_id_of(ort.RunOptions()) == 0
+    assert graph_id_of(run_options_for(7)) == 7
+    assert graph_id_of(run_options_for(-1)) == -1
+    ro = ort.RunOptions()
+    ro.add_run_config_entry("gpu_graph_id", "x")
+    with pytest.raises(ortcapture.CaptureError, match="integer"):
+        graph_id_of(ro)
+
+
+def _cpu_binding():
+    sess = ortcapture.InferenceSession(tiny.add_model(), providers=["CPUExecutionProvider"])
+    binding = sess.io_binding()
+    vals = [ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32)) for _ in range(3)]
+    binding.bind_ortvalue_input("A", vals[0])
+    binding.bind_ortvalue_input("B", vals[1])
+    binding.bind_ortvalue_output("C", vals[2])
+    return sess, binding, vals
+
+
+def test_registry_pins_binding_and_refuses_changes():
+    sess, binding, vals = _cpu_binding()
+    reg = GraphRegistry(CUDA)
+    assert reg.check(binding, 0) is None  # first run of id 0 captures
+    rec = reg.record(binding, 0)
+    assert reg.check(binding, 0) is rec
+    assert rec.nbytes == 3 * 32
+    for call in (lambda: binding.bind_ortvalue_input("A", vals[2]), binding.clear_binding_inputs,
+                 binding.clear_binding_outputs, lambda: binding.bind_cpu_input("A", np.zeros((2, 4), np.float32)),
+                 lambda: binding.bind_ortvalue_output("C", vals[0])):
+        with pytest.raises(BindingError, match="gpu_graph_id=\\[0\\]"):
+            call()
+    _, other, _ = _cpu_binding()
+    with pytest.raises(BindingError, match="different IOBinding"):
+        reg.check(other, 0)
+    assert reg.free_id() == 1
+
+
+def test_registry_retires_cuda_ids_but_frees_webgpu_ids():
+    for info, retired in ((CUDA, True), (WEBGPU, False)):
+        sess, binding, _ = _cpu_binding()
+        reg = GraphRegistry(info)
+        reg.record(binding, 3)
+        reg.release(3)
+        binding.bind_ortvalue_input("A", ort.OrtValue.ortvalue_from_numpy(np.ones((2, 4), np.float32)))  # unpinned
+        if retired and info.releases_natively is False:
+            with pytest.raises(GraphReleasedError, match="new gpu_graph_id"):
+                reg.check(binding, 3)
+            assert reg.free_id(3) == 4
+        else:
+            assert reg.check(binding, 3) is None
+        reg.reset()
+        assert reg.graph_ids == [] and reg.retired_ids == []
+
+
+def test_signature_tracks_identity_shape_and_device():
+    sess, binding, vals = _cpu_binding()
+    sig = binding.capture_signature()
+    binding.bind_ortvalue_input("A", ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32)))
+    assert binding.capture_signature() != sig
+    b = binding.bound_inputs["A"]
+    assert (b.kind, b.device, b.shape, b.element_type) == ("ortvalue", "cpu", (2, 4), "tensor(float)")
+
+
+def test_errors_are_value_errors():
+    for cls in (ortcapture.CaptureError, BindingError, GraphReleasedError, ortcapture.TransferError,
+                CaptureUnsupportedError, ortcapture.StaleOutputError):
+        assert issubclass(cls, ValueError) and issubclass(cls, ortcapture.CaptureError)
+
+
+def test_webgpu_capture_on_too_old_ort_is_refused_clearly():
+    """onnxruntime < 1.27 silently never captures with the WebGPU plugin EP: ortcapture refuses at construction."""
+    from ortcapture import compat, webgpu
+
+    if compat.webgpu_plugin_captures():
+        pytest.skip(f"onnxruntime {ort.__version__} captures with the WebGPU plugin EP")
+    if not webgpu.plugin_installed():
+        pytest.skip("onnxruntime-ep-webgpu not installed")
+    so = ort.SessionOptions()
+    so.add_session_config_entry("ep.webgpuexecutionprovider.enableGraphCapture", "1")
+    with pytest.raises(CaptureUnsupportedError, match="needs onnxruntime >= 1.27.0"):
+        ortcapture.InferenceSession(tiny.add_model(), so)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU run on the H200 device machine (shared/DEVICE.md): CUDA suite, demo at batch 1 and 8, overhead
+# benchmark, then the WebGPU suite and demo on the real GPU through Vulkan. Results go to $OUT.
+# Expects onnxruntime-gpu installed in /tmp/site (staged with shared/tools/stage-ort-gpu.sh), .whl (the WebGPU
+# plugin wheel), .gl (Vulkan/GL loader debs) and .models (ORTCAPTURE_CACHE holding the reference model).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ORTCAPTURE_CACHE=$PWD/.models
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+export ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1
+nvidia-smi -L | tee "$OUT/gpu.txt"
+python3 -c 'import onnxruntime as o, torch; print("onnxruntime", o.__version__, o.get_available_providers(), "torch", torch.__version__, torch.cuda.device_count())' | tee -a "$OUT/gpu.txt"
+step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" 2>&1 | grep -v "XDG_RUNTIME\|maxDynamic" | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]}"; }
+step pytest 240 python3 -m pytest -q -p no:cacheprovider -rs tests/ --deselect tests/test_patch.py
+step demo1 90 python3 -m ortcapture demo --provider cuda --batch 1 --iters 300 --json "$OUT/demo1.json"
+step demo8 90 python3 -m ortcapture demo --provider cuda --batch 8 --iters 200 --json "$OUT/demo8.json"
+step bench 120 python3 tools/bench_overhead.py --provider cuda --iters 300 --rounds 5 --json "$OUT/bench.json"
+step demo_webgpu 120 python3 -m ortcapture demo --provider webgpu --batch 1 --iters 100 --json "$OUT/demo_webgpu.json"
+exit 0
