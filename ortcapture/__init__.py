@@ -1,23 +1,34 @@
 """ortcapture: safe, fast GPU graph capture (CUDA graphs, TensorRT, WebGPU) for ONNX Runtime.
 
-Public names only; see each module for details.
+Public names only; see each module for details. Names are imported on first use (PEP 562), so tools that need
+no onnxruntime (``ortcapture patch``) never load it.
 """
-from ortcapture.errors import (
-    BindingError,
-    CaptureError,
-    CaptureUnsupportedError,
-    GraphReleasedError,
-    PatchError,
-    TransferError,
-)
-from ortcapture.graph import CapturedGraph, ReplayOutput, StaleOutputError
-from ortcapture.session import InferenceSession
-from ortcapture.transfer import can_copy, copy, to_numpy, update_inplace
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BindingError", "CaptureError", "CaptureUnsupportedError", "CapturedGraph", "GraphReleasedError",
-    "InferenceSession", "PatchError", "ReplayOutput", "StaleOutputError", "TransferError", "__version__",
-    "can_copy", "copy", "to_numpy", "update_inplace",
-]
+_EXPORTS = {
+    "BindingError": "ortcapture.errors", "CaptureError": "ortcapture.errors",
+    "CaptureUnsupportedError": "ortcapture.errors", "GraphReleasedError": "ortcapture.errors",
+    "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
+    "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
+    "InferenceSession": "ortcapture.session",
+    "can_copy": "ortcapture.transfer", "copy": "ortcapture.transfer", "to_numpy": "ortcapture.transfer",
+    "update_inplace": "ortcapture.transfer",
+}
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ortcapture' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

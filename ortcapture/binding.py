@@ -66,20 +66,13 @@ def onnx_type_of(dtype) -> str:
         raise TypeError(f"no ONNX tensor type for numpy dtype {dtype!r}") from None
 
 
-def describe_ortvalue(value: ort.OrtValue, device_id: int | None = None) -> Bound:
-    """A :class:`Bound` record for a tensor OrtValue (device from ``device_name()``, id from the buffer registry)."""
-    from ortcapture.buffers import device_id_of, device_kind
+def describe_ortvalue(value: ort.OrtValue) -> Bound:
+    """A :class:`Bound` record for a tensor OrtValue (device kind and ordinal from :mod:`ortcapture.values`)."""
+    from ortcapture.values import meta
 
-    device = device_kind(value)
-    address = None
-    if device != "webgpu":
-        try:
-            address = int(value.data_ptr())
-        except Exception:  # noqa: BLE001 - opaque handles
-            address = None
-    if device_id is None:
-        device_id = device_id_of(value)
-    return Bound("ortvalue", device, device_id, tuple(value.shape()), value.data_type(), address, value)
+    m = meta(value)
+    address = m.span[0] if m.span else None
+    return Bound("ortvalue", m.kind, m.device_id, m.shape, m.element_type, address, value)
 
 
 class IOBinding(ort.IOBinding):

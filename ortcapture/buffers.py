@@ -7,7 +7,6 @@ a graph still uses is never freed under it (freeing it would leave replay writin
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -16,43 +15,7 @@ import onnxruntime as ort
 from ortcapture import compat
 from ortcapture.errors import TransferError
 from ortcapture.providers import CaptureInfo
-
-# OrtValue -> (device kind, ordinal), for what ORT's Python API does not tell reliably: the ordinal is not exposed,
-# and before ORT 1.30 device_name() says "cuda" for WebGPU buffers.
-_DEVICES: "weakref.WeakKeyDictionary[ort.OrtValue, tuple[str, int]]" = weakref.WeakKeyDictionary()
-
-
-def device_kind(value: ort.OrtValue) -> str:
-    """``"cpu"``, ``"cuda"``, ``"webgpu"``, …: recorded at allocation by ortcapture, else ``device_name()``."""
-    try:
-        return _DEVICES[value][0]
-    except (KeyError, TypeError):
-        return value.device_name().lower()
-
-
-def device_id_of(value: ort.OrtValue) -> int:
-    """Device ordinal of ``value``: recorded at allocation by ortcapture, else asked of CUDA, else 0."""
-    try:
-        return _DEVICES[value][1]
-    except (KeyError, TypeError):
-        pass
-    if value.device_name().lower() == "cuda":  # (or WebGPU before ORT 1.30: then no CUDA device owns it)
-        from ortcapture.cudart import pointer_device
-
-        dev = pointer_device(int(value.data_ptr()))
-        if dev is not None:
-            return dev
-    return 0
-
-
-def remember_device(value: ort.OrtValue, kind: str, device_id: int) -> ort.OrtValue:
-    """Record ``value``'s device kind and ordinal (see :func:`device_kind`, :func:`device_id_of`)."""
-    try:
-        _DEVICES[value] = (kind, int(device_id))
-    except TypeError:
-        pass
-    return value
-
+from ortcapture.values import device_id_of, device_kind, remember  # noqa: F401 - re-exported
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     try:
@@ -96,7 +59,7 @@ class BufferPool:
                 value = ort.OrtValue.ortvalue_from_shape_and_type(dims, np_type, kind, dev)
         except (RuntimeError, TypeError) as exc:
             raise TransferError(f"cannot allocate {dims} {np.dtype(dtype)} on {kind}:{dev}: {exc}") from exc
-        remember_device(value, kind, dev)
+        remember(value, kind, dev)
         with self._lock:
             self._buffers.append(value)
         return value

@@ -86,7 +86,7 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
         buf = ins[iname].value
         if buf is None:
             raise BindingError(f"state input {iname!r} must be bound as an OrtValue to be snapshotted")
-        tmp = session.allocate(buf.shape(), transfer._np_dtype_of(buf))
+        tmp = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
         transfer.copy([buf], [tmp])
         snapshots.append((tmp, buf))
     ort.InferenceSession.run_with_iobinding(session, binding, run_options)

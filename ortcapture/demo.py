@@ -109,7 +109,7 @@ def run(args) -> int:
 
     # IOBinding without graph: same fixed device input, outputs bound to fixed device buffers, readback each call
     nog_in = {n: target.allocate(s, feeds[0][n].dtype) for n, s in shapes_.items()}
-    nog_out = {n: target.allocate(v.shape(), transfer._np_dtype_of(v)) for n, v in graph.outputs.items()}
+    nog_out = {n: target.allocate(v.shape(), transfer.np_dtype_of(v)) for n, v in graph.outputs.items()}
     nog = ort.IOBinding(plain)
     for n, v in nog_in.items():
         nog.bind_ortvalue_input(n, v)

@@ -26,5 +26,9 @@ class GraphReleasedError(CaptureError):
     """A ``gpu_graph_id`` was released and cannot be replayed again (CUDA/TensorRT release is a no-op in ORT)."""
 
 
+class StaleOutputError(CaptureError):
+    """A ``copy_outputs=False`` output was read after a later replay overwrote its buffer."""
+
+
 class PatchError(CaptureError):
     """Applying, checking or reverting a source patch failed (used by ``ortcapture patch``)."""

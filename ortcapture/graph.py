@@ -14,11 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortcapture import transfer
-from ortcapture.errors import CaptureError, GraphReleasedError, TransferError
-
-
-class StaleOutputError(CaptureError):
-    """A ``copy_outputs=False`` output handle was read after a later replay overwrote its buffer."""
+from ortcapture.errors import CaptureError, GraphReleasedError, StaleOutputError, TransferError
 
 
 class ReplayOutput(ort.OrtValue):
@@ -30,12 +26,11 @@ class ReplayOutput(ort.OrtValue):
     """
 
     def __init__(self, value: ort.OrtValue, graph: "CapturedGraph", generation: int):
-        super().__init__(value._ortvalue)
-        if hasattr(value, "_session"):  # ORT >= 1.30: session-scoped values remember their session
-            self._session = value._session
-        from ortcapture.buffers import device_id_of, device_kind, remember_device
-
-        remember_device(self, device_kind(value), device_id_of(value))
+        # plain attribute writes instead of OrtValue.__init__: this is on the replay hot path
+        self._ortvalue = value._ortvalue
+        self._numpy_obj = None
+        self._session = getattr(value, "_session", None)
+        self._fixed = value  # the registered buffer: its metadata (device kind before ORT 1.30) is known
         self._graph = graph
         self._generation = generation
 
@@ -52,7 +47,7 @@ class ReplayOutput(ort.OrtValue):
 
     def numpy(self) -> np.ndarray:
         self._check()
-        return transfer.to_numpy(ort.OrtValue(self._ortvalue))
+        return transfer.to_numpy(self._fixed)
 
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy()
@@ -66,7 +61,7 @@ class ReplayOutput(ort.OrtValue):
 def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, numpy dtype) of an example feed: numpy array, OrtValue or DLPack tensor."""
     if isinstance(value, ort.OrtValue):
-        return tuple(value.shape()), transfer._np_dtype_of(value)
+        return tuple(value.shape()), transfer.np_dtype_of(value)
     if isinstance(value, np.ndarray):
         return tuple(value.shape), value.dtype
     if hasattr(value, "__dlpack__"):
@@ -127,7 +122,7 @@ class CapturedGraph:
         self._initial_state = {}
         for iname in self._state.values():
             buf = self.inputs[iname]
-            self._initial_state[iname] = session.allocate(buf.shape(), transfer._np_dtype_of(buf))
+            self._initial_state[iname] = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
         if self._state:
             transfer.copy(self._state_dst, list(self._initial_state.values()))
         with session._oc_lock:
@@ -148,7 +143,7 @@ class CapturedGraph:
         ort.InferenceSession.run_with_iobinding(sess, probe, run_options_for(-1))
         outs = probe.get_outputs()
         return {
-            meta.name: sess.allocate(v.shape(), transfer._np_dtype_of(v))
+            meta.name: sess.allocate(v.shape(), transfer.np_dtype_of(v))
             for meta, v in zip(sess.get_outputs(), outs)
         }
 

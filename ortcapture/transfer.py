@@ -5,41 +5,38 @@ ORT's own paths accept silently wrong input: ``OrtValue.update_inplace(numpy)`` 
 memory of non-contiguous arrays (ORT #13548), and before ORT #32315 a ``copy_tensors`` with an aliased pair or an
 undersized destination ended in ``std::terminate``. Every check here runs before any native call.
 
-Backends, chosen by :mod:`ortcapture.compat`: ``OrtValue.update_inplace(OrtValue)`` (ORT >= 1.26, device-to-device),
-``onnxruntime.copy_tensors`` (WebGPU, batch copies), and a cuda-python ``cudaMemcpyAsync`` + stream sync for CUDA
-on ORT versions without the former. Ordering guarantee: every copy has completed on the device when the call
-returns, so a replay started afterwards reads the new values.
+Backends, chosen by :mod:`ortcapture.compat`: ``OrtValue.update_inplace(OrtValue)`` (ORT >= 1.26; for CUDA it is
+``cudaMemcpy`` + ``cudaStreamSynchronize`` on the legacy default stream), ``onnxruntime.copy_tensors`` (WebGPU,
+batch copies), and a cuda-python ``cudaMemcpyAsync`` + stream sync for CUDA on ORT versions without the former.
+Ordering guarantee: every copy has completed on the device when the call returns, so a replay started afterwards
+reads the new values; DLPack sources are ordered after their producer's pending work.
 """
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
 from ortcapture import compat
-from ortcapture.buffers import device_kind
 from ortcapture.errors import CaptureUnsupportedError, TransferError
+from ortcapture.values import ValueMeta, meta
 
 _C = ort.capi._pybind_state
 
+#: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
+#: Set from $ORTCAPTURE_COPY_BACKEND at import; tests set it directly.
+COPY_BACKEND = os.environ.get("ORTCAPTURE_COPY_BACKEND") or None
+
 CPU, GPU = 0, 1  # OrtDevice::Type
 NONE_VENDOR = 0x0000
-#: OrtValue.device_name() -> (OrtDevice type, PCI vendor id) — mirrors ORT's get_vendor_id_for_device_type.
+#: OrtValue device kind -> (OrtDevice type, PCI vendor id) — mirrors ORT's get_vendor_id_for_device_type.
 _DEVICE_KINDS = {
     "cpu": (CPU, NONE_VENDOR), "cuda": (GPU, 0x10DE), "webgpu": (GPU, NONE_VENDOR), "dml": (GPU, 0x1414),
     "cann": (3, 0x19E5),
 }
-_ONNX_TO_NP = {
-    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(int16)": np.int16, "tensor(uint16)": np.uint16,
-    "tensor(int32)": np.int32, "tensor(uint32)": np.uint32, "tensor(int64)": np.int64, "tensor(uint64)": np.uint64,
-    "tensor(bool)": np.bool_,
-}
-#: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
-#: Set from $ORTCAPTURE_COPY_BACKEND at import; tests set it directly.
-COPY_BACKEND = os.environ.get("ORTCAPTURE_COPY_BACKEND") or None
 # DLPack device types (dlpack.h)
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -49,12 +46,13 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 # ---------------------------------------------------------------------------------------------------------------
 def _endpoint(x) -> tuple[int, int, str]:
     """(OrtDevice type, vendor id, kind name) of an OrtValue or OrtDevice."""
-    if isinstance(x, ort.OrtValue) or isinstance(x, _C.OrtValue):
-        name = device_kind(x) if isinstance(x, ort.OrtValue) else x.device_name().lower()
-        if name not in _DEVICE_KINDS:
-            raise TransferError(f"unknown OrtValue device {name!r}")
-        t, v = _DEVICE_KINDS[name]
-        return t, v, name
+    if isinstance(x, _C.OrtValue):
+        x = ort.OrtValue(x)
+    if isinstance(x, ort.OrtValue):
+        kind = meta(x).kind
+        if kind not in _DEVICE_KINDS:
+            raise TransferError(f"unknown OrtValue device {kind!r}")
+        return (*_DEVICE_KINDS[kind], kind)
     dev = x._get_c_device() if isinstance(x, ort.OrtDevice) else x
     if isinstance(dev, _C.OrtDevice):
         t = int(dev.device_type())
@@ -69,6 +67,18 @@ def _endpoint(x) -> tuple[int, int, str]:
     raise TransferError(f"expected an OrtValue or OrtDevice, got {type(x).__name__}")
 
 
+def _can_copy_endpoints(s: tuple[int, int, str], d: tuple[int, int, str]) -> bool:
+    (st, sv, sk), (dt, dv, dk) = s, d
+    if st == CPU and dt == CPU:
+        return True
+    if "webgpu" in (sk, dk):
+        other_t, other_v = (dt, dv) if sk == "webgpu" else (st, sv)
+        return other_t == CPU or (other_t == GPU and other_v == NONE_VENDOR)
+    if "cuda" in (sk, dk):
+        return (dk if sk == "cuda" else sk) in ("cpu", "cuda")
+    return False
+
+
 def can_copy(src, dst) -> bool:
     """Whether ORT can copy from ``src`` to ``dst`` (OrtValues or ``onnxruntime.OrtDevice``s) without misreading memory.
 
@@ -77,81 +87,67 @@ def can_copy(src, dst) -> bool:
     0x10DE, AMD, Intel, Microsoft …) is not a ``WGPUBuffer`` and unpatched ORT would hand its pointer to Dawn.
     CUDA copies to and from CPU and CUDA (any ordinal: peer copies). Any other pair of GPU kinds: no.
     """
-    st, sv, sk = _endpoint(src)
-    dt, dv, dk = _endpoint(dst)
-    if st == CPU and dt == CPU:
-        return True
-    if "webgpu" in (sk, dk):
-        other_t, other_v = (dt, dv) if sk == "webgpu" else (st, sv)
-        return other_t == CPU or (other_t == GPU and other_v == NONE_VENDOR)
-    if "cuda" in (sk, dk):
-        other = dk if sk == "cuda" else sk
-        return other in ("cpu", "cuda")
-    return False
+    return _can_copy_endpoints(_endpoint(src), _endpoint(dst))
 
 
-def _require_copyable(src, dst) -> None:
-    if not can_copy(src, dst):
+_KIND_PAIR_OK: dict[tuple[str, str], bool] = {}
+
+
+def _require_copyable(sm: ValueMeta, dm: ValueMeta) -> None:
+    key = (sm.kind, dm.kind)
+    ok = _KIND_PAIR_OK.get(key)
+    if ok is None:
+        if sm.kind not in _DEVICE_KINDS or dm.kind not in _DEVICE_KINDS:
+            raise TransferError(f"unknown OrtValue device {sm.kind!r} or {dm.kind!r}")
+        ok = _KIND_PAIR_OK[key] = _can_copy_endpoints((*_DEVICE_KINDS[sm.kind], sm.kind),
+                                                      (*_DEVICE_KINDS[dm.kind], dm.kind))
+    if not ok:
         raise TransferError(
-            f"refusing to copy {_endpoint(src)[2]} -> {_endpoint(dst)[2]}: no data transfer in ORT handles that pair "
-            "correctly (a WebGPU transfer would reinterpret foreign GPU memory as a WGPUBuffer, ORT #32317). "
-            "Copy through the CPU explicitly, or allocate the source on the destination's device."
+            f"refusing to copy {sm.kind} -> {dm.kind}: no data transfer in ORT handles that pair correctly (a WebGPU "
+            "transfer would reinterpret foreign GPU memory as a WGPUBuffer, ORT #32317). Copy through the CPU "
+            "explicitly, or allocate the source on the destination's device."
         )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # checks
 # ---------------------------------------------------------------------------------------------------------------
-def _require_tensor(value: ort.OrtValue, role: str) -> None:
+def _dst_meta(value: Any, role: str = "destination") -> ValueMeta:
     if not isinstance(value, ort.OrtValue):
         raise TransferError(f"{role} must be an onnxruntime.OrtValue, got {type(value).__name__}")
-    if not value.is_tensor():
-        raise TransferError(f"{role} OrtValue must hold a dense tensor")
+    m = meta(value)
+    if m.dtype is None:
+        raise TransferError(f"OrtValue element type {m.element_type} is not supported by ortcapture transfers")
+    return m
 
 
-def _np_dtype_of(value: ort.OrtValue) -> np.dtype:
-    t = value.data_type()
-    if t not in _ONNX_TO_NP:
-        raise TransferError(f"OrtValue element type {t} is not supported by ortcapture transfers")
-    return np.dtype(_ONNX_TO_NP[t])
+def np_dtype_of(value: ort.OrtValue) -> np.dtype:
+    """numpy dtype of a tensor OrtValue; raises :class:`TransferError` for types numpy cannot hold."""
+    return _dst_meta(value, "value").dtype
 
 
-def _check_match(dst: ort.OrtValue, shape: tuple, dtype: np.dtype, what: str) -> None:
-    dshape, ddtype = tuple(dst.shape()), _np_dtype_of(dst)
-    if dtype != ddtype:
+def _check_match(dm: ValueMeta, shape: tuple, dtype: np.dtype, what: str) -> None:
+    if dtype != dm.dtype:
         raise TransferError(
-            f"dtype mismatch: {what} is {dtype}, destination is {ddtype}. ORT would reinterpret the bytes; cast "
+            f"dtype mismatch: {what} is {dtype}, destination is {dm.dtype}. ORT would reinterpret the bytes; cast "
             "the source explicitly (update_inplace(..., cast=True) for numpy sources)."
         )
-    if tuple(shape) != dshape:
+    if shape != dm.shape:
         raise TransferError(
-            f"shape mismatch: {what} has shape {tuple(shape)}, destination has {dshape}. Fixed buffers keep the "
+            f"shape mismatch: {what} has shape {shape}, destination has {dm.shape}. Fixed buffers keep the "
             "shape they were captured with."
         )
 
 
-def _span(value: ort.OrtValue) -> tuple[int, int] | None:
-    if device_kind(value) == "webgpu":
-        return None
-    try:
-        start = int(value.data_ptr())
-    except Exception:  # noqa: BLE001
-        return None
-    return start, start + int(value.tensor_size_in_bytes())
-
-
-def _same_or_overlap(a: ort.OrtValue, b: ort.OrtValue) -> str | None:
+def _alias(a: ort.OrtValue, am: ValueMeta, b: ort.OrtValue, bm: ValueMeta) -> str | None:
     """``"same"`` when a and b are one buffer, ``"overlap"`` when their bytes overlap, else ``None``."""
     if a is b or a._ortvalue is b._ortvalue:
         return "same"
-    if device_kind(a) != device_kind(b):
+    if am.kind != bm.kind or am.span is None or bm.span is None or am.device_id != bm.device_id:
         return None
-    sa, sb = _span(a), _span(b)
-    if sa is None or sb is None or sa[0] == 0 or sb[0] == 0:
-        return None
-    if sa == sb:
+    if am.span == bm.span:
         return "same"
-    if sa[0] < sb[1] and sb[0] < sa[1]:
+    if am.span[0] < bm.span[1] and bm.span[0] < am.span[1]:
         return "overlap"
     return None
 
@@ -167,8 +163,40 @@ def _is_c_contiguous(obj: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# sources
+# DLPack sources
 # ---------------------------------------------------------------------------------------------------------------
+# producer -> (address, shape, dtype string, wrapping OrtValue): re-wrapping a torch tensor through DLPack costs
+# tens of µs, while its address, shape and dtype are cheap to re-check.
+_WRAPPED: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _address(src: Any) -> int | None:
+    if hasattr(src, "data_ptr"):  # torch
+        return int(src.data_ptr())
+    data = getattr(src, "data", None)
+    return int(data.ptr) if hasattr(data, "ptr") else None  # cupy
+
+
+def _order_after_producer(src: Any) -> None:
+    """Make the producer's pending work on its current stream finish before ORT's legacy-stream copy reads it.
+
+    torch/cupy work on the legacy default stream is ordered before that copy already; other streams are synced.
+    """
+    mod = type(src).__module__.split(".", 1)[0]
+    if mod == "torch":
+        import torch
+
+        stream = torch.cuda.current_stream(src.device)
+        if stream.cuda_stream != 0:
+            stream.synchronize()
+    elif mod == "cupy":
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        if stream.ptr != 0:
+            stream.synchronize()
+
+
 def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
     """Wrap a DLPack producer zero-copy: a numpy view for host memory, a device OrtValue for CUDA memory."""
     try:
@@ -184,25 +212,31 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
         return np.from_dlpack(src)
     if int(dev_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
         raise TransferError(f"DLPack device type {int(dev_type)} is not supported (CPU and CUDA are)")
+    address = _address(src)
+    if address is not None:
+        key = (address, tuple(src.shape), str(src.dtype))
+        try:
+            cached = _WRAPPED.get(src)
+        except TypeError:
+            cached = None
+        if cached is not None and cached[0] == key:
+            _order_after_producer(src)
+            return cached[1]
     compat.require("OrtValue.from_dlpack", compat.has_dlpack(), "1.16")
     is_bool = str(getattr(src, "dtype", "")).endswith("bool")
-    # stream=1: the legacy default stream, on which ortcapture's copy is ordered; the producer makes it wait for
-    # the producer's pending work (DLPack stream semantics), so the copy reads finished data.
+    # stream=1: the legacy default stream, on which ORT's device-to-device copy runs; the producer makes it wait for
+    # its pending work (DLPack stream semantics), so the copy reads finished data.
     try:
         capsule = src.__dlpack__(stream=1)
     except TypeError:
         capsule = src.__dlpack__()
-    return ort.OrtValue(_C.OrtValue.from_dlpack(capsule, is_bool))
-
-
-def _as_numpy(src: np.ndarray, dst: ort.OrtValue, cast: bool) -> np.ndarray:
-    want = _np_dtype_of(dst)
-    if src.dtype != want:
-        if not cast:
-            _check_match(dst, src.shape, src.dtype, "numpy source")
-        src = src.astype(want)
-    _check_match(dst, src.shape, src.dtype, "numpy source")
-    return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
+    value = ort.OrtValue(_C.OrtValue.from_dlpack(capsule, is_bool))
+    if address is not None:
+        try:
+            _WRAPPED[src] = ((address, tuple(src.shape), str(src.dtype)), value)
+        except TypeError:
+            pass
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,31 +254,34 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     Raises :class:`~ortcapture.errors.TransferError` (a ``ValueError``) for any mismatch, before native code, and
     :class:`~ortcapture.errors.CaptureUnsupportedError` where the installed ORT lacks the needed copy path.
     """
-    _require_tensor(dst, "destination")
-    if isinstance(src, _C.OrtValue):
-        src = ort.OrtValue(src)
-    if not isinstance(src, (ort.OrtValue, np.ndarray)):
-        if hasattr(src, "__dlpack__"):
+    dm = _dst_meta(dst)
+    if not isinstance(src, ort.OrtValue):
+        if isinstance(src, _C.OrtValue):
+            src = ort.OrtValue(src)
+        elif isinstance(src, np.ndarray):
+            _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
+            return dst
+        elif hasattr(src, "__dlpack__"):
             src = _from_dlpack(src)
+            if isinstance(src, np.ndarray):
+                _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
+                return dst
         elif isinstance(src, np.generic):
-            src = np.asarray(src)
+            _copy_host_to(dst, dm, _as_numpy(np.asarray(src), dm, cast))
+            return dst
         else:
             raise TransferError(
                 f"unsupported source type {type(src).__name__}: pass a numpy array, an OrtValue or a DLPack tensor"
             )
-    if isinstance(src, np.ndarray):
-        arr = _as_numpy(src, dst, cast)
-        _copy_host_to(dst, arr)
-        return dst
-    _require_tensor(src, "source")
-    _check_match(dst, tuple(src.shape()), _np_dtype_of(src), f"source ({device_kind(src)})")
-    _require_copyable(src, dst)
-    alias = _same_or_overlap(src, dst)
+    sm = _dst_meta(src, "source")
+    _check_match(dm, sm.shape, sm.dtype, f"source ({sm.kind})")
+    _require_copyable(sm, dm)
+    alias = _alias(src, sm, dst, dm)
     if alias == "same":
         return dst
     if alias == "overlap":
         raise TransferError("source and destination buffers overlap; an in-place copy between them is undefined")
-    _copy_value(src, dst)
+    _copy_value(src, sm, dst, dm)
     return dst
 
 
@@ -259,34 +296,34 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
     src, dst = list(src), list(dst)
     if len(src) != len(dst):
         raise TransferError(f"copy needs as many sources as destinations ({len(src)} != {len(dst)})")
-    for i, (s, d) in enumerate(zip(src, dst)):
-        _require_tensor(s, f"source #{i}")
-        _require_tensor(d, f"destination #{i}")
-        _check_match(d, tuple(s.shape()), _np_dtype_of(s), f"source #{i}")
-        _require_copyable(s, d)
-        if _same_or_overlap(s, d):
+    sms = [_dst_meta(s, f"source #{i}") for i, s in enumerate(src)]
+    dms = [_dst_meta(d, f"destination #{i}") for i, d in enumerate(dst)]
+    for i in range(len(src)):
+        _check_match(dms[i], sms[i].shape, sms[i].dtype, f"source #{i}")
+        _require_copyable(sms[i], dms[i])
+        if _alias(src[i], sms[i], dst[i], dms[i]):
             raise TransferError(f"pair #{i}: source and destination are the same or overlapping buffers")
     for i in range(len(dst)):
         for j in range(i + 1, len(dst)):
-            if _same_or_overlap(dst[i], dst[j]):
+            if _alias(dst[i], dms[i], dst[j], dms[j]):
                 raise TransferError(f"destinations #{i} and #{j} are the same or overlapping buffers")
-            if _same_or_overlap(dst[i], src[j]) or _same_or_overlap(dst[j], src[i]):
+            if _alias(dst[i], dms[i], src[j], sms[j]) or _alias(dst[j], dms[j], src[i], sms[i]):
                 raise TransferError(f"pairs #{i} and #{j}: one's destination overlaps the other's source")
     if not src:
         return
-    if compat.has_copy_tensors() and any(device_kind(v) == "webgpu" for v in (*src, *dst)):
+    if compat.has_copy_tensors() and any(m.kind == "webgpu" for m in (*sms, *dms)):
         ort.copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
     else:
-        for s, d in zip(src, dst):
-            _copy_value(s, d)
+        for s, sm, d, dm in zip(src, sms, dst, dms):
+            _copy_value(s, sm, d, dm)
 
 
 def to_numpy(value: ort.OrtValue) -> np.ndarray:
     """A new host numpy array with the contents of ``value`` (any device; WebGPU read back via ``copy_tensors``)."""
-    _require_tensor(value, "value")
-    if device_kind(value) == "webgpu":
-        compat.require("WebGPU readback of an OrtValue", compat.has_copy_tensors(), "1.30")
-        host = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), _np_dtype_of(value).type)
+    m = _dst_meta(value, "value")
+    if m.kind == "webgpu":
+        compat.require("WebGPU readback of an OrtValue", compat.has_copy_tensors(), "1.24")
+        host = ort.OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
         ort.copy_tensors([value], [host], None)
         return host.numpy()
     return value.numpy()
@@ -295,30 +332,37 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------------
 # backends (inputs already validated)
 # ---------------------------------------------------------------------------------------------------------------
-def _copy_host_to(dst: ort.OrtValue, arr: np.ndarray) -> None:
-    if device_kind(dst) == "webgpu":
-        compat.require("copying numpy into a WebGPU OrtValue", compat.has_copy_tensors(), "1.30")
+def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
+    if src.dtype != dm.dtype:
+        if not cast:
+            _check_match(dm, tuple(src.shape), src.dtype, "numpy source")
+        src = src.astype(dm.dtype)
+    _check_match(dm, tuple(src.shape), src.dtype, "numpy source")
+    return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
+
+
+def _copy_host_to(dst: ort.OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
+    if dm.kind == "webgpu":
         ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(arr)], [dst], None)
     else:
         dst.update_inplace(arr)
 
 
-def _copy_value(src: ort.OrtValue, dst: ort.OrtValue) -> None:
-    kinds = {device_kind(src), device_kind(dst)}
-    if COPY_BACKEND == "cuda-python" and kinds == {"cuda"}:
+def _copy_value(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMeta) -> None:
+    both_cuda = sm.kind == "cuda" and dm.kind == "cuda"
+    if COPY_BACKEND == "cuda-python" and both_cuda:
         from ortcapture.cudart import memcpy_d2d
 
-        memcpy_d2d(int(dst.data_ptr()), int(src.data_ptr()), int(src.tensor_size_in_bytes()))
-    elif "webgpu" in kinds:
-        compat.require("copying WebGPU OrtValues", compat.has_copy_tensors(), "1.30")
+        memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
+    elif "webgpu" in (sm.kind, dm.kind):
         ort.copy_tensors([src], [dst], None)
     elif compat.has_update_inplace_ortvalue():
         dst.update_inplace(src)
-    elif kinds == {"cuda"} and compat.has_cuda_python():
+    elif both_cuda and compat.has_cuda_python():
         from ortcapture.cudart import memcpy_d2d
 
-        memcpy_d2d(int(dst.data_ptr()), int(src.data_ptr()), int(src.tensor_size_in_bytes()))
-    elif device_kind(src) == "cpu":
+        memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
+    elif sm.kind == "cpu":
         dst.update_inplace(np.require(src.numpy(), requirements="C"))
     else:
         raise CaptureUnsupportedError(

@@ -22,21 +22,31 @@ def cuda():
 
 @pytest.fixture
 def no_host_path(monkeypatch):
-    """Make any host round trip in ortcapture.transfer fail the test."""
+    """Call it to make any host round trip in ortcapture.transfer fail the test from then on."""
     def boom(*a, **k):
         raise AssertionError("went through the host")
 
-    monkeypatch.setattr(transfer, "_copy_host_to", boom)
-    monkeypatch.setattr(transfer.np, "from_dlpack", boom)
+    def arm():
+        monkeypatch.setattr(transfer, "_copy_host_to", boom)
+        monkeypatch.setattr(transfer.np, "from_dlpack", boom)
+
+    return arm
 
 
 def test_torch_cuda_tensor_source_device_to_device(cuda, no_host_path):
     torch = pytest.importorskip("torch")
     sess = cuda.session(tiny.affine_model())
     g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    no_host_path()
     t = torch.arange(8, dtype=torch.float32, device="cuda").reshape(2, 4) * 3  # pending work on torch's stream
     (y,) = g.run({"X": t})
     np.testing.assert_array_equal(y, (t * 2 + 1).cpu().numpy())
+    t.mul_(2)  # same tensor, new contents (the cached DLPack wrapping must see them)
+    np.testing.assert_array_equal(g.run({"X": t})[0], (t * 2 + 1).cpu().numpy())
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # producer on a side stream: ortcapture must wait for it
+        t2 = torch.full((2, 4), 5.0, device="cuda")
+        np.testing.assert_array_equal(g.run({"X": t2})[0], np.full((2, 4), 11.0))
     with pytest.raises(ortcapture.TransferError, match="not C-contiguous"):
         g.run({"X": torch.zeros(4, 2, device="cuda").t()})
     with pytest.raises(ortcapture.TransferError, match="dtype mismatch"):
@@ -47,6 +57,7 @@ def test_cupy_source_device_to_device(cuda, no_host_path):
     cp = pytest.importorskip("cupy")
     sess = cuda.session(tiny.affine_model())
     g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    no_host_path()
     a = cp.arange(8, dtype=cp.float32).reshape(2, 4)
     np.testing.assert_array_equal(g.run({"X": a})[0], cp.asnumpy(a * 2 + 1))
 
@@ -81,7 +92,7 @@ def test_ortvalue_d2d_and_forced_cuda_python_backend(cuda, monkeypatch):
 def test_cuda_ortvalue_pointer_device_is_known(cuda):
     import onnxruntime as ort
 
-    from ortcapture.buffers import device_id_of
+    from ortcapture.values import device_id_of
 
     v = ort.OrtValue.ortvalue_from_shape_and_type([4], np.float32, "cuda", 0)
     assert device_id_of(v) == 0
