@@ -90,8 +90,9 @@ class GraphRegistry:
         """
         if graph_id in self._retired:
             raise GraphReleasedError(
-                f"gpu_graph_id={graph_id} was released, but {self.info.ep.name} cannot free a captured graph "
-                "(ORT's release_captured_graph is a no-op there): replaying it would write into the old buffers "
+                f"gpu_graph_id={graph_id} was released, but this onnxruntime cannot free a captured "
+                f"{self.info.ep.name} graph (release_captured_graph is a no-op for CUDA/TensorRT, and WebGPU gains it "
+                "in ORT 1.30): replaying it would write into the old buffers "
                 f"and ignore the new binding. Capture under a new gpu_graph_id (e.g. {self.free_id(graph_id)}), "
                 "or create a new session."
             )

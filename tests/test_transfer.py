@@ -101,6 +101,8 @@ def test_copy_checks_every_pair_before_copying():
 
 
 def dev(kind, vendor=-1):
+    # explicit vendor ids: OrtDevice.make("cuda") carries no vendor id on older ORT (1.24.4: vendor 0, like WebGPU)
+    kind, vendor = {"cuda": ("gpu", 0x10DE), "webgpu": ("gpu", 0)}.get(kind, (kind, vendor))
     return ort.OrtDevice.make(kind, 0, vendor)
 
 

@@ -92,6 +92,9 @@ def main() -> int:
 
     arms = {"raw replay": raw_replay, "CapturedGraph.run(OrtValue)": ours_replay,
             "raw numpy in/out": raw_numpy, "CapturedGraph.run(numpy)": ours_numpy}
+    target = g._session
+    arms["part: foreign-capture check"] = lambda i: target._oc_check_foreign_capture()
+    arms["part: ReplayOutput wrap"] = lambda i: [ortcapture.ReplayOutput(v, g, 0) for v in g._output_list]
     if dev == "cuda":
         dst = sess.allocate(shape, np.float32)
         arms["raw update_inplace(OrtValue)"] = lambda i: dst.update_inplace(src)
