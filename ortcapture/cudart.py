@@ -40,8 +40,7 @@ def stream_is_capturing(stream: int = 0) -> bool:
     except Exception:  # noqa: BLE001
         return False
     if not _ok(err):
-        # cudaErrorStreamCaptureImplicit / Unsupported mean a capture in progress made the legacy stream illegal
-        return int(err) in (900, 901, 902, 903, 904, 905, 906, 907, 908)
+        return int(err) in _CAPTURE_ERRORS
     return int(status) != 0
 
 
@@ -59,16 +58,36 @@ def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         raise RuntimeError(f"cudaMemcpyAsync device-to-device copy failed: {err}")
 
 
-def caller_stream_is_capturing() -> bool:
-    """Whether the calling thread is inside a foreign CUDA stream capture (torch's current stream, else the legacy
-    default stream). Cheap: one query, no synchronisation."""
+def make_capture_probe():
+    """A cheap callable answering: is the calling thread's CUDA stream (torch's current stream, else the legacy
+    default stream) being captured into a foreign CUDA graph right now? Built once per session; one or two
+    queries per call, no synchronisation. Without torch and cuda-python it always answers False."""
     import sys
 
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    rt = compat.cudart()
+    query = getattr(rt, "cudaStreamIsCapturing", None) if rt is not None else None
+    modules = sys.modules
+
+    def probe() -> bool:
+        torch = modules.get("torch")
+        if torch is not None:
+            cuda = torch.cuda
+            if cuda.is_initialized() and cuda.is_current_stream_capturing():
                 return True
-        except Exception:  # noqa: BLE001
-            pass
-    return stream_is_capturing(0)
+        if query is not None:
+            err, status = query(0)
+            if int(err) != 0:
+                return int(err) in _CAPTURE_ERRORS
+            return int(status) != 0
+        return False
+
+    return probe
+
+
+# cudaErrorStreamCapture* (900-908): a capture in progress made the legacy stream query illegal
+_CAPTURE_ERRORS = frozenset(range(900, 909))
+
+
+def caller_stream_is_capturing() -> bool:
+    """One-off form of :func:`make_capture_probe`."""
+    return make_capture_probe()()

@@ -150,6 +150,11 @@ class InferenceSession(ort.InferenceSession):
                 "SessionOptions.add_provider_for_devices([ep_device], {...}); check `ortcapture doctor`."
             )
         self._oc_info = info
+        self._oc_capture_probe = None
+        if info is not None and info.device_type == "cuda":
+            from ortcapture.cudart import make_capture_probe
+
+            self._oc_capture_probe = make_capture_probe()
         target = info or (requested if self._oc_deferred else None)
         self._oc_registry = GraphRegistry(info) if info is not None else None
         self._oc_pool = BufferPool(self, target) if target is not None else None
@@ -277,10 +282,9 @@ class InferenceSession(ort.InferenceSession):
 
     def _oc_check_foreign_capture(self) -> None:
         """Raise :class:`CaptureError` when the caller's CUDA stream is being captured (ORT PR #32081)."""
-        if self._oc_info is not None and self._oc_info.device_type == "cuda":
-            from ortcapture.cudart import caller_stream_is_capturing
-
-            if caller_stream_is_capturing():
+        probe = self._oc_capture_probe
+        if probe is not None:
+            if probe():
                 raise CaptureError(
                     "the calling thread's CUDA stream is being captured into another CUDA graph (e.g. inside "
                     "torch.cuda.graph()); running an ORT CUDA-graph session now ends in std::terminate "

@@ -91,6 +91,7 @@ def can_copy(src, dst) -> bool:
 
 
 _KIND_PAIR_OK: dict[tuple[str, str], bool] = {}
+_HAS_UPDATE_INPLACE = [False]  # set once the probe succeeded (compat.has_update_inplace_ortvalue)
 
 
 def _require_copyable(sm: ValueMeta, dm: ValueMeta) -> None:
@@ -113,6 +114,9 @@ def _require_copyable(sm: ValueMeta, dm: ValueMeta) -> None:
 # checks
 # ---------------------------------------------------------------------------------------------------------------
 def _dst_meta(value: Any, role: str = "destination") -> ValueMeta:
+    m = getattr(value, "_ortcapture_meta", None)  # fast path: values.meta's cache
+    if m is not None and m.dtype is not None:
+        return m
     if not isinstance(value, ort.OrtValue):
         raise TransferError(f"{role} must be an onnxruntime.OrtValue, got {type(value).__name__}")
     m = meta(value)
@@ -255,6 +259,13 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     :class:`~ortcapture.errors.CaptureUnsupportedError` where the installed ORT lacks the needed copy path.
     """
     dm = _dst_meta(dst)
+    sm = getattr(src, "_ortcapture_meta", None)
+    if (sm is not None and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype and sm.shape == dm.shape
+            and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
+            and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id)):
+        # hot path: a CUDA OrtValue seen before, same shape and dtype, disjoint buffers (the checks below, inlined)
+        dst.update_inplace(src)
+        return dst
     if not isinstance(src, ort.OrtValue):
         if isinstance(src, _C.OrtValue):
             src = ort.OrtValue(src)
@@ -357,6 +368,7 @@ def _copy_value(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMe
     elif "webgpu" in (sm.kind, dm.kind):
         ort.copy_tensors([src], [dst], None)
     elif compat.has_update_inplace_ortvalue():
+        _HAS_UPDATE_INPLACE[0] = True
         dst.update_inplace(src)
     elif both_cuda and compat.has_cuda_python():
         from ortcapture.cudart import memcpy_d2d
