@@ -169,9 +169,10 @@ def _is_c_contiguous(obj: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # DLPack sources
 # ---------------------------------------------------------------------------------------------------------------
-# producer -> (address, shape, dtype string, wrapping OrtValue): re-wrapping a torch tensor through DLPack costs
-# tens of µs, while its address, shape and dtype are cheap to re-check.
-_WRAPPED: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+# id(producer) -> (weakref to it, (address, shape, dtype string), wrapping OrtValue): re-wrapping a torch tensor
+# through DLPack costs tens of µs, while its address, shape and dtype are cheap to re-check. Keyed by id() with a
+# weakref check, not a WeakKeyDictionary: tensors compare elementwise, so they cannot be dictionary keys.
+_WRAPPED: dict[int, tuple] = {}
 
 
 def _address(src: Any) -> int | None:
@@ -219,13 +220,10 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
     address = _address(src)
     if address is not None:
         key = (address, tuple(src.shape), str(src.dtype))
-        try:
-            cached = _WRAPPED.get(src)
-        except TypeError:
-            cached = None
-        if cached is not None and cached[0] == key:
+        cached = _WRAPPED.get(id(src))
+        if cached is not None and cached[0]() is src and cached[1] == key:
             _order_after_producer(src)
-            return cached[1]
+            return cached[2]
     compat.require("OrtValue.from_dlpack", compat.has_dlpack(), "1.16")
     is_bool = str(getattr(src, "dtype", "")).endswith("bool")
     # stream=1: the legacy default stream, on which ORT's device-to-device copy runs; the producer makes it wait for
@@ -236,10 +234,12 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
         capsule = src.__dlpack__()
     value = ort.OrtValue(_C.OrtValue.from_dlpack(capsule, is_bool))
     if address is not None:
+        ident = id(src)
         try:
-            _WRAPPED[src] = ((address, tuple(src.shape), str(src.dtype)), value)
+            ref = weakref.ref(src, lambda _r, ident=ident: _WRAPPED.pop(ident, None))
         except TypeError:
-            pass
+            return value
+        _WRAPPED[ident] = (ref, (address, tuple(src.shape), str(src.dtype)), value)
     return value
 
 
