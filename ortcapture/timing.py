@@ -30,3 +30,22 @@ def summary(samples_us: np.ndarray) -> dict:
         "p50_us": float(np.percentile(samples_us, 50)), "p90_us": float(np.percentile(samples_us, 90)),
         "min_us": float(samples_us.min()), "mean_us": float(samples_us.mean()), "n": int(samples_us.size),
     }
+
+
+def paired(fn_a: Callable[[int], object], fn_b: Callable[[int], object], iters: int,
+           warmup: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """Time ``fn_a(i)`` and ``fn_b(i)`` alternately, iteration by iteration (µs each), so drift and noise hit both
+    alike; the median of ``b - a`` is then an honest estimate of b's extra cost."""
+    for i in range(warmup):
+        fn_a(i)
+        fn_b(i)
+    a, b = np.empty(iters), np.empty(iters)
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        if i % 2:  # alternate which goes first, too
+            t0 = clock(); fn_b(i); t1 = clock(); fn_a(i); t2 = clock()  # noqa: E702
+            b[i], a[i] = (t1 - t0) / 1e3, (t2 - t1) / 1e3
+        else:
+            t0 = clock(); fn_a(i); t1 = clock(); fn_b(i); t2 = clock()  # noqa: E702
+            a[i], b[i] = (t1 - t0) / 1e3, (t2 - t1) / 1e3
+    return a, b

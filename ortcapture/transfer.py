@@ -191,9 +191,14 @@ def _order_after_producer(src: Any) -> None:
     if mod == "torch":
         import torch
 
-        stream = torch.cuda.current_stream(src.device)
-        if stream.cuda_stream != 0:
-            stream.synchronize()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int; much cheaper than current_stream()
+        if raw is not None:
+            if raw(src.device.index) != 0:
+                torch.cuda.current_stream(src.device).synchronize()
+        else:
+            stream = torch.cuda.current_stream(src.device)
+            if stream.cuda_stream != 0:
+                stream.synchronize()
     elif mod == "cupy":
         import cupy
 
@@ -202,8 +207,23 @@ def _order_after_producer(src: Any) -> None:
             stream.synchronize()
 
 
+def _cached_wrap(src: Any) -> ort.OrtValue | None:
+    """The OrtValue that wrapped this same CUDA producer before, if its address, shape, dtype and contiguity are
+    unchanged (then ordered after the producer's pending work); else ``None``."""
+    cached = _WRAPPED.get(id(src))
+    if cached is None or cached[0]() is not src:
+        return None
+    if cached[1] != (_address(src), tuple(src.shape), str(src.dtype)) or not _is_c_contiguous(src):
+        return None
+    _order_after_producer(src)
+    return cached[2]
+
+
 def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
     """Wrap a DLPack producer zero-copy: a numpy view for host memory, a device OrtValue for CUDA memory."""
+    value = _cached_wrap(src)
+    if value is not None:
+        return value
     try:
         dev_type, _dev_id = src.__dlpack_device__()
     except Exception as exc:  # noqa: BLE001
@@ -217,13 +237,6 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
         return np.from_dlpack(src)
     if int(dev_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
         raise TransferError(f"DLPack device type {int(dev_type)} is not supported (CPU and CUDA are)")
-    address = _address(src)
-    if address is not None:
-        key = (address, tuple(src.shape), str(src.dtype))
-        cached = _WRAPPED.get(id(src))
-        if cached is not None and cached[0]() is src and cached[1] == key:
-            _order_after_producer(src)
-            return cached[2]
     compat.require("OrtValue.from_dlpack", compat.has_dlpack(), "1.16")
     is_bool = str(getattr(src, "dtype", "")).endswith("bool")
     # stream=1: the legacy default stream, on which ORT's device-to-device copy runs; the producer makes it wait for
@@ -233,13 +246,14 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
     except TypeError:
         capsule = src.__dlpack__()
     value = ort.OrtValue(_C.OrtValue.from_dlpack(capsule, is_bool))
+    address = _address(src)
     if address is not None:
-        ident = id(src)
+        ident, table = id(src), _WRAPPED
         try:
-            ref = weakref.ref(src, lambda _r, ident=ident: _WRAPPED.pop(ident, None))
+            ref = weakref.ref(src, lambda _r: table.pop(ident, None))
         except TypeError:
             return value
-        _WRAPPED[ident] = (ref, (address, tuple(src.shape), str(src.dtype)), value)
+        table[ident] = (ref, (address, tuple(src.shape), str(src.dtype)), value)
     return value
 
 
