@@ -169,7 +169,7 @@ def _is_c_contiguous(obj: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # DLPack sources
 # ---------------------------------------------------------------------------------------------------------------
-# id(producer) -> (weakref to it, (address, shape, dtype string), wrapping OrtValue): re-wrapping a torch tensor
+# id(producer) -> (weakref, address, shape, dtype, wrapping OrtValue, orderer): re-wrapping a torch tensor
 # through DLPack costs tens of µs, while its address, shape and dtype are cheap to re-check. Keyed by id() with a
 # weakref check, not a WeakKeyDictionary: tensors compare elementwise, so they cannot be dictionary keys.
 _WRAPPED: dict[int, tuple] = {}
@@ -182,41 +182,46 @@ def _address(src: Any) -> int | None:
     return int(data.ptr) if hasattr(data, "ptr") else None  # cupy
 
 
-def _order_after_producer(src: Any) -> None:
-    """Make the producer's pending work on its current stream finish before ORT's legacy-stream copy reads it.
-
-    torch/cupy work on the legacy default stream is ordered before that copy already; other streams are synced.
-    """
+def _orderer(src: Any):
+    """A function that makes the producer's pending work on its current stream finish before ORT's legacy-stream
+    device-to-device copy reads the buffer: work on the legacy default stream is ordered before that copy already,
+    other streams are synchronised. Chosen once per wrapped producer (the hot path then pays one stream query)."""
     mod = type(src).__module__.split(".", 1)[0]
     if mod == "torch":
         import torch
 
+        index = src.get_device()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int; much cheaper than current_stream()
-        if raw is not None:
-            if raw(src.device.index) != 0:
-                torch.cuda.current_stream(src.device).synchronize()
-        else:
-            stream = torch.cuda.current_stream(src.device)
-            if stream.cuda_stream != 0:
-                stream.synchronize()
-    elif mod == "cupy":
+
+        def order(_src, raw=raw, index=index, torch=torch):
+            if raw is None or raw(index) != 0:
+                stream = torch.cuda.current_stream(index)
+                if stream.cuda_stream != 0:
+                    stream.synchronize()
+        return order
+    if mod == "cupy":
         import cupy
 
-        stream = cupy.cuda.get_current_stream()
-        if stream.ptr != 0:
-            stream.synchronize()
+        def order(_src, cupy=cupy):
+            stream = cupy.cuda.get_current_stream()
+            if stream.ptr != 0:
+                stream.synchronize()
+        return order
+    return lambda _src: None  # other producers: only their first wrap is ordered (through __dlpack__(stream=1))
 
 
 def _cached_wrap(src: Any) -> ort.OrtValue | None:
     """The OrtValue that wrapped this same CUDA producer before, if its address, shape, dtype and contiguity are
     unchanged (then ordered after the producer's pending work); else ``None``."""
     cached = _WRAPPED.get(id(src))
-    if cached is None or cached[0]() is not src:
+    if cached is None:
         return None
-    if cached[1] != (_address(src), tuple(src.shape), str(src.dtype)) or not _is_c_contiguous(src):
+    ref, address, shape, dtype, value, order = cached
+    if ref() is not src or _address(src) != address or src.dtype != dtype or src.shape != shape \
+            or not _is_c_contiguous(src):
         return None
-    _order_after_producer(src)
-    return cached[2]
+    order(src)
+    return value
 
 
 def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
@@ -253,7 +258,7 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
             ref = weakref.ref(src, lambda _r: table.pop(ident, None))
         except TypeError:
             return value
-        table[ident] = (ref, (address, tuple(src.shape), str(src.dtype)), value)
+        table[ident] = (ref, address, src.shape, src.dtype, value, _orderer(src))
     return value
 
 

@@ -1,0 +1,663 @@
+"""``ortcapture bench``: captured replay against raw ORT, per batch size, in fresh processes with the arms alternating.
+
+``ortcapture bench MODEL.onnx [--provider auto|cuda|webgpu] [--batch 1,8] [--procs 5] [--iters N] [--json F]
+[--plot F.png] [--graph-capture/--no-graph-capture]``
+
+Method. For each batch size the model's input dims are fixed (:func:`ortcapture.shapes.fix_input_shapes`; raw ORT
+needs fixed dims to capture a dynamic-dims model) and that one fixed model is used by every arm. ``--procs``
+fresh processes (``python -m ortcapture.bench worker ...``, one after another, results as one JSON line on
+stdout) each build the sessions, capture, warm every arm up (``--warmup`` untimed calls), then time the arms in
+round-robin blocks (``--rounds`` blocks of about ``iters / rounds`` calls per arm, the arm order rotated each
+round, one untimed call at the start of every block, the garbage collector off), and finally check every arm's
+outputs against the uncaptured ``run``. Timings are host wall time per call (µs), pooled across processes; the
+spread of the per-process p50s is reported too.
+
+Arms. Every timed call ends with every output on the host as a numpy array — the readback is what waits for the
+GPU (WebGPU's ``run_with_iobinding`` returns before the work completes; CUDA's synchronizes anyway), and it is the
+same in every arm. The inputs alternate between two feeds.
+
+* ``plain``: ``onnxruntime.InferenceSession.run(None, numpy feeds)`` on a session without capture: host→device
+  copy, run, device→host copy of ORT-allocated outputs.
+* ``iobinding``: the same session through an ``onnxruntime.IOBinding`` of fixed device buffers: device→device
+  copy of each input from a device-resident source OrtValue (CUDA ``OrtValue.update_inplace(OrtValue)``, WebGPU
+  ``onnxruntime.copy_tensors``), ``run_with_iobinding``, ``ortcapture.to_numpy`` of each fixed output.
+* ``raw_capture``: exactly that, hand-written with raw onnxruntime on a plain ``onnxruntime.InferenceSession``
+  created with the capture option (``enable_cuda_graph`` / ``enableGraphCapture``) and ``gpu_graph_id=0``: the
+  first run captures, the timed runs replay.
+* ``captured_ortvalue``: ``CapturedGraph.run({name: device OrtValue}, copy_outputs=False)`` on an
+  ``ortcapture.InferenceSession`` (its device→device input copy, the replay, the ``ReplayOutput`` wrappers), then
+  ``ReplayOutput.numpy()`` of each output (``ortcapture.to_numpy`` of the fixed buffer).
+* ``captured_numpy``: ``CapturedGraph.run({name: numpy})``: host→device copy into the fixed inputs, replay,
+  ``ortcapture.to_numpy`` of each output.
+
+``--no-graph-capture`` builds the ``raw_capture`` and ``captured_*`` arms' sessions with the capture option off and
+changes nothing else (same buffers, bindings, run options, warm-up and timing boundaries; the ``captured_*`` arms
+still call ``CapturedGraph.run``, on a graph object whose binding was never captured), so comparing two runs
+isolates what capture itself buys.
+
+Reported per batch: p50/p90/min/mean per arm, the per-process p50s, speedups (``captured_ortvalue`` against
+``iobinding``, ``captured_numpy`` against ``plain``, raw capture against ``iobinding``) and ortcapture's overhead
+ratio ``captured_ortvalue`` p50 / ``raw_capture`` p50. Exit code 0 on success, 1 when an arm's outputs disagree with
+the uncaptured run, 2 on errors (bad arguments, no capture-capable provider, a failed worker).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+
+#: arm id -> table label; the order is the order of the table, the plot and the JSON.
+ARMS = {
+    "plain": "plain run(numpy)",
+    "iobinding": "IOBinding, no graph",
+    "raw_capture": "raw ORT capture (IOBinding)",
+    "captured_ortvalue": "CapturedGraph.run(OrtValue)",
+    "captured_numpy": "CapturedGraph.run(numpy)",
+}
+CAPTURE_ARMS = ("raw_capture", "captured_ortvalue", "captured_numpy")
+_PROGRESS = "@@ortcapture-bench-progress"  # worker -> parent progress lines on stderr
+
+
+class BenchError(Exception):
+    """A user-facing error: printed as ``bench: ...``, exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--provider", choices=["auto", "cuda", "webgpu"], default="auto",
+                   help="capture-capable EP (auto: CUDA when available, else WebGPU)")
+    p.add_argument("--batch", default="1", metavar="1,8",
+                   help="comma-separated batch sizes (the first dim of inputs whose first dim is dynamic)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=1x3x320x320",
+                   help="input shape used verbatim (as in `ortcapture demo`); other dynamic dims default to 320")
+    p.add_argument("--procs", type=int, default=5, help="fresh processes per batch size (default 5)")
+    p.add_argument("--iters", type=int, default=100, help="timed calls per arm per process (default 100)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="round-robin blocks per process (default min(iters, 10))")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per arm per process first (default 5)")
+    p.add_argument("--json", metavar="FILE", help="write the results (stats and every sample) as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the latency distributions per arm and batch (PNG)")
+    p.add_argument("--graph-capture", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-graph-capture: same harness with the capture option off in the capture arms")
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        out = [int(b) for b in str(text).split(",") if b.strip()]
+    except ValueError:
+        raise BenchError(f"--batch must be comma-separated integers, got {text!r}") from None
+    if not out or any(b < 1 for b in out):
+        raise BenchError(f"--batch needs batch sizes >= 1, got {text!r}")
+    return list(dict.fromkeys(out))
+
+
+def _check_args(args) -> tuple[list[int], int]:
+    batches = _batches(args.batch)
+    if not os.path.isfile(args.model):
+        raise BenchError(f"no such model file: {args.model}")
+    for name in ("procs", "iters"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        raise BenchError("--warmup must be >= 0")
+    rounds = min(args.iters, 10) if args.rounds is None else args.rounds
+    if not 1 <= rounds <= args.iters:
+        raise BenchError(f"--rounds must be between 1 and --iters ({args.iters})")
+    for item in args.shape:
+        name, sep, dims = item.partition("=")
+        if not sep or not name or not all(d.isdigit() for d in dims.lower().split("x")):
+            raise BenchError(f"--shape must look like NAME=1x3x320x320, got {item!r}")
+    for path in (args.json, args.plot):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise BenchError(f"the directory of {path} does not exist")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BenchError("--plot needs matplotlib (pip install 'ortcapture[bench]')") from None
+    return batches, rounds
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sessions (one recipe for every arm)
+# ---------------------------------------------------------------------------------------------------------------
+def session_args(provider: str, capture: bool) -> dict:
+    """``InferenceSession`` keyword arguments for ``provider`` with the capture option on or off (a fresh
+    ``SessionOptions`` each call: the WebGPU EP is added to it)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if provider == "cuda":
+        opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": "0"}
+        return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
+    from ortcapture import webgpu
+
+    return {"sess_options": webgpu.session_options(capture, so)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the worker: one fresh process, all arms
+# ---------------------------------------------------------------------------------------------------------------
+def _uncaptured_graph(sess, feeds: dict, outputs: dict, alloc):
+    """A :class:`~ortcapture.graph.CapturedGraph` on a session without capture, for ``--no-graph-capture``: the
+    same fixed buffers, IOBinding, run options and ``run()`` code as a captured graph; only the capture is missing.
+
+    ``CapturedGraph``'s constructor captures, so the object is assembled from the attributes it sets (kept in step
+    with ``ortcapture/graph.py``; the ``--no-graph-capture`` test runs it).
+    """
+    import types
+
+    from ortcapture import transfer
+    from ortcapture.graph import CapturedGraph
+    from ortcapture.session import run_options_for
+
+    g = CapturedGraph.__new__(CapturedGraph)
+    g._session = g._family = sess
+    g.graph_id = 0
+    g._released = False
+    g._generation = 0
+    g.inputs = {}
+    for meta in sess.get_inputs():
+        g.inputs[meta.name] = transfer.update_inplace(alloc(sess, feeds[meta.name].shape, feeds[meta.name].dtype),
+                                                      feeds[meta.name])
+    g.outputs = {name: alloc(sess, shape, dtype) for name, (shape, dtype) in outputs.items()}
+    g._state, g._state_src, g._state_dst, g._initial_state = {}, [], [], {}
+    g._binding = sess.io_binding()
+    for name, buf in g.inputs.items():
+        g._binding.bind_ortvalue_input(name, buf)
+    for name, buf in g.outputs.items():
+        g._binding.bind_ortvalue_output(name, buf)
+    g._run_options = run_options_for(g.graph_id)
+    g._record = types.SimpleNamespace(replays=0)
+    g._output_list = list(g.outputs.values())
+    return g
+
+
+def _worker(opts) -> dict:
+    import gc
+
+    import numpy as np
+    import onnxruntime as ort
+
+    import ortcapture
+    from ortcapture import timing, transfer, values
+    from ortcapture.session import run_options_for
+
+    provider, capture, model = opts.provider, bool(opts.capture), opts.model
+    dev = "cuda" if provider == "cuda" else "webgpu"
+    shapes_ = {n: tuple(s) for n, s in json.loads(opts.shapes).items()}
+    t_start = time.perf_counter()
+
+    def progress(done: int, total: int, phase: str) -> None:
+        print(f"{_PROGRESS} {done} {total} {phase}", file=sys.stderr, flush=True)
+
+    plain = ort.InferenceSession(model, **session_args(provider, False))  # plain + iobinding arms
+    raw = ort.InferenceSession(model, **session_args(provider, capture))  # raw_capture arm
+    ours = ortcapture.InferenceSession(model, **session_args(provider, capture))  # captured_* arms
+    if capture and not ours.capture_enabled:
+        raise RuntimeError(f"ortcapture session does not capture (deferred={ours.capture_deferred})")
+
+    rng = np.random.default_rng(opts.seed)
+    in_types = {m.name: values.ONNX_TO_NP[m.type] for m in plain.get_inputs()}
+
+    def random(shape, dtype):
+        if dtype.kind == "f":
+            return rng.random(shape).astype(dtype)
+        if dtype.kind == "b":
+            return rng.random(shape) < 0.5
+        return rng.integers(0, 2, size=shape).astype(dtype)
+
+    feeds = [{n: random(shapes_[n], in_types[n]) for n in in_types} for _ in range(2)]
+    refs = [plain.run(None, f) for f in feeds]
+    out_names = [m.name for m in plain.get_outputs()]
+    out_specs = {n: (r.shape, r.dtype) for n, r in zip(out_names, refs[0])}
+
+    def alloc(sess, shape, dtype):
+        """A device buffer from ``sess``'s allocator where ORT has one (WebGPU, ORT >= 1.30), as raw ORT code would."""
+        t = np.dtype(dtype).type
+        if dev == "webgpu" and hasattr(ort.InferenceSession, "create_ortvalue_from_shape_and_type"):
+            v = ort.InferenceSession.create_ortvalue_from_shape_and_type(sess, list(shape), t, dev, 0)
+        else:
+            v = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), t, dev, 0)
+        return values.remember(v, dev, 0)
+
+    def device_sources(sess, make=None):
+        """Device-resident copies of both feeds (the OrtValue inputs), allocated from ``sess``."""
+        make = make or (lambda shape, dtype: alloc(sess, shape, dtype))
+        return [{n: transfer.update_inplace(make(a.shape, a.dtype), a) for n, a in f.items()} for f in feeds]
+
+    to_numpy = ortcapture.to_numpy
+    if dev == "cuda":
+        def d2d(dst, src):
+            dst.update_inplace(src)
+    else:
+        def d2d(dst, src):
+            ort.copy_tensors([src], [dst], None)
+
+    def iobinding_arm(sess):
+        """Hand-written raw ORT: fixed device buffers, device->device input copy, run, readback."""
+        ins = {n: alloc(sess, a.shape, a.dtype) for n, a in feeds[0].items()}
+        outs = [alloc(sess, *out_specs[n]) for n in out_names]
+        binding = sess.io_binding()
+        for n, v in ins.items():
+            binding.bind_ortvalue_input(n, v)
+        for n, v in zip(out_names, outs):
+            binding.bind_ortvalue_output(n, v)
+        srcs = device_sources(sess)
+        pairs = [[(ins[n], src[n]) for n in ins] for src in srcs]
+        ro = run_options_for(0)
+
+        def fn(i):
+            for dst, src in pairs[i & 1]:
+                d2d(dst, src)
+            sess.run_with_iobinding(binding, ro)
+            return [to_numpy(v) for v in outs]
+
+        return fn
+
+    fns = {"plain": lambda i: plain.run(None, feeds[i & 1]), "iobinding": iobinding_arm(plain)}
+    t0 = time.perf_counter()
+    fns["raw_capture"] = iobinding_arm(raw)
+    fns["raw_capture"](0)  # the first run of gpu_graph_id 0 captures (CUDA: after ORT's own warm-up runs)
+    raw_first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if capture:
+        graph = ours.capture(feeds[0])
+        cg_srcs = device_sources(ours, ours.allocate)
+    else:
+        graph = _uncaptured_graph(ours, feeds[0], out_specs, alloc)
+        cg_srcs = device_sources(ours)
+    capture_s = time.perf_counter() - t0
+
+    def captured_ortvalue(i):
+        return [o.numpy() for o in graph.run(cg_srcs[i & 1], copy_outputs=False)]
+
+    fns["captured_ortvalue"] = captured_ortvalue
+    fns["captured_numpy"] = lambda i: graph.run(feeds[i & 1])
+    setup_s = time.perf_counter() - t_start
+
+    arms = list(ARMS)
+    sizes = [len(b) for b in np.array_split(np.arange(opts.iters), opts.rounds)]
+    total, done = len(arms) * (1 + len(sizes)), 0
+    for arm in arms:  # warm-up, and the first replays, before anything is timed
+        for i in range(opts.warmup):
+            fns[arm](i)
+        done += 1
+        progress(done, total, "warm-up")
+    samples = {arm: [] for arm in arms}
+    gc.collect()
+    gc.disable()
+    try:
+        for r, n in enumerate(sizes):
+            shift = (r + opts.index) % len(arms)
+            for arm in arms[shift:] + arms[:shift]:
+                samples[arm].append(timing.measure(fns[arm], n, warmup=1))
+                done += 1
+                progress(done, total, f"round {r + 1}/{len(sizes)}")
+    finally:
+        gc.enable()
+
+    # every arm against the uncaptured run, after timing (so replays that drifted during it are caught)
+    diffs = {arm: 0.0 for arm in arms}
+    for k in (0, 1):
+        for arm in arms:
+            for got, want in zip(fns[arm](k), refs[k]):
+                d = np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64))
+                diffs[arm] = max(diffs[arm], float(d.max()) if d.size else 0.0)
+    scale = max([1.0] + [float(np.abs(np.asarray(r, dtype=np.float64)).max()) for rr in refs for r in rr if r.size])
+    tol = (1e-3 if dev == "webgpu" else 1e-4) * scale
+    info = ours.capture_info
+    return {
+        "ok": True, "pid": os.getpid(), "index": opts.index, "provider": provider, "graph_capture": capture,
+        "ort": ort.__version__, "ep": info.ep.name if info else ours.get_providers()[0],
+        "providers": ours.get_providers(), "shapes": {n: list(s) for n, s in shapes_.items()},
+        "setup_s": setup_s, "raw_first_run_s": raw_first_s, "ortcapture_capture_s": capture_s,
+        "samples_us": {arm: np.concatenate(samples[arm]).tolist() for arm in arms},
+        "max_abs_diff": diffs, "tolerance": tol, "verified": all(d <= tol for d in diffs.values()),
+    }
+
+
+def _worker_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ortcapture.bench worker")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--provider", choices=["cuda", "webgpu"], required=True)
+    ap.add_argument("--shapes", required=True, help='JSON {"input": [dims]}')
+    ap.add_argument("--iters", type=int, required=True)
+    ap.add_argument("--rounds", type=int, required=True)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--capture", type=int, choices=[0, 1], default=1)
+    ap.add_argument("--index", type=int, default=0, help="process index (rotates the arm order)")
+    ap.add_argument("--seed", type=int, default=0)
+    opts = ap.parse_args(argv)
+    try:
+        result = _worker(opts)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as JSON
+        import traceback
+
+        traceback.print_exc()
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return 1
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the parent: processes, progress, statistics, output
+# ---------------------------------------------------------------------------------------------------------------
+class _Progress:
+    """A rich progress bar when stdout is a TTY (and rich is installed), else plain lines."""
+
+    def __init__(self, total: int):
+        self._bar = None
+        if sys.stdout.isatty():
+            try:
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                           TimeRemainingColumn)
+            except ImportError:
+                pass
+            else:
+                self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TimeRemainingColumn())
+                self._task = self._bar.add_task("bench", total=total)
+                self._bar.start()
+        self._base = 0
+
+    def job(self, description: str) -> None:
+        """A new worker starts; its progress reports count from the current position."""
+        if self._bar is not None:
+            self._base = int(self._bar.tasks[0].completed)
+            self._bar.update(self._task, description=description)
+        else:
+            print(f"  {description} ...", flush=True)
+
+    def worker(self, done: int, phase: str, description: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self._base + done, description=f"{description} · {phase}")
+
+    def finished(self, description: str, units: int, line: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self._base + units, description=description)
+        else:
+            print(f"  {line}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _run_worker(cmd: list[str], on_progress) -> tuple[dict | None, str]:
+    """Run one worker; feed its progress lines to ``on_progress(done, phase)``; return (result JSON, stderr tail)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    tail: deque[str] = deque(maxlen=30)
+    for line in proc.stderr:
+        if line.startswith(_PROGRESS):
+            _, done, _total, phase = line.rstrip("\n").split(" ", 3)
+            on_progress(int(done), phase)
+        elif line.strip():
+            tail.append(line.rstrip("\n"))
+    rc = proc.wait()
+    reader.join()
+    result = None
+    for line in reversed("".join(out).splitlines()):
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except ValueError:
+                pass
+            break
+    if result is None or rc != 0 and result.get("ok"):
+        why = f"exit code {rc}" if rc >= 0 else f"killed by signal {-rc}"
+        result = {"ok": False, "error": (result or {}).get("error") or f"worker {why} without a result"}
+    return result, "\n".join(tail)
+
+
+def _stats(per_process: list[dict]) -> dict:
+    """Pooled stats per arm, per-process p50s, speedups and overhead ratios."""
+    import numpy as np
+
+    from ortcapture import timing
+
+    stats = {}
+    for arm in ARMS:
+        runs = [np.asarray(w["samples_us"][arm], dtype=np.float64) for w in per_process]
+        s = timing.summary(np.concatenate(runs))
+        p50s = [float(np.percentile(r, 50)) for r in runs]
+        s["p50_per_process_us"] = p50s
+        s["p50_spread_us"] = [min(p50s), max(p50s)]
+        stats[arm] = s
+    p = {arm: s["p50_us"] for arm, s in stats.items()}
+    per_proc = [
+        stats["captured_ortvalue"]["p50_per_process_us"][i] / stats["raw_capture"]["p50_per_process_us"][i]
+        for i in range(len(per_process))
+    ]
+    speedup = {
+        "captured_vs_iobinding": p["iobinding"] / p["captured_ortvalue"],
+        "captured_numpy_vs_plain": p["plain"] / p["captured_numpy"],
+        "captured_vs_plain": p["plain"] / p["captured_ortvalue"],
+        "raw_capture_vs_iobinding": p["iobinding"] / p["raw_capture"],
+    }
+    overhead = {
+        "ortcapture_over_raw": p["captured_ortvalue"] / p["raw_capture"],
+        "ortcapture_minus_raw_us": p["captured_ortvalue"] - p["raw_capture"],
+        "ortcapture_over_raw_per_process": per_proc,
+        "ortcapture_over_raw_min": stats["captured_ortvalue"]["min_us"] / stats["raw_capture"]["min_us"],
+    }
+    return {"stats": stats, "speedup": speedup, "overhead": overhead}
+
+
+def _label(arm: str, capture: bool) -> str:
+    return ARMS[arm] + ("" if capture or arm not in CAPTURE_ARMS else " [capture off]")
+
+
+def _print_batch(entry: dict, procs: int, iters: int, capture: bool) -> None:
+    shapes_ = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in entry["shapes"].items())
+    print(f"\nbatch {entry['batch']} ({shapes_}): {procs} processes x {iters} calls per arm, graph capture "
+          f"{'on' if capture else 'OFF'}")
+    stats = entry["stats"]
+    base, iob = stats["plain"]["p50_us"], stats["iobinding"]["p50_us"]
+    print(f"  {'arm':<42}{'p50 µs':>10}{'p90 µs':>10}{'min µs':>10}{'p50 per proc µs':>20}{'vs plain':>10}"
+          f"{'vs IOBind':>11}")
+    for arm, s in stats.items():
+        lo, hi = s["p50_spread_us"]
+        print(f"  {_label(arm, capture):<42}{s['p50_us']:>10.1f}{s['p90_us']:>10.1f}{s['min_us']:>10.1f}"
+              f"{f'{lo:.1f}-{hi:.1f}':>20}{base / s['p50_us']:>9.2f}x{iob / s['p50_us']:>10.2f}x")
+    sp, ov = entry["speedup"], entry["overhead"]
+    print(f"  captured vs IOBinding without graph: {sp['captured_vs_iobinding']:.2f}x; captured(numpy) vs plain "
+          f"run: {sp['captured_numpy_vs_plain']:.2f}x; raw capture vs IOBinding: {sp['raw_capture_vs_iobinding']:.2f}x")
+    per = ", ".join(f"{r:.3f}" for r in ov["ortcapture_over_raw_per_process"])
+    print(f"  ortcapture / raw capture (p50): {ov['ortcapture_over_raw']:.3f}x ({ov['ortcapture_minus_raw_us']:+.1f} µs);"
+          f" per process {per}")
+    bad = {a: d for a, d in entry["max_abs_diff"].items() if d > entry["tolerance"]}
+    if bad:
+        print(f"  MISMATCH against the uncaptured run (tolerance {entry['tolerance']:.3g}): {bad}")
+
+
+def plot(result: dict, path: str) -> None:
+    """Draw ``result``'s latency distributions (a violin and a box per arm, p50 labelled, per-process p50s as
+    dots), one panel per batch size, into the PNG ``path`` (matplotlib's Agg canvas, no global backend change)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    batches = result["batches"]
+    capture = result["graph_capture"]
+    arms = list(ARMS)
+    colors = {"plain": "#9e9e9e", "iobinding": "#616161", "raw_capture": "#1f77b4", "captured_ortvalue": "#ff7f0e",
+              "captured_numpy": "#ffbb78"}
+    fig = Figure(figsize=(11, 4.2 * len(batches)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(batches), 1, squeeze=False)[:, 0]
+    for ax, entry in zip(axes, batches):
+        data = [np.asarray(entry["samples_us"][a], dtype=np.float64) for a in arms]
+        pos = np.arange(1, len(arms) + 1)
+        usable = [i for i, d in enumerate(data) if d.size > 1 and np.ptp(d) > 0]
+        if usable:
+            try:
+                parts = ax.violinplot([data[i] for i in usable], positions=pos[usable], widths=0.8,
+                                      showextrema=False)
+                for i, body in zip(usable, parts["bodies"]):
+                    body.set_facecolor(colors[arms[i]])
+                    body.set_alpha(0.35)
+            except Exception:  # noqa: BLE001 - a degenerate distribution: the box plot still shows it
+                pass
+        ax.boxplot(data, positions=pos, widths=0.18, showfliers=False, whis=(5, 95),
+                   medianprops={"color": "black", "linewidth": 2})
+        for i, arm in enumerate(arms):
+            s = entry["stats"][arm]
+            ax.scatter([pos[i]] * len(s["p50_per_process_us"]), s["p50_per_process_us"], marker="D", s=14,
+                       color=colors[arm], edgecolor="black", linewidth=0.5, zorder=3)
+            ax.annotate(f"p50 {s['p50_us']:.0f} µs", (pos[i] + 0.12, s["p50_us"]), fontsize=8, va="center")
+        ax.set_xticks(pos)
+        ax.set_xticklabels([_label(a, capture).replace(" (", "\n(") for a in arms], fontsize=8)
+        hi = max(float(np.percentile(d, 99)) for d in data)
+        lo = min(float(d.min()) for d in data)
+        if lo > 0 and hi / lo > 20:
+            ax.set_yscale("log")
+        ax.set_ylabel("latency per call (µs)")
+        sp, ov = entry["speedup"], entry["overhead"]
+        shapes_ = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in entry["shapes"].items())
+        ax.set_title(f"batch {entry['batch']} ({shapes_}) — captured vs IOBinding {sp['captured_vs_iobinding']:.2f}x,"
+                     f" ortcapture/raw {ov['ortcapture_over_raw']:.3f}x", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"ortcapture bench: {os.path.basename(result['model'])} on {result['provider']} "
+                 f"(onnxruntime {result['ort']}), graph capture {'on' if capture else 'off'}, "
+                 f"{result['procs']} processes x {result['iters']} calls; box 5-95 %, diamonds: per-process p50",
+                 fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    batches, rounds = _check_args(args)
+
+    from ortcapture import shapes
+    from ortcapture.demo import example_shapes, pick_provider
+    from ortcapture.errors import CaptureError
+
+    try:
+        provider = pick_provider(args.provider)
+    except SystemExit as exc:  # demo's pick_provider exits with its message
+        raise BenchError(str(exc.code).removeprefix("demo: ")) from None
+    jobs = []  # (batch, shapes)
+    seen = {}
+    try:
+        names = set(shapes.input_dims(shapes.load_model(args.model)))
+        unknown = sorted({item.partition("=")[0] for item in args.shape} - names)
+        if unknown:
+            raise BenchError(f"--shape names {unknown}, but the model's inputs are {sorted(names)}")
+        for b in batches:
+            shp = example_shapes(args.model, b, args.shape)
+            sig = shapes.shape_signature(shp)
+            if sig in seen:
+                print(f"bench: batch {b} gives the same input shapes as batch {seen[sig]} (the model's batch dim "
+                      "is fixed, or --shape fixes it); skipped", file=sys.stderr)
+                continue
+            seen[sig] = b
+            jobs.append((b, shp))
+    except BenchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - onnx load errors
+        raise BenchError(f"cannot read the input shapes of {args.model}: {exc}") from None
+
+    import onnxruntime as ort
+
+    capture = bool(args.graph_capture)
+    print(f"ortcapture bench: {args.model} on {provider} (onnxruntime {ort.__version__}), graph capture "
+          f"{'on' if capture else 'OFF'}; {len(jobs)} batch size(s) x {args.procs} processes x {args.iters} calls "
+          f"per arm in {rounds} round-robin blocks", flush=True)
+    units = len(ARMS) * (1 + rounds)
+    bar = _Progress(len(jobs) * args.procs * units)
+    result = {"model": os.path.abspath(args.model), "provider": provider, "ort": ort.__version__,
+              "graph_capture": capture, "procs": args.procs, "iters": args.iters, "rounds": rounds,
+              "warmup": args.warmup, "arms": dict(ARMS), "batches": []}
+    try:
+        with tempfile.TemporaryDirectory(prefix="ortcapture-bench-") as tmp:
+            for b, shp in jobs:
+                fixed = os.path.join(tmp, f"batch{b}.onnx")
+                try:
+                    with open(fixed, "wb") as fh:
+                        fh.write(shapes.fix_input_shapes(args.model, shp))
+                except CaptureError as exc:
+                    raise BenchError(str(exc)) from None
+                workers = []
+                for i in range(args.procs):
+                    desc = f"batch {b} · process {i + 1}/{args.procs}"
+                    cmd = [sys.executable, "-m", "ortcapture.bench", "worker", "--model", fixed, "--provider",
+                           provider, "--shapes", json.dumps({n: list(s) for n, s in shp.items()}),
+                           "--iters", str(args.iters), "--rounds", str(rounds), "--warmup", str(args.warmup),
+                           "--capture", str(int(capture)), "--index", str(i)]
+                    t0 = time.perf_counter()
+                    bar.job(desc)
+                    res, tail = _run_worker(cmd, lambda done, phase, d=desc: bar.worker(done, phase, d))
+                    if not res.get("ok"):
+                        raise BenchError(f"the worker for {desc} failed: {res.get('error')}"
+                                         + (f"\n{tail}" if tail else ""))
+                    p50s = ", ".join(f"{a} {float(_median(res['samples_us'][a])):.0f}" for a in ARMS)
+                    bar.finished(desc, units, f"{desc}: done in {time.perf_counter() - t0:.1f} s "
+                                              f"(setup {res['setup_s']:.1f} s; p50 µs {p50s})")
+                    workers.append(res)
+                entry = {"batch": b, "shapes": {n: list(s) for n, s in shp.items()}, **_stats(workers)}
+                entry["max_abs_diff"] = {a: max(w["max_abs_diff"][a] for w in workers) for a in ARMS}
+                entry["tolerance"] = min(w["tolerance"] for w in workers)
+                entry["verified"] = all(w["verified"] for w in workers)
+                entry["processes"] = [{k: w[k] for k in ("pid", "ep", "providers", "setup_s", "raw_first_run_s",
+                                                         "ortcapture_capture_s", "verified")} for w in workers]
+                entry["samples_us"] = {a: [x for w in workers for x in w["samples_us"][a]] for a in ARMS}
+                entry["samples_us_per_process"] = {a: [w["samples_us"][a] for w in workers] for a in ARMS}
+                result["ep"] = workers[0]["ep"]
+                result["batches"].append(entry)
+    finally:
+        bar.close()
+
+    for entry in result["batches"]:
+        _print_batch(entry, args.procs, args.iters, capture)
+    ok = all(e["verified"] for e in result["batches"])
+    result["ok"] = ok
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    if not ok:
+        print("bench: some arm's outputs disagree with the uncaptured run (see MISMATCH above)", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _median(xs):
+    import numpy as np
+
+    return np.percentile(np.asarray(xs, dtype=np.float64), 50)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        sys.exit(_worker_main(sys.argv[2:]))
+    parser = argparse.ArgumentParser(prog="python -m ortcapture.bench")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,848 @@
+"""``ortcapture doctor MODEL.onnx``: say whether a model can be captured — and what to change when it cannot —
+before anyone waits for a failed capture.
+
+``ortcapture doctor MODEL.onnx [--provider auto|cuda|webgpu|none] [--shape NAME=1x3x320x320 ...] [--json]``
+
+Static checks (the ``onnx`` library; no execution provider needed):
+
+* **control flow** — ``If``/``Loop``/``Scan`` and every other node that carries a subgraph, nested subgraphs and
+  model-local functions included. ORT refuses graph capture for such models when the session is created
+  (measured, onnxruntime 1.32 WebGPU: "the model has control flow nodes which can't be supported by
+  WebGpuExecutionProvider").
+* **dynamic input dims** — named (``batch``) and unnamed (``?``) — and whether ``--shape`` fixes them. Shapes are
+  validated against the model (known input, rank, dims the model already fixes): a bad ``--shape`` is exit 2.
+  ORT's WebGPU EP refuses capture when a dynamic model's shape subgraph falls to the CPU EP; shape
+  specialization (``InferenceSession(..., static_shapes=...)``, or ``capture(feeds)``) fixes the dims.
+* **outputs that alias inputs** — a graph output that *is* a graph input, or is one only through ``Identity``.
+  Measured on WebGPU: replay never refreshes such an output (a pass-through output stays zero, an ``Identity``
+  output keeps its capture-time value), so captured results are silently wrong.
+* **carried state** (info) — output/input pairs like ``state_out``/``state_in``, ``present.*``/``past_key_values.*``
+  with one type and shape: bind them to separate buffers and carry them with ``capture(feeds, state=...)``.
+* **data-dependent output shapes** (``NonZero``, ``Unique``, ``NonMaxSuppression``, ``Compress``): a replay keeps
+  the shapes of the capture.
+
+Nodes without a kernel on the EP cannot be known statically; the dynamic checks find them.
+
+Dynamic checks, when a capture-capable EP is present (``auto``: the CUDA EP when onnxruntime-gpu offers it, else
+the WebGPU plugin EP when a child-process probe captures on it — Dawn without an adapter ends the process — else
+none):
+
+* **node placement** — an uncaptured session created with ``session.record_ep_graph_assignment_info=1`` lists
+  the nodes ORT placed on the CPU EP (``get_provider_graph_assignment_info()``, where ORT has it), and the
+  optimized model ORT writes lists the Memcpy nodes it inserted (ORT 1.32 leaves them out of the assignment info).
+  For a model with dynamic dims a second session with the dims fixed tells the shape subgraph (gone once dims are
+  fixed) from nodes that stay on CPU (no kernel on the EP: capture refused).
+* **ORT's own warnings and errors** while sessions are made and the capture runs (``set_default_logger_callback``
+  where ORT has it, else file descriptor 2 redirected): the refusal reason, "shape massaging nodes", Memcpy notes.
+* **a real capture** — ``ortcapture.InferenceSession(MODEL, <capture on>).capture(feeds)`` with random feeds of
+  the given (or derived) shapes, one replay with other random feeds, compared with an uncaptured run. Outcome:
+  captured directly, captured via shape specialization, refused (with ORT's reason), or replay mismatch.
+
+Verdict: exit 0 capturable, 1 not capturable, 2 error (model unreadable, bad ``--shape``, provider missing), with
+"what to change" lines. ``--json`` prints one JSON object instead of the report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+#: Ops whose body is a subgraph the capturing EP cannot record (ORT: "the model has control flow nodes").
+CONTROL_FLOW_OPS = ("If", "Loop", "Scan")
+#: Ops whose output shape depends on input values: a captured replay keeps the capture-time shape.
+DATA_DEPENDENT_OPS = ("NonZero", "Unique", "NonMaxSuppression", "Compress")
+#: Session config key that makes ORT record which EP each node went to (read by get_provider_graph_assignment_info).
+RECORD_ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
+#: Models larger than this are not re-serialized by ORT to list Memcpy nodes (protobuf's 2 GiB limit, time).
+_OPTIMIZED_MODEL_LIMIT = 1 << 30
+
+EXIT_CAPTURABLE, EXIT_NOT_CAPTURABLE, EXIT_ERROR = 0, 1, 2
+SEVERITIES = ("error", "warning", "info")
+
+
+class DoctorError(Exception):
+    """A problem with the request itself (model path, ``--shape``, provider): exit code 2."""
+
+
+@dataclass
+class Finding:
+    """One observation. ``severity``: ``error`` (blocks capture), ``warning`` (capture works with a caveat or after
+    a change), ``info``. ``fix``: what to change, or ``None``."""
+
+    kind: str
+    severity: str
+    message: str
+    fix: str | None = None
+    details: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argument parsing
+# ---------------------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--provider", choices=["auto", "cuda", "webgpu", "none"], default="auto",
+                   help="EP for the placement checks and the capture attempt (none: static checks only)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=1x3x320x320",
+                   help="input shape to check and capture with (repeat per input); dynamic dims without one get "
+                        "batch 1 and 320 for the other dims")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+
+
+def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """``["images=1x3x320x320", ...]`` -> ``{"images": (1, 3, 320, 320)}``. Raises :class:`DoctorError`."""
+    out: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, sep, dims = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise DoctorError(f"--shape {item!r}: expected NAME=DIMxDIMx... (e.g. images=1x3x320x320)")
+        if not dims.strip():
+            raise DoctorError(f"--shape {item!r}: no dims (scalar inputs need no --shape)")
+        try:
+            shape = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            raise DoctorError(f"--shape {item!r}: dims must be integers separated by 'x'") from None
+        if any(d < 0 for d in shape):
+            raise DoctorError(f"--shape {item!r}: negative dim")
+        if name in out and out[name] != shape:
+            raise DoctorError(f"--shape given twice for {name!r}: {out[name]} and {shape}")
+        out[name] = shape
+    return out
+
+
+def _fmt_shape(shape: Sequence[Any]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def _fmt_dims(dims: Sequence[Any]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# static checks (onnx only)
+# ---------------------------------------------------------------------------------------------------------------
+def _node_label(node) -> str:
+    name = f"'{node.name}'" if node.name else f"(unnamed, output {', '.join(repr(o) for o in node.output if o)})"
+    return f"{node.op_type} {name}"
+
+
+def iter_nodes(model) -> Iterator[tuple[Any, str]]:
+    """Every node of the model with where it sits: the main graph, subgraphs of any depth, model-local functions."""
+    import onnx
+
+    def walk(graph, where):
+        for node in graph.node:
+            yield node, where
+            for attr in node.attribute:
+                subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else (
+                    list(attr.graphs) if attr.type == onnx.AttributeProto.GRAPHS else [])
+                for i, sub in enumerate(subs):
+                    suffix = f"[{i}]" if attr.type == onnx.AttributeProto.GRAPHS else ""
+                    yield from walk(sub, f"{where} > {_node_label(node)}.{attr.name}{suffix}")
+
+    yield from walk(model.graph, "main graph")
+    for fn in model.functions:
+        yield from walk(fn, f"function {fn.domain + ':' if fn.domain else ''}{fn.name}")
+
+
+def check_control_flow(model) -> list[Finding]:
+    """``If``/``Loop``/``Scan`` (and any node with a subgraph attribute, e.g. contrib ``BeamSearch``) anywhere."""
+    import onnx
+
+    found = []
+    for node, where in iter_nodes(model):
+        has_subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+        if node.op_type in CONTROL_FLOW_OPS or has_subgraph:
+            found.append((node, where))
+    out = []
+    for node, where in found:
+        if node.op_type == "If":
+            fix = (f"remove {_node_label(node)}: compute both branches and pick with Where, fold the condition at "
+                   "export (constant), or split the model at it and run the control flow outside the captured graph")
+        elif node.op_type in ("Loop", "Scan"):
+            fix = (f"remove {_node_label(node)}: unroll it at export (fixed trip count), or split the model and run "
+                   "the loop outside the captured graph, capturing its body as a model of its own")
+        else:
+            fix = f"split the model at {_node_label(node)} and run it outside the captured graph"
+        out.append(Finding(
+            "control_flow", "error",
+            f"control-flow node {_node_label(node)} in {where}: ORT refuses graph capture for models with "
+            "control-flow nodes", fix,
+            {"op_type": node.op_type, "node": node.name, "outputs": [o for o in node.output], "where": where}))
+    return out
+
+
+def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
+    """Dynamic input dims (named and unnamed) and whether ``given`` fixes them. Raises :class:`DoctorError` for a
+    ``given`` shape that names no input, has the wrong rank, or contradicts a dim the model fixes."""
+    from ortcapture import shapes
+
+    dims = shapes.input_dims(model)
+    for name, shape in given.items():
+        if name not in dims:
+            raise DoctorError(f"--shape names input {name!r}, but the model's inputs are {sorted(dims)}")
+        have = dims[name]
+        if len(shape) != len(have):
+            raise DoctorError(f"--shape {name}={_fmt_shape(shape)}: input {name!r} has rank {len(have)} "
+                              f"({_fmt_dims(have)}), the shape has rank {len(shape)}")
+        for i, (want, d) in enumerate(zip(shape, have)):
+            if isinstance(d, int) and d != want:
+                raise DoctorError(f"--shape {name}={_fmt_shape(shape)}: dim {i} of {name!r} is fixed to {d} in the "
+                                  f"model ({_fmt_dims(have)})")
+    out = []
+    missing: dict[str, list] = {}
+    for name, ds in shapes.dynamic_inputs(model).items():
+        labels = [d if isinstance(d, str) else f"{name}[{i}] (unnamed)" for i, d in enumerate(ds)
+                  if not isinstance(d, int)]
+        if name in given:
+            out.append(Finding(
+                "dynamic_dims", "info",
+                f"input {name!r} {_fmt_dims(ds)} has dynamic dims {', '.join(labels)}, fixed by "
+                f"--shape {name}={_fmt_shape(given[name])}",
+                None, {"input": name, "dims": ds, "dynamic": labels, "shape": list(given[name])}))
+        else:
+            missing[name] = ds
+            out.append(Finding(
+                "dynamic_dims", "warning",
+                f"input {name!r} {_fmt_dims(ds)} has dynamic dims {', '.join(labels)}: capture needs them fixed "
+                "(ORT's WebGPU EP refuses capture when the shape subgraph of dynamic dims falls to the CPU EP; "
+                "ortcapture specialises the session to the feeds' shapes in capture(feeds))",
+                None, {"input": name, "dims": ds, "dynamic": labels, "shape": None}))
+    return out
+
+
+def dims_fix(model, example: Mapping[str, Sequence[int]], only: Sequence[str] | None = None) -> str | None:
+    """The "fix dims ..." advice for the dynamic inputs (``only``: restrict to these inputs)."""
+    from ortcapture import shapes
+
+    dyn = {n: d for n, d in shapes.dynamic_inputs(model).items() if only is None or n in only}
+    if not dyn:
+        return None
+    labels = [d if isinstance(d, str) else f"{n}[{i}]" for n, ds in dyn.items() for i, d in enumerate(ds)
+              if not isinstance(d, int)]
+    labels = list(dict.fromkeys(labels))
+    flags = " ".join(f"--shape {n}={_fmt_shape(example[n])}" for n in dyn if n in example)
+    static = "{" + ", ".join(f"{n!r}: {tuple(example[n])}" for n in dyn if n in example) + "}"
+    return (f"fix dims {', '.join(labels)}: pass {flags} here, and InferenceSession(..., static_shapes={static}) "
+            "for the raw IOBinding path (sess.capture(feeds) specialises by itself)")
+
+
+def _canonical_state_name(name: str) -> str:
+    drop = {"in", "out", "input", "output", "past", "present", "prev", "next", "new", "old", "key", "values",
+            "past_key_values"}
+    lowered = name.lower().replace("past_key_values", "past")
+    parts = [p for p in re.split(r"[._/:\-]+", lowered) if p]
+    kept = [p for p in parts if p not in drop]
+    return ".".join(kept) if kept != parts else ""
+
+
+def _value_info_sig(vi):
+    t = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type") or not t.HasField("shape"):
+        return None
+    dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
+    return t.elem_type, dims
+
+
+def check_aliasing(model) -> list[Finding]:
+    """Outputs that alias inputs (same name, or through ``Identity`` only) and carried-state pairs."""
+    graph = model.graph
+    inits = {i.name for i in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in inits]
+    input_names = {i.name for i in inputs}
+    producer = {o: n for n in graph.node for o in n.output if o}
+    out: list[Finding] = []
+    aliased = set()
+    for vo in graph.output:
+        name, chain = vo.name, []
+        while name not in input_names and name in producer and producer[name].op_type == "Identity" \
+                and producer[name].domain in ("", "ai.onnx"):
+            chain.append(producer[name])
+            name = producer[name].input[0]
+        if name not in input_names:
+            continue
+        aliased.add(vo.name)
+        how = ("is graph input of the same name" if not chain
+               else f"is input {name!r} through {' > '.join(_node_label(n) for n in reversed(chain))}")
+        out.append(Finding(
+            "alias", "error",
+            f"output {vo.name!r} {how}: no kernel writes it, so a captured replay never refreshes it (measured on "
+            "WebGPU: a pass-through output stays zero, an Identity output keeps its capture-time value)",
+            f"drop output {vo.name!r} from the graph (it equals input {name!r}: use the input) or compute it with a "
+            "real op; never bind one buffer as both input and output",
+            {"output": vo.name, "input": name, "via": [n.name for n in chain]}))
+    in_sig = {i.name: _value_info_sig(i) for i in inputs}
+    for vo in graph.output:
+        if vo.name in aliased or vo.name in input_names:
+            continue
+        key, sig = _canonical_state_name(vo.name), _value_info_sig(vo)
+        if not key or sig is None:
+            continue
+        for iname, isig in in_sig.items():
+            if isig == sig and _canonical_state_name(iname) == key:
+                out.append(Finding(
+                    "state", "info",
+                    f"output {vo.name!r} looks like carried state for input {iname!r} (same type and shape)",
+                    f"bind state outputs to separate buffers: sess.capture(feeds, state={{{vo.name!r}: {iname!r}}}) "
+                    "carries it on the device between replays; one buffer bound as both input and output is refused",
+                    {"output": vo.name, "input": iname}))
+                break
+    return out
+
+
+def check_data_dependent(model) -> list[Finding]:
+    """Ops whose output shape depends on the input values."""
+    out = []
+    for node, where in iter_nodes(model):
+        if node.op_type in DATA_DEPENDENT_OPS and node.domain in ("", "ai.onnx"):
+            out.append(Finding(
+                "data_dependent_shape", "warning",
+                f"{_node_label(node)} in {where} has a data-dependent output shape: a captured replay keeps the "
+                "shape of the capture (and its value-dependent host sync may not be capturable)",
+                f"make {_node_label(node)}'s output static (a mask or padding to a maximum) or run it outside the "
+                "captured graph", {"op_type": node.op_type, "node": node.name, "where": where}))
+    return out
+
+
+def static_checks(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
+    """All static checks; raises :class:`DoctorError` for a ``--shape`` that does not fit the model."""
+    return (check_control_flow(model) + check_dynamic_dims(model, given) + check_aliasing(model)
+            + check_data_dependent(model))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ORT log capture
+# ---------------------------------------------------------------------------------------------------------------
+_LOG_LINE = re.compile(r"\[([VIWEF]):onnxruntime:[^,\]]*, ([^\]]*)\] (.*)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SEVERITY = {"V": 0, "I": 1, "W": 2, "E": 3, "F": 4}
+
+
+class OrtLogCapture:
+    """Collect ORT's log messages (``(severity, code location, message)``, severity >= ``min_severity``) while the
+    block runs: through ``onnxruntime.set_default_logger_callback`` where ORT has it, else by pointing file
+    descriptor 2 (where ORT's default sink writes) at a temporary file. Re-entrant use is not supported."""
+
+    def __init__(self, min_severity: int = 2, use_callback: bool | None = None):
+        import onnxruntime as ort
+
+        self.min_severity = min_severity
+        self.use_callback = hasattr(ort, "set_default_logger_callback") if use_callback is None else use_callback
+        self.records: list[tuple[int, str, str]] = []
+
+    def _callback(self, severity, category, logid, code_location, message):
+        if int(severity) >= self.min_severity:
+            self.records.append((int(severity), str(code_location), str(message).strip()))
+
+    def __enter__(self) -> "OrtLogCapture":
+        import onnxruntime as ort
+
+        if self.use_callback:
+            ort.set_default_logger_callback(self._callback, self.min_severity)
+        else:
+            sys.stderr.flush()
+            self._tmp = tempfile.TemporaryFile()
+            self._saved_fd = os.dup(2)
+            os.dup2(self._tmp.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import onnxruntime as ort
+
+        if self.use_callback:
+            ort.set_default_logger_callback(None)
+            return
+        sys.stderr.flush()
+        os.dup2(self._saved_fd, 2)
+        os.close(self._saved_fd)
+        self._tmp.seek(0)
+        text = _ANSI.sub("", self._tmp.read().decode("utf-8", "replace"))
+        self._tmp.close()
+        other = []
+        for line in text.splitlines():
+            m = _LOG_LINE.search(line)
+            if m is None:
+                if line.strip():
+                    other.append(line)
+                continue
+            sev = _SEVERITY[m.group(1)]
+            if sev >= self.min_severity:
+                self.records.append((sev, m.group(2).strip(), m.group(3).strip()))
+        if other:  # not ORT's: give it back to stderr
+            print("\n".join(other), file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dynamic checks
+# ---------------------------------------------------------------------------------------------------------------
+def choose_provider(requested: str) -> tuple[str, str | None]:
+    """``(provider, why none)``: ``cuda``/``webgpu`` as :func:`ortcapture.demo.pick_provider` picks them, or ``none``
+    (requested, or ``auto`` found no capture-capable EP: the reason is returned). Raises :class:`DoctorError` when
+    an explicitly requested EP is unusable."""
+    if requested == "none":
+        return "none", "--provider none: static checks only"
+    from ortcapture.demo import pick_provider
+
+    try:
+        return pick_provider(requested), None
+    except SystemExit as exc:
+        why = re.sub(r"^demo:\s*", "", str(exc.code))
+        if requested == "auto":
+            return "none", why
+        raise DoctorError(why) from None
+
+
+_EP_NAMES = {"cuda": "CUDAExecutionProvider", "webgpu": "WebGpuExecutionProvider"}
+
+
+def _session_args(provider: str, capture: bool, config: Mapping[str, str] = (), optimized_path: str | None = None):
+    """InferenceSession kwargs for ``provider`` with capture on/off, ``config`` session entries, an optional
+    optimized-model output path. Log severity stays at the default (warnings), so OrtLogCapture sees them."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    for k, v in dict(config).items():
+        so.add_session_config_entry(k, v)
+    if optimized_path:
+        so.optimized_model_filepath = optimized_path
+    if provider == "cuda":
+        opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": "0"}
+        return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
+    from ortcapture import webgpu
+
+    return {"sess_options": webgpu.session_options(capture, so)}
+
+
+@dataclass
+class Placement:
+    """Where ORT put the nodes of one uncaptured session."""
+
+    cpu_nodes: list[tuple[str, str]] | None  # (name, op_type); None: ORT cannot tell (no assignment info)
+    memcpy_nodes: list[tuple[str, str, str]] | None  # (name, op_type, tensor copied); None: unknown
+
+    def cpu_labels(self, limit: int = 12) -> str:
+        items = [f"{op} '{name}'" if name else op for name, op in self.cpu_nodes or []]
+        more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+        return ", ".join(items[:limit]) + more
+
+
+def _assigned_cpu_nodes(sess) -> list[tuple[str, str]] | None:
+    if not hasattr(sess, "get_provider_graph_assignment_info"):
+        return None
+    try:
+        subgraphs = sess.get_provider_graph_assignment_info()
+    except Exception:  # noqa: BLE001 - older ORT: recording not supported
+        return None
+    if not subgraphs:
+        return None  # recording off or unsupported: an empty answer says nothing
+    return [(n.name, n.op_type) for sg in subgraphs if sg.ep_name == "CPUExecutionProvider" for n in sg.get_nodes()]
+
+
+def _memcpy_nodes(path: str) -> list[tuple[str, str, str]] | None:
+    import onnx
+
+    try:
+        opt = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - ORT did not write it
+        return None
+    return [(n.name, n.op_type, n.input[0] if n.input else "") for n in opt.graph.node
+            if n.op_type in ("MemcpyToHost", "MemcpyFromHost")]
+
+
+def placement_session(model, provider: str, tmpdir: str, tag: str, list_memcpy: bool):
+    """An uncaptured session on ``provider`` that records node placement; returns ``(session, Placement)``."""
+    import onnxruntime as ort
+
+    opt_path = os.path.join(tmpdir, f"optimized_{tag}.onnx") if list_memcpy else None
+    config = {RECORD_ASSIGNMENT_KEY: "1"}
+    try:
+        sess = ort.InferenceSession(model, **_session_args(provider, False, config, opt_path))
+    except Exception:  # noqa: BLE001 - writing the optimized model can fail (compiled nodes): retry without it
+        if opt_path is None:
+            raise
+        opt_path = None
+        sess = ort.InferenceSession(model, **_session_args(provider, False, config))
+    memcpy = _memcpy_nodes(opt_path) if opt_path else None
+    return sess, Placement(_assigned_cpu_nodes(sess), memcpy)
+
+
+_NP_OF_ONNX = None
+
+
+def random_feeds(model, example: Mapping[str, Sequence[int]], seed: int) -> dict:
+    """Random numpy feeds of the example shapes and the model's input element types. Raises :class:`DoctorError`
+    for an input type that has no numpy equivalent a device buffer can hold (strings, sequences)."""
+    import numpy as np
+    import onnx
+
+    rng = np.random.default_rng(seed)
+    inits = {i.name for i in model.graph.initializer}
+    out = {}
+    for vi in model.graph.input:
+        if vi.name in inits or vi.name not in example:
+            continue
+        elem = vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else 0
+        try:
+            dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+        except Exception:  # noqa: BLE001
+            dt = None
+        if dt is None or dt.kind not in "biuf":
+            raise DoctorError(f"input {vi.name!r} has type {onnx.helper.printable_type(vi.type)}: "
+                              "not a numeric tensor, so it cannot live in a fixed device buffer")
+        shape = tuple(example[vi.name])
+        if dt.kind == "b":
+            out[vi.name] = rng.random(shape) < 0.5
+        elif dt.kind in "iu":
+            out[vi.name] = rng.integers(0, 2, size=shape).astype(dt)
+        else:
+            out[vi.name] = rng.random(shape).astype(dt)
+    return out
+
+
+def _compare(got: Sequence[Any], want: Sequence[Any], tol: float) -> tuple[bool, float, str | None]:
+    """(match, max abs diff, what differs) for replay outputs against the uncaptured run."""
+    import numpy as np
+
+    if len(got) != len(want):
+        return False, float("inf"), f"{len(got)} outputs, expected {len(want)}"
+    worst, scale = 0.0, 1.0
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape:
+            return False, float("inf"), f"output {i} has shape {g.shape}, the uncaptured run {w.shape}"
+        if g.size == 0:
+            continue
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        if not np.array_equal(np.isnan(g64), np.isnan(w64)):
+            return False, float("inf"), f"output {i}: NaNs differ"
+        ok = ~np.isnan(w64)
+        if ok.any():
+            worst = max(worst, float(np.max(np.abs(g64[ok] - w64[ok]))))
+            scale = max(scale, float(np.max(np.abs(w64[ok]))))
+    return worst <= tol * scale, worst, None
+
+
+def _ort_reason(text: str) -> str:
+    text = re.sub(r"\[ONNXRuntimeError\] : \d+ : [A-Z_]+ : ", "", str(text))
+    return re.sub(r"\s+Run `ortcapture doctor MODEL`.*$", "", text).strip()
+
+
+def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Mapping, plain, tol: float,
+                    log: OrtLogCapture) -> dict:
+    """Capture ``model_path`` with ``ortcapture.InferenceSession(...).capture(feeds0)``, replay once with
+    ``feeds1`` and compare with ``plain.run``. Returns the ``capture`` part of the report."""
+    import ortcapture
+
+    res: dict[str, Any] = {"attempted": True, "outcome": None, "reason": None, "stage": None,
+                           "static_shapes": None, "max_abs_diff": None, "tolerance": tol, "seconds": None}
+    t0 = time.perf_counter()
+
+    def refusal_log() -> str | None:
+        for sev, _, msg in log.records:
+            if sev >= 3 and "graph capture" in msg:
+                return msg
+        return None
+
+    try:
+        sess = ortcapture.InferenceSession(model_path, **_session_args(provider, True, {RECORD_ASSIGNMENT_KEY: "1"}))
+    except Exception as exc:  # noqa: BLE001 - ORT's Fail/EPFail and ortcapture's errors alike
+        res.update(outcome="refused", stage="session", reason=refusal_log() or _ort_reason(exc),
+                   error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0)
+        return res
+    res["deferred"] = sess.capture_deferred
+    if sess.capture_deferred:
+        res["direct_refusal"] = refusal_log()
+    try:
+        graph = sess.capture(feeds0)
+    except Exception as exc:  # noqa: BLE001
+        reasons = [m for s, _, m in log.records if s >= 3 and "graph capture" in m]
+        res.update(outcome="refused", stage="capture", reason=reasons[-1] if reasons else _ort_reason(exc),
+                   error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0)
+        return res
+    try:
+        if sess.capture_deferred:
+            res["static_shapes"] = {n: list(s) for n, s in (graph._session._oc_static_shapes or ())}
+        res["placement_captured"] = _assigned_cpu_nodes(graph._session)
+        got = graph.run(feeds1)
+        res["seconds"] = time.perf_counter() - t0
+        want = plain.run(None, dict(feeds1))
+        ok, worst, what = _compare(got, want, tol)
+        res["max_abs_diff"] = worst
+        if ok:
+            res["outcome"] = "captured_specialized" if sess.capture_deferred else "captured"
+        else:
+            res["outcome"] = "mismatch"
+            res["reason"] = what or f"replay differs from the uncaptured run by {worst:.3g} (tolerance {tol:g} x scale)"
+    except Exception as exc:  # noqa: BLE001 - a replay that raises is a failed capture too
+        res.update(outcome="replay_failed", stage="replay", reason=_ort_reason(exc),
+                   error=f"{type(exc).__name__}: {_ort_reason(exc)}")
+    finally:
+        try:
+            graph.release()
+        except Exception:  # noqa: BLE001
+            pass
+    if res["seconds"] is None:
+        res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+_CPU_PREFERRED = re.compile(r"Force fallback to CPU execution for node (\S+)")
+_CAPTURE_LOG = re.compile(r"graph capture|shape massaging|Memcpy", re.IGNORECASE)
+
+
+def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, Sequence[int]],
+                   static: list[Finding]) -> tuple[list[Finding], dict]:
+    """Placement, ORT logs and a real capture on ``provider``; returns (findings, capture result)."""
+    from ortcapture import shapes
+
+    ep = _EP_NAMES[provider]
+    findings: list[Finding] = []
+    tol = 1e-3 if provider == "webgpu" else 1e-4
+    feeds0, feeds1 = random_feeds(model, example, 0), random_feeds(model, example, 1)
+    dynamic = shapes.dynamic_inputs(model)
+    external = any(t.data_location == 1 for t in model.graph.initializer)
+    list_memcpy = not external and os.path.getsize(model_path) < _OPTIMIZED_MODEL_LIMIT
+    fixed_placement = None
+    with tempfile.TemporaryDirectory(prefix="ortcapture-doctor-") as tmp, OrtLogCapture() as log:
+        try:
+            plain, placement = placement_session(model_path, provider, tmp, "as_given", list_memcpy)
+        except Exception as exc:  # noqa: BLE001
+            raise DoctorError(f"onnxruntime cannot create an uncaptured {ep} session for this model: "
+                              f"{_ort_reason(exc)}") from None
+        if dynamic and placement.cpu_nodes:
+            fixed = shapes.fix_input_shapes(model_path, {n: example[n] for n in dynamic})
+            try:
+                _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy)
+            except Exception:  # noqa: BLE001 - the capture attempt reports what ORT says
+                fixed_placement = None
+        capture = attempt_capture(model_path, provider, feeds0, feeds1, plain, tol, log)
+        records = list(log.records)
+    captured = capture["outcome"] in ("captured", "captured_specialized")
+    refused_reason = capture.get("reason") or ""
+
+    # -- placement findings ----------------------------------------------------------------------------------
+    if placement.cpu_nodes is None:
+        findings.append(Finding("placement", "info", "this onnxruntime does not report node placement "
+                                "(get_provider_graph_assignment_info): nodes on CPU are not listed"))
+    cpu_ids = set(placement.cpu_nodes or [])
+    stay = set(fixed_placement.cpu_nodes or []) if fixed_placement and fixed_placement.cpu_nodes is not None else None
+    if placement.cpu_nodes and dynamic:
+        if stay is not None:
+            shape_nodes = [n for n in placement.cpu_nodes if n not in stay]
+            remaining = [n for n in placement.cpu_nodes if n in stay]
+        else:
+            shape_nodes, remaining = [], list(placement.cpu_nodes)
+        if shape_nodes:
+            sub = Placement(shape_nodes, None)
+            fixed_note = ("the dims fixed, they go away" if not remaining
+                          else "the dims fixed, these go away (others stay: see below)")
+            sev = "warning" if (capture["outcome"] != "captured") else "info"
+            findings.append(Finding(
+                "shape_subgraph_cpu", sev,
+                f"{len(shape_nodes)} node(s) of the model as given run on the CPU EP: the shape computation of its "
+                f"dynamic dims ({sub.cpu_labels(8)}); with {fixed_note}. ORT refuses {ep} capture for a graph "
+                "split this way" + ("; ortcapture captured on a shape-specialised session"
+                                    if capture["outcome"] == "captured_specialized" else ""),
+                dims_fix(model, example), {"nodes": [list(n) for n in shape_nodes]}))
+        cpu_remaining = remaining
+    else:
+        cpu_remaining = list(placement.cpu_nodes or [])
+    if cpu_remaining:
+        sub = Placement(cpu_remaining, None)
+        ops = sorted({op for _, op in cpu_remaining})
+        sev = "warning" if captured else "error"
+        tail = ("ORT accepted capture anyway (they compute shapes on the host; safe while intermediate shapes "
+                "depend only on input shapes)" if captured
+                else "a capturing EP must run every compute node: ORT refuses capture for this graph")
+        findings.append(Finding(
+            "cpu_nodes", sev,
+            f"{len(cpu_remaining)} node(s) run on the CPU EP, not {ep}"
+            f"{' even with the dims fixed' if dynamic and stay is not None else ''}: {sub.cpu_labels()}; {tail}",
+            None if captured else
+            f"replace {', '.join(ops)} with ops {ep} has kernels for, or split the model there and run those "
+            "nodes outside the captured graph",
+            {"nodes": [list(n) for n in cpu_remaining], "op_types": ops}))
+    for tag, plc in (("model as given", placement), ("dims fixed", fixed_placement)):
+        if plc is None or not plc.memcpy_nodes:
+            continue
+        copies = ", ".join(f"{op}({t!r})" for _, op, t in plc.memcpy_nodes[:8])
+        more = f", ... ({len(plc.memcpy_nodes) - 8} more)" if len(plc.memcpy_nodes) > 8 else ""
+        fixed_tag = tag == "dims fixed"
+        findings.append(Finding(
+            "memcpy", ("warning" if not captured else "info") if fixed_tag or not dynamic else "info",
+            f"{len(plc.memcpy_nodes)} Memcpy node(s) copy between host and {ep} ({tag}): {copies}{more}",
+            None, {"session": tag, "nodes": [list(n) for n in plc.memcpy_nodes]}))
+
+    # -- ORT's log ---------------------------------------------------------------------------------------------
+    preferred = []
+    seen = set()
+    for sev, where, msg in records:
+        m = _CPU_PREFERRED.search(msg)
+        if m:
+            preferred.append(m.group(1))
+            continue
+        key = (sev, msg)
+        if key in seen:
+            continue
+        seen.add(key)
+        if sev >= 3 and "graph capture" in msg:
+            kind = "ort_refusal"
+        else:
+            kind = "ort_log"
+        findings.append(Finding(
+            kind, "warning" if (sev >= 3 or _CAPTURE_LOG.search(msg)) else "info",
+            f"onnxruntime {'error' if sev >= 3 else 'warning'} ({where}): {msg}", None,
+            {"severity": sev, "location": where}))
+    if preferred:
+        names = list(dict.fromkeys(preferred))
+        findings.append(Finding(
+            "ort_log", "info",
+            f"onnxruntime moved {len(names)} small node(s) to CPU on purpose (\"CPU execution path is deemed faster\"): "
+            f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}", None, {"nodes": names}))
+
+    # -- the capture attempt -----------------------------------------------------------------------------------
+    outcome = capture["outcome"]
+    if outcome == "captured":
+        findings.append(Finding("capture", "info", f"captured directly on {ep}; one replay matches the uncaptured run "
+                                f"(max abs diff {capture['max_abs_diff']:.3g})"))
+    elif outcome == "captured_specialized":
+        why = capture.get("direct_refusal")
+        findings.append(Finding(
+            "capture", "info",
+            f"captured via shape specialization on {ep} (dims fixed to "
+            f"{', '.join(f'{n}={_fmt_shape(s)}' for n, s in (capture['static_shapes'] or {}).items())}); one replay "
+            f"matches the uncaptured run (max abs diff {capture['max_abs_diff']:.3g})"
+            + (f". ORT refused the model as given: {why}" if why else ""),
+            dims_fix(model, example)))
+    elif outcome == "refused":
+        fix = None
+        if not any(f.severity == "error" and f.fix for f in static + findings):
+            fix = ("see ORT's reason; `ortcapture doctor` lists the nodes off the EP" if not dynamic
+                   else dims_fix(model, example))
+        findings.append(Finding("capture", "error", f"{ep} refused graph capture ({capture['stage']}): "
+                                f"{refused_reason}", fix, {"error": capture.get("error")}))
+    else:
+        findings.append(Finding(
+            "capture", "error",
+            f"captured on {ep}, but " + ("the replay failed: " if outcome == "replay_failed" else
+                                          "one replay differs from the uncaptured run: ") + refused_reason,
+            "look for outputs that alias inputs, data-dependent shapes or random ops; report the model if none",
+            {"error": capture.get("error")}))
+    return findings, capture
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verdict and report
+# ---------------------------------------------------------------------------------------------------------------
+def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str] = ()) -> dict:
+    """Run the checks; returns the report dict (what ``--json`` prints). Raises :class:`DoctorError` (exit 2)."""
+    import onnx
+
+    from ortcapture.demo import example_shapes
+
+    if not os.path.isfile(model_path):
+        raise DoctorError(f"no such model file: {model_path}")
+    try:
+        model = onnx.load(model_path, load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - DecodeError and friends
+        raise DoctorError(f"cannot read {model_path} as an ONNX model: {exc}") from None
+    given = parse_shapes(shape_items)
+    findings = static_checks(model, given)
+    example = {n: tuple(s) for n, s in example_shapes(model_path, 1, list(shape_items)).items()}
+    derived = sorted(n for n in example if n not in given and any(
+        not isinstance(d, int) for d in __import__("ortcapture.shapes", fromlist=["x"]).input_dims(model)[n]))
+    if derived:
+        findings.append(Finding(
+            "shapes", "info",
+            f"no --shape for {', '.join(derived)}: checked with {', '.join(f'{n}={_fmt_shape(example[n])}' for n in derived)} "
+            "(batch 1, other dynamic dims 320); pass --shape with the shapes you will run", None,
+            {"derived": {n: list(example[n]) for n in derived}}))
+    chosen, why_none = choose_provider(provider)
+    capture: dict[str, Any] = {"attempted": False, "outcome": "not_attempted", "reason": why_none}
+    if chosen != "none":
+        dyn, capture = dynamic_checks(model_path, model, chosen, example, findings)
+        findings += dyn
+        if capture["outcome"] in ("captured", "captured_specialized"):
+            for f in findings:
+                if f.severity == "error":  # the real capture and replay say otherwise
+                    f.severity = "warning"
+                    f.message += " (yet the capture attempt succeeded and its replay matched: ORT handles it here)"
+    else:
+        findings.append(Finding("provider", "info", f"no capture attempted: {why_none}"))
+    if capture["attempted"]:
+        ok = capture["outcome"] in ("captured", "captured_specialized") and not any(
+            f.severity == "error" for f in findings)
+        basis = f"capture attempt on {_EP_NAMES[chosen]}"
+    else:
+        ok = not any(f.severity == "error" for f in findings)
+        basis = "static checks only"
+    fixes = list(dict.fromkeys(f.fix for f in findings if f.fix and f.severity in ("error", "warning")))
+    if ok:  # the dims advice still matters for the raw IOBinding path
+        fixes += [f.fix for f in findings if f.fix and f.kind == "capture" and f.fix not in fixes]
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    import onnxruntime as ort
+
+    return {
+        "model": model_path,
+        "verdict": "capturable" if ok else "not capturable",
+        "exit_code": EXIT_CAPTURABLE if ok else EXIT_NOT_CAPTURABLE,
+        "basis": basis,
+        "provider": chosen,
+        "ep": _EP_NAMES.get(chosen),
+        "onnxruntime": ort.__version__,
+        "inputs": {n: {"dims": d, "shape": list(example.get(n, ())),
+                       "source": "given" if n in given else ("derived" if n in derived else "model")}
+                   for n, d in __import__("ortcapture.shapes", fromlist=["x"]).input_dims(model).items()},
+        "findings": [asdict(f) for f in sorted(findings, key=lambda f: order[f.severity])],
+        "capture": capture,
+        "what_to_change": fixes,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The human-readable report."""
+    lines = [f"ortcapture doctor: {report['model']}",
+             f"  onnxruntime {report.get('onnxruntime')}, provider {report.get('ep') or report.get('provider')}"]
+    for name, info in (report.get("inputs") or {}).items():
+        lines.append(f"  input {name} {_fmt_dims(info['dims'])} -> {_fmt_shape(info['shape'])} ({info['source']})")
+    lines.append("")
+    for f in report.get("findings", []):
+        lines.append(f"  [{f['severity']}] {f['kind']}: {f['message']}")
+    cap = report.get("capture") or {}
+    if cap.get("attempted"):
+        extra = f" in {cap['seconds']:.1f} s" if cap.get("seconds") is not None else ""
+        lines.append(f"\n  capture: {cap['outcome'].replace('_', ' ')}{extra}")
+    lines.append(f"\nverdict: {report['verdict']} (exit {report['exit_code']}; {report.get('basis', '')})")
+    if report.get("what_to_change"):
+        lines.append("what to change:")
+        lines += [f"  - {fix}" for fix in report["what_to_change"]]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """Entry point of ``ortcapture doctor``: print the report (or JSON) and return the exit code."""
+    try:
+        report = diagnose(args.model, args.provider, args.shape)
+    except DoctorError as exc:
+        report = {"model": args.model, "verdict": "error", "exit_code": EXIT_ERROR, "error": str(exc),
+                  "provider": args.provider, "findings": [], "capture": {"attempted": False}, "what_to_change": []}
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(f"ortcapture doctor: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(json.dumps(report, default=str) if args.json else format_report(report))
+    return int(report["exit_code"])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="ortcapture doctor")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
