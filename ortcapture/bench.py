@@ -558,10 +558,6 @@ def _run(args) -> int:
     from ortcapture.demo import example_shapes, pick_provider
     from ortcapture.errors import CaptureError
 
-    try:
-        provider = pick_provider(args.provider)
-    except SystemExit as exc:  # demo's pick_provider exits with its message
-        raise BenchError(str(exc.code).removeprefix("demo: ")) from None
     jobs = []  # (batch, shapes)
     seen = {}
     try:
@@ -582,6 +578,10 @@ def _run(args) -> int:
         raise
     except Exception as exc:  # noqa: BLE001 - onnx load errors
         raise BenchError(f"cannot read the input shapes of {args.model}: {exc}") from None
+    try:
+        provider = pick_provider(args.provider)
+    except SystemExit as exc:  # demo's pick_provider exits with its message
+        raise BenchError(str(exc.code).removeprefix("demo: ")) from None
 
     import onnxruntime as ort
 

@@ -1,0 +1,153 @@
+"""``ortcapture bench``: end to end on real WebGPU capture (tiny models, few iterations), plus argument errors,
+worker failures and the statistics, which need no GPU."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from ortcapture import bench
+from ortcapture.cli import main
+from tests import tiny
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def webgpu():
+    from tests.conftest import webgpu_available
+
+    webgpu_available()
+
+
+def _check_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def _check_result(res: dict, batches: list[int], procs: int, iters: int, capture: bool) -> None:
+    assert res["provider"] == "webgpu" and res["graph_capture"] is capture and res["ok"] is True
+    assert [e["batch"] for e in res["batches"]] == batches
+    for entry in res["batches"]:
+        assert entry["verified"] and set(entry["stats"]) == set(bench.ARMS)
+        for arm, s in entry["stats"].items():
+            assert s["n"] == procs * iters, arm
+            assert 0 < s["min_us"] <= s["p50_us"] <= s["p90_us"], (arm, s)
+            assert len(s["p50_per_process_us"]) == procs
+            lo, hi = s["p50_spread_us"]
+            assert lo <= hi
+            assert len(entry["samples_us"][arm]) == procs * iters
+            assert entry["max_abs_diff"][arm] <= entry["tolerance"]
+        assert all(v > 0 for v in entry["speedup"].values())
+        assert entry["overhead"]["ortcapture_over_raw"] > 0
+        assert len(entry["overhead"]["ortcapture_over_raw_per_process"]) == procs
+        assert len(entry["processes"]) == procs
+        assert all(p["ep"] == "WebGpuExecutionProvider" for p in entry["processes"])
+
+
+@pytest.mark.webgpu
+def test_bench_end_to_end_webgpu(webgpu, tmp_path, capsys):
+    model = tmp_path / "dynamic.onnx"
+    model.write_bytes(tiny.dynamic_model())  # dims [batch, n]: --batch 1,2 gives two fixed models
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", str(model), "--provider", "webgpu", "--batch", "1,2", "--procs", "2", "--iters", "5",
+               "--json", str(out_json), "--plot", str(out_png)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    res = json.loads(out_json.read_text())
+    _check_result(res, [1, 2], procs=2, iters=5, capture=True)
+    assert [e["shapes"]["X"][0] for e in res["batches"]] == [1, 2]
+    assert all(p["ortcapture_capture_s"] > 0 for e in res["batches"] for p in e["processes"])
+    for label in bench.ARMS.values():
+        assert label in text
+    assert "ortcapture / raw capture" in text and "[capture off]" not in text
+    _check_png(out_png)
+
+
+@pytest.mark.webgpu
+def test_bench_no_graph_capture_webgpu(webgpu, tmp_path, capsys):
+    model = tmp_path / "affine.onnx"
+    model.write_bytes(tiny.affine_model())  # fixed dims: a second batch size is skipped, not benchmarked twice
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", str(model), "--provider", "webgpu", "--batch", "1,4", "--procs", "1", "--iters", "4",
+               "--no-graph-capture", "--json", str(out_json), "--plot", str(out_png)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    assert "same input shapes" in captured.err
+    res = json.loads(out_json.read_text())
+    _check_result(res, [1], procs=1, iters=4, capture=False)
+    assert "[capture off]" in captured.out
+    _check_png(out_png)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# no GPU needed
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, message", [
+    (["--batch", "0"], "--batch"),
+    (["--batch", "1,x"], "--batch"),
+    (["--procs", "0"], "--procs"),
+    (["--iters", "0"], "--iters"),
+    (["--iters", "3", "--rounds", "4"], "--rounds"),
+    (["--shape", "X"], "--shape"),
+    (["--shape", "nope=2x4"], "model's inputs"),
+])
+def test_bench_bad_arguments_exit_2(tmp_path, capsys, extra, message):
+    model = tmp_path / "affine.onnx"
+    model.write_bytes(tiny.affine_model())
+    assert main(["bench", str(model), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_missing_model_exit_2(tmp_path, capsys):
+    assert main(["bench", str(tmp_path / "missing.onnx")]) == 2
+    assert "no such model" in capsys.readouterr().err
+
+
+def test_bench_no_cuda_exit_2(tmp_path, capsys):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("the CUDA EP is available here")
+    model = tmp_path / "affine.onnx"
+    model.write_bytes(tiny.affine_model())
+    assert main(["bench", str(model), "--provider", "cuda"]) == 2
+    assert "CUDA EP is not available" in capsys.readouterr().err
+
+
+def test_worker_failure_is_reported():
+    seen = []
+    res, tail = bench._run_worker(
+        [sys.executable, "-c", f"import sys; print({bench._PROGRESS!r}, 1, 3, 'warm-up', file=sys.stderr); "
+                               "print('boom', file=sys.stderr); sys.exit(3)"],
+        lambda done, phase: seen.append((done, phase)))
+    assert res["ok"] is False and "exit code 3" in res["error"]
+    assert seen == [(1, "warm-up")] and "boom" in tail
+    res, _ = bench._run_worker([sys.executable, "-c", "import os; os.abort()"], lambda *a: None)
+    assert res["ok"] is False and "signal" in res["error"]
+    res, _ = bench._run_worker([sys.executable, "-c", "print('{\"ok\": false, \"error\": \"E\"}'); exit(1)"],
+                               lambda *a: None)
+    assert res == {"ok": False, "error": "E"}
+
+
+def test_stats_speedups_and_overhead():
+    def worker(scale):
+        base = {"plain": 400.0, "iobinding": 300.0, "raw_capture": 100.0, "captured_ortvalue": 101.0,
+                "captured_numpy": 200.0}
+        return {"samples_us": {a: list(v * scale + np.arange(5.0)) for a, v in base.items()}}
+
+    out = bench._stats([worker(1.0), worker(1.0)])
+    st = out["stats"]
+    assert st["raw_capture"]["p50_us"] == 102.0 and st["raw_capture"]["min_us"] == 100.0
+    assert st["raw_capture"]["n"] == 10 and st["raw_capture"]["p50_per_process_us"] == [102.0, 102.0]
+    assert out["speedup"]["captured_vs_iobinding"] == pytest.approx(302 / 103)
+    assert out["speedup"]["captured_numpy_vs_plain"] == pytest.approx(402 / 202)
+    assert out["overhead"]["ortcapture_over_raw"] == pytest.approx(103 / 102)
+    assert out["overhead"]["ortcapture_minus_raw_us"] == pytest.approx(1.0)
+    assert out["overhead"]["ortcapture_over_raw_per_process"] == pytest.approx([103 / 102] * 2)
