@@ -129,18 +129,21 @@ DTYPES = [np.float32, np.float16, np.float64, np.int8, np.uint8, np.int32, np.in
     dst_dtype=st.sampled_from(DTYPES), src_dtype=st.sampled_from(DTYPES),
     shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
     src_shape=hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
-    transpose=st.booleans(), as_ortvalue=st.booleans(), data=st.data(),
+    transpose=st.booleans(), source=st.sampled_from(["numpy", "ortvalue", "dlpack"]), data=st.data(),
 )
 def test_fuzz_update_inplace_copies_exactly_or_raises(dst_dtype, src_dtype, shape, src_shape, transpose,
-                                                      as_ortvalue, data):
+                                                      source, data):
     dst = ov(np.zeros(shape, dst_dtype))
     before = dst.numpy().copy()
     src = data.draw(hnp.arrays(src_dtype, src_shape, elements={"allow_nan": False}
                                if np.dtype(src_dtype).kind == "f" else None))
     if transpose and src.ndim > 1:
         src = src.T
-    source = ov(src) if as_ortvalue else src
+    contiguous = src.flags.c_contiguous
+    source = {"numpy": src, "ortvalue": ov(src), "dlpack": DLPackOnly(src)}[source]
     expect_ok = src.dtype == np.dtype(dst_dtype) and tuple(src.shape) == tuple(shape)
+    if isinstance(source, DLPackOnly) and not contiguous:
+        expect_ok = False  # non-contiguous DLPack sources are refused, not normalised
     try:
         update_inplace(dst, source)
     except TransferError:
