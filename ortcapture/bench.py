@@ -472,17 +472,20 @@ def _print_batch(entry: dict, procs: int, iters: int, capture: bool) -> None:
           f"{'on' if capture else 'OFF'}")
     stats = entry["stats"]
     base, iob = stats["plain"]["p50_us"], stats["iobinding"]["p50_us"]
-    print(f"  {'arm':<42}{'p50 µs':>10}{'p90 µs':>10}{'min µs':>10}{'p50 per proc µs':>20}{'vs plain':>10}"
-          f"{'vs IOBind':>11}")
+    unit, div = ("ms", 1e3) if max(s["p90_us"] for s in stats.values()) >= 1e5 else ("µs", 1.0)
+    print(f"  {'arm':<42}{'p50 ' + unit:>10}{'p90 ' + unit:>10}{'min ' + unit:>10}{'p50 per proc ' + unit:>22}"
+          f"{'vs plain':>10}{'vs IOBind':>11}")
     for arm, s in stats.items():
-        lo, hi = s["p50_spread_us"]
-        print(f"  {_label(arm, capture):<42}{s['p50_us']:>10.1f}{s['p90_us']:>10.1f}{s['min_us']:>10.1f}"
-              f"{f'{lo:.1f}-{hi:.1f}':>20}{base / s['p50_us']:>9.2f}x{iob / s['p50_us']:>10.2f}x")
+        lo, hi = (x / div for x in s["p50_spread_us"])
+        print(f"  {_label(arm, capture):<42}{s['p50_us'] / div:>10.1f}{s['p90_us'] / div:>10.1f}"
+              f"{s['min_us'] / div:>10.1f}{f'{lo:.1f}-{hi:.1f}':>22}{base / s['p50_us']:>9.2f}x"
+              f"{iob / s['p50_us']:>10.2f}x")
     sp, ov = entry["speedup"], entry["overhead"]
     print(f"  captured vs IOBinding without graph: {sp['captured_vs_iobinding']:.2f}x; captured(numpy) vs plain "
           f"run: {sp['captured_numpy_vs_plain']:.2f}x; raw capture vs IOBinding: {sp['raw_capture_vs_iobinding']:.2f}x")
     per = ", ".join(f"{r:.3f}" for r in ov["ortcapture_over_raw_per_process"])
-    print(f"  ortcapture / raw capture (p50): {ov['ortcapture_over_raw']:.3f}x ({ov['ortcapture_minus_raw_us']:+.1f} µs);"
+    print(f"  ortcapture / raw capture (p50): {ov['ortcapture_over_raw']:.3f}x "
+          f"({ov['ortcapture_minus_raw_us']:+.1f} µs);"
           f" per process {per}")
     bad = {a: d for a, d in entry["max_abs_diff"].items() if d > entry["tolerance"]}
     if bad:
@@ -505,7 +508,8 @@ def plot(result: dict, path: str) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(batches), 1, squeeze=False)[:, 0]
     for ax, entry in zip(axes, batches):
-        data = [np.asarray(entry["samples_us"][a], dtype=np.float64) for a in arms]
+        unit, div = ("ms", 1e3) if max(s["p90_us"] for s in entry["stats"].values()) >= 1e4 else ("µs", 1.0)
+        data = [np.asarray(entry["samples_us"][a], dtype=np.float64) / div for a in arms]
         pos = np.arange(1, len(arms) + 1)
         usable = [i for i, d in enumerate(data) if d.size > 1 and np.ptp(d) > 0]
         if usable:
@@ -521,16 +525,19 @@ def plot(result: dict, path: str) -> None:
                    medianprops={"color": "black", "linewidth": 2})
         for i, arm in enumerate(arms):
             s = entry["stats"][arm]
-            ax.scatter([pos[i]] * len(s["p50_per_process_us"]), s["p50_per_process_us"], marker="D", s=14,
-                       color=colors[arm], edgecolor="black", linewidth=0.5, zorder=3)
-            ax.annotate(f"p50 {s['p50_us']:.0f} µs", (pos[i] + 0.12, s["p50_us"]), fontsize=8, va="center")
+            p50s = [x / div for x in s["p50_per_process_us"]]
+            ax.scatter([pos[i]] * len(p50s), p50s, marker="D", s=14, color=colors[arm], edgecolor="black",
+                       linewidth=0.5, zorder=3)
+            ax.annotate(f"p50 {s['p50_us'] / div:.4g} {unit}", (pos[i] + 0.12, s["p50_us"] / div), fontsize=8,
+                        va="center")
         ax.set_xticks(pos)
         ax.set_xticklabels([_label(a, capture).replace(" (", "\n(") for a in arms], fontsize=8)
         hi = max(float(np.percentile(d, 99)) for d in data)
         lo = min(float(d.min()) for d in data)
         if lo > 0 and hi / lo > 20:
             ax.set_yscale("log")
-        ax.set_ylabel("latency per call (µs)")
+        ax.set_ylabel(f"latency per call ({unit})")
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False) if ax.get_yscale() == "linear" else None
         sp, ov = entry["speedup"], entry["overhead"]
         shapes_ = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in entry["shapes"].items())
         ax.set_title(f"batch {entry['batch']} ({shapes_}) — captured vs IOBinding {sp['captured_vs_iobinding']:.2f}x,"

@@ -57,6 +57,9 @@ from typing import Any, Iterator, Mapping, Sequence
 CONTROL_FLOW_OPS = ("If", "Loop", "Scan")
 #: Ops whose output shape depends on input values: a captured replay keeps the capture-time shape.
 DATA_DEPENDENT_OPS = ("NonZero", "Unique", "NonMaxSuppression", "Compress")
+#: Ops whose output may be a view of their input: as a graph output, its copy into the bound buffer is not part
+#: of a WebGPU capture (measured, onnxruntime 1.32: replay returns the capture-time value).
+VIEW_OPS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten")
 #: Session config key that makes ORT record which EP each node went to (read by get_provider_graph_assignment_info).
 RECORD_ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
 #: Models larger than this are not re-serialized by ORT to list Memcpy nodes (protobuf's 2 GiB limit, time).
@@ -118,7 +121,7 @@ def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
 
 
 def _fmt_shape(shape: Sequence[Any]) -> str:
-    return "x".join(str(d) for d in shape)
+    return "x".join(str(d) for d in shape) if len(shape) else "scalar"
 
 
 def _fmt_dims(dims: Sequence[Any]) -> str:
@@ -297,6 +300,25 @@ def check_aliasing(model) -> list[Finding]:
     return out
 
 
+def check_view_outputs(model) -> list[Finding]:
+    """Graph outputs produced directly by a view op (``Reshape``/``Squeeze``/``Unsqueeze``/``Flatten``)."""
+    producer = {o: n for n in model.graph.node for o in n.output if o}
+    out = []
+    for vo in model.graph.output:
+        node = producer.get(vo.name)
+        if node is None or node.op_type not in VIEW_OPS or node.domain not in ("", "ai.onnx"):
+            continue
+        out.append(Finding(
+            "view_output", "warning",
+            f"output {vo.name!r} comes straight from {_node_label(node)}, whose result can be a view of its input: "
+            "the copy into the bound output buffer is not part of the capture (measured on WebGPU, onnxruntime "
+            "1.32: every replay returns the capture-time value; the capture attempt checks your EP)",
+            f"end the graph with a compute op: export without the trailing {node.op_type} on {vo.name!r} and "
+            "reshape the output in the caller (free for numpy/DLPack)",
+            {"output": vo.name, "op_type": node.op_type, "node": node.name}))
+    return out
+
+
 def check_data_dependent(model) -> list[Finding]:
     """Ops whose output shape depends on the input values."""
     out = []
@@ -314,7 +336,7 @@ def check_data_dependent(model) -> list[Finding]:
 def static_checks(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
     """All static checks; raises :class:`DoctorError` for a ``--shape`` that does not fit the model."""
     return (check_control_flow(model) + check_dynamic_dims(model, given) + check_aliasing(model)
-            + check_data_dependent(model))
+            + check_view_outputs(model) + check_data_dependent(model))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,20 +348,29 @@ _SEVERITY = {"V": 0, "I": 1, "W": 2, "E": 3, "F": 4}
 
 
 class OrtLogCapture:
-    """Collect ORT's log messages (``(severity, code location, message)``, severity >= ``min_severity``) while the
-    block runs: through ``onnxruntime.set_default_logger_callback`` where ORT has it, else by pointing file
-    descriptor 2 (where ORT's default sink writes) at a temporary file. Re-entrant use is not supported."""
+    """Collect ORT's log messages while the block runs, as ``(severity, code location, message, phase)`` with
+    severity >= ``min_severity`` (2: warnings); ``phase`` is whatever the caller set last (which session). Uses
+    ``onnxruntime.set_default_logger_callback`` where ORT has it, else points file descriptor 2 (where ORT's default
+    sink writes) at a temporary file and parses it afterwards. Not re-entrant; the callback is process-wide."""
 
     def __init__(self, min_severity: int = 2, use_callback: bool | None = None):
         import onnxruntime as ort
 
         self.min_severity = min_severity
         self.use_callback = hasattr(ort, "set_default_logger_callback") if use_callback is None else use_callback
-        self.records: list[tuple[int, str, str]] = []
+        self.records: list[tuple[int, str, str, str]] = []
+        self.phase = ""
+        self._marks: list[tuple[int, str]] = []  # fd mode: (file offset, phase) — phases resolved on exit
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        if not self.use_callback and hasattr(self, "_tmp"):
+            sys.stderr.flush()
+            self._marks.append((os.lseek(self._tmp.fileno(), 0, os.SEEK_CUR), phase))
 
     def _callback(self, severity, category, logid, code_location, message):
         if int(severity) >= self.min_severity:
-            self.records.append((int(severity), str(code_location), str(message).strip()))
+            self.records.append((int(severity), str(code_location), str(message).strip(), self.phase))
 
     def __enter__(self) -> "OrtLogCapture":
         import onnxruntime as ort
@@ -351,6 +382,7 @@ class OrtLogCapture:
             self._tmp = tempfile.TemporaryFile()
             self._saved_fd = os.dup(2)
             os.dup2(self._tmp.fileno(), 2)
+            self._marks = [(0, self.phase)]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -363,19 +395,21 @@ class OrtLogCapture:
         os.dup2(self._saved_fd, 2)
         os.close(self._saved_fd)
         self._tmp.seek(0)
-        text = _ANSI.sub("", self._tmp.read().decode("utf-8", "replace"))
+        raw = self._tmp.read()
         self._tmp.close()
+        del self._tmp
         other = []
-        for line in text.splitlines():
-            m = _LOG_LINE.search(line)
-            if m is None:
-                if line.strip():
-                    other.append(line)
-                continue
-            sev = _SEVERITY[m.group(1)]
-            if sev >= self.min_severity:
-                self.records.append((sev, m.group(2).strip(), m.group(3).strip()))
-        if other:  # not ORT's: give it back to stderr
+        marks = self._marks + [(len(raw) + 1, "")]
+        for (start, phase), (stop, _) in zip(marks, marks[1:]):
+            text = _ANSI.sub("", raw[start:stop].decode("utf-8", "replace"))
+            for line in text.splitlines():
+                m = _LOG_LINE.search(line)
+                if m is None:
+                    if line.strip():
+                        other.append(line)
+                elif _SEVERITY[m.group(1)] >= self.min_severity:
+                    self.records.append((_SEVERITY[m.group(1)], m.group(2).strip(), m.group(3).strip(), phase))
+        if other:  # not ORT's log: hand it back to stderr
             print("\n".join(other), file=sys.stderr)
 
 
@@ -473,9 +507,6 @@ def placement_session(model, provider: str, tmpdir: str, tag: str, list_memcpy: 
     return sess, Placement(_assigned_cpu_nodes(sess), memcpy)
 
 
-_NP_OF_ONNX = None
-
-
 def random_feeds(model, example: Mapping[str, Sequence[int]], seed: int) -> dict:
     """Random numpy feeds of the example shapes and the model's input element types. Raises :class:`DoctorError`
     for an input type that has no numpy equivalent a device buffer can hold (strings, sequences)."""
@@ -534,42 +565,36 @@ def _ort_reason(text: str) -> str:
     return re.sub(r"\s+Run `ortcapture doctor MODEL`.*$", "", text).strip()
 
 
-def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Mapping, plain, tol: float,
-                    log: OrtLogCapture) -> dict:
-    """Capture ``model_path`` with ``ortcapture.InferenceSession(...).capture(feeds0)``, replay once with
-    ``feeds1`` and compare with ``plain.run``. Returns the ``capture`` part of the report."""
+def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Mapping, plain, tol: float) -> dict:
+    """Capture ``model_path`` through ``ortcapture.InferenceSession(..., capture on).capture(feeds0)``, replay once
+    with ``feeds1`` and compare with ``plain.run`` (an uncaptured session). Returns the ``capture`` part of the
+    report: ``outcome`` is ``captured``, ``captured_specialized`` (ORT refused the model as given, a session with
+    the dims fixed captured), ``refused``, ``mismatch`` or ``replay_failed``."""
     import ortcapture
 
-    res: dict[str, Any] = {"attempted": True, "outcome": None, "reason": None, "stage": None,
+    res: dict[str, Any] = {"attempted": True, "outcome": None, "reason": None, "stage": None, "deferred": None,
                            "static_shapes": None, "max_abs_diff": None, "tolerance": tol, "seconds": None}
     t0 = time.perf_counter()
-
-    def refusal_log() -> str | None:
-        for sev, _, msg in log.records:
-            if sev >= 3 and "graph capture" in msg:
-                return msg
-        return None
-
     try:
         sess = ortcapture.InferenceSession(model_path, **_session_args(provider, True, {RECORD_ASSIGNMENT_KEY: "1"}))
     except Exception as exc:  # noqa: BLE001 - ORT's Fail/EPFail and ortcapture's errors alike
-        res.update(outcome="refused", stage="session", reason=refusal_log() or _ort_reason(exc),
+        res.update(outcome="refused", stage="session creation", reason=_ort_reason(exc),
                    error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0)
         return res
     res["deferred"] = sess.capture_deferred
-    if sess.capture_deferred:
-        res["direct_refusal"] = refusal_log()
     try:
         graph = sess.capture(feeds0)
     except Exception as exc:  # noqa: BLE001
-        reasons = [m for s, _, m in log.records if s >= 3 and "graph capture" in m]
-        res.update(outcome="refused", stage="capture", reason=reasons[-1] if reasons else _ort_reason(exc),
-                   error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0)
+        res.update(outcome="refused", stage="capture" + (" on a shape-specialised session" if sess.capture_deferred
+                                                          else ""),
+                   reason=_ort_reason(exc), error=f"{type(exc).__name__}: {_ort_reason(exc)}",
+                   seconds=time.perf_counter() - t0)
         return res
     try:
         if sess.capture_deferred:
             res["static_shapes"] = {n: list(s) for n, s in (graph._session._oc_static_shapes or ())}
-        res["placement_captured"] = _assigned_cpu_nodes(graph._session)
+        cpu = _assigned_cpu_nodes(graph._session)
+        res["cpu_nodes_captured"] = [list(n) for n in cpu] if cpu is not None else None
         got = graph.run(feeds1)
         res["seconds"] = time.perf_counter() - t0
         want = plain.run(None, dict(feeds1))
@@ -579,14 +604,14 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
             res["outcome"] = "captured_specialized" if sess.capture_deferred else "captured"
         else:
             res["outcome"] = "mismatch"
-            res["reason"] = what or f"replay differs from the uncaptured run by {worst:.3g} (tolerance {tol:g} x scale)"
+            res["reason"] = what or f"max abs diff {worst:.3g} (tolerance {tol:g} x max(1, max |output|))"
     except Exception as exc:  # noqa: BLE001 - a replay that raises is a failed capture too
         res.update(outcome="replay_failed", stage="replay", reason=_ort_reason(exc),
                    error=f"{type(exc).__name__}: {_ort_reason(exc)}")
     finally:
         try:
             graph.release()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - reporting matters more than the release
             pass
     if res["seconds"] is None:
         res["seconds"] = time.perf_counter() - t0
@@ -594,157 +619,182 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
 
 
 _CPU_PREFERRED = re.compile(r"Force fallback to CPU execution for node (\S+)")
-_CAPTURE_LOG = re.compile(r"graph capture|shape massaging|Memcpy", re.IGNORECASE)
+_CAPTURE_LOG = re.compile(r"graph capture|shape massaging|Memcpy|CUDA Graph", re.IGNORECASE)
+#: ORT log lines doctor itself causes (optimized-model dump, ortcapture's capture-off retry): not about the model.
+_OWN_NOISE = ("Serializing optimized model", "already exists with value")
+_PHASE_AS_GIVEN, _PHASE_FIXED, _PHASE_CAPTURE = "model as given", "dims fixed", "capture attempt"
+
+
+def _placement_findings(model, ep: str, example, placement: Placement, fixed: Placement | None,
+                        capture: dict) -> list[Finding]:
+    from ortcapture import shapes
+
+    out: list[Finding] = []
+    outcome = capture["outcome"]
+    captured = outcome in ("captured", "captured_specialized")
+    dynamic = shapes.dynamic_inputs(model)
+    if placement.cpu_nodes is None:
+        out.append(Finding("placement", "info", "this onnxruntime does not report node placement "
+                           "(get_provider_graph_assignment_info): nodes on the CPU EP are not listed"))
+    stay = set(fixed.cpu_nodes) if fixed is not None and fixed.cpu_nodes is not None else None
+    cpu = list(placement.cpu_nodes or [])
+    if dynamic and stay is not None:
+        shape_nodes, remaining = [n for n in cpu if n not in stay], [n for n in cpu if n in stay]
+    else:
+        shape_nodes, remaining = [], cpu
+    if shape_nodes:
+        others = " (the others stay: see cpu_nodes)" if remaining else ""
+        out.append(Finding(
+            "shape_subgraph_cpu", "info" if outcome == "captured" else "warning",
+            f"{len(shape_nodes)} node(s) of the model as given run on the CPU EP — the shape computation of its "
+            f"dynamic dims: {Placement(shape_nodes, None).cpu_labels(8)}; with the dims fixed they go away{others}. "
+            f"ORT refuses {ep} capture for a graph split this way"
+            + ("; ortcapture captured on a shape-specialised session" if outcome == "captured_specialized" else ""),
+            dims_fix(model, example), {"nodes": [list(n) for n in shape_nodes]}))
+    if remaining:
+        ops = sorted({op for _, op in remaining})
+        tail = ("ORT accepted the capture anyway (host-side shape computation: safe while intermediate shapes "
+                "depend only on input shapes)" if captured
+                else f"ORT captures only a graph whose compute nodes all run on {ep}")
+        out.append(Finding(
+            "cpu_nodes", "warning" if captured else "error",
+            f"{len(remaining)} node(s) run on the CPU EP, not {ep}"
+            f"{' (even with the dims fixed)' if dynamic and stay is not None else ''}: "
+            f"{Placement(remaining, None).cpu_labels()}; {tail}",
+            None if captured else f"replace {', '.join(ops)} with ops {ep} has kernels for, or split the model "
+            "there and run those nodes outside the captured graph",
+            {"nodes": [list(n) for n in remaining], "op_types": ops}))
+    for tag, plc in ((_PHASE_AS_GIVEN, placement), (_PHASE_FIXED, fixed)):
+        if plc is None or not plc.memcpy_nodes:
+            continue
+        copies = ", ".join(f"{op}({t!r})" for _, op, t in plc.memcpy_nodes[:8])
+        more = f", ... ({len(plc.memcpy_nodes) - 8} more)" if len(plc.memcpy_nodes) > 8 else ""
+        blocking = not captured and (tag == _PHASE_FIXED or not dynamic)
+        out.append(Finding(
+            "memcpy", "warning" if blocking else "info",
+            f"{len(plc.memcpy_nodes)} Memcpy node(s) copy between host and {ep} ({tag}): {copies}{more}",
+            None, {"session": tag, "nodes": [list(n) for n in plc.memcpy_nodes]}))
+    return out
+
+
+def _log_findings(records) -> list[Finding]:
+    out: list[Finding] = []
+    preferred: dict[str, list[str]] = {}
+    seen = set()
+    for sev, where, msg, phase in records:
+        m = _CPU_PREFERRED.search(msg)
+        if m:
+            preferred.setdefault(phase, [])
+            if m.group(1) not in preferred[phase]:
+                preferred[phase].append(m.group(1))
+            continue
+        if any(n in msg for n in _OWN_NOISE) or (sev >= 3 and "cannot use the graph capture" in msg):
+            continue  # doctor's own doing / the refusal, which the capture finding quotes
+        if (sev, msg) in seen:
+            continue
+        seen.add((sev, msg))
+        out.append(Finding(
+            "ort_log", "warning" if (sev >= 3 or _CAPTURE_LOG.search(msg)) else "info",
+            f"onnxruntime {'error' if sev >= 3 else 'warning'}{f' ({phase})' if phase else ''}: {msg}", None,
+            {"severity": sev, "location": where, "phase": phase}))
+    for phase, names in preferred.items():
+        out.append(Finding(
+            "ort_log", "info",
+            f"onnxruntime warning ({phase}): \"Force fallback to CPU execution ... because the CPU execution path is "
+            f"deemed faster\" for {len(names)} node(s): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
+            None,
+            {"nodes": names, "phase": phase}))
+    return out
+
+
+def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[Finding]) -> Finding:
+    from ortcapture import shapes
+
+    outcome = capture["outcome"]
+    if outcome == "captured":
+        return Finding("capture", "info", f"captured directly on {ep}; one replay matches the uncaptured run "
+                       f"(max abs diff {capture['max_abs_diff']:.3g})")
+    if outcome == "captured_specialized":
+        fixed = ", ".join(f"{n}={_fmt_shape(s)}" for n, s in (capture["static_shapes"] or {}).items())
+        why = capture.get("direct_refusal")
+        return Finding(
+            "capture", "info",
+            f"captured via shape specialization on {ep} (dims fixed to {fixed}); one replay matches the "
+            f"uncaptured run (max abs diff {capture['max_abs_diff']:.3g})"
+            + (f". ORT refused the model as given: {why}" if why else ""), dims_fix(model, example))
+    if outcome == "refused":
+        fix = None
+        if not any(f.severity == "error" and f.fix for f in findings):
+            fix = (dims_fix(model, example) if shapes.dynamic_inputs(model) else
+                   "ORT's reason above is all there is: check the nodes listed as off the EP")
+        return Finding("capture", "error", f"{ep} refused graph capture ({capture['stage']}): {capture['reason']}",
+                       fix, {"error": capture.get("error")})
+    suspects = [f.details.get("output") for f in findings if f.kind in ("alias", "view_output")]
+    fix = (f"fix the outputs flagged above ({', '.join(map(repr, suspects))}): they are the likely cause"
+           if suspects else "look for outputs that alias inputs, data-dependent shapes or random ops")
+    what = "the replay failed: " if outcome == "replay_failed" else "one replay differs from the uncaptured run: "
+    return Finding("capture", "error", f"captured on {ep}, but {what}{capture['reason']}", fix,
+                   {"error": capture.get("error")})
 
 
 def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, Sequence[int]],
-                   static: list[Finding]) -> tuple[list[Finding], dict]:
-    """Placement, ORT logs and a real capture on ``provider``; returns (findings, capture result)."""
+                   static: Sequence[Finding], progress=None) -> tuple[list[Finding], dict]:
+    """Placement, ORT's log and a real capture on ``provider``; returns (findings, capture result).
+
+    Raises :class:`DoctorError` when ORT cannot even create an uncaptured session for the model."""
     from ortcapture import shapes
 
+    say = progress or (lambda msg: None)
     ep = _EP_NAMES[provider]
-    findings: list[Finding] = []
     tol = 1e-3 if provider == "webgpu" else 1e-4
     feeds0, feeds1 = random_feeds(model, example, 0), random_feeds(model, example, 1)
     dynamic = shapes.dynamic_inputs(model)
-    external = any(t.data_location == 1 for t in model.graph.initializer)
+    external = any(t.data_location == 1 for t in model.graph.initializer)  # TensorProto.EXTERNAL
     list_memcpy = not external and os.path.getsize(model_path) < _OPTIMIZED_MODEL_LIMIT
     fixed_placement = None
     with tempfile.TemporaryDirectory(prefix="ortcapture-doctor-") as tmp, OrtLogCapture() as log:
+        say(f"placement: uncaptured {ep} session")
+        log.set_phase(_PHASE_AS_GIVEN)
         try:
             plain, placement = placement_session(model_path, provider, tmp, "as_given", list_memcpy)
         except Exception as exc:  # noqa: BLE001
             raise DoctorError(f"onnxruntime cannot create an uncaptured {ep} session for this model: "
                               f"{_ort_reason(exc)}") from None
         if dynamic and placement.cpu_nodes:
-            fixed = shapes.fix_input_shapes(model_path, {n: example[n] for n in dynamic})
+            say("placement: uncaptured session with the dims fixed")
+            log.set_phase(_PHASE_FIXED)
             try:
+                fixed = shapes.fix_input_shapes(model_path, {n: example[n] for n in dynamic})
                 _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy)
             except Exception:  # noqa: BLE001 - the capture attempt reports what ORT says
                 fixed_placement = None
-        capture = attempt_capture(model_path, provider, feeds0, feeds1, plain, tol, log)
-        records = list(log.records)
-    captured = capture["outcome"] in ("captured", "captured_specialized")
-    refused_reason = capture.get("reason") or ""
-
-    # -- placement findings ----------------------------------------------------------------------------------
-    if placement.cpu_nodes is None:
-        findings.append(Finding("placement", "info", "this onnxruntime does not report node placement "
-                                "(get_provider_graph_assignment_info): nodes on CPU are not listed"))
-    cpu_ids = set(placement.cpu_nodes or [])
-    stay = set(fixed_placement.cpu_nodes or []) if fixed_placement and fixed_placement.cpu_nodes is not None else None
-    if placement.cpu_nodes and dynamic:
-        if stay is not None:
-            shape_nodes = [n for n in placement.cpu_nodes if n not in stay]
-            remaining = [n for n in placement.cpu_nodes if n in stay]
-        else:
-            shape_nodes, remaining = [], list(placement.cpu_nodes)
-        if shape_nodes:
-            sub = Placement(shape_nodes, None)
-            fixed_note = ("the dims fixed, they go away" if not remaining
-                          else "the dims fixed, these go away (others stay: see below)")
-            sev = "warning" if (capture["outcome"] != "captured") else "info"
-            findings.append(Finding(
-                "shape_subgraph_cpu", sev,
-                f"{len(shape_nodes)} node(s) of the model as given run on the CPU EP: the shape computation of its "
-                f"dynamic dims ({sub.cpu_labels(8)}); with {fixed_note}. ORT refuses {ep} capture for a graph "
-                "split this way" + ("; ortcapture captured on a shape-specialised session"
-                                    if capture["outcome"] == "captured_specialized" else ""),
-                dims_fix(model, example), {"nodes": [list(n) for n in shape_nodes]}))
-        cpu_remaining = remaining
-    else:
-        cpu_remaining = list(placement.cpu_nodes or [])
-    if cpu_remaining:
-        sub = Placement(cpu_remaining, None)
-        ops = sorted({op for _, op in cpu_remaining})
-        sev = "warning" if captured else "error"
-        tail = ("ORT accepted capture anyway (they compute shapes on the host; safe while intermediate shapes "
-                "depend only on input shapes)" if captured
-                else "a capturing EP must run every compute node: ORT refuses capture for this graph")
-        findings.append(Finding(
-            "cpu_nodes", sev,
-            f"{len(cpu_remaining)} node(s) run on the CPU EP, not {ep}"
-            f"{' even with the dims fixed' if dynamic and stay is not None else ''}: {sub.cpu_labels()}; {tail}",
-            None if captured else
-            f"replace {', '.join(ops)} with ops {ep} has kernels for, or split the model there and run those "
-            "nodes outside the captured graph",
-            {"nodes": [list(n) for n in cpu_remaining], "op_types": ops}))
-    for tag, plc in (("model as given", placement), ("dims fixed", fixed_placement)):
-        if plc is None or not plc.memcpy_nodes:
-            continue
-        copies = ", ".join(f"{op}({t!r})" for _, op, t in plc.memcpy_nodes[:8])
-        more = f", ... ({len(plc.memcpy_nodes) - 8} more)" if len(plc.memcpy_nodes) > 8 else ""
-        fixed_tag = tag == "dims fixed"
-        findings.append(Finding(
-            "memcpy", ("warning" if not captured else "info") if fixed_tag or not dynamic else "info",
-            f"{len(plc.memcpy_nodes)} Memcpy node(s) copy between host and {ep} ({tag}): {copies}{more}",
-            None, {"session": tag, "nodes": [list(n) for n in plc.memcpy_nodes]}))
-
-    # -- ORT's log ---------------------------------------------------------------------------------------------
-    preferred = []
-    seen = set()
-    for sev, where, msg in records:
-        m = _CPU_PREFERRED.search(msg)
-        if m:
-            preferred.append(m.group(1))
-            continue
-        key = (sev, msg)
-        if key in seen:
-            continue
-        seen.add(key)
-        if sev >= 3 and "graph capture" in msg:
-            kind = "ort_refusal"
-        else:
-            kind = "ort_log"
-        findings.append(Finding(
-            kind, "warning" if (sev >= 3 or _CAPTURE_LOG.search(msg)) else "info",
-            f"onnxruntime {'error' if sev >= 3 else 'warning'} ({where}): {msg}", None,
-            {"severity": sev, "location": where}))
-    if preferred:
-        names = list(dict.fromkeys(preferred))
-        findings.append(Finding(
-            "ort_log", "info",
-            f"onnxruntime moved {len(names)} small node(s) to CPU on purpose (\"CPU execution path is deemed faster\"): "
-            f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}", None, {"nodes": names}))
-
-    # -- the capture attempt -----------------------------------------------------------------------------------
-    outcome = capture["outcome"]
-    if outcome == "captured":
-        findings.append(Finding("capture", "info", f"captured directly on {ep}; one replay matches the uncaptured run "
-                                f"(max abs diff {capture['max_abs_diff']:.3g})"))
-    elif outcome == "captured_specialized":
-        why = capture.get("direct_refusal")
-        findings.append(Finding(
-            "capture", "info",
-            f"captured via shape specialization on {ep} (dims fixed to "
-            f"{', '.join(f'{n}={_fmt_shape(s)}' for n, s in (capture['static_shapes'] or {}).items())}); one replay "
-            f"matches the uncaptured run (max abs diff {capture['max_abs_diff']:.3g})"
-            + (f". ORT refused the model as given: {why}" if why else ""),
-            dims_fix(model, example)))
-    elif outcome == "refused":
-        fix = None
-        if not any(f.severity == "error" and f.fix for f in static + findings):
-            fix = ("see ORT's reason; `ortcapture doctor` lists the nodes off the EP" if not dynamic
-                   else dims_fix(model, example))
-        findings.append(Finding("capture", "error", f"{ep} refused graph capture ({capture['stage']}): "
-                                f"{refused_reason}", fix, {"error": capture.get("error")}))
-    else:
-        findings.append(Finding(
-            "capture", "error",
-            f"captured on {ep}, but " + ("the replay failed: " if outcome == "replay_failed" else
-                                          "one replay differs from the uncaptured run: ") + refused_reason,
-            "look for outputs that alias inputs, data-dependent shapes or random ops; report the model if none",
-            {"error": capture.get("error")}))
+        say(f"capture: one capture and one replay on {ep} (a big model's first capture can take a while)")
+        log.set_phase(_PHASE_CAPTURE)
+        capture = attempt_capture(model_path, provider, feeds0, feeds1, plain, tol)
+        del plain
+    # ORT logs its refusal before raising: a more precise reason than the wrapped exception
+    refusals = [m for sev, _, m, ph in log.records if ph == _PHASE_CAPTURE and sev >= 3 and "graph capture" in m]
+    if refusals and capture["outcome"] == "refused":
+        capture["reason"] = refusals[-1]
+    if refusals and capture.get("deferred"):
+        capture["direct_refusal"] = refusals[0]
+    findings = _placement_findings(model, ep, example, placement, fixed_placement, capture)
+    findings += _log_findings(log.records)
+    findings.append(_capture_finding(model, ep, example, capture, list(static) + findings))
     return findings, capture
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # verdict and report
 # ---------------------------------------------------------------------------------------------------------------
-def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str] = ()) -> dict:
-    """Run the checks; returns the report dict (what ``--json`` prints). Raises :class:`DoctorError` (exit 2)."""
+def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str] = (), progress=None) -> dict:
+    """Run the static checks, then (with a capture-capable EP) the dynamic ones; return the report (the object
+    ``--json`` prints). Raises :class:`DoctorError` (exit 2) for an unreadable model, a bad ``--shape`` or an
+    unusable requested provider."""
     import onnx
+    import onnxruntime as ort
 
+    from ortcapture import shapes
     from ortcapture.demo import example_shapes
 
     if not os.path.isfile(model_path):
@@ -755,40 +805,37 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         raise DoctorError(f"cannot read {model_path} as an ONNX model: {exc}") from None
     given = parse_shapes(shape_items)
     findings = static_checks(model, given)
+    dims = shapes.input_dims(model)
     example = {n: tuple(s) for n, s in example_shapes(model_path, 1, list(shape_items)).items()}
-    derived = sorted(n for n in example if n not in given and any(
-        not isinstance(d, int) for d in __import__("ortcapture.shapes", fromlist=["x"]).input_dims(model)[n]))
+    derived = [n for n, ds in dims.items() if n not in given and any(not isinstance(d, int) for d in ds)]
     if derived:
         findings.append(Finding(
             "shapes", "info",
-            f"no --shape for {', '.join(derived)}: checked with {', '.join(f'{n}={_fmt_shape(example[n])}' for n in derived)} "
-            "(batch 1, other dynamic dims 320); pass --shape with the shapes you will run", None,
-            {"derived": {n: list(example[n]) for n in derived}}))
+            f"no --shape for {', '.join(derived)}: checking with "
+            f"{', '.join(f'{n}={_fmt_shape(example[n])}' for n in derived)} (batch 1, other dynamic dims 320); "
+            "pass --shape with the shapes you will run", None, {"derived": {n: list(example[n]) for n in derived}}))
     chosen, why_none = choose_provider(provider)
     capture: dict[str, Any] = {"attempted": False, "outcome": "not_attempted", "reason": why_none}
-    if chosen != "none":
-        dyn, capture = dynamic_checks(model_path, model, chosen, example, findings)
-        findings += dyn
+    if chosen == "none":
+        findings.append(Finding("provider", "info", f"no capture attempted: {why_none}"))
+    else:
+        more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress)
+        findings += more
         if capture["outcome"] in ("captured", "captured_specialized"):
             for f in findings:
-                if f.severity == "error":  # the real capture and replay say otherwise
+                if f.severity == "error":  # a real capture and a matching replay outrank a static rule
                     f.severity = "warning"
-                    f.message += " (yet the capture attempt succeeded and its replay matched: ORT handles it here)"
-    else:
-        findings.append(Finding("provider", "info", f"no capture attempted: {why_none}"))
+                    f.message += " (yet the capture attempt succeeded and its replay matched: ORT copes here)"
+    errors = any(f.severity == "error" for f in findings)
     if capture["attempted"]:
-        ok = capture["outcome"] in ("captured", "captured_specialized") and not any(
-            f.severity == "error" for f in findings)
+        ok = capture["outcome"] in ("captured", "captured_specialized") and not errors
         basis = f"capture attempt on {_EP_NAMES[chosen]}"
     else:
-        ok = not any(f.severity == "error" for f in findings)
+        ok = not errors
         basis = "static checks only"
-    fixes = list(dict.fromkeys(f.fix for f in findings if f.fix and f.severity in ("error", "warning")))
-    if ok:  # the dims advice still matters for the raw IOBinding path
-        fixes += [f.fix for f in findings if f.fix and f.kind == "capture" and f.fix not in fixes]
     order = {s: i for i, s in enumerate(SEVERITIES)}
-    import onnxruntime as ort
-
+    findings.sort(key=lambda f: order[f.severity])
+    fixes = [f.fix for f in findings if f.fix and (f.severity in ("error", "warning") or f.kind == "capture")]
     return {
         "model": model_path,
         "verdict": "capturable" if ok else "not capturable",
@@ -797,12 +844,12 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         "provider": chosen,
         "ep": _EP_NAMES.get(chosen),
         "onnxruntime": ort.__version__,
-        "inputs": {n: {"dims": d, "shape": list(example.get(n, ())),
+        "inputs": {n: {"dims": ds, "shape": list(example.get(n, ())),
                        "source": "given" if n in given else ("derived" if n in derived else "model")}
-                   for n, d in __import__("ortcapture.shapes", fromlist=["x"]).input_dims(model).items()},
-        "findings": [asdict(f) for f in sorted(findings, key=lambda f: order[f.severity])],
+                   for n, ds in dims.items()},
+        "findings": [asdict(f) for f in findings],
         "capture": capture,
-        "what_to_change": fixes,
+        "what_to_change": list(dict.fromkeys(fixes)),
     }
 
 

@@ -138,3 +138,27 @@ def test_update_inplace_d2d_overhead_reasonable(cuda):
     dst = ort.OrtValue.ortvalue_from_shape_and_type([1, 3, 320, 320], np.float32, "cuda", 0)
     ortcapture.update_inplace(dst, src)
     assert float(dst.numpy().sum()) == 3 * 320 * 320
+
+
+def test_tensorrt_cuda_graph_capture_when_tensorrt_loads(cuda):
+    """TensorRT EP with trt_cuda_graph_enable: same guards (skipped where the TensorRT libraries are absent)."""
+    import onnxruntime as ort
+
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime without the TensorRT EP")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        sess = ortcapture.InferenceSession(tiny.affine_model(), so, providers=[
+            ("TensorrtExecutionProvider", {"trt_cuda_graph_enable": "1"}), "CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - libnvinfer missing: ORT cannot create the EP
+        pytest.skip(f"TensorRT EP cannot be created here: {str(exc).splitlines()[0][:200]}")
+    assert sess.capture_info.ep.name == "TensorrtExecutionProvider"
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    np.testing.assert_array_equal(g.run({"X": np.ones((2, 4), np.float32)})[0], np.full((2, 4), 3.0))
+    g.release()
+    with pytest.raises(ortcapture.GraphReleasedError):
+        b = sess.io_binding()
+        b.bind_ortvalue_input("X", sess.allocate((2, 4), np.float32))
+        b.bind_ortvalue_output("Y", sess.allocate((2, 4), np.float32))
+        sess.run_with_iobinding(b, ortcapture.session.run_options_for(g.graph_id))
