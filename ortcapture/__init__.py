@@ -14,7 +14,7 @@ _EXPORTS = {
     "CaptureUnsupportedError": "ortcapture.errors", "GraphReleasedError": "ortcapture.errors",
     "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
-    "InferenceSession": "ortcapture.session",
+    "InferenceSession": "ortcapture.session", "run_options_for": "ortcapture.session",
     "can_copy": "ortcapture.transfer", "copy": "ortcapture.transfer", "to_numpy": "ortcapture.transfer",
     "update_inplace": "ortcapture.transfer",
 }

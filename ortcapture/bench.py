@@ -425,6 +425,8 @@ def _run_worker(cmd: list[str], on_progress) -> tuple[dict | None, str]:
     if result is None or rc != 0 and result.get("ok"):
         why = f"exit code {rc}" if rc >= 0 else f"killed by signal {-rc}"
         result = {"ok": False, "error": (result or {}).get("error") or f"worker {why} without a result"}
+    elif not result.get("ok"):
+        tail.clear()  # the worker said what failed; its traceback is noise here
     return result, "\n".join(tail)
 
 

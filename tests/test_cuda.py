@@ -161,4 +161,4 @@ def test_tensorrt_cuda_graph_capture_when_tensorrt_loads(cuda):
         b = sess.io_binding()
         b.bind_ortvalue_input("X", sess.allocate((2, 4), np.float32))
         b.bind_ortvalue_output("Y", sess.allocate((2, 4), np.float32))
-        sess.run_with_iobinding(b, ortcapture.session.run_options_for(g.graph_id))
+        sess.run_with_iobinding(b, ortcapture.run_options_for(g.graph_id))

@@ -52,7 +52,7 @@ def test_capture_on_second_gpu_and_refuse_cross_device(two_gpus):
     binding.bind_ortvalue_input("X", on_gpu0)
     binding.bind_ortvalue_output("Y", sess.allocate((2, 4), np.float32))
     with pytest.raises(ortcapture.BindingError, match="cuda:0"):
-        sess.run_with_iobinding(binding, ortcapture.session.run_options_for(5))
+        sess.run_with_iobinding(binding, ortcapture.run_options_for(5))
     # explicit cross-GPU update (peer copy) into the GPU-1 buffer
     src = ort.OrtValue.ortvalue_from_numpy(np.full((2, 4), 4.0, np.float32), "cuda", 0)
     np.testing.assert_array_equal(g.run({"X": src})[0], np.full((2, 4), 9.0))
