@@ -19,8 +19,9 @@ same in every arm. The inputs alternate between two feeds.
 * ``plain``: ``onnxruntime.InferenceSession.run(None, numpy feeds)`` on a session without capture: host→device
   copy, run, device→host copy of ORT-allocated outputs.
 * ``iobinding``: the same session through an ``onnxruntime.IOBinding`` of fixed device buffers: device→device
-  copy of each input from a device-resident source OrtValue (CUDA ``OrtValue.update_inplace(OrtValue)``, WebGPU
-  ``onnxruntime.copy_tensors``), ``run_with_iobinding``, ``ortcapture.to_numpy`` of each fixed output.
+  copy of each input from a device-resident source OrtValue (CUDA ``OrtValue.update_inplace(OrtValue)``, or
+  ``ortcapture.update_inplace`` before ORT 1.26; WebGPU ``onnxruntime.copy_tensors``), ``run_with_iobinding``,
+  ``ortcapture.to_numpy`` of each fixed output.
 * ``raw_capture``: exactly that, hand-written with raw onnxruntime on a plain ``onnxruntime.InferenceSession``
   created with the capture option (``enable_cuda_graph`` / ``enableGraphCapture``) and ``gpu_graph_id=0``: the
   first run captures, the timed runs replay.
@@ -190,7 +191,7 @@ def _worker(opts) -> dict:
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture import timing, transfer, values
+    from ortcapture import compat, timing, transfer, values
     from ortcapture.session import run_options_for
 
     provider, capture, model = opts.provider, bool(opts.capture), opts.model
@@ -200,6 +201,8 @@ def _worker(opts) -> dict:
 
     def progress(done: int, total: int, phase: str) -> None:
         print(f"{_PROGRESS} {done} {total} {phase}", file=sys.stderr, flush=True)
+
+    progress(0, 0, "sessions and capture")
 
     plain = ort.InferenceSession(model, **session_args(provider, False))  # plain + iobinding arms
     raw = ort.InferenceSession(model, **session_args(provider, capture))  # raw_capture arm
@@ -237,7 +240,9 @@ def _worker(opts) -> dict:
         return [{n: transfer.update_inplace(make(a.shape, a.dtype), a) for n, a in f.items()} for f in feeds]
 
     to_numpy = ortcapture.to_numpy
-    if dev == "cuda":
+    if dev == "cuda" and not compat.has_update_inplace_ortvalue():  # ORT < 1.26: ortcapture's copy instead
+        d2d = transfer.update_inplace
+    elif dev == "cuda":
         def d2d(dst, src):
             dst.update_inplace(src)
     else:
@@ -408,8 +413,11 @@ def _run_worker(cmd: list[str], on_progress) -> tuple[dict | None, str]:
     tail: deque[str] = deque(maxlen=30)
     for line in proc.stderr:
         if line.startswith(_PROGRESS):
-            _, done, _total, phase = line.rstrip("\n").split(" ", 3)
-            on_progress(int(done), phase)
+            try:
+                _, done, _total, phase = line.rstrip("\n").split(" ", 3)
+                on_progress(int(done), phase)
+            except ValueError:
+                pass
         elif line.strip():
             tail.append(line.rstrip("\n"))
     rc = proc.wait()
@@ -511,7 +519,8 @@ def plot(result: dict, path: str) -> None:
     axes = fig.subplots(len(batches), 1, squeeze=False)[:, 0]
     for ax, entry in zip(axes, batches):
         unit, div = ("ms", 1e3) if max(s["p90_us"] for s in entry["stats"].values()) >= 1e4 else ("µs", 1.0)
-        data = [np.asarray(entry["samples_us"][a], dtype=np.float64) / div for a in arms]
+        data = [np.concatenate([np.asarray(r, dtype=np.float64) for r in entry["samples_us"][a]]) / div
+                for a in arms]
         pos = np.arange(1, len(arms) + 1)
         usable = [i for i, d in enumerate(data) if d.size > 1 and np.ptp(d) > 0]
         if usable:
@@ -635,8 +644,7 @@ def _run(args) -> int:
                 entry["verified"] = all(w["verified"] for w in workers)
                 entry["processes"] = [{k: w[k] for k in ("pid", "ep", "providers", "setup_s", "raw_first_run_s",
                                                          "ortcapture_capture_s", "verified")} for w in workers]
-                entry["samples_us"] = {a: [x for w in workers for x in w["samples_us"][a]] for a in ARMS}
-                entry["samples_us_per_process"] = {a: [w["samples_us"][a] for w in workers] for a in ARMS}
+                entry["samples_us"] = {a: [w["samples_us"][a] for w in workers] for a in ARMS}  # per process
                 result["ep"] = workers[0]["ep"]
                 result["batches"].append(entry)
     finally:

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="ONNX model (default: the reference YOLOv8n, fetched from PyPI)")
     p.add_argument("--provider", choices=["auto", "cuda", "webgpu"], default="auto")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per arm (default: 200 on CUDA, 10 on WebGPU, whose software adapter needs ~1.5 s a call)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=1x3x320x320",
                    help="example input shape (dims of dynamic inputs; batch comes from --batch otherwise)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -91,6 +92,8 @@ def run(args) -> int:
 
     model = args.model or str(models.reference_model())
     provider = pick_provider(args.provider)
+    if args.iters is None:
+        args.iters = 200 if provider == "cuda" else 10
     plain, sess = make_sessions(model, provider)
     info = (sess.capture_info or sess._oc_requested)
     shapes_ = example_shapes(model, args.batch, args.shape)
@@ -129,7 +132,8 @@ def run(args) -> int:
         checked += 1
 
     results = {}
-    results["plain run(numpy)"] = timing.measure(lambda i: plain.run(None, feeds[i % 4]), args.iters)
+    warm = 5 if provider == "cuda" else 1
+    results["plain run(numpy)"] = timing.measure(lambda i: plain.run(None, feeds[i % 4]), args.iters, warm)
 
     def nograph(i):
         for n, v in nog_in.items():
@@ -137,7 +141,7 @@ def run(args) -> int:
         plain.run_with_iobinding(nog)
         return [transfer.to_numpy(v) for v in nog_out.values()]
 
-    results["IOBinding, no graph"] = timing.measure(nograph, args.iters)
+    results["IOBinding, no graph"] = timing.measure(nograph, args.iters, warm)
     ro = run_options_for(graph.graph_id)
     rec = graph._record
 
@@ -148,10 +152,10 @@ def run(args) -> int:
             target._oc_replay(graph._binding, ro, rec)
         return [transfer.to_numpy(v) for v in graph.outputs.values()]
 
-    results["captured replay"] = timing.measure(replay, args.iters)
-    results["CapturedGraph.run(numpy)"] = timing.measure(lambda i: graph.run(feeds[i % 4]), args.iters)
+    results["captured replay"] = timing.measure(replay, args.iters, warm)
+    results["CapturedGraph.run(numpy)"] = timing.measure(lambda i: graph.run(feeds[i % 4]), args.iters, warm)
     # verification, outside the timed loops: every arm's output against the uncaptured run
-    for i in range(8):
+    for i in range(8 if provider == "cuda" else 4):
         check(nograph(i), i % 4)
         check(replay(i), i % 4)
         check(graph.run(feeds[i % 4]), i % 4)

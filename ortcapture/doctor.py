@@ -238,8 +238,7 @@ def dims_fix(model, example: Mapping[str, Sequence[int]], only: Sequence[str] | 
 
 
 def _canonical_state_name(name: str) -> str:
-    drop = {"in", "out", "input", "output", "past", "present", "prev", "next", "new", "old", "key", "values",
-            "past_key_values"}
+    drop = {"in", "out", "input", "output", "past", "present", "prev", "next", "new", "old"}
     lowered = name.lower().replace("past_key_values", "past")
     parts = [p for p in re.split(r"[._/:\-]+", lowered) if p]
     kept = [p for p in parts if p not in drop]
@@ -474,8 +473,7 @@ def _assigned_cpu_nodes(sess) -> list[tuple[str, str]] | None:
         subgraphs = sess.get_provider_graph_assignment_info()
     except Exception:  # noqa: BLE001 - older ORT: recording not supported
         return None
-    if not subgraphs:
-        return None  # recording off or unsupported: an empty answer says nothing
+    # an empty answer: nothing off the EP (measured on 1.27: a graph all on one EP gives [])
     return [(n.name, n.op_type) for sg in subgraphs if sg.ep_name == "CPUExecutionProvider" for n in sg.get_nodes()]
 
 
@@ -814,6 +812,9 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
             f"no --shape for {', '.join(derived)}: checking with "
             f"{', '.join(f'{n}={_fmt_shape(example[n])}' for n in derived)} (batch 1, other dynamic dims 320); "
             "pass --shape with the shapes you will run", None, {"derived": {n: list(example[n]) for n in derived}}))
+    for f in findings:
+        if f.kind == "dynamic_dims" and f.severity == "warning":
+            f.fix = dims_fix(model, example)
     chosen, why_none = choose_provider(provider)
     capture: dict[str, Any] = {"attempted": False, "outcome": "not_attempted", "reason": why_none}
     if chosen == "none":
@@ -821,6 +822,11 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     else:
         more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress)
         findings += more
+        if capture["outcome"] == "captured":  # ORT captured with the dims dynamic: nothing to fix
+            for f in findings:
+                if f.kind == "dynamic_dims" and f.severity == "warning":
+                    f.severity, f.fix = "info", None
+                    f.message += f" (ORT captured the model as given at {_fmt_shape(example[f.details['input']])})"
         if capture["outcome"] in ("captured", "captured_specialized"):
             for f in findings:
                 if f.severity == "error":  # a real capture and a matching replay outrank a static rule
@@ -853,8 +859,13 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     }
 
 
+_OUTCOME_WORDS = {"captured": "captured directly", "captured_specialized": "captured via shape specialization",
+                  "refused": "refused", "mismatch": "captured, but the replay does not match the uncaptured run",
+                  "replay_failed": "captured, but the replay failed", "not_attempted": "not attempted"}
+
+
 def format_report(report: dict) -> str:
-    """The human-readable report."""
+    """The human-readable report: inputs, findings (errors first), capture outcome, verdict, what to change."""
     lines = [f"ortcapture doctor: {report['model']}",
              f"  onnxruntime {report.get('onnxruntime')}, provider {report.get('ep') or report.get('provider')}"]
     for name, info in (report.get("inputs") or {}).items():
@@ -864,8 +875,8 @@ def format_report(report: dict) -> str:
         lines.append(f"  [{f['severity']}] {f['kind']}: {f['message']}")
     cap = report.get("capture") or {}
     if cap.get("attempted"):
-        extra = f" in {cap['seconds']:.1f} s" if cap.get("seconds") is not None else ""
-        lines.append(f"\n  capture: {cap['outcome'].replace('_', ' ')}{extra}")
+        took = f" ({cap['seconds']:.1f} s)" if cap.get("seconds") is not None else ""
+        lines.append(f"\n  capture: {_OUTCOME_WORDS.get(cap['outcome'], cap['outcome'])}{took}")
     lines.append(f"\nverdict: {report['verdict']} (exit {report['exit_code']}; {report.get('basis', '')})")
     if report.get("what_to_change"):
         lines.append("what to change:")
@@ -874,16 +885,20 @@ def format_report(report: dict) -> str:
 
 
 def run(args) -> int:
-    """Entry point of ``ortcapture doctor``: print the report (or JSON) and return the exit code."""
+    """Entry point of ``ortcapture doctor``: print the report (``--json``: one JSON object) and return the exit
+    code: 0 capturable, 1 not capturable, 2 error."""
+    progress = None if args.json else (lambda msg: print(f"ortcapture doctor: {msg} ...", file=sys.stderr,
+                                                         flush=True))
     try:
-        report = diagnose(args.model, args.provider, args.shape)
-    except DoctorError as exc:
-        report = {"model": args.model, "verdict": "error", "exit_code": EXIT_ERROR, "error": str(exc),
-                  "provider": args.provider, "findings": [], "capture": {"attempted": False}, "what_to_change": []}
+        report = diagnose(args.model, args.provider, args.shape, progress)
+    except Exception as exc:  # noqa: BLE001 - DoctorError (the request) or anything unexpected: exit 2
+        why = str(exc) if isinstance(exc, DoctorError) else f"doctor failed: {type(exc).__name__}: {exc}"
         if args.json:
-            print(json.dumps(report))
+            print(json.dumps({"model": args.model, "verdict": "error", "exit_code": EXIT_ERROR, "error": why,
+                              "provider": args.provider, "findings": [], "capture": {"attempted": False},
+                              "what_to_change": []}))
         else:
-            print(f"ortcapture doctor: {exc}", file=sys.stderr)
+            print(f"ortcapture doctor: {why}", file=sys.stderr)
         return EXIT_ERROR
     print(json.dumps(report, default=str) if args.json else format_report(report))
     return int(report["exit_code"])

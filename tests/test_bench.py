@@ -42,7 +42,7 @@ def _check_result(res: dict, batches: list[int], procs: int, iters: int, capture
             assert len(s["p50_per_process_us"]) == procs
             lo, hi = s["p50_spread_us"]
             assert lo <= hi
-            assert len(entry["samples_us"][arm]) == procs * iters
+            assert [len(r) for r in entry["samples_us"][arm]] == [iters] * procs  # per process
             assert entry["max_abs_diff"][arm] <= entry["tolerance"]
         assert all(v > 0 for v in entry["speedup"].values())
         assert entry["overhead"]["ortcapture_over_raw"] > 0
@@ -84,6 +84,15 @@ def test_bench_no_graph_capture_webgpu(webgpu, tmp_path, capsys):
     _check_result(res, [1], procs=1, iters=4, capture=False)
     assert "[capture off]" in captured.out
     _check_png(out_png)
+
+
+@pytest.mark.webgpu
+def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
+    model = tmp_path / "if.onnx"
+    model.write_bytes(tiny.if_model())  # control flow: ORT refuses graph capture when the worker builds sessions
+    assert main(["bench", str(model), "--provider", "webgpu", "--procs", "2", "--iters", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "worker for batch 1 · process 1/2 failed" in err and "control flow" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------

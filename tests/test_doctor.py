@@ -1,0 +1,332 @@
+"""``ortcapture doctor``: verdicts and reasons on real models, through ``ortcapture.cli.main`` (no mocks of ORT).
+
+Static tests use ``--provider none``; WebGPU tests really capture on the software adapter (they skip, or fail under
+ORTCAPTURE_REQUIRE_WEBGPU=1, where WebGPU cannot run); CUDA tests carry ``@pytest.mark.cuda``.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ortcapture import cli, doctor
+from tests import tiny
+from tests.conftest import cuda_available, webgpu_available
+
+
+# -- models --------------------------------------------------------------------------------------------------------
+def _save(tmp_path, name: str, model) -> str:
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(model if isinstance(model, bytes) else model.SerializeToString())
+    return str(path)
+
+
+def _model(nodes, inputs, outputs, inits=()) -> bytes:
+    graph = helper.make_graph(nodes, "doctor", inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def nested_if_model() -> bytes:
+    """Y = X + 1 with an If named 'inner_if' nested in the then-branch of an If named 'outer_if'."""
+    vi = tiny.vi
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    leaf = lambda name, op: helper.make_graph(  # noqa: E731
+        [helper.make_node(op, ["X", "one"], [name])], name, [], [vi(name, [2])], [one])
+    inner = helper.make_node("If", ["cond"], ["t"], name="inner_if", then_branch=leaf("a", "Add"),
+                             else_branch=leaf("b", "Sub"))
+    then_g = helper.make_graph([inner], "then", [], [vi("t", [2])])
+    outer = helper.make_node("If", ["cond"], ["Y"], name="outer_if", then_branch=then_g,
+                             else_branch=leaf("e", "Mul"))
+    return _model([outer], [vi("cond", [], TensorProto.BOOL), vi("X", [2])], [vi("Y", [2])])
+
+
+def shape_subgraph_model() -> bytes:
+    """Y = X + ConstantOfShape([batch, 1]) with X [batch, n]: ORT places the shape computation (Gather, Unsqueeze,
+    Concat, ConstantOfShape) on the CPU EP, so ORT's WebGPU EP refuses capture until the dims are fixed."""
+    vi = tiny.vi
+    ints = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    nodes = [
+        helper.make_node("Shape", ["X"], ["shp"], name="shape"),
+        helper.make_node("Gather", ["shp", "zero"], ["b"], name="gather_batch", axis=0),
+        helper.make_node("Unsqueeze", ["b", "axis0"], ["b1"], name="unsqueeze_batch"),
+        helper.make_node("Concat", ["b1", "one"], ["cshape"], name="concat_shape", axis=0),
+        helper.make_node("ConstantOfShape", ["cshape"], ["c"], name="ones",
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+        helper.make_node("Add", ["X", "c"], ["Y"], name="add"),
+    ]
+    return _model(nodes, [vi("X", ["batch", "n"])], [vi("Y", ["batch", "n"])],
+                  [ints("zero", 0), ints("axis0", [0]), ints("one", [1])])
+
+
+def cpu_op_model() -> bytes:
+    """Relu -> Round ('the_round') -> Relu: the WebGPU EP has no Round kernel (onnxruntime 1.32, plugin 0.4.0), so
+    Round lands on the CPU EP between two WebGPU nodes (with Memcpy nodes around it)."""
+    vi = tiny.vi
+    nodes = [helper.make_node("Relu", ["X"], ["a"], name="relu_in"),
+             helper.make_node("Round", ["a"], ["b"], name="the_round"),
+             helper.make_node("Relu", ["b"], ["Y"], name="relu_out")]
+    return _model(nodes, [vi("X", [4, 64])], [vi("Y", [4, 64])])
+
+
+def identity_alias_model() -> bytes:
+    """Y = Relu(X); Z = Identity(X): output Z is input X through Identity."""
+    vi = tiny.vi
+    nodes = [helper.make_node("Relu", ["X"], ["Y"], name="relu"),
+             helper.make_node("Identity", ["X"], ["Z"], name="copy_x")]
+    return _model(nodes, [vi("X", [2, 4])], [vi("Y", [2, 4]), vi("Z", [2, 4])])
+
+
+def passthrough_model() -> bytes:
+    """Outputs Y = Relu(X) and X itself (a graph output named like the graph input)."""
+    vi = tiny.vi
+    return _model([helper.make_node("Relu", ["X"], ["Y"])], [vi("X", [2, 4])], [vi("Y", [2, 4]), vi("X", [2, 4])])
+
+
+def view_output_model() -> bytes:
+    """Y = Reshape(Relu(X), [8]): the graph output comes straight from a view op."""
+    vi = tiny.vi
+    shape = numpy_helper.from_array(np.array([8], np.int64), "shape8")
+    nodes = [helper.make_node("Relu", ["X"], ["a"], name="relu"),
+             helper.make_node("Reshape", ["a", "shape8"], ["Y"], name="flatten_out")]
+    return _model(nodes, [vi("X", [2, 4])], [vi("Y", [8])], [shape])
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+def doctor_json(capsys, *argv) -> tuple[int, dict]:
+    code = cli.main(["doctor", *map(str, argv), "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out)  # exactly one JSON object on stdout
+    assert report["exit_code"] == code
+    return code, report
+
+
+def findings(report, kind, severity=None):
+    return [f for f in report["findings"] if f["kind"] == kind and (severity is None or f["severity"] == severity)]
+
+
+# -- static (--provider none) --------------------------------------------------------------------------------------
+def test_if_model_is_not_capturable_statically(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "if", tiny.if_model()), "--provider", "none")
+    assert code == 1 and report["verdict"] == "not capturable" and report["basis"] == "static checks only"
+    (f,) = findings(report, "control_flow", "error")
+    assert f["details"]["op_type"] == "If" and f["details"]["outputs"] == ["Y"]
+    assert "If (unnamed, output 'Y')" in f["message"] and f["fix"]
+    assert report["capture"] == {"attempted": False, "outcome": "not_attempted",
+                                 "reason": "--provider none: static checks only"}
+    assert f["fix"] in report["what_to_change"]
+
+
+def test_nested_if_is_found_in_subgraphs(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "nested", nested_if_model()), "--provider", "none")
+    assert code == 1
+    by_name = {f["details"]["node"]: f for f in findings(report, "control_flow", "error")}
+    assert set(by_name) == {"outer_if", "inner_if"}
+    assert by_name["inner_if"]["details"]["where"] == "main graph > If 'outer_if'.then_branch"
+    assert "'inner_if'" in by_name["inner_if"]["message"]
+
+
+def test_dynamic_dims_named_and_unnamed(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "dyn", tiny.dynamic_model()), "--provider", "none")
+    assert code == 0 and report["verdict"] == "capturable"
+    (f,) = findings(report, "dynamic_dims", "warning")
+    assert f["details"]["dynamic"] == ["batch", "n"]
+    assert report["inputs"]["X"] == {"dims": ["batch", "n"], "shape": [1, 320], "source": "derived"}
+    assert any("fix dims batch, n" in fix and "--shape X=1x320" in fix and "static_shapes={'X': (1, 320)}" in fix
+               for fix in report["what_to_change"])
+
+    code, report = doctor_json(capsys, _save(tmp_path, "dynu", tiny.dynamic_model(named=False)), "--provider",
+                               "none")
+    assert code == 0
+    (f,) = findings(report, "dynamic_dims", "warning")
+    assert f["details"]["dynamic"] == ["X[0] (unnamed)", "X[1] (unnamed)"]
+    assert report["inputs"]["X"]["dims"] == [None, None]
+
+
+def test_shape_fixes_dynamic_dims(tmp_path, capsys):
+    path = _save(tmp_path, "dyn", tiny.dynamic_model())
+    code, report = doctor_json(capsys, path, "--provider", "none", "--shape", "X=2x16")
+    assert code == 0
+    assert not findings(report, "dynamic_dims", "warning")
+    (f,) = findings(report, "dynamic_dims", "info")
+    assert "fixed by --shape X=2x16" in f["message"] and f["details"]["shape"] == [2, 16]
+    assert report["inputs"]["X"] == {"dims": ["batch", "n"], "shape": [2, 16], "source": "given"}
+    assert not findings(report, "shapes")
+
+
+@pytest.mark.parametrize("shape, why", [
+    ("X=2x16x3", "rank 2"),
+    ("Y=2x16", "the model's inputs are ['X']"),
+    ("X=2xa", "integers"),
+    ("X", "expected NAME="),
+    ("X=-1x4", "negative"),
+])
+def test_bad_shape_is_exit_2(tmp_path, capsys, shape, why):
+    code, report = doctor_json(capsys, _save(tmp_path, "dyn", tiny.dynamic_model()), "--provider", "none",
+                               "--shape", shape)
+    assert code == 2 and report["verdict"] == "error" and why in report["error"]
+
+
+def test_shape_contradicting_a_fixed_dim_is_exit_2(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "add", tiny.add_model()), "--provider", "none",
+                               "--shape", "A=3x4")
+    assert code == 2 and "dim 0 of 'A' is fixed to 2" in report["error"]
+
+
+def test_bad_model_is_exit_2(tmp_path, capsys):
+    code, report = doctor_json(capsys, tmp_path / "missing.onnx", "--provider", "none")
+    assert code == 2 and "no such model file" in report["error"]
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\x07not a model at all\xff" * 8)
+    code, report = doctor_json(capsys, junk, "--provider", "none")
+    assert code == 2 and "cannot read" in report["error"]
+
+
+def test_aliased_outputs_are_flagged(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "ident", identity_alias_model()), "--provider", "none")
+    assert code == 1
+    (f,) = findings(report, "alias", "error")
+    assert f["details"] == {"output": "Z", "input": "X", "via": ["copy_x"]}
+    code, report = doctor_json(capsys, _save(tmp_path, "pass", passthrough_model()), "--provider", "none")
+    assert code == 1
+    (f,) = findings(report, "alias", "error")
+    assert f["details"] == {"output": "X", "input": "X", "via": []} and "same name" in f["message"]
+
+
+def test_state_pair_and_view_output_are_reported(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "rec", tiny.recurrent_model()), "--provider", "none")
+    assert code == 0
+    (f,) = findings(report, "state", "info")
+    assert f["details"] == {"output": "state_out", "input": "state_in"}
+    assert "state={'state_out': 'state_in'}" in f["fix"]
+    code, report = doctor_json(capsys, _save(tmp_path, "view", view_output_model()), "--provider", "none")
+    assert code == 0  # static checks cannot tell whether the EP refreshes it
+    (f,) = findings(report, "view_output", "warning")
+    assert f["details"] == {"output": "Y", "op_type": "Reshape", "node": "flatten_out"}
+
+
+def test_human_report(tmp_path, capsys):
+    code = cli.main(["doctor", _save(tmp_path, "if", tiny.if_model()), "--provider", "none"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "[error] control_flow: control-flow node If (unnamed, output 'Y') in main graph" in out
+    assert "verdict: not capturable (exit 1; static checks only)" in out
+    assert "what to change:\n  - remove If" in out
+    assert "input cond [] -> scalar (model)" in out
+
+
+def test_requested_cuda_without_cuda_is_exit_2(tmp_path, capsys):
+    if cuda_available():
+        pytest.skip("the CUDA EP is available here")
+    code, report = doctor_json(capsys, _save(tmp_path, "add", tiny.add_model()), "--provider", "cuda")
+    assert code == 2 and "CUDA EP is not available" in report["error"]
+
+
+@pytest.mark.parametrize("use_callback", [True, False])
+def test_ort_log_capture(tmp_path, use_callback):
+    """Both ways of catching ORT's log (callback where ORT has it; fd 2 otherwise) see a real ORT warning."""
+    if use_callback and not hasattr(ort, "set_default_logger_callback"):
+        pytest.skip("this onnxruntime has no set_default_logger_callback")
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")  # ORT warns when it serializes an optimized model
+    with doctor.OrtLogCapture(use_callback=use_callback) as log:
+        log.set_phase("cpu session")
+        ort.InferenceSession(tiny.affine_model(), so, providers=["CPUExecutionProvider"])
+    assert any(sev == 2 and "Serializing optimized model" in msg and phase == "cpu session"
+               for sev, _, msg, phase in log.records), log.records
+
+
+# -- WebGPU: real capture attempts -----------------------------------------------------------------------------------
+@pytest.fixture
+def webgpu():
+    webgpu_available()
+
+
+def test_if_model_on_webgpu_is_refused(webgpu, tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "if", tiny.if_model()), "--provider", "webgpu")
+    assert code == 1 and report["basis"] == "capture attempt on WebGpuExecutionProvider"
+    cap = report["capture"]
+    assert cap["attempted"] and cap["outcome"] == "refused"
+    assert "control flow nodes" in cap["reason"]
+    assert findings(report, "control_flow", "error")[0]["details"]["op_type"] == "If"
+
+
+def test_dynamic_dims_capture_via_specialization_on_webgpu(webgpu, tmp_path, capsys):
+    path = _save(tmp_path, "shapesub", shape_subgraph_model())
+    code, report = doctor_json(capsys, path, "--provider", "webgpu")
+    assert code == 0 and report["verdict"] == "capturable"
+    cap = report["capture"]
+    assert cap["outcome"] == "captured_specialized" and cap["static_shapes"] == {"X": [1, 320]}
+    assert "have not been partitioned to the WebGpuExecutionProvider" in cap["direct_refusal"]
+    (f,) = findings(report, "shape_subgraph_cpu")
+    assert {name for name, _ in f["details"]["nodes"]} >= {"gather_batch", "concat_shape", "ones"}
+    assert "fix dims batch, n: pass --shape X=1x320" in f["fix"]
+    assert not findings(report, "cpu_nodes")  # nothing stays on CPU once the dims are fixed
+    assert any("--shape X=1x320" in fix for fix in report["what_to_change"])
+
+    code, report = doctor_json(capsys, path, "--provider", "webgpu", "--shape", "X=2x16")
+    assert code == 0 and report["capture"]["static_shapes"] == {"X": [2, 16]}
+    assert report["capture"]["max_abs_diff"] <= 1e-3 * 2
+
+
+def test_cpu_only_op_on_webgpu_is_refused(webgpu, tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "round", cpu_op_model()), "--provider", "webgpu")
+    assert code == 1 and report["verdict"] == "not capturable"
+    (f,) = findings(report, "cpu_nodes", "error")
+    assert f["details"]["nodes"] == [["the_round", "Round"]] and "Round 'the_round'" in f["message"]
+    assert "replace Round" in f["fix"]
+    cap = report["capture"]
+    assert cap["outcome"] == "refused"
+    assert "have not been partitioned to the WebGpuExecutionProvider" in cap["reason"]
+    memcpy = findings(report, "memcpy")
+    assert memcpy and {op for _, op, _ in memcpy[0]["details"]["nodes"]} == {"MemcpyToHost", "MemcpyFromHost"}
+
+
+def test_aliased_output_replay_mismatch_on_webgpu(webgpu, tmp_path, capsys):
+    """Measured on onnxruntime 1.32 WebGPU: the replay never refreshes an output that is an input via Identity;
+    doctor's replay check catches it and the static finding names the cause."""
+    code, report = doctor_json(capsys, _save(tmp_path, "ident", identity_alias_model()), "--provider", "webgpu")
+    assert code == 1
+    cap = report["capture"]
+    assert cap["outcome"] == "mismatch" and cap["max_abs_diff"] > 1e-3
+    (f,) = findings(report, "capture", "error")
+    assert "'Z'" in f["fix"]
+    assert findings(report, "alias", "error")
+
+
+@pytest.mark.slow
+def test_reference_model_on_webgpu(webgpu, reference_model_path, capsys):
+    code, report = doctor_json(capsys, reference_model_path, "--provider", "webgpu")
+    assert code == 0 and report["verdict"] == "capturable", report
+    cap = report["capture"]
+    assert cap["outcome"] == "captured_specialized"
+    assert cap["static_shapes"] == {"images": [1, 3, 320, 320]}
+    assert cap["max_abs_diff"] <= 1e-3 * 100
+    (f,) = findings(report, "dynamic_dims", "warning")
+    assert f["details"]["dynamic"] == ["batch", "height", "width"]
+    assert findings(report, "shape_subgraph_cpu")
+    assert not findings(report, "control_flow") and not findings(report, "alias")
+    assert any(fix.startswith("fix dims batch, height, width: pass --shape images=1x3x320x320")
+               and "static_shapes={'images': (1, 3, 320, 320)}" in fix for fix in report["what_to_change"])
+
+
+# -- CUDA ------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def cuda():
+    if not cuda_available():
+        pytest.skip("CUDA EP unavailable (onnxruntime-gpu on an NVIDIA GPU)")
+
+
+@pytest.mark.cuda
+def test_cuda_verdicts(cuda, tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "affine", tiny.affine_model()), "--provider", "cuda")
+    assert code == 0 and report["capture"]["outcome"] == "captured", report
+    code, report = doctor_json(capsys, _save(tmp_path, "if", tiny.if_model()), "--provider", "cuda")
+    assert code == 1 and report["capture"]["outcome"] == "refused", report
+    assert "control flow" in report["capture"]["reason"]
