@@ -107,6 +107,9 @@ def run(args) -> int:
     print(f"ortcapture demo: {model}\n  provider {info.ep.name} (device {info.device_type}:{info.device_id}), "
           f"onnxruntime {ort.__version__}, inputs {shapes_}, capture "
           f"{'on a shape-specialised session' if sess.capture_deferred else 'on the session'}")
+    if sess.capture_deferred:
+        print("  (ORT's error above, 'cannot use the graph capture feature ... not been partitioned', is expected: it\n"
+              "   refuses capture while the input dims are dynamic; ortcapture then fixes them per example shape)")
     graph = sess.capture(feeds[0])
     target = graph._session
 
