@@ -543,12 +543,12 @@ def plot(result: dict, path: str) -> None:
                         va="center")
         ax.set_xticks(pos)
         ax.set_xticklabels([_label(a, capture).replace(" (", "\n(") for a in arms], fontsize=8)
-        hi = max(float(np.percentile(d, 99)) for d in data)
         lo = min(float(d.min()) for d in data)
-        if lo > 0 and hi / lo > 20:
-            ax.set_yscale("log")
-        ax.set_ylabel(f"latency per call ({unit})")
-        ax.ticklabel_format(axis="y", style="plain", useOffset=False) if ax.get_yscale() == "linear" else None
+        hi = max(float(np.percentile(d, 99)) for d in data)  # rare stalls would flatten every distribution
+        top = max(float(d.max()) for d in data)
+        ax.set_ylim(max(0.0, lo - 0.08 * (hi - lo)), hi + 0.12 * (hi - lo) if top > hi else top + 0.05 * (top - lo))
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+        ax.set_ylabel(f"latency per call ({unit})" + (", cut at the largest p99" if top > hi else ""))
         sp, ov = entry["speedup"], entry["overhead"]
         shapes_ = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in entry["shapes"].items())
         ax.set_title(f"batch {entry['batch']} ({shapes_}) — captured vs IOBinding {sp['captured_vs_iobinding']:.2f}x,"

@@ -98,6 +98,7 @@ class InferenceSession(ort.InferenceSession):
         self._oc_family: InferenceSession = self  # the session whose id space siblings share
         self._oc_deferred = False
         requested = requested_capture(providers, provider_options, sess_options)
+        self._oc_check_version(requested)
         model = shapes.fix_input_shapes(path_or_bytes, static_shapes) if static_shapes else path_or_bytes
         self._oc_static_shapes = shapes.shape_signature(static_shapes) if static_shapes else None
         if requested is not None:
@@ -134,13 +135,17 @@ class InferenceSession(ort.InferenceSession):
         finally:
             sess_options.add_session_config_entry(key, "1")
 
-    def _oc_setup(self, requested: CaptureInfo | None) -> None:
+    @staticmethod
+    def _oc_check_version(requested: CaptureInfo | None) -> None:
         if requested is not None and requested.device_type == "webgpu" and not compat.webgpu_plugin_captures():
             raise CaptureUnsupportedError(
                 f"onnxruntime {ort.__version__} accepts enableGraphCapture for the WebGPU plugin EP but never "
                 "captures (measured on 1.24.4 and 1.25.1: every run recomputes, rebinding is not even ignored); "
                 "WebGPU graph capture needs onnxruntime >= 1.27.0"
             )
+
+    def _oc_setup(self, requested: CaptureInfo | None) -> None:
+        self._oc_check_version(requested)
         info = None if self._oc_deferred else detect_capture(self, requested)
         if requested is not None and info is None and not self._oc_deferred:
             raise CaptureUnsupportedError(
