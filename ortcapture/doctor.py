@@ -13,9 +13,12 @@ Static checks (the ``onnx`` library; no execution provider needed):
   validated against the model (known input, rank, dims the model already fixes): a bad ``--shape`` is exit 2.
   ORT's WebGPU EP refuses capture when a dynamic model's shape subgraph falls to the CPU EP; shape
   specialization (``InferenceSession(..., static_shapes=...)``, or ``capture(feeds)``) fixes the dims.
+* **input types** — string/sequence/map inputs cannot live in a fixed device buffer: not capturable.
 * **outputs that alias inputs** — a graph output that *is* a graph input, or is one only through ``Identity``.
-  Measured on WebGPU: replay never refreshes such an output (a pass-through output stays zero, an ``Identity``
-  output keeps its capture-time value), so captured results are silently wrong.
+  Measured on WebGPU (onnxruntime 1.32): replay never refreshes such an output (a pass-through output stays zero,
+  an ``Identity`` output keeps its capture-time value), so captured results are silently wrong. CUDA copes.
+* **outputs straight from a view op** (``Reshape``/``Squeeze``/``Unsqueeze``/``Flatten``) — measured on WebGPU
+  (onnxruntime 1.32, raw ORT IOBinding capture as well): every replay returns the capture-time value.
 * **carried state** (info) — output/input pairs like ``state_out``/``state_in``, ``present.*``/``past_key_values.*``
   with one type and shape: bind them to separate buffers and carry them with ``capture(feeds, state=...)``.
 * **data-dependent output shapes** (``NonZero``, ``Unique``, ``NonMaxSuppression``, ``Compress``): a replay keeps
@@ -36,7 +39,8 @@ none):
   where ORT has it, else file descriptor 2 redirected): the refusal reason, "shape massaging nodes", Memcpy notes.
 * **a real capture** — ``ortcapture.InferenceSession(MODEL, <capture on>).capture(feeds)`` with random feeds of
   the given (or derived) shapes, one replay with other random feeds, compared with an uncaptured run. Outcome:
-  captured directly, captured via shape specialization, refused (with ORT's reason), or replay mismatch.
+  captured directly, captured via shape specialization, refused (with ORT's reason), or replay mismatch. A
+  successful capture with a matching replay overrules static findings (downgraded, their fixes dropped).
 
 Verdict: exit 0 capturable, 1 not capturable, 2 error (model unreadable, bad ``--shape``, provider missing), with
 "what to change" lines. ``--json`` prints one JSON object instead of the report.
@@ -200,7 +204,6 @@ def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Findin
                 raise DoctorError(f"--shape {name}={_fmt_shape(shape)}: dim {i} of {name!r} is fixed to {d} in the "
                                   f"model ({_fmt_dims(have)})")
     out = []
-    missing: dict[str, list] = {}
     for name, ds in shapes.dynamic_inputs(model).items():
         labels = [d if isinstance(d, str) else f"{name}[{i}] (unnamed)" for i, d in enumerate(ds)
                   if not isinstance(d, int)]
@@ -211,12 +214,11 @@ def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Findin
                 f"--shape {name}={_fmt_shape(given[name])}",
                 None, {"input": name, "dims": ds, "dynamic": labels, "shape": list(given[name])}))
         else:
-            missing[name] = ds
             out.append(Finding(
                 "dynamic_dims", "warning",
-                f"input {name!r} {_fmt_dims(ds)} has dynamic dims {', '.join(labels)}: capture needs them fixed "
-                "(ORT's WebGPU EP refuses capture when the shape subgraph of dynamic dims falls to the CPU EP; "
-                "ortcapture specialises the session to the feeds' shapes in capture(feeds))",
+                f"input {name!r} {_fmt_dims(ds)} has dynamic dims {', '.join(labels)}: a captured graph replays one "
+                "shape (ORT's WebGPU EP even refuses capture while the shape subgraph of such dims falls to the CPU "
+                "EP; ortcapture's capture(feeds) then specialises a session to the feeds' shapes)",
                 None, {"input": name, "dims": ds, "dynamic": labels, "shape": None}))
     return out
 
@@ -271,12 +273,13 @@ def check_aliasing(model) -> list[Finding]:
         if name not in input_names:
             continue
         aliased.add(vo.name)
-        how = ("is graph input of the same name" if not chain
+        how = ("is the graph input of the same name" if not chain
                else f"is input {name!r} through {' > '.join(_node_label(n) for n in reversed(chain))}")
         out.append(Finding(
             "alias", "error",
-            f"output {vo.name!r} {how}: no kernel writes it, so a captured replay never refreshes it (measured on "
-            "WebGPU: a pass-through output stays zero, an Identity output keeps its capture-time value)",
+            f"output {vo.name!r} {how}: no kernel writes it, so a captured replay may never refresh it (measured on "
+            "WebGPU, onnxruntime 1.32: a pass-through output stays zero, an Identity output keeps its capture-time "
+            "value)",
             f"drop output {vo.name!r} from the graph (it equals input {name!r}: use the input) or compute it with a "
             "real op; never bind one buffer as both input and output",
             {"output": vo.name, "input": name, "via": [n.name for n in chain]}))
@@ -332,10 +335,36 @@ def check_data_dependent(model) -> list[Finding]:
     return out
 
 
+def check_input_types(model) -> list[Finding]:
+    """Graph inputs that are not numeric/bool tensors (strings, sequences, maps): no fixed device buffer holds them."""
+    import numpy as np
+    import onnx
+
+    inits = {i.name for i in model.graph.initializer}
+    out = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        dt = None
+        if vi.type.HasField("tensor_type"):
+            try:
+                dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+            except Exception:  # noqa: BLE001 - undefined/unknown element type
+                dt = None
+        if dt is None or dt.kind not in "biuf":
+            out.append(Finding(
+                "input_type", "error",
+                f"input {vi.name!r} is {onnx.helper.printable_type(vi.type)}: not a numeric tensor, so no fixed "
+                "device buffer can hold it and the graph cannot be captured",
+                f"feed {vi.name!r} as a numeric tensor (e.g. token ids instead of strings) or preprocess it outside "
+                "the captured graph", {"input": vi.name}))
+    return out
+
+
 def static_checks(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
     """All static checks; raises :class:`DoctorError` for a ``--shape`` that does not fit the model."""
-    return (check_control_flow(model) + check_dynamic_dims(model, given) + check_aliasing(model)
-            + check_view_outputs(model) + check_data_dependent(model))
+    return (check_control_flow(model) + check_dynamic_dims(model, given) + check_input_types(model)
+            + check_aliasing(model) + check_view_outputs(model) + check_data_dependent(model))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -506,8 +535,8 @@ def placement_session(model, provider: str, tmpdir: str, tag: str, list_memcpy: 
 
 
 def random_feeds(model, example: Mapping[str, Sequence[int]], seed: int) -> dict:
-    """Random numpy feeds of the example shapes and the model's input element types. Raises :class:`DoctorError`
-    for an input type that has no numpy equivalent a device buffer can hold (strings, sequences)."""
+    """Random numpy feeds of the example shapes and the model's input element types (numeric inputs only: see
+    :func:`check_input_types`). Integers are 0 or 1, so index-like inputs stay in range."""
     import numpy as np
     import onnx
 
@@ -523,15 +552,15 @@ def random_feeds(model, example: Mapping[str, Sequence[int]], seed: int) -> dict
         except Exception:  # noqa: BLE001
             dt = None
         if dt is None or dt.kind not in "biuf":
-            raise DoctorError(f"input {vi.name!r} has type {onnx.helper.printable_type(vi.type)}: "
-                              "not a numeric tensor, so it cannot live in a fixed device buffer")
+            raise DoctorError(f"input {vi.name!r} has type {onnx.helper.printable_type(vi.type)}: not a numeric tensor")
         shape = tuple(example[vi.name])
         if dt.kind == "b":
-            out[vi.name] = rng.random(shape) < 0.5
+            value = rng.random(shape) < 0.5
         elif dt.kind in "iu":
-            out[vi.name] = rng.integers(0, 2, size=shape).astype(dt)
+            value = rng.integers(0, 2, size=shape)
         else:
-            out[vi.name] = rng.random(shape).astype(dt)
+            value = rng.random(shape)
+        out[vi.name] = np.asarray(value, dtype=dt)  # an ndarray for scalars too: ORT refuses numpy scalars
     return out
 
 
@@ -563,9 +592,10 @@ def _ort_reason(text: str) -> str:
     return re.sub(r"\s+Run `ortcapture doctor MODEL`.*$", "", text).strip()
 
 
-def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Mapping, plain, tol: float) -> dict:
+def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Mapping, want: Sequence,
+                    tol: float) -> dict:
     """Capture ``model_path`` through ``ortcapture.InferenceSession(..., capture on).capture(feeds0)``, replay once
-    with ``feeds1`` and compare with ``plain.run`` (an uncaptured session). Returns the ``capture`` part of the
+    with ``feeds1`` and compare with ``want`` (an uncaptured run on ``feeds1``). Returns the ``capture`` part of the
     report: ``outcome`` is ``captured``, ``captured_specialized`` (ORT refused the model as given, a session with
     the dims fixed captured), ``refused``, ``mismatch`` or ``replay_failed``."""
     import ortcapture
@@ -595,7 +625,6 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
         res["cpu_nodes_captured"] = [list(n) for n in cpu] if cpu is not None else None
         got = graph.run(feeds1)
         res["seconds"] = time.perf_counter() - t0
-        want = plain.run(None, dict(feeds1))
         ok, worst, what = _compare(got, want, tol)
         res["max_abs_diff"] = worst
         if ok:
@@ -642,13 +671,20 @@ def _placement_findings(model, ep: str, example, placement: Placement, fixed: Pl
         shape_nodes, remaining = [], cpu
     if shape_nodes:
         others = " (the others stay: see cpu_nodes)" if remaining else ""
+        if outcome == "captured":
+            verdict = f"ORT captured on {ep} with them on the CPU EP (safe while intermediate shapes depend only on " \
+                      "input shapes)"
+        elif outcome == "captured_specialized":
+            verdict = f"ORT refused {ep} capture of the graph split this way; ortcapture captured on a " \
+                      "shape-specialised session"
+        else:
+            verdict = f"ORT's {ep} capture refuses a graph split this way"
         out.append(Finding(
             "shape_subgraph_cpu", "info" if outcome == "captured" else "warning",
             f"{len(shape_nodes)} node(s) of the model as given run on the CPU EP — the shape computation of its "
             f"dynamic dims: {Placement(shape_nodes, None).cpu_labels(8)}; with the dims fixed they go away{others}. "
-            f"ORT refuses {ep} capture for a graph split this way"
-            + ("; ortcapture captured on a shape-specialised session" if outcome == "captured_specialized" else ""),
-            dims_fix(model, example), {"nodes": [list(n) for n in shape_nodes]}))
+            + verdict, None if outcome == "captured" else dims_fix(model, example),
+            {"nodes": [list(n) for n in shape_nodes]}))
     if remaining:
         ops = sorted({op for _, op in remaining})
         tail = ("ORT accepted the capture anyway (host-side shape computation: safe while intermediate shapes "
@@ -766,10 +802,17 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
                 _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy)
             except Exception:  # noqa: BLE001 - the capture attempt reports what ORT says
                 fixed_placement = None
+        say("reference: one uncaptured run")
+        try:
+            want = plain.run(None, feeds1)
+        except Exception as exc:  # noqa: BLE001 - the example feeds do not fit the model
+            raise DoctorError(f"an uncaptured {ep} run with random feeds of shapes "
+                              f"{ {n: _fmt_shape(s) for n, s in example.items()} } fails: {_ort_reason(exc)}; "
+                              "pass --shape with shapes the model accepts") from None
+        del plain
         say(f"capture: one capture and one replay on {ep} (a big model's first capture can take a while)")
         log.set_phase(_PHASE_CAPTURE)
-        capture = attempt_capture(model_path, provider, feeds0, feeds1, plain, tol)
-        del plain
+        capture = attempt_capture(model_path, provider, feeds0, feeds1, want, tol)
     # ORT logs its refusal before raising: a more precise reason than the wrapped exception
     refusals = [m for sev, _, m, ph in log.records if ph == _PHASE_CAPTURE and sev >= 3 and "graph capture" in m]
     if refusals and capture["outcome"] == "refused":
@@ -817,7 +860,11 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
             f.fix = dims_fix(model, example)
     chosen, why_none = choose_provider(provider)
     capture: dict[str, Any] = {"attempted": False, "outcome": "not_attempted", "reason": why_none}
-    if chosen == "none":
+    if chosen != "none" and any(f.kind == "input_type" for f in findings):
+        why_none = "some inputs cannot live in device buffers (see input_type)"
+        capture["reason"] = why_none
+        findings.append(Finding("provider", "info", f"no capture attempted on {_EP_NAMES[chosen]}: {why_none}"))
+    elif chosen == "none":
         findings.append(Finding("provider", "info", f"no capture attempted: {why_none}"))
     else:
         more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress)
@@ -826,11 +873,14 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
             for f in findings:
                 if f.kind == "dynamic_dims" and f.severity == "warning":
                     f.severity, f.fix = "info", None
-                    f.message += f" (ORT captured the model as given at {_fmt_shape(example[f.details['input']])})"
+                    at = _fmt_shape(example[f.details["input"]])
+                    f.message += f" (here ORT captured the model as given, at {at})"
         if capture["outcome"] in ("captured", "captured_specialized"):
             for f in findings:
-                if f.severity == "error":  # a real capture and a matching replay outrank a static rule
-                    f.severity = "warning"
+                # a real capture and a matching replay outrank a static rule
+                if f.severity == "error" or f.kind == "view_output":
+                    f.severity = "warning" if f.severity == "error" else "info"
+                    f.details["overruled_by_capture"] = True
                     f.message += " (yet the capture attempt succeeded and its replay matched: ORT copes here)"
     errors = any(f.severity == "error" for f in findings)
     if capture["attempted"]:
@@ -841,7 +891,8 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         basis = "static checks only"
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: order[f.severity])
-    fixes = [f.fix for f in findings if f.fix and (f.severity in ("error", "warning") or f.kind == "capture")]
+    fixes = [f.fix for f in findings if f.fix and (f.severity in ("error", "warning") or f.kind == "capture")
+             and not f.details.get("overruled_by_capture")]
     return {
         "model": model_path,
         "verdict": "capturable" if ok else "not capturable",

@@ -199,6 +199,16 @@ def test_aliased_outputs_are_flagged(tmp_path, capsys):
     assert f["details"] == {"output": "X", "input": "X", "via": []} and "same name" in f["message"]
 
 
+def test_string_input_is_not_capturable(tmp_path, capsys):
+    vi = tiny.vi
+    model = _model([helper.make_node("StringNormalizer", ["s"], ["t"], case_change_action="LOWER")],
+                   [vi("s", [4], TensorProto.STRING)], [vi("t", [4], TensorProto.STRING)])
+    code, report = doctor_json(capsys, _save(tmp_path, "str", model), "--provider", "none")
+    assert code == 1
+    (f,) = findings(report, "input_type", "error")
+    assert f["details"] == {"input": "s"} and "STRING" in f["message"]
+
+
 def test_state_pair_and_view_output_are_reported(tmp_path, capsys):
     code, report = doctor_json(capsys, _save(tmp_path, "rec", tiny.recurrent_model()), "--provider", "none")
     assert code == 0

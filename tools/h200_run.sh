@@ -15,12 +15,14 @@ export ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1
 nvidia-smi -L | tee -a "$OUT/log.txt"
 python3 -c 'import onnxruntime as o, torch; print("onnxruntime", o.__version__, o.get_available_providers(), "torch", torch.__version__, torch.cuda.device_count())' | tee -a "$OUT/log.txt"
 step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" 2>&1 | grep -v "XDG_RUNTIME\|maxDynamic" | tee -a "$OUT/log.txt"; echo "=== $name rc=${PIPESTATUS[0]}"; }
-STEPS=${STEPS:-"pytest demo1 demo8 bench demo_webgpu"}
+STEPS=${STEPS:-"pytest demo1 demo8 bench bench_cli doctor demo_webgpu"}
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 # test_patch needs git/patch trees and unidiff, not a GPU: it runs in CI
 has pytest && step pytest 300 python3 -m pytest -q -p no:cacheprovider -rs tests/ --ignore=tests/test_patch.py
 has demo1 && step demo1 90 python3 -m ortcapture demo --provider cuda --batch 1 --iters 300 --json "$OUT/demo1.json"
 has demo8 && step demo8 90 python3 -m ortcapture demo --provider cuda --batch 8 --iters 200 --json "$OUT/demo8.json"
 has bench && step bench 120 python3 tools/bench_overhead.py --provider cuda --iters 300 --rounds 5 --json "$OUT/bench.json"
+has bench_cli && step bench_cli 300 python3 -m ortcapture bench --provider cuda --batch 1,8 --procs 5 --iters 300 --json "$OUT/bench_cli.json" --plot "$OUT/bench_cli.png"
+has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/models/nudenet-3.4.2/320n.onnx" --provider cuda --json
 has demo_webgpu && step demo_webgpu 120 python3 -m ortcapture demo --provider webgpu --batch 1 --iters 100 --json "$OUT/demo_webgpu.json"
 exit 0
