@@ -120,10 +120,13 @@ def _check_args(args) -> tuple[list[int], int]:
     rounds = min(args.iters, 10) if args.rounds is None else args.rounds
     if not 1 <= rounds <= args.iters:
         raise BenchError(f"--rounds must be between 1 and --iters ({args.iters})")
-    for item in args.shape:
-        name, sep, dims = item.partition("=")
-        if not sep or not name or not all(d.isdigit() for d in dims.lower().split("x")):
-            raise BenchError(f"--shape must look like NAME=1x3x320x320, got {item!r}")
+    from ortcapture import shapes
+    from ortcapture.errors import CaptureError
+
+    try:
+        shapes.parse_shape_args(args.shape)
+    except CaptureError as exc:
+        raise BenchError(str(exc)) from None
     for path in (args.json, args.plot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise BenchError(f"the directory of {path} does not exist")
@@ -143,14 +146,11 @@ def session_args(provider: str, capture: bool) -> dict:
     ``SessionOptions`` each call: the WebGPU EP is added to it)."""
     import onnxruntime as ort
 
+    from ortcapture import providers
+
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    if provider == "cuda":
-        opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": "0"}
-        return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
-    from ortcapture import webgpu
-
-    return {"sess_options": webgpu.session_options(capture, so)}
+    return providers.session_args(provider, capture, so)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -580,16 +580,13 @@ def _run(args) -> int:
     batches, rounds = _check_args(args)
 
     from ortcapture import shapes
-    from ortcapture.demo import example_shapes, pick_provider
-    from ortcapture.errors import CaptureError
+    from ortcapture.demo import example_shapes
+    from ortcapture.errors import CaptureError, CaptureUnsupportedError
+    from ortcapture.providers import pick_provider
 
     jobs = []  # (batch, shapes)
     seen = {}
     try:
-        names = set(shapes.input_dims(shapes.load_model(args.model)))
-        unknown = sorted({item.partition("=")[0] for item in args.shape} - names)
-        if unknown:
-            raise BenchError(f"--shape names {unknown}, but the model's inputs are {sorted(names)}")
         for b in batches:
             shp = example_shapes(args.model, b, args.shape)
             sig = shapes.shape_signature(shp)
@@ -599,14 +596,14 @@ def _run(args) -> int:
                 continue
             seen[sig] = b
             jobs.append((b, shp))
-    except BenchError:
-        raise
+    except CaptureError as exc:  # a bad or unknown --shape
+        raise BenchError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - onnx load errors
         raise BenchError(f"cannot read the input shapes of {args.model}: {exc}") from None
     try:
         provider = pick_provider(args.provider)
-    except SystemExit as exc:  # demo's pick_provider exits with its message
-        raise BenchError(str(exc.code).removeprefix("demo: ")) from None
+    except CaptureUnsupportedError as exc:
+        raise BenchError(str(exc)) from None
 
     import onnxruntime as ort
 

@@ -4,11 +4,16 @@ Kept apart from :mod:`ortcapture.session` so the rules for what may be captured 
 """
 from __future__ import annotations
 
+import numpy as np
 import onnxruntime as ort
 
 from ortcapture import transfer
 from ortcapture.binding import Bound, IOBinding
-from ortcapture.errors import BindingError
+from ortcapture.errors import BindingError, CaptureError
+from ortcapture.values import meta
+
+#: Byte written over every output before the verification replay; a buffer still all of it was not written.
+SENTINEL_BYTE = 0xA5
 
 
 def _overlaps(a: Bound, b: Bound) -> bool:
@@ -72,12 +77,18 @@ def validate_bindings(session, binding: IOBinding) -> list[tuple[str, str]]:
 
 
 def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, owner=None):
-    """Capture ``graph_id`` with ``binding`` and pin it; the caller holds the session lock.
+    """Capture ``graph_id`` with ``binding``, verify the replay, and pin it; the caller holds the session lock.
 
     ORT runs the model several times inside the first capturing call (warm-up). Inputs that are not also outputs
     are never written, so only declared in-place state pairs can be affected: their inputs are snapshotted on the
-    device before the call and restored after it, then the graph is replayed once — so the call advances the state
-    exactly one step, as an uncaptured run would.
+    device before the call and restored after it.
+
+    Then every output buffer is filled with a sentinel byte pattern and the graph is replayed once (on the same
+    inputs, so the outputs end as the capture left them, and declared state advances exactly one step). An output
+    the replay did not write is refused: measured on ORT 1.32 WebGPU, an output that is a view (Reshape, Flatten,
+    Squeeze, Unsqueeze, Identity) of another tensor or a graph input is copied once at capture and never again, so
+    every later replay would silently return the capture-time value. Raises :class:`CaptureError` (the graph is
+    released) naming those outputs.
     """
     declared = validate_bindings(session, binding)
     ins = binding.bound_inputs
@@ -91,8 +102,38 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
         snapshots.append((tmp, buf))
     ort.InferenceSession.run_with_iobinding(session, binding, run_options)
     rec = session._oc_registry.record(binding, graph_id, owner)
-    if snapshots:
-        transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
-        ort.InferenceSession.run_with_iobinding(session, binding, run_options)
-        rec.replays += 1
+    try:
+        if snapshots:
+            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+        sentinels = _fill_sentinels(binding)
+        ort.InferenceSession.run_with_iobinding(session, binding, run_options)  # internal: not counted
+        stale = [name for name, (buf, pattern) in sentinels.items()
+                 if transfer.to_numpy(buf).tobytes() == pattern]
+    except BaseException:
+        session.release_captured_graph(graph_id)
+        raise
+    if stale:
+        session.release_captured_graph(graph_id)
+        raise CaptureError(
+            f"output(s) {stale} of gpu_graph_id={graph_id} are not written by the captured graph's replay: "
+            f"{session.capture_info.ep.name} copied them once at capture (an output that is a view — Reshape, "
+            "Flatten, Squeeze, Unsqueeze, Identity — of another tensor or of a graph input), so every replay "
+            "would return the capture-time value. The graph was released. Make those outputs real computations "
+            "(or drop them), or run this model without capture; `ortcapture doctor MODEL` lists such outputs."
+        )
     return rec
+
+
+def _fill_sentinels(binding: IOBinding) -> dict:
+    """Overwrite every bound output OrtValue with SENTINEL_BYTE; return name -> (buffer, the pattern's bytes)."""
+    out = {}
+    for name, b in binding.bound_outputs.items():
+        if b.value is None:
+            continue  # raw-pointer outputs: not ours to fill
+        m = meta(b.value)
+        if m.dtype is None or m.nbytes == 0:
+            continue
+        pattern = np.full(m.nbytes, SENTINEL_BYTE, np.uint8).view(m.dtype).reshape(m.shape)
+        transfer.update_inplace(b.value, pattern)
+        out[name] = (b.value, pattern.tobytes())
+    return out

@@ -41,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     if args._module is None:
         print(f"ortcapture {args.command}: not available in this build", file=sys.stderr)
         return 2
-    return int(args._module.run(args) or 0)
+    from ortcapture.errors import CaptureError
+
+    try:
+        return int(args._module.run(args) or 0)
+    except CaptureError as exc:  # a refusal with its reason: no traceback for the user
+        print(f"ortcapture {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -24,52 +24,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
-def pick_provider(requested: str) -> str:
-    """``cuda`` when onnxruntime-gpu offers the CUDA EP, else ``webgpu`` when a child-process probe captures."""
-    import onnxruntime as ort
-
-    from ortcapture import webgpu
-
-    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
-        return "cuda"
-    if requested == "cuda":
-        raise SystemExit("demo: the CUDA EP is not available (install onnxruntime-gpu on a machine with a GPU)")
-    if not webgpu.plugin_installed():
-        raise SystemExit("demo: no capture-capable provider (no CUDA EP; onnxruntime-ep-webgpu not installed)")
-    result = webgpu.probe()
-    if not result.get("ok"):
-        raise SystemExit(f"demo: WebGPU is not usable here: {result.get('error')}")
-    return "webgpu"
-
-
-def make_sessions(model: str, provider: str):
-    """(uncaptured session, capturing ortcapture session) on ``provider``; both plain ORT constructor arguments."""
+def make_sessions(model, provider: str):
+    """(uncaptured ``onnxruntime.InferenceSession``, capturing ``ortcapture.InferenceSession``) on ``provider``."""
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture import webgpu
+    from ortcapture.providers import session_args
 
     def so():
         o = ort.SessionOptions()
         o.log_severity_level = 3
         return o
 
-    if provider == "cuda":
-        cuda = lambda g: [("CUDAExecutionProvider", {"enable_cuda_graph": g, "device_id": "0"}), "CPUExecutionProvider"]  # noqa: E731
-        return ort.InferenceSession(model, so(), cuda("0")), ortcapture.InferenceSession(model, so(), cuda("1"))
-    return (ort.InferenceSession(model, webgpu.session_options(False, so())),
-            ortcapture.InferenceSession(model, webgpu.session_options(True, so())))
+    return (ort.InferenceSession(model, **session_args(provider, False, so())),
+            ortcapture.InferenceSession(model, **session_args(provider, True, so())))
 
 
 def example_shapes(model_path: str, batch: int, overrides: list[str]) -> dict:
+    """``{input: shape}`` to capture with: ``--shape`` overrides, else the model's dims with a dynamic first dim set
+    to ``batch`` and other dynamic dims to 320 (the reference model's). Raises :class:`CaptureError` for a bad or
+    unknown ``--shape``."""
     from ortcapture import shapes
+    from ortcapture.errors import CaptureError
 
-    given = {}
-    for item in overrides:
-        name, _, dims = item.partition("=")
-        given[name] = tuple(int(d) for d in dims.lower().split("x"))
+    given = shapes.parse_shape_args(overrides)
+    all_dims = shapes.input_dims(shapes.load_model(model_path))
+    unknown = sorted(set(given) - set(all_dims))
+    if unknown:
+        raise CaptureError(f"--shape names {unknown}, but the model's inputs are {sorted(all_dims)}")
     out = {}
-    for name, dims in shapes.input_dims(shapes.load_model(model_path)).items():
+    for name, dims in all_dims.items():
         if name in given:
             out[name] = given[name]
             continue
@@ -88,6 +72,7 @@ def run(args) -> int:
     import onnxruntime as ort
 
     from ortcapture import models, timing, transfer
+    from ortcapture.providers import pick_provider
     from ortcapture.session import run_options_for
 
     model = args.model or str(models.reference_model())

@@ -104,24 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """``["images=1x3x320x320", ...]`` -> ``{"images": (1, 3, 320, 320)}``. Raises :class:`DoctorError`."""
-    out: dict[str, tuple[int, ...]] = {}
-    for item in items:
-        name, sep, dims = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise DoctorError(f"--shape {item!r}: expected NAME=DIMxDIMx... (e.g. images=1x3x320x320)")
-        if not dims.strip():
-            raise DoctorError(f"--shape {item!r}: no dims (scalar inputs need no --shape)")
-        try:
-            shape = tuple(int(d) for d in dims.lower().split("x"))
-        except ValueError:
-            raise DoctorError(f"--shape {item!r}: dims must be integers separated by 'x'") from None
-        if any(d < 0 for d in shape):
-            raise DoctorError(f"--shape {item!r}: negative dim")
-        if name in out and out[name] != shape:
-            raise DoctorError(f"--shape given twice for {name!r}: {out[name]} and {shape}")
-        out[name] = shape
-    return out
+    from ortcapture import shapes
+    from ortcapture.errors import CaptureError
+
+    try:
+        return shapes.parse_shape_args(items)
+    except CaptureError as exc:
+        raise DoctorError(str(exc)) from None
 
 
 def _fmt_shape(shape: Sequence[Any]) -> str:
@@ -450,12 +439,13 @@ def choose_provider(requested: str) -> tuple[str, str | None]:
     an explicitly requested EP is unusable."""
     if requested == "none":
         return "none", "--provider none: static checks only"
-    from ortcapture.demo import pick_provider
+    from ortcapture.errors import CaptureUnsupportedError
+    from ortcapture.providers import pick_provider
 
     try:
         return pick_provider(requested), None
-    except SystemExit as exc:
-        why = re.sub(r"^demo:\s*", "", str(exc.code))
+    except CaptureUnsupportedError as exc:
+        why = str(exc)
         if requested == "auto":
             return "none", why
         raise DoctorError(why) from None
@@ -469,17 +459,14 @@ def _session_args(provider: str, capture: bool, config: Mapping[str, str] = (), 
     optimized-model output path. Log severity stays at the default (warnings), so OrtLogCapture sees them."""
     import onnxruntime as ort
 
+    from ortcapture.providers import session_args
+
     so = ort.SessionOptions()
     for k, v in dict(config).items():
         so.add_session_config_entry(k, v)
     if optimized_path:
         so.optimized_model_filepath = optimized_path
-    if provider == "cuda":
-        opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": "0"}
-        return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
-    from ortcapture import webgpu
-
-    return {"sess_options": webgpu.session_options(capture, so)}
+    return session_args(provider, capture, so)
 
 
 @dataclass

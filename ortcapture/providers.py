@@ -133,3 +133,45 @@ def detect_capture(session: ort.InferenceSession, requested: CaptureInfo | None)
                 return requested
             return CaptureInfo(ep, int(dev or 0))
     return None
+
+
+def session_args(provider: str, capture: bool, sess_options=None, device_id: int = 0) -> dict:
+    """``InferenceSession`` keyword arguments for ``provider`` (``"cuda"`` or ``"webgpu"``) with its capture switch
+    on or off: CUDA through ``providers=[("CUDAExecutionProvider", {...}), "CPUExecutionProvider"]``, WebGPU
+    through ``sess_options`` with the plugin EP added by ``add_provider_for_devices`` (ORT 1.30 silently gives a
+    CPU-only session for a plugin EP named in ``providers``). ``sess_options``: a fresh ``SessionOptions`` the
+    caller configured (the WebGPU EP is added to it, so do not reuse it across sessions); default a new one.
+    """
+    import onnxruntime as ort
+
+    so = sess_options if sess_options is not None else ort.SessionOptions()
+    if provider == "cuda":
+        opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": str(device_id)}
+        return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
+    if provider != "webgpu":
+        raise ValueError(f"provider must be 'cuda' or 'webgpu', got {provider!r}")
+    from ortcapture import webgpu
+
+    return {"sess_options": webgpu.session_options(capture, so)}
+
+
+def pick_provider(requested: str = "auto") -> str:
+    """``"cuda"`` when onnxruntime-gpu offers the CUDA EP (and ``requested`` allows it), else ``"webgpu"`` when a
+    child-process probe captures on WebGPU (ORT aborts the process when Dawn finds no adapter, so it is probed in a
+    child). Raises :class:`~ortcapture.errors.CaptureUnsupportedError` saying why when neither is usable."""
+    import onnxruntime as ort
+
+    from ortcapture import webgpu
+    from ortcapture.errors import CaptureUnsupportedError
+
+    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+        return "cuda"
+    if requested == "cuda":
+        raise CaptureUnsupportedError("the CUDA EP is not available (install onnxruntime-gpu on a machine with a GPU)")
+    if not webgpu.plugin_installed():
+        raise CaptureUnsupportedError(
+            "no capture-capable provider: no CUDA EP, and onnxruntime-ep-webgpu is not installed")
+    result = webgpu.probe()
+    if not result.get("ok"):
+        raise CaptureUnsupportedError(f"WebGPU is not usable here: {result.get('error')}")
+    return "webgpu"

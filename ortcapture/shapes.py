@@ -100,3 +100,29 @@ def feed_shapes(feeds: Mapping[str, object]) -> dict[str, tuple[int, ...]]:
         shape = value.shape() if callable(getattr(value, "shape", None)) else np.shape(value)
         out[name] = tuple(int(d) for d in shape)
     return out
+
+
+def parse_shape_args(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """``["images=1x3x320x320", ...]`` (the CLI's ``--shape``) -> ``{"images": (1, 3, 320, 320)}``.
+
+    Raises :class:`~ortcapture.errors.CaptureError` for bad syntax, non-integer or negative dims, or one name given
+    twice with different shapes.
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, sep, dims = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise CaptureError(f"--shape {item!r}: expected NAME=DIMxDIMx... (e.g. images=1x3x320x320)")
+        if not dims.strip():
+            raise CaptureError(f"--shape {item!r}: no dims (scalar inputs need no --shape)")
+        try:
+            shape = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            raise CaptureError(f"--shape {item!r}: dims must be integers separated by 'x'") from None
+        if any(d < 0 for d in shape):
+            raise CaptureError(f"--shape {item!r}: negative dim")
+        if name in out and out[name] != shape:
+            raise CaptureError(f"--shape given twice for {name!r}: {out[name]} and {shape}")
+        out[name] = shape
+    return out

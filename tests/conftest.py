@@ -55,14 +55,11 @@ class Backend:
         self.device_type = "cuda" if name == "cuda" else "webgpu"
 
     def session_args(self, capture: bool = True) -> dict:
+        from ortcapture.providers import session_args
+
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        if self.name == "cuda":
-            opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": "0"}
-            return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
-        from ortcapture import webgpu
-
-        return {"sess_options": webgpu.session_options(capture, so)}
+        return session_args(self.name, capture, so)
 
     def session(self, model, capture: bool = True, **kw) -> ortcapture.InferenceSession:
         return ortcapture.InferenceSession(model, **self.session_args(capture), **kw)

@@ -81,3 +81,23 @@ def if_model() -> bytes:
                                [helper.make_tensor("one_c2", TensorProto.FLOAT, [], [1.0])])
     node = helper.make_node("If", ["cond"], ["Y"], then_branch=then_g, else_branch=else_g)
     return _model([node], [vi("cond", [], TensorProto.BOOL), vi("X", [2])], [vi("Y", [2])])
+
+
+def identity_alias_model() -> bytes:
+    """Y = Relu(X); Z = Identity(X): output Z is input X through Identity."""
+    nodes = [helper.make_node("Relu", ["X"], ["Y"], name="relu"),
+             helper.make_node("Identity", ["X"], ["Z"], name="copy_x")]
+    return _model(nodes, [vi("X", [2, 4])], [vi("Y", [2, 4]), vi("Z", [2, 4])])
+
+
+def passthrough_model() -> bytes:
+    """Outputs Y = Relu(X) and X itself (a graph output named like the graph input)."""
+    return _model([helper.make_node("Relu", ["X"], ["Y"])], [vi("X", [2, 4])], [vi("Y", [2, 4]), vi("X", [2, 4])])
+
+
+def view_output_model() -> bytes:
+    """Y = Reshape(Relu(X), [8]): the graph output comes straight from a view op."""
+    shape = numpy_helper.from_array(np.array([8], np.int64), "shape8")
+    nodes = [helper.make_node("Relu", ["X"], ["a"], name="relu"),
+             helper.make_node("Reshape", ["a", "shape8"], ["Y"], name="flatten_out")]
+    return _model(nodes, [vi("X", [2, 4])], [vi("Y", [8])], [shape])

@@ -36,7 +36,8 @@ def main() -> int:
 
     import ortcapture
     from ortcapture import models, timing
-    from ortcapture.demo import make_sessions, pick_provider
+    from ortcapture.demo import make_sessions
+    from ortcapture.providers import pick_provider
     from ortcapture.session import run_options_for
 
     provider = pick_provider(args.provider)
