@@ -278,6 +278,11 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     :class:`~ortcapture.errors.CaptureUnsupportedError` where the installed ORT lacks the needed copy path.
     """
     dm = _dst_meta(dst)
+    if not isinstance(src, ort.OrtValue):
+        src = _as_source(src)
+        if isinstance(src, np.ndarray):
+            _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
+            return dst
     sm = getattr(src, "_ortcapture_meta", None)
     if (sm is not None and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype and sm.shape == dm.shape
             and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
@@ -285,24 +290,6 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
         # hot path: a CUDA OrtValue seen before, same shape and dtype, disjoint buffers (the checks below, inlined)
         dst.update_inplace(src)
         return dst
-    if not isinstance(src, ort.OrtValue):
-        if isinstance(src, _C.OrtValue):
-            src = ort.OrtValue(src)
-        elif isinstance(src, np.ndarray):
-            _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
-            return dst
-        elif hasattr(src, "__dlpack__"):
-            src = _from_dlpack(src)
-            if isinstance(src, np.ndarray):
-                _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
-                return dst
-        elif isinstance(src, np.generic):
-            _copy_host_to(dst, dm, _as_numpy(np.asarray(src), dm, cast))
-            return dst
-        else:
-            raise TransferError(
-                f"unsupported source type {type(src).__name__}: pass a numpy array, an OrtValue or a DLPack tensor"
-            )
     sm = _dst_meta(src, "source")
     _check_match(dm, sm.shape, sm.dtype, f"source ({sm.kind})")
     _require_copyable(sm, dm)
@@ -313,6 +300,21 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
         raise TransferError("source and destination buffers overlap; an in-place copy between them is undefined")
     _copy_value(src, sm, dst, dm)
     return dst
+
+
+def _as_source(src: Any) -> ort.OrtValue | np.ndarray:
+    """A non-OrtValue source as an OrtValue (C OrtValue, CUDA DLPack producer) or a host numpy array."""
+    if isinstance(src, np.ndarray):
+        return src
+    if hasattr(src, "__dlpack__"):
+        return _from_dlpack(src)
+    if isinstance(src, _C.OrtValue):
+        return ort.OrtValue(src)
+    if isinstance(src, np.generic):
+        return np.asarray(src)
+    raise TransferError(
+        f"unsupported source type {type(src).__name__}: pass a numpy array, an OrtValue or a DLPack tensor"
+    )
 
 
 def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
