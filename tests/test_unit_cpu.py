@@ -163,3 +163,28 @@ def test_webgpu_capture_on_too_old_ort_is_refused_clearly():
     so.add_session_config_entry("ep.webgpuexecutionprovider.enableGraphCapture", "1")
     with pytest.raises(CaptureUnsupportedError, match="needs onnxruntime >= 1.27.0"):
         ortcapture.InferenceSession(tiny.add_model(), so)
+
+
+def test_cross_device_binding_refused_without_gpus():
+    """The refusal logic of issue 7, on the CPU: buffers recorded as cuda:0 bound to a session capturing on cuda:1."""
+    import types
+
+    from ortcapture.capture import validate_bindings
+    from ortcapture.values import remember
+
+    sess = ortcapture.InferenceSession(tiny.affine_model(), providers=["CPUExecutionProvider"])
+    on = {}
+    for name, dev in (("x0", 0), ("y0", 0), ("x1", 1), ("y1", 1)):
+        on[name] = remember(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32)), "cuda", dev)
+    fake = types.SimpleNamespace(capture_info=CaptureInfo(CAPTURE_EPS["CUDAExecutionProvider"], 1),
+                                 get_inputs=sess.get_inputs, get_outputs=sess.get_outputs)
+    good = sess.io_binding()
+    good.bind_ortvalue_input("X", on["x1"])
+    good.bind_ortvalue_output("Y", on["y1"])
+    assert validate_bindings(fake, good) == []
+    for x, y, bad in (("x0", "y1", "input 'X' lives on cuda:0"), ("x1", "y0", "output 'Y' lives on cuda:0")):
+        b = sess.io_binding()
+        b.bind_ortvalue_input("X", on[x])
+        b.bind_ortvalue_output("Y", on[y])
+        with pytest.raises(BindingError, match=bad + ".*captures on cuda:1"):
+            validate_bindings(fake, b)
