@@ -18,8 +18,10 @@ from ortcapture.providers import CaptureInfo
 from ortcapture.values import device_id_of, device_kind, remember  # noqa: F401 - re-exported
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    import operator
+
     try:
-        dims = tuple(int(d) for d in shape)
+        dims = tuple(operator.index(d) for d in shape)  # ints only: 2.7 must not become 2
     except (TypeError, ValueError):
         raise TransferError(f"shape must be a sequence of ints, got {shape!r}") from None
     if any(d < 0 for d in dims):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -71,11 +72,21 @@ def run(args) -> int:
     import numpy as np
     import onnxruntime as ort
 
-    from ortcapture import models, timing, transfer
+    from ortcapture import models, shapes, timing, transfer
     from ortcapture.providers import pick_provider
     from ortcapture.session import run_options_for
 
+    from ortcapture.errors import CaptureError
+
+    if args.batch < 1 or (args.iters is not None and args.iters < 1):
+        raise CaptureError("--batch and --iters must be >= 1")
+    if args.model and not os.path.isfile(args.model):
+        raise CaptureError(f"no such model file: {args.model}")
     model = args.model or str(models.reference_model())
+    try:
+        shapes.load_model(model)
+    except Exception as exc:  # noqa: BLE001 - protobuf decode errors
+        raise CaptureError(f"cannot read {model} as an ONNX model: {exc}") from None
     provider = pick_provider(args.provider)
     if args.iters is None:
         args.iters = 200 if provider == "cuda" else 10

@@ -62,8 +62,8 @@ def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, numpy dtype) of an example feed: numpy array, OrtValue or DLPack tensor."""
     if isinstance(value, ort.OrtValue):
         return tuple(value.shape()), transfer.np_dtype_of(value)
-    if isinstance(value, np.ndarray):
-        return tuple(value.shape), value.dtype
+    if isinstance(value, (np.ndarray, np.generic)):
+        return tuple(np.shape(value)), value.dtype
     if hasattr(value, "__dlpack__"):
         dt = str(getattr(value, "dtype", "")).replace("torch.", "")
         try:
@@ -71,6 +71,22 @@ def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
         except TypeError:
             pass
     raise TransferError(f"feed {name!r}: unsupported type {type(value).__name__} (numpy, OrtValue or DLPack tensor)")
+
+
+def _require_mapping(feeds: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(feeds, Mapping):
+        raise TransferError(f"{what} must be a mapping {{input name: value}}, got {type(feeds).__name__}")
+    return feeds
+
+
+def _check_model_input(meta, shape: tuple, dtype: np.dtype) -> None:
+    """Refuse an example feed whose dtype or fixed dims contradict the model's input (before ORT errors out)."""
+    want = transfer.ONNX_TO_NP.get(meta.type)
+    if want is not None and dtype != want:
+        raise TransferError(f"input {meta.name!r} is {meta.type} in the model; the example feed is {dtype}")
+    dims = list(meta.shape or [])
+    if dims and (len(dims) != len(shape) or any(isinstance(d, int) and d != s for d, s in zip(dims, shape))):
+        raise TransferError(f"input {meta.name!r} has dims {dims} in the model; the example feed has shape {shape}")
 
 
 class CapturedGraph:
@@ -97,7 +113,11 @@ class CapturedGraph:
         self.graph_id = int(graph_id)
         self._released = False
         self._generation = 0
-        names = [m.name for m in session.get_inputs()]
+        example_feeds = _require_mapping(example_feeds, "example feeds")
+        if state is not None and not isinstance(state, Mapping):
+            raise CaptureError(f"state must be a mapping {{output name: input name}}, got {type(state).__name__}")
+        metas = {m.name: m for m in session.get_inputs()}
+        names = list(metas)
         unknown = sorted(set(example_feeds) - set(names))
         if unknown:
             raise TransferError(f"unknown input(s) {unknown}; the model's inputs are {names}")
@@ -105,8 +125,10 @@ class CapturedGraph:
         if missing:
             raise TransferError(f"example feeds miss input(s) {missing}; capture needs a value for every input")
         self.inputs: dict[str, ort.OrtValue] = {}
-        for name in names:
-            shape, dtype = _source_spec(name, example_feeds[name])
+        specs = {name: _source_spec(name, example_feeds[name]) for name in names}
+        for name, (shape, dtype) in specs.items():
+            _check_model_input(metas[name], shape, dtype)
+        for name, (shape, dtype) in specs.items():
             self.inputs[name] = session.allocate(shape, dtype)
             transfer.update_inplace(self.inputs[name], example_feeds[name])
         self.outputs = self._allocate_outputs()
@@ -173,13 +195,23 @@ class CapturedGraph:
         with sess._oc_lock:
             if self._released:
                 self._raise_released()
+            if feeds is not None and type(feeds) is not dict:
+                feeds = _require_mapping(feeds, "feeds")
             if feeds:
                 bufs = self.inputs
-                for name in feeds:
-                    if name not in bufs:
-                        raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
-                for name, value in feeds.items():
-                    transfer.update_inplace(bufs[name], value)
+                if len(feeds) == 1:  # common case: nothing else can fail after this copy
+                    for name, value in feeds.items():
+                        if name not in bufs:
+                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
+                        transfer.update_inplace(bufs[name], value)
+                else:  # validate every feed before touching any buffer
+                    tokens = []
+                    for name, value in feeds.items():
+                        if name not in bufs:
+                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
+                        tokens.append(transfer.prepare(bufs[name], value))
+                    for token in tokens:
+                        transfer.commit(token)
             sess._oc_replay(self._binding, self._run_options, self._record)
             if self._state:
                 transfer.copy(self._state_src, self._state_dst)
@@ -196,11 +228,14 @@ class CapturedGraph:
                 self._raise_released()
             if not self._state:
                 raise CaptureError("this graph has no declared state (capture(..., state={out: in}))")
-            transfer.copy(list(self._initial_state.values()), self._state_dst)
-            for name, value in (values or {}).items():
+            tokens = []
+            for name, value in _require_mapping(values or {}, "values").items():
                 if name not in self._initial_state:
                     raise CaptureError(f"{name!r} is not a state input ({list(self._initial_state)})")
-                transfer.update_inplace(self.inputs[name], value)
+                tokens.append(transfer.prepare(self.inputs[name], value))  # all checked before any change
+            transfer.copy(list(self._initial_state.values()), self._state_dst)
+            for token in tokens:
+                transfer.commit(token)
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @property

@@ -23,7 +23,7 @@ import onnxruntime as ort
 from ortcapture import compat, shapes
 from ortcapture.binding import IOBinding
 from ortcapture.buffers import BufferPool
-from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
+from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError, GraphReleasedError
 from ortcapture.providers import CaptureInfo, detect_capture, requested_capture
 from ortcapture.registry import SKIP_GRAPH_ID, GraphRegistry
 
@@ -41,15 +41,36 @@ def graph_id_of(run_options: ort.RunOptions | None) -> int:
     if not entry:
         return 0
     try:
-        return int(entry)
+        return check_graph_id(int(entry))
     except ValueError:
         raise CaptureError(f"run option {GRAPH_ID_KEY!r} must be an integer, got {entry!r}") from None
 
 
+#: ORT parses gpu_graph_id as a 32-bit int ("Failed to parse the cuda graph annotation id" beyond that).
+MAX_GRAPH_ID = 2**31 - 1
+
+
+def check_graph_id(graph_id) -> int:
+    """``graph_id`` as an int in [-1, 2**31-1]; raises :class:`CaptureError` otherwise (bools and floats too)."""
+    import operator
+
+    if isinstance(graph_id, bool):
+        raise CaptureError(f"gpu_graph_id must be an int, got {graph_id!r}")
+    try:
+        gid = operator.index(graph_id)
+    except TypeError:
+        raise CaptureError(f"gpu_graph_id must be an int, got {graph_id!r}") from None
+    if not -1 <= gid <= MAX_GRAPH_ID:
+        raise CaptureError(f"gpu_graph_id must be -1 (no capture) or in [0, {MAX_GRAPH_ID}], got {gid}")
+    return gid
+
+
 def run_options_for(graph_id: int, base: ort.RunOptions | None = None) -> ort.RunOptions:
-    """New ``RunOptions`` with ``gpu_graph_id`` set to ``graph_id``."""
+    """``RunOptions`` (``base`` or new) with ``gpu_graph_id`` set to ``graph_id`` (-1: run without capture).
+    Raises :class:`CaptureError` for anything but an int in [-1, 2**31-1]."""
+    gid = check_graph_id(graph_id)
     ro = base if base is not None else ort.RunOptions()
-    ro.add_run_config_entry(GRAPH_ID_KEY, str(int(graph_id)))
+    ro.add_run_config_entry(GRAPH_ID_KEY, str(gid))
     return ro
 
 
@@ -155,6 +176,10 @@ class InferenceSession(ort.InferenceSession):
                 "SessionOptions.add_provider_for_devices([ep_device], {...}); check `ortcapture doctor`."
             )
         self._oc_info = info
+        if (info or requested) is not None and (info or requested).device_type == "webgpu":
+            from ortcapture import webgpu
+
+            self._oc_lock = webgpu.LOCK  # ORT's WebGPU device is shared by every session and copy in the process
         self._oc_capture_probe = None
         if info is not None and info.device_type == "cuda":
             from ortcapture.cudart import make_capture_probe
@@ -219,29 +244,44 @@ class InferenceSession(ort.InferenceSession):
         return IOBinding(self)
 
     # -- guarded run paths ------------------------------------------------------------------------------------
-    def _oc_check_plain_run(self, api: str, run_options) -> None:
-        if self._oc_info is not None and graph_id_of(run_options) != SKIP_GRAPH_ID:
+    def _oc_check_plain_run(self, api: str, run_options) -> bool:
+        """Raise unless a plain run is safe here; True when it must hold the session lock (a capture session)."""
+        if self._oc_info is None:
+            return self._oc_deferred  # its shape-specialised siblings capture under the same lock
+        if graph_id_of(run_options) != SKIP_GRAPH_ID:
             raise CaptureError(
                 f"{api}() on a session with {self._oc_info.ep.name} graph capture would capture or replay with "
                 "transient buffers: replay re-issues the device buffers recorded at capture and ignores new feeds. "
                 "Use sess.capture(feeds) (or run_with_iobinding with fixed buffers), or set the run option "
                 f"{GRAPH_ID_KEY}=-1 to run this call without capture."
             )
+        return True
 
+    # Plain runs (gpu_graph_id=-1) of a capturing or capture-deferred session take the session lock too: ORT does not
+    # support them concurrently with capture/replay (measured on WebGPU: SIGSEGV / SIGABRT beside CapturedGraph.run).
     def run(self, output_names, input_feed, run_options=None):
-        self._oc_check_plain_run("run", run_options)
+        if self._oc_check_plain_run("run", run_options):
+            with self._oc_lock:
+                return super().run(output_names, input_feed, run_options)
         return super().run(output_names, input_feed, run_options)
 
     def run_async(self, output_names, input_feed, callback, user_data, run_options=None):
+        """ORT's ``run_async``; on a capturing session only with ``gpu_graph_id=-1``. Not serialised with replays
+        (it returns before the run): do not mix it with captured replays of the same session."""
         self._oc_check_plain_run("run_async", run_options)
         return super().run_async(output_names, input_feed, callback, user_data, run_options)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
-        self._oc_check_plain_run("run_with_ort_values", run_options)
+        if self._oc_check_plain_run("run_with_ort_values", run_options):
+            with self._oc_lock:
+                return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
         return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
 
     def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
-        self._oc_check_plain_run("run_with_ortvaluevector", run_options)
+        if self._oc_check_plain_run("run_with_ortvaluevector", run_options):
+            with self._oc_lock:
+                return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches,
+                                                       fetch_devices)
         return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches, fetch_devices)
 
     def run_with_iobinding(self, iobinding, run_options=None):
@@ -254,7 +294,17 @@ class InferenceSession(ort.InferenceSession):
         ``gpu_graph_id=-1`` runs without capture.
         """
         if self._oc_info is None:
-            return super().run_with_iobinding(iobinding, run_options)
+            if not self._oc_deferred:
+                return super().run_with_iobinding(iobinding, run_options)
+            if graph_id_of(run_options) != SKIP_GRAPH_ID:
+                raise CaptureUnsupportedError(
+                    f"this session cannot capture: {self._oc_requested.ep.name} refused graph capture for the model's "
+                    "dynamic input dims, so a raw IOBinding run here would silently run uncaptured and unguarded. "
+                    "Create the session with static_shapes={name: shape} to capture through IOBinding, use "
+                    f"sess.capture(feeds), or set {GRAPH_ID_KEY}=-1 for an uncaptured run."
+                )
+            with self._oc_lock:
+                return super().run_with_iobinding(iobinding, run_options)
         gid = graph_id_of(run_options)
         if gid == SKIP_GRAPH_ID:
             with self._oc_lock:
@@ -304,7 +354,15 @@ class InferenceSession(ort.InferenceSession):
         on onnxruntime-gpu 1.31.1: a new IOBinding run under the released id writes into the old buffers), so the
         id is retired — reusing it raises :class:`~ortcapture.errors.GraphReleasedError`; capture under a new id.
         """
-        gid = int(graph_annotation_id)
+        gid = check_graph_id(graph_annotation_id)
+        owner = next((s for s in self._oc_siblings.values() if s._oc_registry is not None and gid in s._oc_registry),
+                     None)
+        if owner is not None:  # captured by capture() on a shape-specialised sibling: release it there
+            owner.release_captured_graph(gid)
+            graph = self._oc_graphs.pop(gid, None)
+            if graph is not None:
+                graph._on_released()
+            return
         with self._oc_lock:
             rec = self._oc_registry.release(gid) if self._oc_registry is not None else None
             if compat.has_release_captured_graph():
@@ -353,11 +411,16 @@ class InferenceSession(ort.InferenceSession):
         target._oc_require_capture("capture()")
         target._oc_check_foreign_capture()
         with self._oc_lock:
-            gid = self._oc_free_id() if graph_id is None else int(graph_id)
+            gid = self._oc_free_id() if graph_id is None else check_graph_id(graph_id)
             if gid < 0:
                 raise CaptureError(f"gpu_graph_id must be >= 0 to capture, got {gid} (-1 means 'no capture')")
-            if any(gid in s._oc_registry for s in self._oc_members() if s._oc_registry is not None):
+            registries = [s._oc_registry for s in self._oc_members() if s._oc_registry is not None]
+            if any(gid in r for r in registries):
                 raise CaptureError(f"gpu_graph_id={gid} is already captured; release it or pick another id")
+            if any(gid in r.retired_ids for r in registries):
+                raise GraphReleasedError(
+                    f"gpu_graph_id={gid} was released, and this onnxruntime cannot free a captured "
+                    f"{target.capture_info.ep.name} graph: capture under a new id (graph_id=None picks one)")
             graph = CapturedGraph(target, example_feeds, gid, state=state, family=self)
             self._oc_graphs[gid] = graph
             return graph

@@ -72,12 +72,19 @@ def fix_input_shapes(path_or_bytes, static_shapes: Mapping[str, Sequence[int]]) 
     Raises :class:`~ortcapture.errors.CaptureError` for an unknown input name, a rank mismatch, or a dim that
     contradicts a dim already fixed in the model.
     """
+    import operator
+
+    if not isinstance(static_shapes, Mapping):
+        raise CaptureError(f"static_shapes must be a mapping {{input name: shape}}, got {type(static_shapes).__name__}")
     model = load_model(path_or_bytes)
     dims = input_dims(model)
     for name, shape in static_shapes.items():
         if name not in dims:
             raise CaptureError(f"static_shapes names input {name!r}, but the model's inputs are {sorted(dims)}")
-        shape = [int(x) for x in shape]
+        try:
+            shape = [operator.index(x) for x in shape]
+        except TypeError:
+            raise CaptureError(f"static_shapes[{name!r}] must be a sequence of ints, got {shape!r}") from None
         if len(shape) != len(dims[name]):
             raise CaptureError(f"input {name!r} has rank {len(dims[name])} ({dims[name]}), got shape {shape}")
         for want, have in zip(shape, dims[name]):

@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from ortcapture import compat
 from ortcapture.errors import CaptureUnsupportedError, TransferError
-from ortcapture.values import ValueMeta, meta
+from ortcapture.values import ONNX_TO_NP, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
 
 _C = ort.capi._pybind_state
 
@@ -290,16 +290,46 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
         # hot path: a CUDA OrtValue seen before, same shape and dtype, disjoint buffers (the checks below, inlined)
         dst.update_inplace(src)
         return dst
+    sm = _checked_value_source(src, dst, dm)
+    if sm is not None:
+        _copy_value(src, sm, dst, dm)
+    return dst
+
+
+def prepare(dst: ort.OrtValue, src: Any, *, cast: bool = False):
+    """Validate ``src`` for ``dst`` exactly as :func:`update_inplace` does, without copying; return a token for
+    :func:`commit`. Lets a caller check every feed before touching any buffer."""
+    dm = _dst_meta(dst)
+    if not isinstance(src, ort.OrtValue):
+        src = _as_source(src)
+        if isinstance(src, np.ndarray):
+            return (dst, dm, _as_numpy(src, dm, cast), None)
+    return (dst, dm, src, _checked_value_source(src, dst, dm))
+
+
+def commit(token) -> None:
+    """Perform a copy validated by :func:`prepare`."""
+    dst, dm, src, sm = token
+    if isinstance(src, np.ndarray):
+        _copy_host_to(dst, dm, src)
+    elif sm is not None:
+        _copy_value(src, sm, dst, dm)
+
+
+def _checked_value_source(src: ort.OrtValue, dst: ort.OrtValue, dm: ValueMeta) -> ValueMeta | None:
+    """Validate an OrtValue source against the destination; ``None`` when it is the destination itself."""
+    check = getattr(src, "_check", None)  # a ReplayOutput: refuse reading it once a later replay overwrote it
+    if check is not None:
+        check()
     sm = _dst_meta(src, "source")
     _check_match(dm, sm.shape, sm.dtype, f"source ({sm.kind})")
     _require_copyable(sm, dm)
     alias = _alias(src, sm, dst, dm)
     if alias == "same":
-        return dst
+        return None
     if alias == "overlap":
         raise TransferError("source and destination buffers overlap; an in-place copy between them is undefined")
-    _copy_value(src, sm, dst, dm)
-    return dst
+    return sm
 
 
 def _as_source(src: Any) -> ort.OrtValue | np.ndarray:
@@ -344,7 +374,8 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
     if not src:
         return
     if compat.has_copy_tensors() and any(m.kind == "webgpu" for m in (*sms, *dms)):
-        ort.copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
+        with _webgpu_lock():
+            ort.copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
     else:
         for s, sm, d, dm in zip(src, sms, dst, dms):
             _copy_value(s, sm, d, dm)
@@ -352,11 +383,14 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
 
 def to_numpy(value: ort.OrtValue) -> np.ndarray:
     """A new host numpy array with the contents of ``value`` (any device; WebGPU read back via ``copy_tensors``)."""
+    check = getattr(value, "_check", None)  # a ReplayOutput overwritten by a later replay raises StaleOutputError
+    if check is not None:
+        check()
     m = _dst_meta(value, "value")
     if m.kind == "webgpu":
-        compat.require("WebGPU readback of an OrtValue", compat.has_copy_tensors(), "1.24")
         host = ort.OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
-        ort.copy_tensors([value], [host], None)
+        with _webgpu_lock():
+            ort.copy_tensors([value], [host], None)
         return host.numpy()
     return value.numpy()
 
@@ -373,9 +407,17 @@ def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
     return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
 
 
+def _webgpu_lock():
+    """The process-wide WebGPU lock (ORT's WebGPU queue is not thread-safe): see :data:`ortcapture.webgpu.LOCK`."""
+    from ortcapture.webgpu import LOCK
+
+    return LOCK
+
+
 def _copy_host_to(dst: ort.OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
     if dm.kind == "webgpu":
-        ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(arr)], [dst], None)
+        with _webgpu_lock():
+            ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(arr)], [dst], None)
     else:
         dst.update_inplace(arr)
 
@@ -387,7 +429,8 @@ def _copy_value(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMe
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif "webgpu" in (sm.kind, dm.kind):
-        ort.copy_tensors([src], [dst], None)
+        with _webgpu_lock():
+            ort.copy_tensors([src], [dst], None)
     elif compat.has_update_inplace_ortvalue():
         _HAS_UPDATE_INPLACE[0] = True
         dst.update_inplace(src)

@@ -11,9 +11,15 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 
 EP_NAME = "WebGpuExecutionProvider"
 _registered = False
+
+#: One lock for all WebGPU work of the process: sessions (captured or not) and copies share ORT's WebGPU device and
+#: queue, which are not thread-safe (measured on ORT 1.32: two WebGPU sessions, or a copy_tensors beside a replay,
+#: from two threads end in SIGSEGV or "CommandEncoder is already finished"). Re-entrant.
+LOCK = threading.RLock()
 
 
 def plugin_installed() -> bool:

@@ -47,22 +47,7 @@ def nested_if_model() -> bytes:
     return _model([outer], [vi("cond", [], TensorProto.BOOL), vi("X", [2])], [vi("Y", [2])])
 
 
-def shape_subgraph_model() -> bytes:
-    """Y = X + ConstantOfShape([batch, 1]) with X [batch, n]: ORT places the shape computation (Gather, Unsqueeze,
-    Concat, ConstantOfShape) on the CPU EP, so ORT's WebGPU EP refuses capture until the dims are fixed."""
-    vi = tiny.vi
-    ints = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
-    nodes = [
-        helper.make_node("Shape", ["X"], ["shp"], name="shape"),
-        helper.make_node("Gather", ["shp", "zero"], ["b"], name="gather_batch", axis=0),
-        helper.make_node("Unsqueeze", ["b", "axis0"], ["b1"], name="unsqueeze_batch"),
-        helper.make_node("Concat", ["b1", "one"], ["cshape"], name="concat_shape", axis=0),
-        helper.make_node("ConstantOfShape", ["cshape"], ["c"], name="ones",
-                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
-        helper.make_node("Add", ["X", "c"], ["Y"], name="add"),
-    ]
-    return _model(nodes, [vi("X", ["batch", "n"])], [vi("Y", ["batch", "n"])],
-                  [ints("zero", 0), ints("axis0", [0]), ints("one", [1])])
+shape_subgraph_model = tiny.shape_subgraph_model
 
 
 def cpu_op_model() -> bytes:
