@@ -21,7 +21,13 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 
+_SUBMODULES = {"binding", "buffers", "capture", "compat", "cudart", "errors", "graph", "models", "providers",
+               "registry", "session", "shapes", "timing", "transfer", "values", "webgpu"}
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:  # ortcapture.webgpu etc. work after a plain `import ortcapture`
+        return importlib.import_module(f"ortcapture.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ortcapture' has no attribute {name!r}")
