@@ -98,12 +98,11 @@ def requested_capture(
         ep = CAPTURE_EPS.get(name)
         if ep is not None and _truthy(opts.get(ep.option, "0")):
             return CaptureInfo(ep, int(opts.get(ep.device_id_option, 0) or 0))
-    if not providers:
-        for ep in CAPTURE_EPS.values():
-            prefix = f"ep.{ep.name.lower()}."
-            if _truthy(_config_entry(sess_options, prefix + ep.option) or "0"):
-                dev = _config_entry(sess_options, prefix + ep.device_id_option)
-                return CaptureInfo(ep, int(dev or 0))
+    for ep in CAPTURE_EPS.values():  # plugin EPs: their options live in the session config
+        prefix = f"ep.{ep.name.lower()}."
+        if _truthy(_config_entry(sess_options, prefix + ep.option) or "0"):
+            dev = _config_entry(sess_options, prefix + ep.device_id_option)
+            return CaptureInfo(ep, int(dev or 0))
     return None
 
 

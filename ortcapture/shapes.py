@@ -18,8 +18,7 @@ from ortcapture.errors import CaptureError
 #: Substrings of ORT errors that mean "capture refused because of where nodes landed" (dynamic shapes).
 _CAPTURE_REFUSALS = (
     "have not been partitioned to the",
-    "graph capture",
-    "Graph capture",
+    "cannot use the graph capture feature",
 )
 
 

@@ -72,7 +72,16 @@ def session_options(capture: bool = True, sess_options=None):
     set from ``capture``) and memory patterns off (capture needs ``enable_mem_pattern=False``)."""
     import onnxruntime as ort
 
+    from ortcapture.errors import CaptureError
+
     so = sess_options if sess_options is not None else ort.SessionOptions()
+    try:
+        present = so.get_session_config_entry("ep.webgpuexecutionprovider.enableGraphCapture")
+    except RuntimeError:
+        present = None
+    if present:
+        raise CaptureError("these SessionOptions already have the WebGPU EP (session_options() was called on them "
+                           "before): ORT refuses to register it twice; pass a fresh onnxruntime.SessionOptions()")
     so.enable_mem_pattern = False
     so.add_provider_for_devices([ep_device()], {"enableGraphCapture": "1" if capture else "0"})
     return so

@@ -464,3 +464,16 @@ def test_deferred_session_release_and_raw_path(backend):
     b = sess.io_binding()
     with pytest.raises(ortcapture.CaptureUnsupportedError, match="static_shapes"):
         sess.run_with_iobinding(b, run_options_for(0))
+
+
+def test_session_option_mistakes_are_named(backend):
+    if backend.name != "webgpu":
+        pytest.skip("WebGPU plugin EP options")
+    import ortcapture.webgpu as w
+
+    so = w.session_options(capture=True)
+    with pytest.raises(CaptureError, match="already have the WebGPU EP"):
+        w.session_options(capture=True, sess_options=so)
+    with pytest.raises(ortcapture.CaptureUnsupportedError, match="without capture"):
+        ortcapture.InferenceSession(tiny.add_model(), w.session_options(capture=True),
+                                    providers=["CPUExecutionProvider"])
