@@ -169,7 +169,7 @@ def _is_c_contiguous(obj: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # DLPack sources
 # ---------------------------------------------------------------------------------------------------------------
-# id(producer) -> (weakref, address, shape, dtype, wrapping OrtValue, orderer): re-wrapping a torch tensor
+# id(producer) -> (weakref, revalidator, wrapping OrtValue): re-wrapping a torch tensor
 # through DLPack costs tens of µs, while its address, shape and dtype are cheap to re-check. Keyed by id() with a
 # weakref check, not a WeakKeyDictionary: tensors compare elementwise, so they cannot be dictionary keys.
 _WRAPPED: dict[int, tuple] = {}
@@ -182,10 +182,12 @@ def _address(src: Any) -> int | None:
     return int(data.ptr) if hasattr(data, "ptr") else None  # cupy
 
 
-def _orderer(src: Any):
-    """A function that makes the producer's pending work on its current stream finish before ORT's legacy-stream
-    device-to-device copy reads the buffer: work on the legacy default stream is ordered before that copy already,
-    other streams are synchronised. Chosen once per wrapped producer (the hot path then pays one stream query)."""
+def _revalidator(src: Any):
+    """A function ``hit(producer) -> bool`` built once per wrapped CUDA producer: True when the producer still has
+    the wrapped buffer's address, shape, dtype and C-contiguity — having then ordered ORT's coming legacy-stream
+    device-to-device copy after the producer's pending work (work on the legacy default stream is ordered already;
+    another current stream is synchronised). The replay hot path pays a handful of attribute reads."""
+    address, shape, dtype = _address(src), tuple(src.shape), src.dtype
     mod = type(src).__module__.split(".", 1)[0]
     if mod == "torch":
         import torch
@@ -193,35 +195,52 @@ def _orderer(src: Any):
         index = src.get_device()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int; much cheaper than current_stream()
 
-        def order(_src, raw=raw, index=index, torch=torch):
+        def hit(s, raw=raw, index=index, torch=torch):
+            if s.data_ptr() != address or s.dtype is not dtype or s.shape != shape or not s.is_contiguous():
+                return False
             if raw is None or raw(index) != 0:
                 stream = torch.cuda.current_stream(index)
                 if stream.cuda_stream != 0:
                     stream.synchronize()
-        return order
+            return True
+        return hit
     if mod == "cupy":
         import cupy
 
-        def order(_src, cupy=cupy):
+        def hit(s, cupy=cupy):
+            if s.data.ptr != address or s.dtype != dtype or s.shape != shape or not s.flags.c_contiguous:
+                return False
             stream = cupy.cuda.get_current_stream()
             if stream.ptr != 0:
                 stream.synchronize()
-        return order
-    return lambda _src: None  # other producers: only their first wrap is ordered (through __dlpack__(stream=1))
+            return True
+        return hit
+
+    def hit(s):  # other producers: only their first wrap is ordered (through __dlpack__(stream=1))
+        return _address(s) == address and s.dtype == dtype and tuple(s.shape) == shape and _is_c_contiguous(s)
+    return hit
+
+
+def _wrap_capsule(capsule, is_bool: bool):
+    """``OrtValue.from_dlpack``: ORT <= 1.31 takes ``(capsule, is_bool_tensor)``; 1.32 takes the capsule alone and
+    reads bool from the DLPack dtype. (A signature mismatch raises before the capsule is consumed.)"""
+    if _FROM_DLPACK_TAKES_BOOL[0]:
+        try:
+            return _C.OrtValue.from_dlpack(capsule, is_bool)
+        except TypeError:
+            _FROM_DLPACK_TAKES_BOOL[0] = False
+    return _C.OrtValue.from_dlpack(capsule)
+
+
+_FROM_DLPACK_TAKES_BOOL = [True]
 
 
 def _cached_wrap(src: Any) -> ort.OrtValue | None:
-    """The OrtValue that wrapped this same CUDA producer before, if its address, shape, dtype and contiguity are
-    unchanged (then ordered after the producer's pending work); else ``None``."""
+    """The OrtValue that wrapped this same CUDA producer before, if still valid (see :func:`_revalidator`)."""
     cached = _WRAPPED.get(id(src))
-    if cached is None:
-        return None
-    ref, address, shape, dtype, value, order = cached
-    if ref() is not src or _address(src) != address or src.dtype != dtype or src.shape != shape \
-            or not _is_c_contiguous(src):
-        return None
-    order(src)
-    return value
+    if cached is not None and cached[0]() is src and cached[1](src):
+        return cached[2]
+    return None
 
 
 def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
@@ -250,7 +269,7 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
         capsule = src.__dlpack__(stream=1)
     except TypeError:
         capsule = src.__dlpack__()
-    value = ort.OrtValue(_C.OrtValue.from_dlpack(capsule, is_bool))
+    value = ort.OrtValue(_wrap_capsule(capsule, is_bool))
     address = _address(src)
     if address is not None:
         ident, table = id(src), _WRAPPED
@@ -258,7 +277,7 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
             ref = weakref.ref(src, lambda _r: table.pop(ident, None))
         except TypeError:
             return value
-        table[ident] = (ref, address, src.shape, src.dtype, value, _orderer(src))
+        table[ident] = (ref, _revalidator(src), value)
     return value
 
 
@@ -279,10 +298,14 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     """
     dm = _dst_meta(dst)
     if not isinstance(src, ort.OrtValue):
-        src = _as_source(src)
-        if isinstance(src, np.ndarray):
-            _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
-            return dst
+        cached = _WRAPPED.get(id(src))  # a CUDA DLPack producer wrapped before (torch/cupy on the hot path)
+        if cached is not None and cached[0]() is src and cached[1](src):
+            src = cached[2]
+        else:
+            src = _as_source(src)
+            if isinstance(src, np.ndarray):
+                _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
+                return dst
     sm = getattr(src, "_ortcapture_meta", None)
     if (sm is not None and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype and sm.shape == dm.shape
             and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
