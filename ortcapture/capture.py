@@ -32,13 +32,13 @@ def validate_bindings(session, binding: IOBinding) -> list[tuple[str, str]]:
     device; return the declared (output, input) state pairs that share a buffer."""
     info = session.capture_info
     ins, outs = binding.bound_inputs, binding.bound_outputs
-    for meta in session.get_inputs():
-        if meta.name not in ins:
-            raise BindingError(f"input {meta.name!r} is not bound; capture needs every input bound to a fixed buffer")
-    for meta in session.get_outputs():
-        if meta.name not in outs:
+    for node_arg in session.get_inputs():
+        if node_arg.name not in ins:
+            raise BindingError(f"input {node_arg.name!r} is not bound; capture needs every input bound to a fixed buffer")
+    for node_arg in session.get_outputs():
+        if node_arg.name not in outs:
             raise BindingError(
-                f"output {meta.name!r} is not bound; ORT would allocate it per run, and replay would write into the "
+                f"output {node_arg.name!r} is not bound; ORT would allocate it per run, and replay would write into the "
                 "buffer allocated at capture. Bind a fixed buffer (sess.allocate(shape, dtype))."
             )
     for role, bound in (("input", ins), ("output", outs)):

@@ -105,7 +105,6 @@ def probe(timeout: float = 180.0) -> dict:
 def _probe_main() -> int:
     """Capture a tiny Add model on WebGPU and replay it twice; print one JSON line."""
     import numpy as np
-    import onnx
     from onnx import TensorProto, helper
 
     import ortcapture

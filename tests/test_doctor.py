@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ortcapture import cli, doctor
 from tests import tiny
