@@ -74,6 +74,13 @@ class BufferPool:
     def __len__(self) -> int:
         return len(self._buffers)
 
+    def forget(self, values) -> None:
+        """Drop the pool's references to ``values`` (buffers of a released graph, or scratch copies); they are
+        freed once nothing else holds them. Must not be called for buffers a live captured graph still replays."""
+        ids = {id(v) for v in values}
+        with self._lock:
+            self._buffers = [b for b in self._buffers if id(b) not in ids]
+
     def clear(self) -> None:
         """Drop the pool's references (only once no captured graph uses them)."""
         with self._lock:

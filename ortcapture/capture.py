@@ -112,6 +112,8 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
     except BaseException:
         session.release_captured_graph(graph_id)
         raise
+    finally:
+        session._oc_pool.forget([t for t, _ in snapshots])  # scratch copies: not needed after the restore
     if stale:
         session.release_captured_graph(graph_id)
         raise CaptureError(

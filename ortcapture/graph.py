@@ -250,12 +250,19 @@ class CapturedGraph:
     def release(self) -> None:
         """Release the captured graph (idempotent). CUDA/TensorRT: the ``gpu_graph_id`` is retired."""
         if not self._released:
-            self._session.release_captured_graph(self.graph_id)
+            self._session.release_captured_graph(self.graph_id)  # ends in _on_released
             self._family._oc_graphs.pop(self.graph_id, None)
-            self._released = True
+            self._on_released()
 
     def _on_released(self) -> None:
+        """The graph is gone (release, release_captured_graph, set_providers): the session's pool lets go of its
+        buffers, so capture/release cycles do not accumulate device memory. Outputs handed out earlier keep theirs."""
+        if self._released:
+            return
         self._released = True
+        pool = self._session._oc_pool
+        if pool is not None:
+            pool.forget([*self.inputs.values(), *self.outputs.values(), *self._initial_state.values()])
 
     def _raise_released(self):
         raise GraphReleasedError(

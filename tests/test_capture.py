@@ -477,3 +477,26 @@ def test_session_option_mistakes_are_named(backend):
     with pytest.raises(ortcapture.CaptureUnsupportedError, match="without capture"):
         ortcapture.InferenceSession(tiny.add_model(), w.session_options(capture=True),
                                     providers=["CPUExecutionProvider"])
+
+
+def test_capture_release_cycles_do_not_accumulate_buffers(backend):
+    sess = backend.session(tiny.counter_model())
+    pool = sess._oc_pool
+    g = sess.capture({"state_in": np.zeros(4, np.float32)}, state={"state_out": "state_in"})
+    held = len(pool)
+    g.release()
+    for _ in range(5):
+        g = sess.capture({"state_in": np.zeros(4, np.float32)}, state={"state_out": "state_in"})
+        (out,) = g.run()
+        np.testing.assert_array_equal(out, np.ones(4))
+        g.release()
+    assert len(pool) == 0 and held == 3  # input, output, initial state; nothing left after release
+    # declared in-place state on the raw path: the snapshot scratch buffer is not kept either
+    buf = sess.allocate((4,), np.float32)
+    ortcapture.update_inplace(buf, np.zeros(4, np.float32))
+    b = sess.io_binding()
+    b.bind_ortvalue_input("state_in", buf)
+    b.bind_ortvalue_output("state_out", buf)
+    b.declare_state("state_out", "state_in")
+    sess.run_with_iobinding(b, run_options_for(10))
+    assert len(pool) == 1
