@@ -1,7 +1,7 @@
 """``ortcapture bench``: captured replay against raw ORT, per batch size, in fresh processes with the arms alternating.
 
 ``ortcapture bench [MODEL.onnx] [--provider auto|cuda|webgpu] [--batch 1,8] [--procs 5] [--iters N] [--json F]
-[--plot F.png] [--graph-capture/--no-graph-capture]``
+[--plot F.png] [--graph-capture/--no-graph-capture] [--sync readback|device] [--provider-option KEY=VALUE ...]``
 
 Method. For each batch size the model's input dims are fixed (:func:`ortcapture.shapes.fix_input_shapes`; raw ORT
 needs fixed dims to capture a dynamic-dims model) and that one fixed model is used by every arm. ``--procs``
@@ -12,9 +12,14 @@ round, one untimed call at the start of every block, the garbage collector off),
 outputs against the uncaptured ``run``. Timings are host wall time per call (µs), pooled across processes; the
 spread of the per-process p50s is reported too.
 
-Arms. Every timed call ends with every output on the host as a numpy array — the readback is what waits for the
-GPU (WebGPU's ``run_with_iobinding`` returns before the work completes; CUDA's synchronizes anyway), and it is the
-same in every arm. The inputs alternate between two feeds.
+Arms. Every timed call ends with the GPU done. ``--sync readback`` (the default): every output is on the host as
+a numpy array at the end of every call — the readback is what waits for the GPU (WebGPU's ``run_with_iobinding``
+returns before the work completes; CUDA's synchronizes anyway), and it is the same in every arm. ``--sync device``
+(CUDA only; needs cuda-python): the device-resident arms (``iobinding``, ``raw_capture``, ``captured_ortvalue``)
+leave their outputs on the GPU and end with an explicit ``cudaDeviceSynchronize()`` instead, so the comparison is
+of the GPU work and its launch alone, without the device→host copy that capture does not change; ``plain`` and
+``captured_numpy`` return numpy by nature and still read back. (WebGPU has no synchronisation call in ORT's Python
+API, so there the readback is the only honest end of a call.) The inputs alternate between two feeds.
 
 * ``plain``: ``onnxruntime.InferenceSession.run(None, numpy feeds)`` on a session without capture: host→device
   copy, run, device→host copy of ORT-allocated outputs.
@@ -30,6 +35,9 @@ same in every arm. The inputs alternate between two feeds.
   ``ReplayOutput.numpy()`` of each output (``ortcapture.to_numpy`` of the fixed buffer).
 * ``captured_numpy``: ``CapturedGraph.run({name: numpy})``: host→device copy into the fixed inputs, replay,
   ``ortcapture.to_numpy`` of each output.
+
+``--provider-option KEY=VALUE`` (repeatable) passes an EP option to every arm's session alike (e.g. CUDA
+``prefer_nhwc=1``, ``cudnn_conv_algo_search=HEURISTIC``); the capture switch itself is refused there.
 
 ``--no-graph-capture`` builds the ``raw_capture`` and ``captured_*`` arms' sessions with the capture option off and
 changes nothing else (same buffers, bindings, run options, warm-up and timing boundaries; the ``captured_*`` arms
@@ -89,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw the latency distributions per arm and batch (PNG)")
     p.add_argument("--graph-capture", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-graph-capture: same harness with the capture option off in the capture arms")
+    p.add_argument("--sync", choices=["readback", "device"], default="readback",
+                   help="how each timed call waits for the GPU: read every output back to the host (default), or "
+                        "(CUDA only) leave outputs on the device and call cudaDeviceSynchronize()")
+    p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an execution provider option for every arm's session (repeatable), e.g. prefer_nhwc=1")
 
 
 def _batches(text: str) -> list[int]:
@@ -122,9 +135,11 @@ def _check_args(args) -> tuple[list[int], int]:
         raise BenchError(f"--rounds must be between 1 and --iters ({args.iters})")
     from ortcapture import shapes
     from ortcapture.errors import CaptureError
+    from ortcapture.providers import parse_provider_options
 
     try:
         shapes.parse_shape_args(args.shape)
+        args.ep_options = parse_provider_options(args.provider_option)
     except CaptureError as exc:
         raise BenchError(str(exc)) from None
     for path in (args.json, args.plot):
@@ -141,16 +156,16 @@ def _check_args(args) -> tuple[list[int], int]:
 # ---------------------------------------------------------------------------------------------------------------
 # sessions (one recipe for every arm)
 # ---------------------------------------------------------------------------------------------------------------
-def session_args(provider: str, capture: bool) -> dict:
-    """``InferenceSession`` keyword arguments for ``provider`` with the capture option on or off (a fresh
-    ``SessionOptions`` each call: the WebGPU EP is added to it)."""
+def session_args(provider: str, capture: bool, ep_options: dict | None = None) -> dict:
+    """``InferenceSession`` keyword arguments for ``provider`` with the capture option on or off and the
+    ``--provider-option`` values (a fresh ``SessionOptions`` each call: the WebGPU EP is added to it)."""
     import onnxruntime as ort
 
     from ortcapture import providers
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    return providers.session_args(provider, capture, so)
+    return providers.session_args(provider, capture, so, ep_options=ep_options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,6 +217,8 @@ def _worker(opts) -> dict:
     from ortcapture.session import run_options_for
 
     provider, capture, model = opts.provider, bool(opts.capture), opts.model
+    ep_options = json.loads(opts.ep_options)
+    read_timed = opts.sync == "readback"
     dev = "cuda" if provider == "cuda" else "webgpu"
     shapes_ = {n: tuple(s) for n, s in json.loads(opts.shapes).items()}
     t_start = time.perf_counter()
@@ -211,9 +228,9 @@ def _worker(opts) -> dict:
 
     progress(0, 0, "sessions and capture")
 
-    plain = ort.InferenceSession(model, **session_args(provider, False))  # plain + iobinding arms
-    raw = ort.InferenceSession(model, **session_args(provider, capture))  # raw_capture arm
-    ours = ortcapture.InferenceSession(model, **session_args(provider, capture))  # captured_* arms
+    plain = ort.InferenceSession(model, **session_args(provider, False, ep_options))  # plain + iobinding arms
+    raw = ort.InferenceSession(model, **session_args(provider, capture, ep_options))  # raw_capture arm
+    ours = ortcapture.InferenceSession(model, **session_args(provider, capture, ep_options))  # captured_* arms
     if capture and not ours.capture_enabled:
         raise RuntimeError(f"ortcapture session does not capture (deferred={ours.capture_deferred})")
 
@@ -247,6 +264,11 @@ def _worker(opts) -> dict:
         return [{n: transfer.update_inplace(make(a.shape, a.dtype), a) for n, a in f.items()} for f in feeds]
 
     to_numpy = ortcapture.to_numpy
+    if read_timed:
+        device_sync = None
+    else:  # --sync device (CUDA): an explicit wait for all of the GPU's work, outputs stay on the device
+        rt = compat.cudart()
+        device_sync = rt.cudaDeviceSynchronize
     if dev == "cuda" and not compat.has_update_inplace_ortvalue():  # ORT < 1.26: ortcapture's copy instead
         d2d = transfer.update_inplace
     elif dev == "cuda":
@@ -257,7 +279,8 @@ def _worker(opts) -> dict:
             ort.copy_tensors([src], [dst], None)
 
     def iobinding_arm(sess):
-        """Hand-written raw ORT: fixed device buffers, device->device input copy, run, readback."""
+        """Hand-written raw ORT: fixed device buffers, device->device input copy, run, readback (``read``) or
+        device synchronisation."""
         ins = {n: alloc(sess, a.shape, a.dtype) for n, a in feeds[0].items()}
         outs = [alloc(sess, *out_specs[n]) for n in out_names]
         binding = sess.io_binding()
@@ -269,11 +292,14 @@ def _worker(opts) -> dict:
         pairs = [[(ins[n], src[n]) for n in ins] for src in srcs]
         ro = run_options_for(0)
 
-        def fn(i):
+        def fn(i, read=True):
             for dst, src in pairs[i & 1]:
                 d2d(dst, src)
             sess.run_with_iobinding(binding, ro)
-            return [to_numpy(v) for v in outs]
+            if read:
+                return [to_numpy(v) for v in outs]
+            device_sync()
+            return None
 
         return fn
 
@@ -291,14 +317,22 @@ def _worker(opts) -> dict:
         cg_srcs = device_sources(ours)
     capture_s = time.perf_counter() - t0
 
-    def captured_ortvalue(i):
-        return [o.numpy() for o in graph.run(cg_srcs[i & 1], copy_outputs=False)]
+    def captured_ortvalue(i, read=True):
+        outs = graph.run(cg_srcs[i & 1], copy_outputs=False)
+        if read:
+            return [o.numpy() for o in outs]
+        device_sync()
+        return None
 
     fns["captured_ortvalue"] = captured_ortvalue
     fns["captured_numpy"] = lambda i: graph.run(feeds[i & 1])
     setup_s = time.perf_counter() - t_start
 
     arms = list(ARMS)
+    verify = dict(fns)  # every arm with its outputs read back, for the check against the uncaptured run
+    if not read_timed:
+        for arm in ("iobinding", "raw_capture", "captured_ortvalue"):
+            fns[arm] = (lambda f: lambda i: f(i, read=False))(verify[arm])
     sizes = [len(b) for b in np.array_split(np.arange(opts.iters), opts.rounds)]
     total, done = len(arms) * (1 + len(sizes)), 0
     for arm in arms:  # warm-up, and the first replays, before anything is timed
@@ -323,7 +357,7 @@ def _worker(opts) -> dict:
     diffs = {arm: 0.0 for arm in arms}
     for k in (0, 1):
         for arm in arms:
-            for got, want in zip(fns[arm](k), refs[k]):
+            for got, want in zip(verify[arm](k), refs[k]):
                 d = np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64))
                 diffs[arm] = max(diffs[arm], float(d.max()) if d.size else 0.0)
     scale = max([1.0] + [float(np.abs(np.asarray(r, dtype=np.float64)).max()) for rr in refs for r in rr if r.size])
@@ -331,7 +365,8 @@ def _worker(opts) -> dict:
     info = ours.capture_info
     return {
         "ok": True, "pid": os.getpid(), "index": opts.index, "provider": provider, "graph_capture": capture,
-        "ort": ort.__version__, "ep": info.ep.name if info else ours.get_providers()[0],
+        "ort": ort.__version__, "ep": info.ep.name if info else ours.get_providers()[0], "sync": opts.sync,
+        "provider_options": ep_options,
         "providers": ours.get_providers(), "shapes": {n: list(s) for n, s in shapes_.items()},
         "setup_s": setup_s, "raw_first_run_s": raw_first_s, "ortcapture_capture_s": capture_s,
         "samples_us": {arm: np.concatenate(samples[arm]).tolist() for arm in arms},
@@ -350,6 +385,8 @@ def _worker_main(argv: list[str]) -> int:
     ap.add_argument("--capture", type=int, choices=[0, 1], default=1)
     ap.add_argument("--index", type=int, default=0, help="process index (rotates the arm order)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sync", choices=["readback", "device"], default="readback")
+    ap.add_argument("--ep-options", default="{}", help="JSON {key: value} of EP options for every session")
     opts = ap.parse_args(argv)
     try:
         result = _worker(opts)
@@ -563,7 +600,9 @@ def plot(result: dict, path: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"ortcapture bench: {os.path.basename(result['model'])} on {result['provider']} "
                  f"(onnxruntime {result['ort']}), graph capture {'on' if capture else 'off'}, "
-                 f"{result['procs']} processes x {result['iters']} calls; box 5-95 %, diamonds: per-process p50",
+                 f"{result['procs']} processes x {result['iters']} calls, sync: {result.get('sync', 'readback')}"
+                 + (f", EP options {result['provider_options']}" if result.get("provider_options") else "")
+                 + "; box 5-95 %, diamonds: per-process p50",
                  fontsize=10)
     fig.savefig(path, dpi=110)
 
@@ -604,18 +643,30 @@ def _run(args) -> int:
         provider = pick_provider(args.provider)
     except CaptureUnsupportedError as exc:
         raise BenchError(str(exc)) from None
+    if args.sync == "device":
+        from ortcapture import compat
+
+        if provider != "cuda":
+            raise BenchError(f"--sync device is CUDA-only: ORT's Python API has no way to wait for {provider}'s "
+                             "GPU work other than reading outputs back (use --sync readback)")
+        if not compat.has_cuda_python():
+            raise BenchError("--sync device needs cuda-python for cudaDeviceSynchronize "
+                             "(pip install 'ortcapture[cuda]')")
 
     import onnxruntime as ort
 
     capture = bool(args.graph_capture)
     print(f"ortcapture bench: {args.model} on {provider} (onnxruntime {ort.__version__}), graph capture "
           f"{'on' if capture else 'OFF'}; {len(jobs)} batch size(s) x {args.procs} processes x {args.iters} calls "
-          f"per arm in {rounds} round-robin blocks", flush=True)
+          f"per arm in {rounds} round-robin blocks; each call ends with "
+          f"{'the outputs read back' if args.sync == 'readback' else 'cudaDeviceSynchronize() (outputs on the GPU)'}"
+          + (f"; EP options {args.ep_options}" if args.ep_options else ""), flush=True)
     units = len(ARMS) * (1 + rounds)
     bar = _Progress(len(jobs) * args.procs * units)
     result = {"model": os.path.abspath(args.model), "provider": provider, "ort": ort.__version__,
               "graph_capture": capture, "procs": args.procs, "iters": args.iters, "rounds": rounds,
-              "warmup": args.warmup, "arms": dict(ARMS), "batches": []}
+              "warmup": args.warmup, "sync": args.sync, "provider_options": args.ep_options, "arms": dict(ARMS),
+              "batches": []}
     try:
         with tempfile.TemporaryDirectory(prefix="ortcapture-bench-") as tmp:
             for b, shp in jobs:
@@ -631,7 +682,8 @@ def _run(args) -> int:
                     cmd = [sys.executable, "-m", "ortcapture.bench", "worker", "--model", fixed, "--provider",
                            provider, "--shapes", json.dumps({n: list(s) for n, s in shp.items()}),
                            "--iters", str(args.iters), "--rounds", str(rounds), "--warmup", str(args.warmup),
-                           "--capture", str(int(capture)), "--index", str(i)]
+                           "--capture", str(int(capture)), "--index", str(i), "--sync", args.sync,
+                           "--ep-options", json.dumps(args.ep_options)]
                     t0 = time.perf_counter()
                     bar.job(desc)
                     res, tail = _run_worker(cmd, lambda done, phase, d=desc: bar.worker(done, phase, d))

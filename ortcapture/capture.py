@@ -91,15 +91,7 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
     released) naming those outputs.
     """
     declared = validate_bindings(session, binding)
-    ins = binding.bound_inputs
-    snapshots = []
-    for _, iname in declared:
-        buf = ins[iname].value
-        if buf is None:
-            raise BindingError(f"state input {iname!r} must be bound as an OrtValue to be snapshotted")
-        tmp = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
-        transfer.copy([buf], [tmp])
-        snapshots.append((tmp, buf))
+    snapshots = _snapshot_state(session, binding, declared)
     ort.InferenceSession.run_with_iobinding(session, binding, run_options)
     rec = session._oc_registry.record(binding, graph_id, owner)
     try:
@@ -124,6 +116,41 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
             "(or drop them), or run this model without capture; `ortcapture doctor MODEL` lists such outputs."
         )
     return rec
+
+
+def _snapshot_state(session, binding: IOBinding, declared) -> list:
+    """Device copies of the declared in-place state inputs: [(scratch copy, bound buffer)]."""
+    ins = binding.bound_inputs
+    snapshots = []
+    for _, iname in declared:
+        buf = ins[iname].value
+        if buf is None:
+            raise BindingError(f"state input {iname!r} must be bound as an OrtValue to be snapshotted")
+        tmp = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
+        transfer.copy([buf], [tmp])
+        snapshots.append((tmp, buf))
+    return snapshots
+
+
+def capture_in_this_thread(session, binding: IOBinding, run_options) -> None:
+    """Give the calling thread its own copy of an already captured CUDA/TensorRT graph, side-effect free.
+
+    ORT's CUDA and TensorRT EPs keep captured graphs in a per-thread context (``CUDAExecutionProvider::
+    PerThreadContext``): the first run of a captured ``gpu_graph_id`` from another thread does not replay — ORT
+    runs the model uncaptured (warm-up; in-place state advances) and captures a new graph in that thread. Done here
+    once per thread under the process-wide capture gate, with the declared state inputs snapshotted and restored,
+    so the caller's following replay advances state exactly one step. When ORT hands the thread a retired
+    context that already holds the graph, the call is a plain replay and is undone the same way. The caller holds
+    the session's capture guard.
+    """
+    declared = validate_bindings(session, binding)
+    snapshots = _snapshot_state(session, binding, declared)
+    try:
+        ort.InferenceSession.run_with_iobinding(session, binding, run_options)
+        if snapshots:
+            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+    finally:
+        session._oc_pool.forget([t for t, _ in snapshots])
 
 
 def _fill_sentinels(binding: IOBinding) -> dict:

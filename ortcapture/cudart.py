@@ -6,6 +6,8 @@ device-to-device copies on ORT versions without ``OrtValue.update_inplace(OrtVal
 """
 from __future__ import annotations
 
+import contextlib
+
 from ortcapture import compat
 
 
@@ -28,6 +30,61 @@ def pointer_device(ptr: int) -> int | None:
     if mem_type not in (2, 3):  # cudaMemoryTypeDevice, cudaMemoryTypeManaged
         return None
     return int(attrs.device)
+
+
+@contextlib.contextmanager
+def current_device(device: int):
+    """Make CUDA ``device`` the calling thread's current device inside the block, then restore the previous one.
+
+    For exporting DLPack tensors: a producer (torch) refuses ``__dlpack__(stream=...)`` unless its tensor's device
+    is current ("Can't export tensors on a different CUDA device index"), and ORT's CUDA EP leaves the device of
+    its last run current (``cudaSetDevice`` in ``OnRunStart``). A no-op without cuda-python.
+    """
+    rt = compat.cudart()
+    prev = None
+    if rt is not None:
+        err, cur = rt.cudaGetDevice()
+        if _ok(err) and int(cur) != int(device):
+            (err,) = rt.cudaSetDevice(int(device))
+            prev = int(cur) if _ok(err) else None
+    try:
+        yield
+    finally:
+        if prev is not None:
+            rt.cudaSetDevice(prev)
+
+
+_PEER: dict[tuple[int, int], bool] = {}
+_PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+def ensure_peer_access(a: int, b: int) -> bool:
+    """Enable CUDA peer access between devices ``a`` and ``b`` (both directions, once per process); True when it is
+    on. Without it a device-to-device ``cudaMemcpy`` between two GPUs is staged through host memory by the driver
+    (measured on two H200s: 15 GB/s for a 1.2 MB copy, against the host path's 9 GB/s). False (and the copy still
+    works, staged) where the GPUs cannot reach each other or cuda-python is absent."""
+    key = (a, b) if a < b else (b, a)
+    known = _PEER.get(key)
+    if known is not None:
+        return known
+    rt = compat.cudart()
+    ok = rt is not None and a != b
+    if ok:
+        for x, y in ((a, b), (b, a)):
+            err, can = rt.cudaDeviceCanAccessPeer(x, y)
+            if not _ok(err) or not int(can):
+                ok = False
+                break
+            with current_device(x):
+                (err,) = rt.cudaDeviceEnablePeerAccess(y, 0)
+                if int(err) == _PEER_ALREADY_ENABLED:
+                    rt.cudaGetLastError()  # clear it: ORT checks cudaGetLastError() after its kernel launches
+                elif not _ok(err):
+                    rt.cudaGetLastError()
+                    ok = False
+                    break
+    _PEER[key] = ok
+    return ok
 
 
 def stream_is_capturing(stream: int = 0) -> bool:

@@ -147,7 +147,7 @@ def run(args) -> int:
     def replay(i):
         for n, v in graph.inputs.items():
             v.update_inplace(dev_feeds[i % 4][n])
-        with target._oc_lock:
+        with target._oc_guard:
             target._oc_replay(graph._binding, ro, rec)
         return [transfer.to_numpy(v) for v in graph.outputs.values()]
 

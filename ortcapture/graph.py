@@ -102,7 +102,10 @@ class CapturedGraph:
       input, so N runs equal N uncaptured steps; :meth:`reset_state` restores the initial (or given) values.
     * ``release()`` or leaving a ``with`` block releases the graph (CUDA/TensorRT: its id is retired).
 
-    Thread-safe: runs of one session are serialised (ORT does not support concurrent ``Run`` under capture).
+    Thread-safe: runs of one session are serialised (ORT does not support concurrent ``Run`` under capture), and
+    different sessions' CUDA work waits while any thread captures (:mod:`ortcapture.gate`). CUDA/TensorRT: ORT keeps
+    captured graphs per thread, so the first ``run`` from another thread first captures the graph for that thread
+    too (side-effect free; once per thread) — reuse long-lived threads rather than new ones per call.
     """
 
     def __init__(self, session, example_feeds: Mapping[str, Any], graph_id: int, *, state=None, family=None):
@@ -147,7 +150,7 @@ class CapturedGraph:
             self._initial_state[iname] = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
         if self._state:
             transfer.copy(self._state_dst, list(self._initial_state.values()))
-        with session._oc_lock:
+        with session._oc_cguard:
             self._record = session._oc_capture(self._binding, self.graph_id, self._run_options, owner=self)
         self._output_list = list(self.outputs.values())
 
@@ -192,7 +195,10 @@ class CapturedGraph:
         """
         sess = self._session
         sess._oc_check_foreign_capture()  # before any copy: CUDA calls inside a foreign capture break it
-        with sess._oc_lock:
+        if not sess._oc_thread_has(self.graph_id) and sess._oc_prepare_thread(self._binding, self.graph_id,
+                                                                              self._run_options):
+            self._generation += 1  # the thread's capture rewrote the outputs: earlier ReplayOutputs are stale
+        with sess._oc_guard:
             if self._released:
                 self._raise_released()
             if feeds is not None and type(feeds) is not dict:
@@ -223,7 +229,7 @@ class CapturedGraph:
 
     def reset_state(self, values: Mapping[str, Any] | None = None) -> None:
         """Restore the state inputs to their values at capture, or to ``values`` (``{input name: array}``)."""
-        with self._session._oc_lock:
+        with self._session._oc_guard:
             if self._released:
                 self._raise_released()
             if not self._state:

@@ -134,24 +134,54 @@ def detect_capture(session: ort.InferenceSession, requested: CaptureInfo | None)
     return None
 
 
-def session_args(provider: str, capture: bool, sess_options=None, device_id: int = 0) -> dict:
+def parse_provider_options(items: Sequence[str]) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` (the command line's ``--provider-option``) -> ``{KEY: VALUE}`` for the EP.
+
+    Raises :class:`~ortcapture.errors.CaptureError` for an item without ``=``, an empty key, a key given twice, or
+    a capture switch (``enable_cuda_graph``, ``trt_cuda_graph_enable``, ``enableGraphCapture``): capture is
+    switched on and off by the tool itself (``--graph-capture/--no-graph-capture``), never by an option that
+    would silently disagree with it.
+    """
+    from ortcapture.errors import CaptureError
+
+    out: dict[str, str] = {}
+    switches = {ep.option for ep in CAPTURE_EPS.values()}
+    for item in items or ():
+        key, sep, value = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise CaptureError(f"provider option {item!r} must be KEY=VALUE (e.g. prefer_nhwc=1)")
+        if key in switches:
+            raise CaptureError(f"provider option {key!r} switches graph capture; the tool sets it itself "
+                               "(use --graph-capture/--no-graph-capture)")
+        if key in out:
+            raise CaptureError(f"provider option {key!r} given twice")
+        out[key] = value.strip()
+    return out
+
+
+def session_args(provider: str, capture: bool, sess_options=None, device_id: int = 0,
+                 ep_options: Mapping[str, str] | None = None) -> dict:
     """``InferenceSession`` keyword arguments for ``provider`` (``"cuda"`` or ``"webgpu"``) with its capture switch
     on or off: CUDA through ``providers=[("CUDAExecutionProvider", {...}), "CPUExecutionProvider"]``, WebGPU
     through ``sess_options`` with the plugin EP added by ``add_provider_for_devices`` (ORT 1.30 silently gives a
     CPU-only session for a plugin EP named in ``providers``). ``sess_options``: a fresh ``SessionOptions`` the
     caller configured (the WebGPU EP is added to it, so do not reuse it across sessions); default a new one.
+    ``ep_options``: further EP options, strings (e.g. CUDA ``{"prefer_nhwc": "1"}``), checked by
+    :func:`parse_provider_options`; ORT itself rejects unknown CUDA keys at session creation.
     """
     import onnxruntime as ort
 
+    extra = parse_provider_options([f"{k}={v}" for k, v in (ep_options or {}).items()])
     so = sess_options if sess_options is not None else ort.SessionOptions()
     if provider == "cuda":
-        opts = {"enable_cuda_graph": "1" if capture else "0", "device_id": str(device_id)}
+        opts = {**extra, "enable_cuda_graph": "1" if capture else "0", "device_id": str(device_id)}
         return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
     if provider != "webgpu":
         raise ValueError(f"provider must be 'cuda' or 'webgpu', got {provider!r}")
     from ortcapture import webgpu
 
-    return {"sess_options": webgpu.session_options(capture, so)}
+    return {"sess_options": webgpu.session_options(capture, so, extra)}
 
 
 def pick_provider(requested: str = "auto") -> str:

@@ -15,12 +15,13 @@ With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) hol
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Mapping, Sequence
 
 import onnxruntime as ort
 
-from ortcapture import compat, shapes
+from ortcapture import compat, gate, shapes
 from ortcapture.binding import IOBinding
 from ortcapture.buffers import BufferPool
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError, GraphReleasedError
@@ -28,6 +29,9 @@ from ortcapture.providers import CaptureInfo, detect_capture, requested_capture
 from ortcapture.registry import SKIP_GRAPH_ID, GraphRegistry
 
 GRAPH_ID_KEY = "gpu_graph_id"
+
+
+_NULL = contextlib.nullcontext()
 
 
 def graph_id_of(run_options: ort.RunOptions | None) -> int:
@@ -126,18 +130,21 @@ class InferenceSession(ort.InferenceSession):
             # ORT silently falls back to the CPU EP when a session fails to build; under capture that fallback
             # hides the failure, so it is off unless the caller asked for it.
             kwargs.setdefault("enable_fallback", 0)
-        try:
-            super().__init__(model, sess_options, providers, provider_options, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail/EPFail types, not RuntimeError
-            if requested is None or not shapes.is_capture_refusal(exc) or static_shapes:
-                raise
-            dynamic = shapes.dynamic_inputs(shapes.load_model(path_or_bytes))
-            if not dynamic:
-                raise CaptureUnsupportedError(
-                    f"{requested.ep.name} refused graph capture for this model, which has no dynamic input dims "
-                    f"to specialise: {exc}. Run `ortcapture doctor MODEL` to see which nodes fall off the EP."
-                ) from exc
-            self._oc_init_deferred(model, sess_options, providers, provider_options, kwargs, requested)
+        # building a CUDA session allocates and initialises on the device: never while another thread captures
+        with gate.CUDA_GATE.exclusive if requested is not None and requested.device_type == "cuda" else _NULL:
+            try:
+                super().__init__(model, sess_options, providers, provider_options, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail/EPFail types, not RuntimeError
+                if requested is None or not shapes.is_capture_refusal(exc) or static_shapes:
+                    raise
+                dynamic = shapes.dynamic_inputs(shapes.load_model(path_or_bytes))
+                if not dynamic:
+                    raise CaptureUnsupportedError(
+                        f"{requested.ep.name} refused graph capture for this model, which has no dynamic input "
+                        f"dims to specialise: {exc}. Run `ortcapture doctor MODEL` to see which nodes fall off "
+                        "the EP."
+                    ) from exc
+                self._oc_init_deferred(model, sess_options, providers, provider_options, kwargs, requested)
         self._oc_requested = requested
         self._oc_setup(requested)
 
@@ -180,6 +187,13 @@ class InferenceSession(ort.InferenceSession):
             from ortcapture import webgpu
 
             self._oc_lock = webgpu.LOCK  # ORT's WebGPU device is shared by every session and copy in the process
+        cuda = (info or requested) is not None and (info or requested).device_type == "cuda"
+        self._oc_guard = gate.SessionGuard(self._oc_lock, cuda)  # CUDA_GATE.shared, then the session lock
+        self._oc_cguard = gate.CaptureGuard(self._oc_lock, cuda)  # CUDA_GATE.exclusive, then the session lock
+        # ORT's CUDA/TensorRT EPs keep captured graphs per thread: which graph ids this thread has (see
+        # capture.capture_in_this_thread); a fresh threading.local after set_providers (new C session)
+        self._oc_per_thread = info is not None and info.device_type == "cuda"
+        self._oc_tls = threading.local()
         self._oc_capture_probe = None
         if info is not None and info.device_type == "cuda":
             from ortcapture.cudart import make_capture_probe
@@ -237,7 +251,8 @@ class InferenceSession(ort.InferenceSession):
         """
         if self._oc_pool is None:
             self._oc_require_capture("allocate()")
-        return self._oc_pool.allocate(shape, dtype)
+        with self._oc_guard:  # a device allocation must not happen while another thread captures (CUDA)
+            return self._oc_pool.allocate(shape, dtype)
 
     def io_binding(self) -> IOBinding:
         """An :class:`ortcapture.binding.IOBinding` (an ``onnxruntime.IOBinding`` that records what it binds)."""
@@ -261,7 +276,7 @@ class InferenceSession(ort.InferenceSession):
     # support them concurrently with capture/replay (measured on WebGPU: SIGSEGV / SIGABRT beside CapturedGraph.run).
     def run(self, output_names, input_feed, run_options=None):
         if self._oc_check_plain_run("run", run_options):
-            with self._oc_lock:
+            with self._oc_guard:
                 return super().run(output_names, input_feed, run_options)
         return super().run(output_names, input_feed, run_options)
 
@@ -273,13 +288,13 @@ class InferenceSession(ort.InferenceSession):
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
         if self._oc_check_plain_run("run_with_ort_values", run_options):
-            with self._oc_lock:
+            with self._oc_guard:
                 return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
         return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
 
     def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
         if self._oc_check_plain_run("run_with_ortvaluevector", run_options):
-            with self._oc_lock:
+            with self._oc_guard:
                 return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches,
                                                        fetch_devices)
         return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches, fetch_devices)
@@ -303,11 +318,11 @@ class InferenceSession(ort.InferenceSession):
                     "Create the session with static_shapes={name: shape} to capture through IOBinding, use "
                     f"sess.capture(feeds), or set {GRAPH_ID_KEY}=-1 for an uncaptured run."
                 )
-            with self._oc_lock:
+            with self._oc_guard:
                 return super().run_with_iobinding(iobinding, run_options)
         gid = graph_id_of(run_options)
         if gid == SKIP_GRAPH_ID:
-            with self._oc_lock:
+            with self._oc_guard:
                 return super().run_with_iobinding(iobinding, run_options)
         if not isinstance(iobinding, IOBinding):
             raise BindingError(
@@ -315,25 +330,69 @@ class InferenceSession(ort.InferenceSession):
                 "it per gpu_graph_id); got a plain onnxruntime.IOBinding"
             )
         self._oc_check_foreign_capture()
-        with self._oc_lock:
-            rec = self._oc_registry.check(iobinding, gid)
-            if rec is None:
-                self._oc_capture(iobinding, gid, run_options)
-            else:
+        while True:
+            # a capture (first run of the id, or its first run in this thread) excludes all other CUDA work
+            exclusive = gid not in self._oc_registry or not self._oc_thread_has(gid)
+            with self._oc_cguard if exclusive else self._oc_guard:
+                rec = self._oc_registry.check(iobinding, gid)
+                if rec is None:
+                    if not exclusive:
+                        continue  # released and free again (WebGPU) since the look above: capture exclusively
+                    self._oc_capture(iobinding, gid, run_options)
+                    return None
+                if not self._oc_thread_has(gid):
+                    from ortcapture.capture import capture_in_this_thread
+
+                    capture_in_this_thread(self, iobinding, run_options)
+                    self._oc_thread_add(gid)
                 super().run_with_iobinding(iobinding, run_options)
                 rec.replays += 1
+                return None
 
     def _oc_replay(self, iobinding: IOBinding, run_options: ort.RunOptions, rec) -> None:
         """Hot path for :class:`~ortcapture.graph.CapturedGraph`: replay an already validated, pinned graph.
-        The caller holds ``self._oc_lock`` and has called :meth:`_oc_check_foreign_capture`."""
+        The caller holds ``self._oc_guard`` and has called :meth:`_oc_check_foreign_capture` and
+        :meth:`_oc_prepare_thread`."""
         ort.InferenceSession.run_with_iobinding(self, iobinding, run_options)
         rec.replays += 1
 
     def _oc_capture(self, iobinding: IOBinding, gid: int, run_options, owner=None):
-        """Validate bindings, capture ``gid`` side-effect free, and pin the binding. Caller holds the lock."""
+        """Validate bindings, capture ``gid`` side-effect free, and pin the binding. Caller holds the capture
+        guard (:attr:`_oc_cguard`)."""
         from ortcapture.capture import capture_bindings
 
-        return capture_bindings(self, iobinding, gid, run_options, owner)
+        rec = capture_bindings(self, iobinding, gid, run_options, owner)
+        self._oc_thread_add(gid)
+        return rec
+
+    # ORT's CUDA/TensorRT EPs keep captured graphs per thread (CUDAExecutionProvider::PerThreadContext): a captured
+    # id run from a new thread would re-run warm-ups and capture again, racing other threads' CUDA work.
+    def _oc_thread_has(self, gid: int) -> bool:
+        if not self._oc_per_thread:
+            return True
+        graphs = getattr(self._oc_tls, "graphs", None)
+        return graphs is not None and gid in graphs
+
+    def _oc_thread_add(self, gid: int) -> None:
+        if self._oc_per_thread:
+            graphs = getattr(self._oc_tls, "graphs", None)
+            if graphs is None:
+                graphs = self._oc_tls.graphs = set()
+            graphs.add(gid)
+
+    def _oc_prepare_thread(self, iobinding: IOBinding, gid: int, run_options) -> bool:
+        """Before a replay of ``gid`` from this thread: give the thread its own ORT capture if it has none yet
+        (:func:`ortcapture.capture.capture_in_this_thread`). True when it did. Takes the capture guard itself."""
+        if self._oc_thread_has(gid):
+            return False
+        from ortcapture.capture import capture_in_this_thread
+
+        with self._oc_cguard:
+            if self._oc_thread_has(gid) or self._oc_registry is None or self._oc_registry.get(gid) is None:
+                return False  # released meanwhile: the replay path raises
+            capture_in_this_thread(self, iobinding, run_options)
+            self._oc_thread_add(gid)
+            return True
 
     def _oc_check_foreign_capture(self) -> None:
         """Raise :class:`CaptureError` when the caller's CUDA stream is being captured (ORT PR #32081)."""
@@ -363,7 +422,7 @@ class InferenceSession(ort.InferenceSession):
             if graph is not None:
                 graph._on_released()
             return
-        with self._oc_lock:
+        with self._oc_guard:
             rec = self._oc_registry.release(gid) if self._oc_registry is not None else None
             if compat.has_release_captured_graph():
                 super().release_captured_graph(gid)
@@ -378,7 +437,7 @@ class InferenceSession(ort.InferenceSession):
         and the CapturedGraphs made from this session become unusable. Raises
         :class:`~ortcapture.errors.CaptureUnsupportedError` if the new providers request capture but do not give it.
         """
-        with self._oc_lock:
+        with self._oc_cguard:  # a new C session: no other CUDA work meanwhile
             for sess in (self, *self._oc_siblings.values()):
                 if sess._oc_registry is not None:
                     for rec in sess._oc_registry.reset():
@@ -410,7 +469,7 @@ class InferenceSession(ort.InferenceSession):
         target = self._oc_specialized_for(example_feeds) if self._oc_deferred else self
         target._oc_require_capture("capture()")
         target._oc_check_foreign_capture()
-        with self._oc_lock:
+        with self._oc_cguard:
             gid = self._oc_free_id() if graph_id is None else check_graph_id(graph_id)
             if gid < 0:
                 raise CaptureError(f"gpu_graph_id must be >= 0 to capture, got {gid} (-1 means 'no capture')")
@@ -442,7 +501,7 @@ class InferenceSession(ort.InferenceSession):
 
     def _oc_specialized_for(self, feeds: Mapping[str, Any]) -> "InferenceSession":
         sig = shapes.shape_signature(shapes.feed_shapes(feeds))
-        with self._oc_lock:
+        with self._oc_cguard:
             sib = self._oc_siblings.get(sig)
             if sib is None:
                 path_or_bytes, sess_options, providers, provider_options, kwargs = self._oc_args

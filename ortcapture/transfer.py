@@ -22,6 +22,7 @@ import onnxruntime as ort
 
 from ortcapture import compat
 from ortcapture.errors import CaptureUnsupportedError, TransferError
+from ortcapture.gate import CUDA_GATE
 from ortcapture.values import ONNX_TO_NP, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
 
 _C = ort.capi._pybind_state
@@ -249,7 +250,7 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
     if value is not None:
         return value
     try:
-        dev_type, _dev_id = src.__dlpack_device__()
+        dev_type, dev_id = src.__dlpack_device__()
     except Exception as exc:  # noqa: BLE001
         raise TransferError(f"{type(src).__name__} has no usable __dlpack_device__: {exc}") from exc
     if not _is_c_contiguous(src):
@@ -265,10 +266,13 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
     is_bool = str(getattr(src, "dtype", "")).endswith("bool")
     # stream=1: the legacy default stream, on which ORT's device-to-device copy runs; the producer makes it wait for
     # its pending work (DLPack stream semantics), so the copy reads finished data.
-    try:
-        capsule = src.__dlpack__(stream=1)
-    except TypeError:
-        capsule = src.__dlpack__()
+    from ortcapture.cudart import current_device
+
+    with current_device(int(dev_id)):  # the producer's device must be current to export with a stream
+        try:
+            capsule = src.__dlpack__(stream=1)
+        except TypeError:
+            capsule = src.__dlpack__()
     value = ort.OrtValue(_wrap_capsule(capsule, is_bool))
     address = _address(src)
     if address is not None:
@@ -311,7 +315,10 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
             and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
             and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id)):
         # hot path: a CUDA OrtValue seen before, same shape and dtype, disjoint buffers (the checks below, inlined)
-        dst.update_inplace(src)
+        with _CUDA_SHARED:
+            if sm.device_id != dm.device_id:
+                _peer(sm.device_id, dm.device_id)
+            dst.update_inplace(src)
         return dst
     sm = _checked_value_source(src, dst, dm)
     if sm is not None:
@@ -415,6 +422,9 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
         with _webgpu_lock():
             ort.copy_tensors([value], [host], None)
         return host.numpy()
+    if m.kind == "cuda":
+        with _CUDA_SHARED:
+            return value.numpy()
     return value.numpy()
 
 
@@ -430,6 +440,17 @@ def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
     return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
 
 
+def _peer(a: int, b: int) -> None:
+    """GPU-to-GPU copies go peer to peer, not staged through the host (:func:`ortcapture.cudart.ensure_peer_access`)."""
+    from ortcapture.cudart import ensure_peer_access
+
+    ensure_peer_access(a, b)
+
+
+#: CUDA copies are "readers" of the process-wide capture gate: see :mod:`ortcapture.gate`.
+_CUDA_SHARED = CUDA_GATE.shared
+
+
 def _webgpu_lock():
     """The process-wide WebGPU lock (ORT's WebGPU queue is not thread-safe): see :data:`ortcapture.webgpu.LOCK`."""
     from ortcapture.webgpu import LOCK
@@ -441,12 +462,25 @@ def _copy_host_to(dst: ort.OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
     if dm.kind == "webgpu":
         with _webgpu_lock():
             ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(arr)], [dst], None)
+    elif dm.kind == "cuda":
+        with _CUDA_SHARED:
+            dst.update_inplace(arr)
     else:
         dst.update_inplace(arr)
 
 
 def _copy_value(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMeta) -> None:
+    if sm.kind == "cuda" or dm.kind == "cuda":
+        with _CUDA_SHARED:  # never while another thread captures a CUDA graph (ortcapture.gate)
+            _copy_value_unguarded(src, sm, dst, dm)
+    else:
+        _copy_value_unguarded(src, sm, dst, dm)
+
+
+def _copy_value_unguarded(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMeta) -> None:
     both_cuda = sm.kind == "cuda" and dm.kind == "cuda"
+    if both_cuda and sm.device_id != dm.device_id:
+        _peer(sm.device_id, dm.device_id)
     if COPY_BACKEND == "cuda-python" and both_cuda:
         from ortcapture.cudart import memcpy_d2d
 

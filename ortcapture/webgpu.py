@@ -67,9 +67,10 @@ def ep_device():
     return devices[0]
 
 
-def session_options(capture: bool = True, sess_options=None):
+def session_options(capture: bool = True, sess_options=None, ep_options=None):
     """``SessionOptions`` with the WebGPU EP added through ``add_provider_for_devices`` (``enableGraphCapture``
-    set from ``capture``) and memory patterns off (capture needs ``enable_mem_pattern=False``)."""
+    set from ``capture``, plus ``ep_options``: further WebGPU EP options as strings) and memory patterns off
+    (capture needs ``enable_mem_pattern=False``). Raises :class:`CaptureError` for options already holding the EP."""
     import onnxruntime as ort
 
     from ortcapture.errors import CaptureError
@@ -83,7 +84,8 @@ def session_options(capture: bool = True, sess_options=None):
         raise CaptureError("these SessionOptions already have the WebGPU EP (session_options() was called on them "
                            "before): ORT refuses to register it twice; pass a fresh onnxruntime.SessionOptions()")
     so.enable_mem_pattern = False
-    so.add_provider_for_devices([ep_device()], {"enableGraphCapture": "1" if capture else "0"})
+    so.add_provider_for_devices([ep_device()], {**dict(ep_options or {}),
+                                                "enableGraphCapture": "1" if capture else "0"})
     return so
 
 

@@ -91,3 +91,18 @@ def reference_model_path() -> str:
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def no_host_path(monkeypatch):
+    """Call it to make any host round trip in ortcapture.transfer fail the test from then on."""
+    from ortcapture import transfer
+
+    def boom(*a, **k):
+        raise AssertionError("went through the host")
+
+    def arm():
+        monkeypatch.setattr(transfer, "_copy_host_to", boom)
+        monkeypatch.setattr(transfer.np, "from_dlpack", boom)
+
+    return arm

@@ -106,12 +106,55 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
     (["--iters", "3", "--rounds", "4"], "--rounds"),
     (["--shape", "X"], "--shape"),
     (["--shape", "nope=2x4"], "model's inputs"),
+    (["--provider-option", "prefer_nhwc"], "KEY=VALUE"),
+    (["--provider-option", "=1"], "KEY=VALUE"),
+    (["--provider-option", "enable_cuda_graph=0"], "--graph-capture"),
+    (["--provider-option", "enableGraphCapture=1"], "--graph-capture"),
+    (["--provider-option", "a=1", "--provider-option", "a=2"], "given twice"),
+    (["--sync", "host"], None),
 ])
 def test_bench_bad_arguments_exit_2(tmp_path, capsys, extra, message):
     model = tmp_path / "affine.onnx"
     model.write_bytes(tiny.affine_model())
+    if message is None:  # argparse's own refusal (choices)
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", str(model), *extra])
+        assert exc.value.code == 2
+        return
     assert main(["bench", str(model), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.webgpu
+def test_bench_sync_device_is_cuda_only(webgpu, tmp_path, capsys):
+    model = tmp_path / "affine.onnx"
+    model.write_bytes(tiny.affine_model())
+    assert main(["bench", str(model), "--provider", "webgpu", "--sync", "device"]) == 2
+    assert "--sync device is CUDA-only" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_bench_cuda_sync_device_with_provider_option(tmp_path, capsys):
+    from tests.conftest import cuda_available
+
+    if not cuda_available():
+        pytest.skip("CUDA EP unavailable (onnxruntime-gpu on an NVIDIA GPU)")
+    model = tmp_path / "dynamic.onnx"
+    model.write_bytes(tiny.dynamic_model())
+    out_json = tmp_path / "bench.json"
+    rc = main(["bench", str(model), "--provider", "cuda", "--batch", "1,2", "--procs", "2", "--iters", "20",
+               "--sync", "device", "--provider-option", "prefer_nhwc=1", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    res = json.loads(out_json.read_text())
+    assert res["sync"] == "device" and res["provider_options"] == {"prefer_nhwc": "1"} and res["ok"]
+    for entry in res["batches"]:
+        assert entry["verified"] and all(p["ep"] == "CUDAExecutionProvider" for p in entry["processes"])
+        assert all(d <= entry["tolerance"] for d in entry["max_abs_diff"].values())
+    assert "cudaDeviceSynchronize" in text
+    # an option ORT does not know fails in the worker with ORT's own message, exit 2
+    assert main(["bench", str(model), "--provider", "cuda", "--procs", "1", "--iters", "2",
+                 "--provider-option", "no_such_option=1"]) == 2
 
 
 def test_bench_missing_model_exit_2(tmp_path, capsys):

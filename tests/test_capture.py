@@ -305,6 +305,44 @@ def test_thread_hammer_serialises_runs(backend):
     assert g.replays == 8 * 50
 
 
+def test_state_steps_once_per_call_from_other_threads(backend):
+    """ORT's CUDA EP keeps captured graphs per thread: a replay from a new thread would re-run ORT's warm-ups (state
+    advancing several steps) and capture again. ortcapture captures for that thread side-effect free."""
+    import threading
+
+    sess = backend.session(tiny.counter_model())
+    g = sess.capture({"state_in": np.zeros(4, np.float32)}, state={"state_out": "state_in"})
+    assert g.run()[0].tolist() == [1.0] * 4
+    binding = sess.io_binding()  # the raw IOBinding path with a declared in-place state pair, too
+    buf = sess.allocate((4,), np.float32)
+    ortcapture.update_inplace(buf, np.zeros(4, np.float32))
+    binding.bind_ortvalue_input("state_in", buf)
+    binding.bind_ortvalue_output("state_out", buf)
+    binding.declare_state("state_out", "state_in")
+    ro = run_options_for(g.graph_id + 1)
+    sess.run_with_iobinding(binding, ro)
+    seen, errors = [], []
+    stale = g.run(copy_outputs=False)[0]  # state 2
+
+    def worker():
+        try:
+            for _ in range(3):  # the first call of each new thread captures for it; every call is one step
+                seen.append(float(g.run()[0][0]))
+                sess.run_with_iobinding(binding, ro)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    for _ in range(3):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert errors == []
+    assert seen == [float(n) for n in range(3, 12)]
+    np.testing.assert_array_equal(ortcapture.to_numpy(buf), np.full(4, 10.0))  # 1 + 9 steps
+    assert stale.is_stale
+    assert g.run()[0].tolist() == [12.0] * 4  # and the capturing thread still replays its own graph
+
+
 def test_dynamic_dims_are_specialised(backend):
     if backend.name == "webgpu":  # ORT refuses WebGPU capture for this one until its dims are fixed
         assert backend.session(tiny.shape_subgraph_model()).capture_deferred

@@ -188,3 +188,71 @@ def test_cross_device_binding_refused_without_gpus():
         b.bind_ortvalue_output("Y", on[y])
         with pytest.raises(BindingError, match=bad + ".*captures on cuda:1"):
             validate_bindings(fake, b)
+
+
+def test_parse_provider_options_and_session_args_merge():
+    from ortcapture.providers import parse_provider_options, session_args
+
+    assert parse_provider_options(["prefer_nhwc=1", " cudnn_conv_algo_search = HEURISTIC "]) == {
+        "prefer_nhwc": "1", "cudnn_conv_algo_search": "HEURISTIC"}
+    assert parse_provider_options([]) == {}
+    for bad, msg in [(["x"], "KEY=VALUE"), (["=1"], "KEY=VALUE"), (["trt_cuda_graph_enable=1"], "switches"),
+                     (["a=1", "a=1"], "twice")]:
+        with pytest.raises(ortcapture.CaptureError, match=msg):
+            parse_provider_options(bad)
+    args = session_args("cuda", True, ep_options={"prefer_nhwc": "1"}, device_id=2)
+    (name, opts), cpu = args["providers"]
+    assert name == "CUDAExecutionProvider" and cpu == "CPUExecutionProvider"
+    assert opts == {"prefer_nhwc": "1", "enable_cuda_graph": "1", "device_id": "2"}
+    with pytest.raises(ortcapture.CaptureError, match="switches graph capture"):
+        session_args("cuda", False, ep_options={"enable_cuda_graph": "1"})
+
+
+def test_capture_gate_readers_share_writer_excludes_and_is_preferred():
+    import threading
+    import time
+
+    from ortcapture.gate import CaptureGate
+
+    g = CaptureGate()
+    log, inside = [], threading.Event()
+    release_reader = threading.Event()
+
+    def reader(tag, hold=None):
+        with g.shared:
+            with g.shared:  # re-entrant
+                log.append(("in", tag))
+                inside.set()
+                if hold is not None:
+                    hold.wait(5)
+        log.append(("out", tag))
+
+    def writer():
+        with g.exclusive:
+            with g.exclusive:  # re-entrant
+                with g.shared:  # the capturing thread's own copies pass straight through
+                    log.append(("write", None))
+
+    r1 = threading.Thread(target=reader, args=("r1", release_reader))
+    r1.start()
+    assert inside.wait(5)
+    with g.shared:  # a second reader gets in while r1 is inside
+        log.append(("in", "main"))
+    w = threading.Thread(target=writer)
+    w.start()
+    time.sleep(0.1)
+    assert g._pending and not g.capturing  # waits for r1
+    r2 = threading.Thread(target=reader, args=("r2",))
+    r2.start()
+    time.sleep(0.1)
+    assert ("in", "r2") not in log  # a waiting writer keeps new readers out (writer preference)
+    release_reader.set()
+    for t in (r1, w, r2):
+        t.join(5)
+    order = [e for e in log if e[0] in ("write", "in")]
+    assert order.index(("write", None)) < order.index(("in", "r2"))
+    assert g.readers == 0 and not g.capturing and not g._pending
+    with g.shared:
+        with pytest.raises(RuntimeError, match="wait for itself"):
+            with g.exclusive:
+                pass

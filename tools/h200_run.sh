@@ -18,11 +18,16 @@ step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" 2>&1 |
 STEPS=${STEPS:-"pytest demo1 demo8 bench bench_cli doctor demo_webgpu"}
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 # test_patch needs git/patch trees and unidiff, not a GPU: it runs in CI
-has pytest && step pytest 300 python3 -m pytest -q -p no:cacheprovider -rs tests/ --ignore=tests/test_patch.py
+has pytest && step pytest 480 python3 -m pytest -q -p no:cacheprovider -rs tests/ --ignore=tests/test_patch.py
 has demo1 && step demo1 90 python3 -m ortcapture demo --provider cuda --batch 1 --iters 300 --json "$OUT/demo1.json"
 has demo8 && step demo8 90 python3 -m ortcapture demo --provider cuda --batch 8 --iters 200 --json "$OUT/demo8.json"
 has bench && step bench 120 python3 tools/bench_overhead.py --provider cuda --iters 300 --rounds 5 --json "$OUT/bench.json"
 has bench_cli && step bench_cli 300 python3 -m ortcapture bench --provider cuda --batch 1,8 --procs 5 --iters 300 --json "$OUT/bench_cli.json" --plot "$OUT/bench_cli.png"
+B="python3 -m ortcapture bench --provider cuda --batch 1,8"
+has bench_sync && step bench_sync 300 $B --procs 5 --iters 300 --sync device --json "$OUT/bench_sync.json" --plot "$OUT/bench_sync.png"
+has bench_nhwc && step bench_nhwc 300 $B --procs 5 --iters 300 --sync device --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc.json" --plot "$OUT/bench_nhwc.png"
+has bench_nhwc_rb && step bench_nhwc_rb 300 $B --procs 5 --iters 300 --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc_rb.json" --plot "$OUT/bench_nhwc_rb.png"
 has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/models/nudenet-3.4.2/320n.onnx" --provider cuda --json
+has bench_multi && step bench_multi 180 python3 tools/bench_multi_gpu.py --iters 300 --json "$OUT/bench_multi_gpu.json"
 has demo_webgpu && step demo_webgpu 120 python3 -m ortcapture demo --provider webgpu --batch 1 --iters 100 --json "$OUT/demo_webgpu.json"
 exit 0
