@@ -74,6 +74,15 @@ def _normalize(providers, provider_options) -> list[tuple[str, Mapping[str, Any]
     return out
 
 
+#: Execution providers whose work is CUDA work (it must not overlap another thread's CUDA graph capture).
+CUDA_EPS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider"})
+
+
+def names_cuda_ep(providers) -> bool:
+    """Whether the ``providers=[...]`` argument of ``InferenceSession`` names the CUDA or TensorRT EP."""
+    return any(name in CUDA_EPS for name, _ in _normalize(providers, None))
+
+
 def _config_entry(sess_options: ort.SessionOptions | None, key: str) -> str | None:
     if sess_options is None:
         return None

@@ -25,7 +25,7 @@ from ortcapture import compat, gate, shapes
 from ortcapture.binding import IOBinding
 from ortcapture.buffers import BufferPool
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError, GraphReleasedError
-from ortcapture.providers import CaptureInfo, detect_capture, requested_capture
+from ortcapture.providers import CUDA_EPS, CaptureInfo, detect_capture, names_cuda_ep, requested_capture
 from ortcapture.registry import SKIP_GRAPH_ID, GraphRegistry
 
 GRAPH_ID_KEY = "gpu_graph_id"
@@ -131,7 +131,8 @@ class InferenceSession(ort.InferenceSession):
             # hides the failure, so it is off unless the caller asked for it.
             kwargs.setdefault("enable_fallback", 0)
         # building a CUDA session allocates and initialises on the device: never while another thread captures
-        with gate.CUDA_GATE.exclusive if requested is not None and requested.device_type == "cuda" else _NULL:
+        cuda = (requested is not None and requested.device_type == "cuda") or names_cuda_ep(providers)
+        with gate.CUDA_GATE.exclusive if cuda else _NULL:
             try:
                 super().__init__(model, sess_options, providers, provider_options, **kwargs)
             except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail/EPFail types, not RuntimeError
@@ -187,7 +188,9 @@ class InferenceSession(ort.InferenceSession):
             from ortcapture import webgpu
 
             self._oc_lock = webgpu.LOCK  # ORT's WebGPU device is shared by every session and copy in the process
-        cuda = (info or requested) is not None and (info or requested).device_type == "cuda"
+        cuda = ((info or requested) is not None and (info or requested).device_type == "cuda"
+                or any(p in CUDA_EPS for p in self.get_providers()))
+        self._oc_uses_cuda = cuda  # even uncaptured CUDA runs must not overlap another thread's capture
         self._oc_guard = gate.SessionGuard(self._oc_lock, cuda)  # CUDA_GATE.shared, then the session lock
         self._oc_cguard = gate.CaptureGuard(self._oc_lock, cuda)  # CUDA_GATE.exclusive, then the session lock
         # ORT's CUDA/TensorRT EPs keep captured graphs per thread: which graph ids this thread has (see
@@ -260,9 +263,10 @@ class InferenceSession(ort.InferenceSession):
 
     # -- guarded run paths ------------------------------------------------------------------------------------
     def _oc_check_plain_run(self, api: str, run_options) -> bool:
-        """Raise unless a plain run is safe here; True when it must hold the session lock (a capture session)."""
+        """Raise unless a plain run is safe here; True when it must hold the session guard (a capture session, or
+        any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture.gate``)."""
         if self._oc_info is None:
-            return self._oc_deferred  # its shape-specialised siblings capture under the same lock
+            return self._oc_deferred or self._oc_uses_cuda  # deferred: siblings capture under the same lock
         if graph_id_of(run_options) != SKIP_GRAPH_ID:
             raise CaptureError(
                 f"{api}() on a session with {self._oc_info.ep.name} graph capture would capture or replay with "
@@ -310,6 +314,9 @@ class InferenceSession(ort.InferenceSession):
         """
         if self._oc_info is None:
             if not self._oc_deferred:
+                if self._oc_uses_cuda:
+                    with self._oc_guard:
+                        return super().run_with_iobinding(iobinding, run_options)
                 return super().run_with_iobinding(iobinding, run_options)
             if graph_id_of(run_options) != SKIP_GRAPH_ID:
                 raise CaptureUnsupportedError(

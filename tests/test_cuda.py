@@ -196,8 +196,21 @@ def test_capture_beside_replays_in_another_thread(cuda):
         except Exception as exc:  # noqa: BLE001
             errors.append(repr(exc))
 
+    plain = cuda.session(tiny.add_model(), capture=False)  # uncaptured CUDA runs are CUDA work too
+
+    def plain_loop():
+        try:
+            ones = np.ones((2, 4), np.float32)
+            while not stop.is_set():
+                if not np.array_equal(plain.run(None, {"A": ones, "B": ones})[0], 2 * ones):
+                    errors.append("plain")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
     t = threading.Thread(target=loop)
     t.start()
+    t2 = threading.Thread(target=plain_loop)
+    t2.start()
     try:
         for k in range(6):
             sess = cuda.session(tiny.add_model())
@@ -207,4 +220,5 @@ def test_capture_beside_replays_in_another_thread(cuda):
     finally:
         stop.set()
         t.join()
+        t2.join()
     assert errors == [] and count[0] > 0

@@ -256,3 +256,11 @@ def test_capture_gate_readers_share_writer_excludes_and_is_preferred():
         with pytest.raises(RuntimeError, match="wait for itself"):
             with g.exclusive:
                 pass
+
+
+def test_names_cuda_ep():
+    from ortcapture.providers import names_cuda_ep
+
+    assert names_cuda_ep([("CUDAExecutionProvider", {"device_id": "1"}), "CPUExecutionProvider"])
+    assert names_cuda_ep(["TensorrtExecutionProvider"])
+    assert not names_cuda_ep(["CPUExecutionProvider"]) and not names_cuda_ep(None) and not names_cuda_ep([])
