@@ -218,6 +218,7 @@ def _worker(opts) -> dict:
 
     provider, capture, model = opts.provider, bool(opts.capture), opts.model
     ep_options = json.loads(opts.ep_options)
+    dev_id = int(ep_options.get("device_id", 0)) if provider == "cuda" else 0  # --provider-option device_id=N
     read_timed = opts.sync == "readback"
     dev = "cuda" if provider == "cuda" else "webgpu"
     shapes_ = {n: tuple(s) for n, s in json.loads(opts.shapes).items()}
@@ -255,8 +256,8 @@ def _worker(opts) -> dict:
         if dev == "webgpu" and hasattr(ort.InferenceSession, "create_ortvalue_from_shape_and_type"):
             v = ort.InferenceSession.create_ortvalue_from_shape_and_type(sess, list(shape), t, dev, 0)
         else:
-            v = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), t, dev, 0)
-        return values.remember(v, dev, 0)
+            v = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), t, dev, dev_id)
+        return values.remember(v, dev, dev_id)
 
     def device_sources(sess, make=None):
         """Device-resident copies of both feeds (the OrtValue inputs), allocated from ``sess``."""

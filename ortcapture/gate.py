@@ -26,31 +26,37 @@ _get_ident = threading.get_ident
 class _Slot:
     """One thread's view of the gate: nesting depth and whether it is inside CUDA work now."""
 
-    __slots__ = ("ident", "depth", "active")
+    __slots__ = ("ident", "thread", "depth", "active")
 
-    def __init__(self, ident: int) -> None:
-        self.ident, self.depth, self.active = ident, 0, False
+    def __init__(self) -> None:
+        self.ident, self.thread = _get_ident(), threading.current_thread()
+        self.depth, self.active = 0, False
 
 
 class CaptureGate:
     """A writer-preferring, per-thread re-entrant readers/writer gate (see the module docstring).
 
-    ``with gate.shared:`` around CUDA work; ``with gate.exclusive:`` around a capture. Entering ``exclusive`` from
-    a thread that is inside ``shared`` raises :class:`RuntimeError` (it would wait for itself forever).
+    ``with gate.shared:`` around CUDA work; ``with gate.exclusive:`` around a capture. Raises
+    :class:`RuntimeError` for misuse instead of corrupting its state: ``exclusive`` entered from a thread that is
+    inside ``shared`` (it would wait for itself forever), an exit without an enter, ``exclusive`` left by a thread
+    that does not hold it. Threads that die are forgotten (one that died inside a block no longer holds it).
 
     The reader fast path takes no lock (about 0.3 µs): a reader publishes ``active`` and then looks for a pending
-    writer; a writer publishes ``pending`` and then waits until no other thread is ``active``. Under the GIL these
-    stores and loads are sequentially consistent, so either the reader sees the writer and backs off, or the
-    writer sees the reader and waits for it (the Dekker handshake).
+    writer; a writer publishes ``pending`` and then waits until no other live thread is ``active``. Under the GIL
+    these stores and loads are sequentially consistent, so either the reader sees the writer and backs off, or
+    the writer sees the reader and waits for it (the Dekker handshake).
     """
+
+    _POLL_S = 0.05  # how often a waiter looks for a dead peer
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._writers = threading.Lock()  # one capture at a time
         self._pending = False  # a writer is waiting for readers to leave, or is inside
         self._writer: int | None = None  # ident of the thread inside exclusive
+        self._writer_thread: threading.Thread | None = None
         self._writer_depth = 0
-        self._slots: list[_Slot] = []  # every thread that ever entered (dead threads' slots stay inactive)
+        self._slots: list[_Slot] = []  # every live thread that has entered
         self._tls = threading.local()
         self.shared = _Shared(self)
         self.exclusive = _Exclusive(self)
@@ -62,17 +68,27 @@ class CaptureGate:
 
     @property
     def readers(self) -> int:
-        """Threads inside ``shared`` now (the capturing thread's own work not counted)."""
-        return sum(1 for s in list(self._slots) if s.active and s.ident != self._writer)
+        """Live threads inside ``shared`` now (the capturing thread's own work not counted)."""
+        return sum(1 for s in list(self._slots) if s.active and s.ident != self._writer and s.thread.is_alive())
 
     def _slot(self) -> _Slot:
         try:
             return self._tls.slot
         except AttributeError:
-            slot = self._tls.slot = _Slot(_get_ident())
+            slot = self._tls.slot = _Slot()
             with self._cond:
-                self._slots = [s for s in self._slots if s.active or s.depth] + [slot]
+                self._slots = [s for s in self._slots if s.thread.is_alive()] + [slot]
             return slot
+
+    def _reap_dead_writer(self) -> None:
+        """Caller holds ``_cond``: a writer thread that died inside ``exclusive`` no longer holds it."""
+        t = self._writer_thread
+        if t is not None and not t.is_alive():
+            self._writer = self._writer_thread = None
+            self._writer_depth = 0
+            self._pending = False
+            self._writers.release()
+            self._cond.notify_all()
 
 
 class _Shared:
@@ -97,12 +113,15 @@ class _Shared:
             with g._cond:
                 g._cond.notify_all()  # a writer may be waiting on this thread
                 while g._pending:
-                    g._cond.wait()
+                    g._cond.wait(g._POLL_S)
+                    g._reap_dead_writer()
                 slot.active = True
 
     def __exit__(self, *exc) -> None:
         g = self._g
-        slot = g._tls.slot
+        slot = getattr(g._tls, "slot", None)
+        if slot is None or slot.depth <= 0:
+            raise RuntimeError("ortcapture: CaptureGate.shared exited without being entered by this thread")
         slot.depth -= 1
         if not slot.depth:
             slot.active = False
@@ -126,19 +145,23 @@ class _Exclusive:
         if slot.depth:
             raise RuntimeError("ortcapture: a CUDA graph capture was started from inside CUDA work of the same "
                                "thread (it would wait for itself); capture outside run/copy calls")
-        g._writers.acquire()
+        while not g._writers.acquire(timeout=g._POLL_S):
+            with g._cond:
+                g._reap_dead_writer()
         with g._cond:
             g._pending = True
-            while any(s.active for s in g._slots if s is not slot):
-                g._cond.wait(0.01)
-            g._writer, g._writer_depth = slot.ident, 1
+            while any(s.active and s is not slot and s.thread.is_alive() for s in g._slots):
+                g._cond.wait(g._POLL_S)
+            g._writer, g._writer_thread, g._writer_depth = slot.ident, slot.thread, 1
 
     def __exit__(self, *exc) -> None:
         g = self._g
+        if g._writer != _get_ident():
+            raise RuntimeError("ortcapture: CaptureGate.exclusive exited by a thread that does not hold it")
         g._writer_depth -= 1
         if g._writer_depth == 0:
             with g._cond:
-                g._writer = None
+                g._writer = g._writer_thread = None
                 g._pending = False
                 g._cond.notify_all()
             g._writers.release()

@@ -47,7 +47,9 @@ class ReplayOutput(ort.OrtValue):
 
     def numpy(self) -> np.ndarray:
         self._check()
-        return transfer.to_numpy(self._fixed)
+        arr = transfer.to_numpy(self._fixed)
+        self._check()  # a replay from another thread began meanwhile: the copy may mix two replays
+        return arr
 
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy()
@@ -195,37 +197,52 @@ class CapturedGraph:
         """
         sess = self._session
         sess._oc_check_foreign_capture()  # before any copy: CUDA calls inside a foreign capture break it
-        if not sess._oc_thread_has(self.graph_id) and sess._oc_prepare_thread(self._binding, self.graph_id,
-                                                                              self._run_options):
-            self._generation += 1  # the thread's capture rewrote the outputs: earlier ReplayOutputs are stale
+        if not sess._oc_thread_has(self.graph_id):
+            with sess._oc_cguard:  # the thread's capture rewrites the outputs: earlier ReplayOutputs go stale
+                self._generation += 1
+                try:
+                    sess._oc_prepare_thread(self._binding, self.graph_id, self._run_options)
+                finally:
+                    self._generation += 1
         with sess._oc_guard:
             if self._released:
                 self._raise_released()
-            if feeds is not None and type(feeds) is not dict:
-                feeds = _require_mapping(feeds, "feeds")
-            if feeds:
-                bufs = self.inputs
-                if len(feeds) == 1:  # common case: nothing else can fail after this copy
-                    for name, value in feeds.items():
-                        if name not in bufs:
-                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
-                        transfer.update_inplace(bufs[name], value)
-                else:  # validate every feed before touching any buffer
-                    tokens = []
-                    for name, value in feeds.items():
-                        if name not in bufs:
-                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
-                        tokens.append(transfer.prepare(bufs[name], value))
-                    for token in tokens:
-                        transfer.commit(token)
+            return self._run_locked(feeds, copy_outputs)
+
+    def _run_locked(self, feeds, copy_outputs: bool) -> list:
+        """:meth:`run` once the session guard is held."""
+        sess = self._session
+        if feeds is not None and type(feeds) is not dict:
+            feeds = _require_mapping(feeds, "feeds")
+        if feeds:
+            bufs = self.inputs
+            if len(feeds) == 1:  # common case: nothing else can fail after this copy
+                for name, value in feeds.items():
+                    if name not in bufs:
+                        raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
+                    transfer.update_inplace(bufs[name], value)
+            else:  # validate every feed before touching any buffer
+                tokens = []
+                for name, value in feeds.items():
+                    if name not in bufs:
+                        raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
+                    tokens.append(transfer.prepare(bufs[name], value))
+                for token in tokens:
+                    transfer.commit(token)
+        # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a read
+        # that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and after).
+        # Feeds were copied above, before it turned odd: this graph's own previous outputs may be fed back.
+        self._generation += 1
+        try:
             sess._oc_replay(self._binding, self._run_options, self._record)
             if self._state:
                 transfer.copy(self._state_src, self._state_dst)
-            self._generation += 1
             if copy_outputs:
                 return [transfer.to_numpy(v) for v in self._output_list]
-            gen = self._generation
+            gen = self._generation + 1  # its value once this returns
             return [ReplayOutput(v, self, gen) for v in self._output_list]
+        finally:
+            self._generation += 1
 
     def reset_state(self, values: Mapping[str, Any] | None = None) -> None:
         """Restore the state inputs to their values at capture, or to ``values`` (``{input name: array}``)."""
@@ -254,11 +271,12 @@ class CapturedGraph:
         return self._record.replays
 
     def release(self) -> None:
-        """Release the captured graph (idempotent). CUDA/TensorRT: the ``gpu_graph_id`` is retired."""
-        if not self._released:
-            self._session.release_captured_graph(self.graph_id)  # ends in _on_released
-            self._family._oc_graphs.pop(self.graph_id, None)
-            self._on_released()
+        """Release the captured graph (idempotent, thread-safe). CUDA/TensorRT: the ``gpu_graph_id`` is retired."""
+        with self._session._oc_guard:  # two concurrent releases must not release a graph re-captured under the id
+            if not self._released:
+                self._session.release_captured_graph(self.graph_id)  # ends in _on_released
+                self._family._oc_graphs.pop(self.graph_id, None)
+                self._on_released()
 
     def _on_released(self) -> None:
         """The graph is gone (release, release_captured_graph, set_providers): the session's pool lets go of its

@@ -106,13 +106,25 @@ def requested_capture(
     for name, opts in _normalize(providers, provider_options):
         ep = CAPTURE_EPS.get(name)
         if ep is not None and _truthy(opts.get(ep.option, "0")):
-            return CaptureInfo(ep, int(opts.get(ep.device_id_option, 0) or 0))
+            return CaptureInfo(ep, device_ordinal(opts.get(ep.device_id_option, 0), ep.device_id_option))
     for ep in CAPTURE_EPS.values():  # plugin EPs: their options live in the session config
         prefix = f"ep.{ep.name.lower()}."
         if _truthy(_config_entry(sess_options, prefix + ep.option) or "0"):
             dev = _config_entry(sess_options, prefix + ep.device_id_option)
-            return CaptureInfo(ep, int(dev or 0))
+            return CaptureInfo(ep, device_ordinal(dev, ep.device_id_option))
     return None
+
+
+def device_ordinal(value: Any, option: str = "device_id") -> int:
+    """A device-ordinal provider option (``device_id``, ``deviceId``) as an int >= 0; ``None``/``""`` give 0.
+    Raises :class:`~ortcapture.errors.CaptureError` for anything else (``"abc"``, ``"1.0"``, ``-1``, ``True``)."""
+    from ortcapture.errors import CaptureError
+
+    if value is None or value == "":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        raise CaptureError(f"provider option {option}={value!r} must be a device ordinal, a whole number >= 0")
+    return int(str(value).strip())
 
 
 def detect_capture(session: ort.InferenceSession, requested: CaptureInfo | None) -> CaptureInfo | None:
@@ -153,19 +165,53 @@ def parse_provider_options(items: Sequence[str]) -> dict[str, str]:
     """
     from ortcapture.errors import CaptureError
 
+    if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)) and items is not None:
+        raise CaptureError(f"provider options must be a list of 'KEY=VALUE' strings, got {type(items).__name__}")
     out: dict[str, str] = {}
-    switches = {ep.option for ep in CAPTURE_EPS.values()}
     for item in items or ():
-        key, sep, value = str(item).partition("=")
+        if not isinstance(item, str):
+            raise CaptureError(f"provider option {item!r} must be a 'KEY=VALUE' string")
+        key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise CaptureError(f"provider option {item!r} must be KEY=VALUE (e.g. prefer_nhwc=1)")
-        if key in switches:
-            raise CaptureError(f"provider option {key!r} switches graph capture; the tool sets it itself "
-                               "(use --graph-capture/--no-graph-capture)")
         if key in out:
             raise CaptureError(f"provider option {key!r} given twice")
         out[key] = value.strip()
+    return check_provider_options(out)
+
+
+def check_provider_options(options: Mapping[str, Any] | None) -> dict[str, str]:
+    """Validate extra EP options ``{KEY: VALUE}`` (strings, or ints for numbers) and return them as strings.
+
+    Raises :class:`~ortcapture.errors.CaptureError` for a non-mapping, a key that is empty, not a string or holds
+    ``=``, a value that is not a string or int (``None``, floats, bools are ambiguous to ORT's parser), a device
+    ordinal (``device_id``, ``deviceId``) that is not a whole number, and a capture switch
+    (``enable_cuda_graph``, ``trt_cuda_graph_enable``, ``enableGraphCapture``): capture is switched by the tool
+    itself (``--graph-capture/--no-graph-capture``, ``session_args(capture=...)``), never by an option that could
+    silently disagree with it.
+    """
+    from ortcapture.errors import CaptureError
+
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise CaptureError(f"provider options must be a mapping {{KEY: VALUE}}, got {type(options).__name__}")
+    switches = {ep.option for ep in CAPTURE_EPS.values()}
+    ordinals = {ep.device_id_option for ep in CAPTURE_EPS.values()}
+    out: dict[str, str] = {}
+    for key, value in options.items():
+        if not isinstance(key, str) or not key.strip() or "=" in key:
+            raise CaptureError(f"provider option key {key!r} must be a non-empty string without '='")
+        key = key.strip()
+        if key in switches:
+            raise CaptureError(f"provider option {key!r} switches graph capture; the tool sets it itself "
+                               "(use --graph-capture/--no-graph-capture)")
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise CaptureError(f"provider option {key}={value!r}: the value must be a string or an int")
+        if key in ordinals:
+            device_ordinal(value, key)
+        out[key] = str(value).strip()
     return out
 
 
@@ -176,15 +222,17 @@ def session_args(provider: str, capture: bool, sess_options=None, device_id: int
     through ``sess_options`` with the plugin EP added by ``add_provider_for_devices`` (ORT 1.30 silently gives a
     CPU-only session for a plugin EP named in ``providers``). ``sess_options``: a fresh ``SessionOptions`` the
     caller configured (the WebGPU EP is added to it, so do not reuse it across sessions); default a new one.
-    ``ep_options``: further EP options, strings (e.g. CUDA ``{"prefer_nhwc": "1"}``), checked by
-    :func:`parse_provider_options`; ORT itself rejects unknown CUDA keys at session creation.
+    ``ep_options``: further EP options, strings (e.g. CUDA ``{"prefer_nhwc": "1"}``, ``{"device_id": "1"}``, which
+    wins over ``device_id``), checked by :func:`check_provider_options`; ORT itself rejects unknown CUDA keys at
+    session creation (the WebGPU EP ignores unknown keys).
     """
     import onnxruntime as ort
 
-    extra = parse_provider_options([f"{k}={v}" for k, v in (ep_options or {}).items()])
+    extra = check_provider_options(ep_options)
     so = sess_options if sess_options is not None else ort.SessionOptions()
     if provider == "cuda":
-        opts = {**extra, "enable_cuda_graph": "1" if capture else "0", "device_id": str(device_id)}
+        # a device_id among ep_options wins over the device_id argument (the command line's --provider-option)
+        opts = {"device_id": str(device_ordinal(device_id)), **extra, "enable_cuda_graph": "1" if capture else "0"}
         return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
     if provider != "webgpu":
         raise ValueError(f"provider must be 'cuda' or 'webgpu', got {provider!r}")

@@ -311,7 +311,7 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
                 _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
                 return dst
     sm = getattr(src, "_ortcapture_meta", None)
-    if (sm is not None and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype and sm.shape == dm.shape
+    if (sm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype and sm.shape == dm.shape
             and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
             and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id)):
         # hot path: a CUDA OrtValue seen before, same shape and dtype, disjoint buffers (the checks below, inlined)
@@ -323,6 +323,7 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     sm = _checked_value_source(src, dst, dm)
     if sm is not None:
         _copy_value(src, sm, dst, dm)
+        _recheck(src)
     return dst
 
 
@@ -343,7 +344,16 @@ def commit(token) -> None:
     if isinstance(src, np.ndarray):
         _copy_host_to(dst, dm, src)
     elif sm is not None:
+        _recheck(src)  # a ReplayOutput may have gone stale since prepare()
         _copy_value(src, sm, dst, dm)
+        _recheck(src)
+
+
+def _recheck(src) -> None:
+    """A ReplayOutput source read while another thread replayed its graph raises StaleOutputError (seqlock)."""
+    check = getattr(src, "_check", None)
+    if check is not None:
+        check()
 
 
 def _checked_value_source(src: ort.OrtValue, dst: ort.OrtValue, dm: ValueMeta) -> ValueMeta | None:
@@ -388,6 +398,8 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
     src, dst = list(src), list(dst)
     if len(src) != len(dst):
         raise TransferError(f"copy needs as many sources as destinations ({len(src)} != {len(dst)})")
+    for s in src:
+        _recheck(s)
     sms = [_dst_meta(s, f"source #{i}") for i, s in enumerate(src)]
     dms = [_dst_meta(d, f"destination #{i}") for i, d in enumerate(dst)]
     for i in range(len(src)):
@@ -409,13 +421,14 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
     else:
         for s, sm, d, dm in zip(src, sms, dst, dms):
             _copy_value(s, sm, d, dm)
+    for s in src:
+        _recheck(s)
 
 
 def to_numpy(value: ort.OrtValue) -> np.ndarray:
     """A new host numpy array with the contents of ``value`` (any device; WebGPU read back via ``copy_tensors``)."""
-    check = getattr(value, "_check", None)  # a ReplayOutput overwritten by a later replay raises StaleOutputError
-    if check is not None:
-        check()
+    if getattr(value, "_check", None) is not None:  # a ReplayOutput: checked for staleness before and after
+        return value.numpy()
     m = _dst_meta(value, "value")
     if m.kind == "webgpu":
         host = ort.OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
@@ -438,6 +451,9 @@ def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
         src = src.astype(dm.dtype)
     _check_match(dm, tuple(src.shape), src.dtype, "numpy source")
     return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
+
+
+_ORTVALUE = ort.OrtValue  # the hot path takes exact OrtValues only (a ReplayOutput must be checked for staleness)
 
 
 def _peer(a: int, b: int) -> None:

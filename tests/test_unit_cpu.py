@@ -264,3 +264,69 @@ def test_names_cuda_ep():
     assert names_cuda_ep([("CUDAExecutionProvider", {"device_id": "1"}), "CPUExecutionProvider"])
     assert names_cuda_ep(["TensorrtExecutionProvider"])
     assert not names_cuda_ep(["CPUExecutionProvider"]) and not names_cuda_ep(None) and not names_cuda_ep([])
+
+
+def test_capture_gate_keeps_idle_threads_and_refuses_misuse():
+    """A thread idle between calls when another thread registers must still hold off a capture (helper-found bug:
+    registration used to drop idle slots); exits without enters and foreign exclusive exits raise."""
+    import threading
+    import time
+
+    from ortcapture.gate import CaptureGate
+
+    g = CaptureGate()
+    inside, leave, registered = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with g.shared:
+            pass
+        registered.wait(5)  # idle while b registers
+        with g.shared:
+            inside.set()
+            leave.wait(5)
+
+    def b():
+        with g.shared:
+            pass
+        registered.set()
+
+    ta, tb = threading.Thread(target=a), threading.Thread(target=b)
+    ta.start()
+    tb.start()
+    assert inside.wait(5)
+    threading.Timer(0.3, leave.set).start()
+    t0 = time.perf_counter()
+    with g.exclusive:
+        assert leave.is_set() and time.perf_counter() - t0 >= 0.25  # waited for a
+    ta.join(5)
+    tb.join(5)
+    with pytest.raises(RuntimeError, match="without being entered"):
+        g.shared.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="does not hold it"):
+        g.exclusive.__exit__(None, None, None)
+    # a thread that dies inside shared (entered by hand, never exited) does not block captures forever
+    t = threading.Thread(target=g.shared.__enter__)
+    t.start()
+    t.join()
+    with g.exclusive:
+        assert g.capturing
+    assert not g.capturing and g.readers == 0
+
+
+def test_provider_options_are_validated():
+    from ortcapture.providers import check_provider_options, device_ordinal, parse_provider_options, session_args
+
+    for bad in ["a=1", b"a=1", [b"a=1"], [1]]:
+        with pytest.raises(ortcapture.CaptureError):
+            parse_provider_options(bad)
+    for bad in [{"a=b": "c"}, {"x": None}, {"x": 1.5}, {"x": True}, {"": "1"}, {1: "1"}, ["a=1"], "a=1",
+                {"device_id": "abc"}, {"deviceId": "1.0"}, {"device_id": -1}, {"enableGraphCapture": "1"}]:
+        with pytest.raises(ortcapture.CaptureError):
+            check_provider_options(bad)
+    assert check_provider_options({"device_id": 1, " prefer_nhwc ": "1"}) == {"device_id": "1", "prefer_nhwc": "1"}
+    assert device_ordinal(None) == 0 and device_ordinal(" 3 ") == 3
+    (_, opts), _ = session_args("cuda", True, ep_options={"device_id": "1"})["providers"]
+    assert opts["device_id"] == "1"  # honoured, not silently overridden by the device_id argument's default
+    with pytest.raises(ortcapture.CaptureError, match="device ordinal"):
+        ortcapture.InferenceSession(tiny.affine_model(), providers=[
+            ("CUDAExecutionProvider", {"enable_cuda_graph": "1", "device_id": "abc"})])
