@@ -171,41 +171,6 @@ def session_args(provider: str, capture: bool, ep_options: dict | None = None) -
 # ---------------------------------------------------------------------------------------------------------------
 # the worker: one fresh process, all arms
 # ---------------------------------------------------------------------------------------------------------------
-def _uncaptured_graph(sess, feeds: dict, outputs: dict, alloc):
-    """A :class:`~ortcapture.graph.CapturedGraph` on a session without capture, for ``--no-graph-capture``: the
-    same fixed buffers, IOBinding, run options and ``run()`` code as a captured graph; only the capture is missing.
-
-    ``CapturedGraph``'s constructor captures, so the object is assembled from the attributes it sets (kept in step
-    with ``ortcapture/graph.py``; the ``--no-graph-capture`` test runs it).
-    """
-    import types
-
-    from ortcapture import transfer
-    from ortcapture.graph import CapturedGraph
-    from ortcapture.session import run_options_for
-
-    g = CapturedGraph.__new__(CapturedGraph)
-    g._session = g._family = sess
-    g.graph_id = 0
-    g._released = False
-    g._generation = 0
-    g.inputs = {}
-    for meta in sess.get_inputs():
-        g.inputs[meta.name] = transfer.update_inplace(alloc(sess, feeds[meta.name].shape, feeds[meta.name].dtype),
-                                                      feeds[meta.name])
-    g.outputs = {name: alloc(sess, shape, dtype) for name, (shape, dtype) in outputs.items()}
-    g._state, g._state_src, g._state_dst, g._initial_state = {}, [], [], {}
-    g._binding = sess.io_binding()
-    for name, buf in g.inputs.items():
-        g._binding.bind_ortvalue_input(name, buf)
-    for name, buf in g.outputs.items():
-        g._binding.bind_ortvalue_output(name, buf)
-    g._run_options = run_options_for(g.graph_id)
-    g._record = types.SimpleNamespace(replays=0)
-    g._output_list = list(g.outputs.values())
-    return g
-
-
 def _worker(opts) -> dict:
     import gc
 
@@ -314,7 +279,11 @@ def _worker(opts) -> dict:
         graph = ours.capture(feeds[0])
         cg_srcs = device_sources(ours, ours.allocate)
     else:
-        graph = _uncaptured_graph(ours, feeds[0], out_specs, alloc)
+        from ortcapture.graph import CapturedGraph
+
+        # the same CapturedGraph code (fixed buffers, IOBinding, run()) on the session without capture
+        graph = CapturedGraph(ours, feeds[0], 0, _without_capture=(lambda shape, dtype: alloc(ours, shape, dtype),
+                                                                   dev, dev_id))
         cg_srcs = device_sources(ours)
     capture_s = time.perf_counter() - t0
 

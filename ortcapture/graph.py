@@ -110,8 +110,18 @@ class CapturedGraph:
     too (side-effect free; once per thread) — reuse long-lived threads rather than new ones per call.
     """
 
-    def __init__(self, session, example_feeds: Mapping[str, Any], graph_id: int, *, state=None, family=None):
+    def __init__(self, session, example_feeds: Mapping[str, Any], graph_id: int, *, state=None, family=None,
+                 _without_capture=None):
+        """Built by :meth:`InferenceSession.capture`. ``_without_capture=(allocate(shape, dtype), device type, device
+        id)``: the same fixed buffers, IOBinding and ``run()`` on a session *without* capture, never captured — the
+        one honest "no graph" arm for ``ortcapture bench --no-graph-capture``."""
         from ortcapture.session import run_options_for
+
+        if _without_capture is None:
+            info = session.capture_info
+            alloc, device = session.allocate, (info.device_type, info.device_id)
+        else:
+            alloc, device = _without_capture[0], tuple(_without_capture[1:])
 
         self._session = session
         self._family = family if family is not None else session
@@ -134,9 +144,9 @@ class CapturedGraph:
         for name, (shape, dtype) in specs.items():
             _check_model_input(metas[name], shape, dtype)
         for name, (shape, dtype) in specs.items():
-            self.inputs[name] = session.allocate(shape, dtype)
+            self.inputs[name] = alloc(shape, dtype)
             transfer.update_inplace(self.inputs[name], example_feeds[name])
-        self.outputs = self._allocate_outputs()
+        self.outputs = self._allocate_outputs(alloc, device)
         self._state = self._check_state(state or {})
         self._binding = session.io_binding()
         for name, buf in self.inputs.items():
@@ -149,30 +159,30 @@ class CapturedGraph:
         self._initial_state = {}
         for iname in self._state.values():
             buf = self.inputs[iname]
-            self._initial_state[iname] = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
+            self._initial_state[iname] = alloc(buf.shape(), transfer.np_dtype_of(buf))
         if self._state:
             transfer.copy(self._state_dst, list(self._initial_state.values()))
-        with session._oc_cguard:
-            self._record = session._oc_capture(self._binding, self.graph_id, self._run_options, owner=self)
+        if _without_capture is not None:
+            self._record = _NotCaptured()
+        else:
+            with session._oc_cguard:
+                self._record = session._oc_capture(self._binding, self.graph_id, self._run_options, owner=self)
         self._output_list = list(self.outputs.values())
 
     # -- construction ---------------------------------------------------------------------------------------
-    def _allocate_outputs(self) -> dict[str, ort.OrtValue]:
+    def _allocate_outputs(self, alloc, device: tuple[str, int]) -> dict[str, ort.OrtValue]:
         """Run once without capture (gpu_graph_id=-1) to learn output shapes/dtypes, then allocate fixed buffers."""
         from ortcapture.session import run_options_for
 
-        sess, info = self._session, self._session.capture_info
+        sess = self._session
         probe = ort.IOBinding(sess)
         for name, buf in self.inputs.items():
             probe.bind_ortvalue_input(name, buf)
         for meta in sess.get_outputs():
-            probe.bind_output(meta.name, info.device_type, info.device_id)
+            probe.bind_output(meta.name, *device)
         ort.InferenceSession.run_with_iobinding(sess, probe, run_options_for(-1))
         outs = probe.get_outputs()
-        return {
-            meta.name: sess.allocate(v.shape(), transfer.np_dtype_of(v))
-            for meta, v in zip(sess.get_outputs(), outs)
-        }
+        return {meta.name: alloc(v.shape(), transfer.np_dtype_of(v)) for meta, v in zip(sess.get_outputs(), outs)}
 
     def _check_state(self, state: Mapping[str, str]) -> dict[str, str]:
         for out, inp in state.items():
@@ -302,4 +312,15 @@ class CapturedGraph:
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"{self.replays} replays"
-        return f"<CapturedGraph gpu_graph_id={self.graph_id} {self._session.capture_info.ep.name} {state}>"
+        info = self._session.capture_info
+        ep = info.ep.name if info is not None else "not captured"
+        return f"<CapturedGraph gpu_graph_id={self.graph_id} {ep} {state}>"
+
+
+class _NotCaptured:
+    """The registry record's stand-in for a graph built with ``_without_capture``: it only counts runs."""
+
+    __slots__ = ("replays",)
+
+    def __init__(self) -> None:
+        self.replays = 0
