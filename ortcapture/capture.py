@@ -14,6 +14,8 @@ from ortcapture.values import meta
 
 #: Byte written over every output before the verification replay; a buffer still all of it was not written.
 SENTINEL_BYTE = 0xA5
+#: The second pattern, for outputs whose real value happened to equal the first (e.g. int32 0xA5A5A5A5).
+SENTINEL_BYTE_2 = 0x5A
 
 
 def _overlaps(a: Bound, b: Bound) -> bool:
@@ -97,10 +99,21 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
     try:
         if snapshots:
             transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
-        sentinels = _fill_sentinels(binding)
+        sentinels = _fill_sentinels(binding, SENTINEL_BYTE)
         ort.InferenceSession.run_with_iobinding(session, binding, run_options)  # internal: not counted
         stale = [name for name, (buf, pattern) in sentinels.items()
                  if transfer.to_numpy(buf).tobytes() == pattern]
+        if stale:  # a real result may equal the pattern: confirm with a second one, state kept at one step
+            again = _snapshot_state(session, binding, declared)
+            try:
+                second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=stale)
+                ort.InferenceSession.run_with_iobinding(session, binding, run_options)
+                stale = [name for name, (buf, pattern) in second.items()
+                         if transfer.to_numpy(buf).tobytes() == pattern]
+                if again:
+                    transfer.copy([t for t, _ in again], [b for _, b in again])
+            finally:
+                session._oc_pool.forget([t for t, _ in again])
     except BaseException:
         session.release_captured_graph(graph_id)
         raise
@@ -153,16 +166,19 @@ def capture_in_this_thread(session, binding: IOBinding, run_options) -> None:
         session._oc_pool.forget([t for t, _ in snapshots])
 
 
-def _fill_sentinels(binding: IOBinding) -> dict:
-    """Overwrite every bound output OrtValue with SENTINEL_BYTE; return name -> (buffer, the pattern's bytes)."""
+def _fill_sentinels(binding: IOBinding, byte: int, only=None) -> dict:
+    """Overwrite every bound output OrtValue (or those named in ``only``) with ``byte``; return
+    name -> (buffer, the pattern's bytes)."""
     out = {}
     for name, b in binding.bound_outputs.items():
+        if only is not None and name not in only:
+            continue
         if b.value is None:
             continue  # raw-pointer outputs: not ours to fill
         m = meta(b.value)
         if m.dtype is None or m.nbytes == 0:
             continue
-        pattern = np.full(m.nbytes, SENTINEL_BYTE, np.uint8).view(m.dtype).reshape(m.shape)
+        pattern = np.full(m.nbytes, byte, np.uint8).view(m.dtype).reshape(m.shape)
         transfer.update_inplace(b.value, pattern)
         out[name] = (b.value, pattern.tobytes())
     return out

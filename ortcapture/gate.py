@@ -53,9 +53,8 @@ class CaptureGate:
         self._cond = threading.Condition(threading.Lock())
         self._writers = threading.Lock()  # one capture at a time
         self._pending = False  # a writer is waiting for readers to leave, or is inside
-        self._writer: int | None = None  # ident of the thread inside exclusive
-        self._writer_thread: threading.Thread | None = None
-        self._writer_depth = 0
+        self._writer: _Slot | None = None  # the slot of the thread inside exclusive (not its ident: idents are
+        self._writer_depth = 0  # reused by new threads once a thread ends)
         self._slots: list[_Slot] = []  # every live thread that has entered
         self._tls = threading.local()
         self.shared = _Shared(self)
@@ -69,7 +68,7 @@ class CaptureGate:
     @property
     def readers(self) -> int:
         """Live threads inside ``shared`` now (the capturing thread's own work not counted)."""
-        return sum(1 for s in list(self._slots) if s.active and s.ident != self._writer and s.thread.is_alive())
+        return sum(1 for s in list(self._slots) if s.active and s is not self._writer and s.thread.is_alive())
 
     def _slot(self) -> _Slot:
         try:
@@ -82,9 +81,9 @@ class CaptureGate:
 
     def _reap_dead_writer(self) -> None:
         """Caller holds ``_cond``: a writer thread that died inside ``exclusive`` no longer holds it."""
-        t = self._writer_thread
-        if t is not None and not t.is_alive():
-            self._writer = self._writer_thread = None
+        w = self._writer
+        if w is not None and not w.thread.is_alive():
+            self._writer = None
             self._writer_depth = 0
             self._pending = False
             self._writers.release()
@@ -108,14 +107,18 @@ class _Shared:
             return
         slot.depth = 1
         slot.active = True  # publish first, then look (see CaptureGate)
-        if g._pending and g._writer != slot.ident:
+        if g._pending and g._writer is not slot:
             slot.active = False
-            with g._cond:
-                g._cond.notify_all()  # a writer may be waiting on this thread
-                while g._pending:
-                    g._cond.wait(g._POLL_S)
-                    g._reap_dead_writer()
-                slot.active = True
+            try:
+                with g._cond:
+                    g._cond.notify_all()  # a writer may be waiting on this thread
+                    while g._pending:
+                        g._cond.wait(g._POLL_S)
+                        g._reap_dead_writer()
+                    slot.active = True
+            except BaseException:  # KeyboardInterrupt while waiting: leave no trace
+                slot.depth, slot.active = 0, False
+                raise
 
     def __exit__(self, *exc) -> None:
         g = self._g
@@ -139,7 +142,7 @@ class _Exclusive:
     def __enter__(self) -> None:
         g = self._g
         slot = g._slot()
-        if g._writer == slot.ident:
+        if g._writer is slot:
             g._writer_depth += 1
             return
         if slot.depth:
@@ -148,20 +151,27 @@ class _Exclusive:
         while not g._writers.acquire(timeout=g._POLL_S):
             with g._cond:
                 g._reap_dead_writer()
-        with g._cond:
-            g._pending = True
-            while any(s.active and s is not slot and s.thread.is_alive() for s in g._slots):
-                g._cond.wait(g._POLL_S)
-            g._writer, g._writer_thread, g._writer_depth = slot.ident, slot.thread, 1
+        try:
+            with g._cond:
+                g._pending = True
+                while any(s.active and s is not slot and s.thread.is_alive() for s in g._slots):
+                    g._cond.wait(g._POLL_S)
+                g._writer, g._writer_depth = slot, 1
+        except BaseException:  # KeyboardInterrupt while waiting for readers: undo, so the gate stays usable
+            with g._cond:
+                g._pending = False
+                g._cond.notify_all()
+            g._writers.release()
+            raise
 
     def __exit__(self, *exc) -> None:
         g = self._g
-        if g._writer != _get_ident():
+        if g._writer is None or g._writer is not getattr(g._tls, "slot", None):
             raise RuntimeError("ortcapture: CaptureGate.exclusive exited by a thread that does not hold it")
         g._writer_depth -= 1
         if g._writer_depth == 0:
             with g._cond:
-                g._writer = g._writer_thread = None
+                g._writer = None
                 g._pending = False
                 g._cond.notify_all()
             g._writers.release()

@@ -56,6 +56,8 @@ class ReplayOutput(ort.OrtValue):
         return arr if dtype is None else arr.astype(dtype)
 
     def __dlpack__(self, *, stream=None):
+        """Zero-copy export; staleness is checked at export only — the consumer's tensor aliases the fixed buffer
+        and shows the next replay's values (copy it, e.g. ``torch.from_dlpack(out).clone()``, to keep them)."""
         self._check()
         return super().__dlpack__(stream=stream)
 
@@ -115,19 +117,34 @@ class CapturedGraph:
         """Built by :meth:`InferenceSession.capture`. ``_without_capture=(allocate(shape, dtype), device type, device
         id)``: the same fixed buffers, IOBinding and ``run()`` on a session *without* capture, never captured — the
         one honest "no graph" arm for ``ortcapture bench --no-graph-capture``."""
-        from ortcapture.session import run_options_for
-
-        if _without_capture is None:
-            info = session.capture_info
-            alloc, device = session.allocate, (info.device_type, info.device_id)
-        else:
-            alloc, device = _without_capture[0], tuple(_without_capture[1:])
-
         self._session = session
         self._family = family if family is not None else session
         self.graph_id = int(graph_id)
         self._released = False
         self._generation = 0
+        if _without_capture is None:
+            info = session.capture_info
+            base_alloc, device = session.allocate, (info.device_type, info.device_id)
+        else:
+            base_alloc, device = _without_capture[0], tuple(_without_capture[1:])
+        allocated: list[ort.OrtValue] = []
+
+        def alloc(shape, dtype):
+            v = base_alloc(shape, dtype)
+            allocated.append(v)
+            return v
+
+        try:
+            self._build(session, example_feeds, state, alloc, device, _without_capture is None)
+        except BaseException:
+            pool = session._oc_pool  # a failed capture() must not keep its buffers in the session's pool
+            if pool is not None and allocated:
+                pool.forget(allocated)
+            raise
+
+    def _build(self, session, example_feeds, state, alloc, device, capture: bool) -> None:
+        from ortcapture.session import run_options_for
+
         example_feeds = _require_mapping(example_feeds, "example feeds")
         if state is not None and not isinstance(state, Mapping):
             raise CaptureError(f"state must be a mapping {{output name: input name}}, got {type(state).__name__}")
@@ -162,7 +179,7 @@ class CapturedGraph:
             self._initial_state[iname] = alloc(buf.shape(), transfer.np_dtype_of(buf))
         if self._state:
             transfer.copy(self._state_dst, list(self._initial_state.values()))
-        if _without_capture is not None:
+        if not capture:
             self._record = _NotCaptured()
         else:
             with session._oc_cguard:
@@ -185,6 +202,11 @@ class CapturedGraph:
         return {meta.name: alloc(v.shape(), transfer.np_dtype_of(v)) for meta, v in zip(sess.get_outputs(), outs)}
 
     def _check_state(self, state: Mapping[str, str]) -> dict[str, str]:
+        targets = list(state.values())
+        twice = sorted({i for i in targets if targets.count(i) > 1})
+        if twice:
+            raise CaptureError(f"state input(s) {twice} are fed by more than one state output; each state input "
+                               "takes exactly one output")
         for out, inp in state.items():
             if out not in self.outputs:
                 raise CaptureError(f"state output {out!r} is not an output of the model ({list(self.outputs)})")

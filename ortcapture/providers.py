@@ -122,9 +122,11 @@ def device_ordinal(value: Any, option: str = "device_id") -> int:
 
     if value is None or value == "":
         return 0
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
-        raise CaptureError(f"provider option {option}={value!r} must be a device ordinal, a whole number >= 0")
-    return int(str(value).strip())
+    text = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
+    if not (text.isascii() and text.isdigit()) or int(text) >= 2**31:
+        raise CaptureError(f"provider option {option}={value!r} must be a device ordinal, a whole number from 0 "
+                           "(ASCII digits)")
+    return int(text)
 
 
 def detect_capture(session: ort.InferenceSession, requested: CaptureInfo | None) -> CaptureInfo | None:
@@ -210,6 +212,8 @@ def check_provider_options(options: Mapping[str, Any] | None) -> dict[str, str]:
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise CaptureError(f"provider option {key}={value!r}: the value must be a string or an int")
         if key in ordinals:
+            if str(value).strip() == "":
+                raise CaptureError(f"provider option {key!r} is empty; give a device ordinal or leave it out")
             device_ordinal(value, key)
         out[key] = str(value).strip()
     return out

@@ -184,13 +184,19 @@ class InferenceSession(ort.InferenceSession):
                 "SessionOptions.add_provider_for_devices([ep_device], {...}); check `ortcapture doctor`."
             )
         self._oc_info = info
-        if (info or requested) is not None and (info or requested).device_type == "webgpu":
+        active = self.get_providers()
+        webgpu_ep = ((info or requested) is not None and (info or requested).device_type == "webgpu"
+                     or any(p == "WebGpuExecutionProvider" for p in active))
+        if webgpu_ep:
             from ortcapture import webgpu
 
-            self._oc_lock = webgpu.LOCK  # ORT's WebGPU device is shared by every session and copy in the process
+            # ORT's WebGPU device is shared by every session and copy in the process: captured or not
+            self._oc_lock = webgpu.LOCK
         cuda = ((info or requested) is not None and (info or requested).device_type == "cuda"
-                or any(p in CUDA_EPS for p in self.get_providers()))
-        self._oc_uses_cuda = cuda  # even uncaptured CUDA runs must not overlap another thread's capture
+                or any(p in CUDA_EPS for p in active))
+        # uncaptured GPU runs are guarded too: CUDA ones must not overlap another thread's capture, WebGPU ones
+        # must not overlap any other WebGPU work
+        self._oc_gpu_guarded = cuda or webgpu_ep
         self._oc_guard = gate.SessionGuard(self._oc_lock, cuda)  # CUDA_GATE.shared, then the session lock
         self._oc_cguard = gate.CaptureGuard(self._oc_lock, cuda)  # CUDA_GATE.exclusive, then the session lock
         # ORT's CUDA/TensorRT EPs keep captured graphs per thread: which graph ids this thread has (see
@@ -231,7 +237,10 @@ class InferenceSession(ort.InferenceSession):
         for sess in (self, *self._oc_siblings.values()):
             if sess._oc_registry is not None:
                 for gid in sess._oc_registry.graph_ids:
-                    d = sess._oc_registry.get(gid).describe()
+                    rec = sess._oc_registry.get(gid)
+                    if rec is None:  # released by another thread meanwhile
+                        continue
+                    d = rec.describe()
                     d["static_shapes"] = dict(sess._oc_static_shapes) if sess._oc_static_shapes else None
                     out[gid] = d
         return out
@@ -266,7 +275,7 @@ class InferenceSession(ort.InferenceSession):
         """Raise unless a plain run is safe here; True when it must hold the session guard (a capture session, or
         any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture.gate``)."""
         if self._oc_info is None:
-            return self._oc_deferred or self._oc_uses_cuda  # deferred: siblings capture under the same lock
+            return self._oc_deferred or self._oc_gpu_guarded  # deferred: siblings capture under the same lock
         if graph_id_of(run_options) != SKIP_GRAPH_ID:
             raise CaptureError(
                 f"{api}() on a session with {self._oc_info.ep.name} graph capture would capture or replay with "
@@ -314,7 +323,7 @@ class InferenceSession(ort.InferenceSession):
         """
         if self._oc_info is None:
             if not self._oc_deferred:
-                if self._oc_uses_cuda:
+                if self._oc_gpu_guarded:
                     with self._oc_guard:
                         return super().run_with_iobinding(iobinding, run_options)
                 return super().run_with_iobinding(iobinding, run_options)
@@ -421,14 +430,15 @@ class InferenceSession(ort.InferenceSession):
         id is retired — reusing it raises :class:`~ortcapture.errors.GraphReleasedError`; capture under a new id.
         """
         gid = check_graph_id(graph_annotation_id)
-        owner = next((s for s in self._oc_siblings.values() if s._oc_registry is not None and gid in s._oc_registry),
-                     None)
-        if owner is not None:  # captured by capture() on a shape-specialised sibling: release it there
-            owner.release_captured_graph(gid)
-            graph = self._oc_graphs.pop(gid, None)
-            if graph is not None:
-                graph._on_released()
-            return
+        with self._oc_guard:  # the family's lock first, then the sibling's (capture() takes them in that order)
+            owner = next((s for s in self._oc_siblings.values()
+                          if s._oc_registry is not None and gid in s._oc_registry), None)
+            if owner is not None:  # captured by capture() on a shape-specialised sibling: release it there
+                owner.release_captured_graph(gid)
+                graph = self._oc_graphs.pop(gid, None)
+                if graph is not None:
+                    graph._on_released()
+                return
         with self._oc_guard:
             rec = self._oc_registry.release(gid) if self._oc_registry is not None else None
             if compat.has_release_captured_graph():
@@ -442,8 +452,11 @@ class InferenceSession(ort.InferenceSession):
     def set_providers(self, providers=None, provider_options=None) -> None:
         """ORT's ``set_providers`` (recreates the C session); every captured graph is released and forgotten first,
         and the CapturedGraphs made from this session become unusable. Raises
-        :class:`~ortcapture.errors.CaptureUnsupportedError` if the new providers request capture but do not give it.
+        :class:`~ortcapture.errors.CaptureUnsupportedError` if the new providers request capture but do not give it; the
+        session is then left as ORT made it, without capture (``capture_enabled`` False).
         """
+        sess_options = self._oc_args[1]
+        requested = requested_capture(providers, provider_options, sess_options if not providers else None)
         with self._oc_cguard:  # a new C session: no other CUDA work meanwhile
             for sess in (self, *self._oc_siblings.values()):
                 if sess._oc_registry is not None:
@@ -456,10 +469,14 @@ class InferenceSession(ort.InferenceSession):
             self._oc_siblings.clear()
             super().set_providers(providers, provider_options)
             self._oc_deferred = False
-            sess_options = self._oc_args[1]
-            requested = requested_capture(providers, provider_options, sess_options if not providers else None)
+            try:
+                self._oc_setup(requested)
+            except Exception:
+                # the C session was already replaced: describe what it really is (no capture), then report
+                self._oc_requested = None
+                self._oc_setup(None)
+                raise
             self._oc_requested = requested
-            self._oc_setup(requested)
 
     # -- high level -------------------------------------------------------------------------------------------
     def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None, *,

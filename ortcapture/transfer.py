@@ -148,6 +148,11 @@ def _alias(a: ort.OrtValue, am: ValueMeta, b: ort.OrtValue, bm: ValueMeta) -> st
     """``"same"`` when a and b are one buffer, ``"overlap"`` when their bytes overlap, else ``None``."""
     if a is b or a._ortvalue is b._ortvalue:
         return "same"
+    if am.kind == bm.kind == "webgpu":  # no byte ranges, but data_ptr() is the buffer handle: equal = same buffer
+        try:
+            return "same" if a.data_ptr() == b.data_ptr() != 0 else None
+        except Exception:  # noqa: BLE001
+            return None
     if am.kind != bm.kind or am.span is None or bm.span is None or am.device_id != bm.device_id:
         return None
     if am.span == bm.span:

@@ -46,6 +46,9 @@ def remember(value: ort.OrtValue, kind: str, device_id: int) -> ort.OrtValue:
     return value
 
 
+_HAS_CUDA_EP = ["CUDAExecutionProvider" in ort.get_available_providers()]
+
+
 def meta(value: ort.OrtValue) -> ValueMeta:
     """The cached :class:`ValueMeta` of a tensor OrtValue. Raises :class:`TransferError` for non-tensors."""
     m = getattr(value, _ATTR, None)
@@ -60,6 +63,9 @@ def meta(value: ort.OrtValue) -> ValueMeta:
         raise TransferError("the OrtValue must hold a dense tensor")
     known = getattr(value, _KNOWN_ATTR, None)
     kind = known[0] if known else value.device_name().lower()
+    if kind == "cuda" and not known and not _HAS_CUDA_EP[0]:
+        # ORT < 1.30 names WebGPU buffers "cuda"; an ORT build without the CUDA EP has no CUDA buffers at all
+        kind = "webgpu"
     element_type = value.data_type()
     nbytes = int(value.tensor_size_in_bytes())
     span = None

@@ -410,6 +410,87 @@ def _release_rounds(sess, x, rounds):
         new[0].release()
 
 
+def test_output_equal_to_the_sentinel_is_not_refused(backend):
+    """An output whose real value equals the verification pattern (0xA5 bytes) is confirmed with a second pattern,
+    not refused as a view output (helper-found false refusal)."""
+    from onnx import TensorProto
+
+    sess = backend.session(tiny.add_model(elem=TensorProto.INT32))
+    a = np.full((2, 4), np.uint32(0xA5A5A5A5).view(np.int32), np.int32)
+    g = sess.capture({"A": a, "B": np.zeros((2, 4), np.int32)})
+    np.testing.assert_array_equal(g.run({"A": a})[0], a)
+    np.testing.assert_array_equal(g.run({"A": a + 1})[0], a + 1)
+
+
+def test_failed_capture_keeps_no_buffers_and_names_doubled_state(backend, rng):
+    sess = backend.session(tiny.recurrent_model())
+    feeds = {"x": rng.random((1, 8), np.float32), "state_in": np.zeros((1, 8), np.float32)}
+    sess.capture(feeds).release()
+    before = len(sess._oc_pool)
+    for _ in range(3):
+        with pytest.raises(CaptureError, match="not an output"):
+            sess.capture(feeds, state={"nope": "state_in"})
+    with pytest.raises(CaptureError, match="more than one state output"):
+        sess.capture(feeds, state={"y": "state_in", "state_out": "state_in"})
+    assert len(sess._oc_pool) == before
+
+
+def test_uncaptured_gpu_sessions_are_serialised_with_replays(backend):
+    """An ortcapture session with capture off on the same EP takes the same guard as capturing ones (helper-found:
+    an uncaptured WebGPU session ran beside replays and crashed ORT with SIGSEGV/SIGABRT)."""
+    import threading
+
+    cap = backend.session(tiny.affine_model((64, 64)))
+    plain = backend.session(tiny.affine_model((64, 64)), capture=False)
+    assert not plain.capture_enabled and plain._oc_gpu_guarded
+    if backend.name == "webgpu":
+        from ortcapture import webgpu
+
+        assert plain._oc_lock is webgpu.LOCK
+    x = np.random.default_rng(0).random((64, 64), dtype=np.float32)
+    g = cap.capture({"X": x})
+    errors = []
+
+    def loop(fn):
+        try:
+            for _ in range(150):
+                if not np.allclose(fn(), 2 * x + 1, atol=1e-5):
+                    errors.append(fn)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    fns = [lambda: plain.run(None, {"X": x})[0], lambda: g.run({"X": x})[0],
+           lambda: ortcapture.to_numpy(g.outputs["Y"])]
+    ts = [threading.Thread(target=loop, args=(f,)) for f in fns]
+    [t.start() for t in ts]
+    [t.join(120) for t in ts]
+    assert errors == []
+
+
+def test_aliases_of_fixed_buffers_are_recognised(backend):
+    """An OrtValue that ORT hands back for a fixed buffer (IOBinding.get_outputs) is the same buffer: its device is
+    known (ORT < 1.30 names WebGPU buffers "cuda") and copying it onto itself is a no-op, not a native error."""
+    sess = backend.session(tiny.affine_model())
+    g = sess.capture({"X": np.ones((2, 4), np.float32)})
+    b = ort.IOBinding(sess)
+    b.bind_ortvalue_output("Y", g.outputs["Y"])
+    alias = b.get_outputs()[0]
+    assert ortcapture.values.device_kind(alias) == backend.device_type
+    assert ortcapture.update_inplace(g.outputs["Y"], alias) is g.outputs["Y"]
+    np.testing.assert_array_equal(ortcapture.to_numpy(alias), np.full((2, 4), 3.0))
+
+
+def test_failed_set_providers_leaves_an_honest_session(backend):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("needs an onnxruntime without the CUDA EP (the switch below must fail)")
+    sess = backend.session(tiny.affine_model())
+    sess.capture({"X": np.zeros((2, 4), np.float32)})
+    with pytest.raises(ortcapture.CaptureUnsupportedError):
+        sess.set_providers([("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])
+    assert not sess.capture_enabled and sess.captured_graphs == {}
+    np.testing.assert_array_equal(sess.run(None, {"X": np.ones((2, 4), np.float32)})[0], np.full((2, 4), 3.0))
+
+
 def test_dynamic_dims_are_specialised(backend):
     if backend.name == "webgpu":  # ORT refuses WebGPU capture for this one until its dims are fixed
         assert backend.session(tiny.shape_subgraph_model()).capture_deferred

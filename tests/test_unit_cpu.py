@@ -330,3 +330,69 @@ def test_provider_options_are_validated():
     with pytest.raises(ortcapture.CaptureError, match="device ordinal"):
         ortcapture.InferenceSession(tiny.affine_model(), providers=[
             ("CUDAExecutionProvider", {"enable_cuda_graph": "1", "device_id": "abc"})])
+
+
+def test_capture_gate_survives_an_interrupted_wait():
+    """Ctrl-C while a capture waits for readers (or a reader waits for a capture) must leave the gate usable."""
+    import threading
+
+    from ortcapture.gate import CaptureGate
+
+    class Interrupt(BaseException):
+        pass
+
+    class InterruptingCondition(threading.Condition):
+        armed = False
+
+        def wait(self, timeout=None):
+            if self.armed:
+                self.armed = False
+                raise Interrupt
+            return super().wait(timeout)
+
+    g = CaptureGate()
+    g._cond = InterruptingCondition(threading.Lock())
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold(block):
+        with block:
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=hold, args=(g.shared,))
+    t.start()
+    assert inside.wait(5)
+    g._cond.armed = True
+    with pytest.raises(Interrupt):
+        with g.exclusive:  # waits for the reader, interrupted
+            pass
+    assert not g._pending and not g._writers.locked() and not g.capturing
+    with g.shared:  # readers still get in
+        pass
+    leave.set()
+    t.join(5)
+    inside.clear()
+    leave.clear()
+    t = threading.Thread(target=hold, args=(g.exclusive,))
+    t.start()
+    assert inside.wait(5)
+    g._cond.armed = True
+    with pytest.raises(Interrupt):
+        with g.shared:  # waits for the capture, interrupted
+            pass
+    assert g._tls.slot.depth == 0 and not g._tls.slot.active
+    leave.set()
+    t.join(5)
+    with g.exclusive:  # this thread can still capture: it is not left "inside" shared
+        assert g.capturing
+
+
+def test_device_ordinal_refuses_non_ascii_empty_and_huge():
+    from ortcapture.providers import check_provider_options, device_ordinal
+
+    for bad in ["\u00b2", "\u0661", str(2**31), "+1", "0x1"]:
+        with pytest.raises(ortcapture.CaptureError, match="device ordinal"):
+            device_ordinal(bad)
+    with pytest.raises(ortcapture.CaptureError, match="empty"):
+        check_provider_options({"device_id": ""})
+    assert device_ordinal("7") == 7
