@@ -359,27 +359,26 @@ def test_capture_gate_survives_an_interrupted_wait():
             inside.set()
             leave.wait(5)
 
-    t = threading.Thread(target=hold, args=(g.shared,))
-    t.start()
-    assert inside.wait(5)
-    g._cond.armed = True
-    with pytest.raises(Interrupt):
-        with g.exclusive:  # waits for the reader, interrupted
-            pass
+    def interrupted(holder, waiter):
+        """Another thread holds ``holder``; this thread's ``waiter`` waits for it and is interrupted."""
+        inside.clear()
+        leave.clear()
+        t = threading.Thread(target=hold, args=(holder,))
+        t.start()
+        assert inside.wait(5)
+        g._cond.armed = True
+        with pytest.raises(Interrupt):
+            with waiter:
+                pass
+        return t
+
+    t = interrupted(g.shared, g.exclusive)  # a capture waiting for a reader
     assert not g._pending and not g._writers.locked() and not g.capturing
     with g.shared:  # readers still get in
         pass
     leave.set()
     t.join(5)
-    inside.clear()
-    leave.clear()
-    t = threading.Thread(target=hold, args=(g.exclusive,))
-    t.start()
-    assert inside.wait(5)
-    g._cond.armed = True
-    with pytest.raises(Interrupt):
-        with g.shared:  # waits for the capture, interrupted
-            pass
+    t = interrupted(g.exclusive, g.shared)  # a reader waiting for a capture
     assert g._tls.slot.depth == 0 and not g._tls.slot.active
     leave.set()
     t.join(5)
