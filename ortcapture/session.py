@@ -346,9 +346,10 @@ class InferenceSession(ort.InferenceSession):
                 "it per gpu_graph_id); got a plain onnxruntime.IOBinding"
             )
         self._oc_check_foreign_capture()
+        if not self._oc_thread_has(gid):
+            self._oc_prepare_thread(iobinding, gid, run_options)
         while True:
-            # a capture (first run of the id, or its first run in this thread) excludes all other CUDA work
-            exclusive = gid not in self._oc_registry or not self._oc_thread_has(gid)
+            exclusive = gid not in self._oc_registry  # a first capture excludes all other CUDA work
             with self._oc_cguard if exclusive else self._oc_guard:
                 rec = self._oc_registry.check(iobinding, gid)
                 if rec is None:
@@ -356,11 +357,6 @@ class InferenceSession(ort.InferenceSession):
                         continue  # released and free again (WebGPU) since the look above: capture exclusively
                     self._oc_capture(iobinding, gid, run_options)
                     return None
-                if not self._oc_thread_has(gid):
-                    from ortcapture.capture import capture_in_this_thread
-
-                    capture_in_this_thread(self, iobinding, run_options)
-                    self._oc_thread_add(gid)
                 super().run_with_iobinding(iobinding, run_options)
                 rec.replays += 1
                 return None
@@ -398,14 +394,18 @@ class InferenceSession(ort.InferenceSession):
 
     def _oc_prepare_thread(self, iobinding: IOBinding, gid: int, run_options) -> bool:
         """Before a replay of ``gid`` from this thread: give the thread its own ORT capture if it has none yet
-        (:func:`ortcapture.capture.capture_in_this_thread`). True when it did. Takes the capture guard itself."""
+        (:func:`ortcapture.capture.capture_in_this_thread`). True when it did; False when the thread has it, or
+        ``gid`` is not captured (the caller's path captures or raises). Raises like the registry's ``check`` for
+        another IOBinding. Takes the capture guard itself."""
         if self._oc_thread_has(gid):
             return False
         from ortcapture.capture import capture_in_this_thread
 
         with self._oc_cguard:
-            if self._oc_thread_has(gid) or self._oc_registry is None or self._oc_registry.get(gid) is None:
-                return False  # released meanwhile: the replay path raises
+            if self._oc_thread_has(gid) or self._oc_registry is None or gid not in self._oc_registry:
+                return False
+            if self._oc_registry.check(iobinding, gid) is None:  # pinned binding only
+                return False
             capture_in_this_thread(self, iobinding, run_options)
             self._oc_thread_add(gid)
             return True

@@ -316,8 +316,8 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
                 _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
                 return dst
     sm = getattr(src, "_ortcapture_meta", None)
-    if (sm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype and sm.shape == dm.shape
-            and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
+    if (sm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype
+            and sm.shape == dm.shape and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
             and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id)):
         # hot path: a CUDA OrtValue seen before, same shape and dtype, disjoint buffers (the checks below, inlined)
         with _CUDA_SHARED:
