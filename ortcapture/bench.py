@@ -46,8 +46,12 @@ isolates what capture itself buys.
 
 Reported per batch: p50/p90/min/mean per arm, the per-process p50s, speedups (``captured_ortvalue`` against
 ``iobinding``, ``captured_numpy`` against ``plain``, raw capture against ``iobinding``) and ortcapture's overhead
-ratio ``captured_ortvalue`` p50 / ``raw_capture`` p50. Exit code 0 on success, 1 when an arm's outputs disagree with
-the uncaptured run, 2 on errors (bad arguments, no capture-capable provider, a failed worker).
+ratio ``captured_ortvalue`` p50 / ``raw_capture`` p50 — from the blocks, and again from a call-by-call alternation
+of just those two arms (``--iters`` pairs per process after the blocks, the order within a pair alternating; the
+per-pair differences, both orders weighted alike (:func:`ortcapture.timing.paired_extra`), give ortcapture's extra
+cost per call, free of the drift between blocks that a ~1 % ratio drowns in). Exit code 0 on
+success, 1 when an arm's outputs disagree with the uncaptured run, 2 on errors (bad arguments, no capture-capable
+provider, a failed worker).
 """
 from __future__ import annotations
 
@@ -304,7 +308,7 @@ def _worker(opts) -> dict:
         for arm in ("iobinding", "raw_capture", "captured_ortvalue"):
             fns[arm] = (lambda f: lambda i: f(i, read=False))(verify[arm])
     sizes = [len(b) for b in np.array_split(np.arange(opts.iters), opts.rounds)]
-    total, done = len(arms) * (1 + len(sizes)), 0
+    total, done = len(arms) * (1 + len(sizes)) + 1, 0
     for arm in arms:  # warm-up, and the first replays, before anything is timed
         for i in range(opts.warmup):
             fns[arm](i)
@@ -320,6 +324,10 @@ def _worker(opts) -> dict:
                 samples[arm].append(timing.measure(fns[arm], n, warmup=1))
                 done += 1
                 progress(done, total, f"round {r + 1}/{len(sizes)}")
+        # the overhead ratio compares two near-identical arms: time them call by call too, alternating, so drift
+        # between blocks (GPU clocks, host load) hits both alike
+        paired = timing.paired(fns["raw_capture"], fns["captured_ortvalue"], opts.iters, warmup=1)
+        progress(total, total, "paired raw/ortcapture")
     finally:
         gc.enable()
 
@@ -340,6 +348,7 @@ def _worker(opts) -> dict:
         "providers": ours.get_providers(), "shapes": {n: list(s) for n, s in shapes_.items()},
         "setup_s": setup_s, "raw_first_run_s": raw_first_s, "ortcapture_capture_s": capture_s,
         "samples_us": {arm: np.concatenate(samples[arm]).tolist() for arm in arms},
+        "paired_us": {"raw_capture": paired[0].tolist(), "captured_ortvalue": paired[1].tolist()},
         "max_abs_diff": diffs, "tolerance": tol, "verified": all(d <= tol for d in diffs.values()),
     }
 
@@ -483,6 +492,19 @@ def _stats(per_process: list[dict]) -> dict:
         "ortcapture_over_raw_per_process": per_proc,
         "ortcapture_over_raw_min": stats["captured_ortvalue"]["min_us"] / stats["raw_capture"]["min_us"],
     }
+    if all("paired_us" in w for w in per_process):  # call-by-call alternation (workers of this version)
+        a = np.concatenate([np.asarray(w["paired_us"]["raw_capture"], np.float64) for w in per_process])
+        b = np.concatenate([np.asarray(w["paired_us"]["captured_ortvalue"], np.float64) for w in per_process])
+        overhead["paired"] = {
+            "raw_p50_us": float(np.median(a)), "ortcapture_p50_us": float(np.median(b)),
+            "ortcapture_over_raw": float(np.median(b) / np.median(a)),
+            # per-pair differences, both call orders weighted alike (timing.paired_extra), per process
+            "ortcapture_minus_raw_per_process_us": [
+                timing.paired_extra(w["paired_us"]["raw_capture"], w["paired_us"]["captured_ortvalue"])
+                for w in per_process],
+        }
+        overhead["paired"]["ortcapture_minus_raw_us"] = float(
+            np.median(overhead["paired"]["ortcapture_minus_raw_per_process_us"]))
     return {"stats": stats, "speedup": speedup, "overhead": overhead}
 
 
@@ -511,6 +533,11 @@ def _print_batch(entry: dict, procs: int, iters: int, capture: bool) -> None:
     print(f"  ortcapture / raw capture (p50): {ov['ortcapture_over_raw']:.3f}x "
           f"({ov['ortcapture_minus_raw_us']:+.1f} µs);"
           f" per process {per}")
+    pa = ov.get("paired")
+    if pa:
+        each = ", ".join(f"{d:+.1f}" for d in pa["ortcapture_minus_raw_per_process_us"])
+        print(f"  ortcapture / raw capture, call-by-call alternation (p50): {pa['ortcapture_over_raw']:.3f}x; "
+              f"extra per call {pa['ortcapture_minus_raw_us']:+.1f} µs (median of the processes: {each})")
     bad = {a: d for a, d in entry["max_abs_diff"].items() if d > entry["tolerance"]}
     if bad:
         print(f"  MISMATCH against the uncaptured run (tolerance {entry['tolerance']:.3g}): {bad}")
@@ -671,6 +698,7 @@ def _run(args) -> int:
                 entry["processes"] = [{k: w[k] for k in ("pid", "ep", "providers", "setup_s", "raw_first_run_s",
                                                          "ortcapture_capture_s", "verified")} for w in workers]
                 entry["samples_us"] = {a: [w["samples_us"][a] for w in workers] for a in ARMS}  # per process
+                entry["paired_us"] = [w["paired_us"] for w in workers]  # per process, a first in even pairs
                 result["ep"] = workers[0]["ep"]
                 result["batches"].append(entry)
     finally:

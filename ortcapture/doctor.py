@@ -1,7 +1,11 @@
 """``ortcapture doctor MODEL.onnx``: say whether a model can be captured — and what to change when it cannot —
 before anyone waits for a failed capture.
 
-``ortcapture doctor MODEL.onnx [--provider auto|cuda|webgpu|none] [--shape NAME=1x3x320x320 ...] [--json]``
+``ortcapture doctor MODEL.onnx [--provider auto|cuda|webgpu|none] [--shape NAME=1x3x320x320 ...]
+[--provider-option KEY=VALUE ...] [--json]``. ``--provider-option`` gives every session doctor creates the EP options
+you will run with (validated as ``ortcapture bench`` validates them): they can change the verdict — measured on
+onnxruntime-gpu 1.31.1 (H200), the reference model with ``prefer_nhwc=1`` and its dims dynamic is refused capture
+by the CUDA EP ("all compute graph nodes have not been partitioned"), so it captures only via shape specialization.
 
 Static checks (the ``onnx`` library; no execution provider needed):
 
@@ -37,13 +41,16 @@ none):
   fixed) from nodes that stay on CPU (no kernel on the EP: capture refused).
 * **ORT's own warnings and errors** while sessions are made and the capture runs (``set_default_logger_callback``
   where ORT has it, else file descriptor 2 redirected): the refusal reason, "shape massaging nodes", Memcpy notes.
+* **stable reference** — two uncaptured runs with the same feeds must agree, or no replay can be judged against
+  them (random ops; or an EP option computing wrong results — measured, onnxruntime-gpu 1.31.1 on an H200: CUDA
+  ``fuse_conv_bias=1`` gets the reference model right on the first run and wrong on every later one).
 * **a real capture** — ``ortcapture.InferenceSession(MODEL, <capture on>).capture(feeds)`` with random feeds of
   the given (or derived) shapes, one replay with other random feeds, compared with an uncaptured run. Outcome:
   captured directly, captured via shape specialization, refused (with ORT's reason), or replay mismatch. A
   successful capture with a matching replay overrules static findings (downgraded, their fixes dropped).
 
-Verdict: exit 0 capturable, 1 not capturable, 2 error (model unreadable, bad ``--shape``, provider missing), with
-"what to change" lines. ``--json`` prints one JSON object instead of the report.
+Verdict: exit 0 capturable, 1 not capturable, 2 error (model unreadable, bad ``--shape`` or ``--provider-option``,
+provider missing), with "what to change" lines. ``--json`` prints one JSON object instead of the report.
 """
 from __future__ import annotations
 
@@ -99,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", action="append", default=[], metavar="NAME=1x3x320x320",
                    help="input shape to check and capture with (repeat per input); dynamic dims without one get "
                         "batch 1 and 320 for the other dims")
+    p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an execution provider option for every session doctor creates (repeatable), e.g. "
+                        "prefer_nhwc=1; check with the options you will run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -454,9 +464,11 @@ def choose_provider(requested: str) -> tuple[str, str | None]:
 _EP_NAMES = {"cuda": "CUDAExecutionProvider", "webgpu": "WebGpuExecutionProvider"}
 
 
-def _session_args(provider: str, capture: bool, config: Mapping[str, str] = (), optimized_path: str | None = None):
+def _session_args(provider: str, capture: bool, config: Mapping[str, str] = (), optimized_path: str | None = None,
+                  ep_options: Mapping[str, str] | None = None):
     """InferenceSession kwargs for ``provider`` with capture on/off, ``config`` session entries, an optional
-    optimized-model output path. Log severity stays at the default (warnings), so OrtLogCapture sees them."""
+    optimized-model output path and the ``--provider-option`` values. Log severity stays at the default
+    (warnings), so OrtLogCapture sees them."""
     import onnxruntime as ort
 
     from ortcapture.providers import session_args
@@ -466,7 +478,7 @@ def _session_args(provider: str, capture: bool, config: Mapping[str, str] = (), 
         so.add_session_config_entry(k, v)
     if optimized_path:
         so.optimized_model_filepath = optimized_path
-    return session_args(provider, capture, so)
+    return session_args(provider, capture, so, ep_options=ep_options)
 
 
 @dataclass
@@ -504,19 +516,20 @@ def _memcpy_nodes(path: str) -> list[tuple[str, str, str]] | None:
             if n.op_type in ("MemcpyToHost", "MemcpyFromHost")]
 
 
-def placement_session(model, provider: str, tmpdir: str, tag: str, list_memcpy: bool):
+def placement_session(model, provider: str, tmpdir: str, tag: str, list_memcpy: bool,
+                      ep_options: Mapping[str, str] | None = None):
     """An uncaptured session on ``provider`` that records node placement; returns ``(session, Placement)``."""
     import onnxruntime as ort
 
     opt_path = os.path.join(tmpdir, f"optimized_{tag}.onnx") if list_memcpy else None
     config = {RECORD_ASSIGNMENT_KEY: "1"}
     try:
-        sess = ort.InferenceSession(model, **_session_args(provider, False, config, opt_path))
+        sess = ort.InferenceSession(model, **_session_args(provider, False, config, opt_path, ep_options))
     except Exception:  # noqa: BLE001 - writing the optimized model can fail (compiled nodes): retry without it
         if opt_path is None:
             raise
         opt_path = None
-        sess = ort.InferenceSession(model, **_session_args(provider, False, config))
+        sess = ort.InferenceSession(model, **_session_args(provider, False, config, None, ep_options))
     memcpy = _memcpy_nodes(opt_path) if opt_path else None
     return sess, Placement(_assigned_cpu_nodes(sess), memcpy)
 
@@ -580,7 +593,7 @@ def _ort_reason(text: str) -> str:
 
 
 def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Mapping, want: Sequence,
-                    tol: float) -> dict:
+                    tol: float, ep_options: Mapping[str, str] | None = None) -> dict:
     """Capture ``model_path`` through ``ortcapture.InferenceSession(..., capture on).capture(feeds0)``, replay once
     with ``feeds1`` and compare with ``want`` (an uncaptured run on ``feeds1``). Returns the ``capture`` part of the
     report: ``outcome`` is ``captured``, ``captured_specialized`` (ORT refused the model as given, a session with
@@ -591,7 +604,8 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
                            "static_shapes": None, "max_abs_diff": None, "tolerance": tol, "seconds": None}
     t0 = time.perf_counter()
     try:
-        sess = ortcapture.InferenceSession(model_path, **_session_args(provider, True, {RECORD_ASSIGNMENT_KEY: "1"}))
+        sess = ortcapture.InferenceSession(
+            model_path, **_session_args(provider, True, {RECORD_ASSIGNMENT_KEY: "1"}, None, ep_options))
     except Exception as exc:  # noqa: BLE001 - ORT's Fail/EPFail and ortcapture's errors alike
         res.update(outcome="refused", stage="session creation", reason=_ort_reason(exc),
                    error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0)
@@ -728,6 +742,22 @@ def _log_findings(records) -> list[Finding]:
     return out
 
 
+def _unstable_finding(ep: str, stable: tuple[bool, float, str | None], ep_options: Mapping[str, str] | None) -> Finding:
+    """Two uncaptured runs with the same feeds disagree: random ops, or an EP (option) computing wrong results.
+    Measured on onnxruntime-gpu 1.31.1 (H200): CUDA ``fuse_conv_bias=1`` gives the reference model's first run
+    right and every later run wrong (max abs diff ~700 against the CPU EP), captured or not."""
+    _, worst, what = stable
+    opts = f" with EP options {dict(ep_options)}" if ep_options else ""
+    fix = ("drop the EP options one at a time to find the one that changes results (onnxruntime-gpu 1.31.1: "
+           "fuse_conv_bias=1 does)" if ep_options else
+           "make the model deterministic (seeded random ops) or report the EP's results to onnxruntime")
+    return Finding("ep_results", "error",
+                   f"two uncaptured {ep} runs{opts} with the same inputs disagree "
+                   f"({what or f'max abs diff {worst:.3g}'}): random ops, or the EP computes wrong results; "
+                   "a captured replay cannot be checked against them, and is not to be trusted either",
+                   fix, {"max_abs_diff": worst})
+
+
 def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[Finding]) -> Finding:
     from ortcapture import shapes
 
@@ -759,7 +789,8 @@ def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[
 
 
 def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, Sequence[int]],
-                   static: Sequence[Finding], progress=None) -> tuple[list[Finding], dict]:
+                   static: Sequence[Finding], progress=None,
+                   ep_options: Mapping[str, str] | None = None) -> tuple[list[Finding], dict]:
     """Placement, ORT's log and a real capture on ``provider``; returns (findings, capture result).
 
     Raises :class:`DoctorError` when ORT cannot even create an uncaptured session for the model."""
@@ -777,7 +808,7 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
         say(f"placement: uncaptured {ep} session")
         log.set_phase(_PHASE_AS_GIVEN)
         try:
-            plain, placement = placement_session(model_path, provider, tmp, "as_given", list_memcpy)
+            plain, placement = placement_session(model_path, provider, tmp, "as_given", list_memcpy, ep_options)
         except Exception as exc:  # noqa: BLE001
             raise DoctorError(f"onnxruntime cannot create an uncaptured {ep} session for this model: "
                               f"{_ort_reason(exc)}") from None
@@ -786,20 +817,21 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
             log.set_phase(_PHASE_FIXED)
             try:
                 fixed = shapes.fix_input_shapes(model_path, {n: example[n] for n in dynamic})
-                _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy)
+                _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy, ep_options)
             except Exception:  # noqa: BLE001 - the capture attempt reports what ORT says
                 fixed_placement = None
-        say("reference: one uncaptured run")
+        say("reference: two uncaptured runs")
         try:
             want = plain.run(None, feeds1)
         except Exception as exc:  # noqa: BLE001 - the example feeds do not fit the model
             raise DoctorError(f"an uncaptured {ep} run with random feeds of shapes "
                               f"{ {n: _fmt_shape(s) for n, s in example.items()} } fails: {_ort_reason(exc)}; "
                               "pass --shape with shapes the model accepts") from None
+        stable = _compare(plain.run(None, feeds1), want, tol)  # a replay can only be judged against a stable run
         del plain
         say(f"capture: one capture and one replay on {ep} (a big model's first capture can take a while)")
         log.set_phase(_PHASE_CAPTURE)
-        capture = attempt_capture(model_path, provider, feeds0, feeds1, want, tol)
+        capture = attempt_capture(model_path, provider, feeds0, feeds1, want, tol, ep_options)
     # ORT logs its refusal before raising: a more precise reason than the wrapped exception
     refusals = [m for sev, _, m, ph in log.records if ph == _PHASE_CAPTURE and sev >= 3 and "graph capture" in m]
     if refusals and capture["outcome"] == "refused":
@@ -807,6 +839,8 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
     if refusals and capture.get("deferred"):
         capture["direct_refusal"] = refusals[0]
     findings = _placement_findings(model, ep, example, placement, fixed_placement, capture)
+    if not stable[0]:
+        findings.append(_unstable_finding(ep, stable, ep_options))
     findings += _log_findings(log.records)
     findings.append(_capture_finding(model, ep, example, capture, list(static) + findings))
     return findings, capture
@@ -815,16 +849,25 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
 # ---------------------------------------------------------------------------------------------------------------
 # verdict and report
 # ---------------------------------------------------------------------------------------------------------------
-def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str] = (), progress=None) -> dict:
+def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str] = (), progress=None,
+             option_items: Sequence[str] = ()) -> dict:
     """Run the static checks, then (with a capture-capable EP) the dynamic ones; return the report (the object
-    ``--json`` prints). Raises :class:`DoctorError` (exit 2) for an unreadable model, a bad ``--shape`` or an
-    unusable requested provider."""
+    ``--json`` prints). ``option_items``: ``--provider-option`` strings (``KEY=VALUE``) for every session doctor
+    creates, validated by :func:`ortcapture.providers.parse_provider_options`. Raises :class:`DoctorError`
+    (exit 2) for an unreadable model, a bad ``--shape`` or ``--provider-option``, or an unusable requested
+    provider."""
     import onnx
     import onnxruntime as ort
 
     from ortcapture import shapes
     from ortcapture.demo import example_shapes
+    from ortcapture.errors import CaptureError
+    from ortcapture.providers import parse_provider_options
 
+    try:
+        ep_options = parse_provider_options(list(option_items))
+    except CaptureError as exc:
+        raise DoctorError(str(exc)) from None
     if not os.path.isfile(model_path):
         raise DoctorError(f"no such model file: {model_path}")
     try:
@@ -854,7 +897,7 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     elif chosen == "none":
         findings.append(Finding("provider", "info", f"no capture attempted: {why_none}"))
     else:
-        more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress)
+        more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress, ep_options)
         findings += more
         if capture["outcome"] == "captured":  # ORT captured with the dims dynamic: nothing to fix
             for f in findings:
@@ -865,7 +908,7 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         if capture["outcome"] in ("captured", "captured_specialized"):
             for f in findings:
                 # a real capture and a matching replay outrank a static rule
-                if f.severity == "error" or f.kind == "view_output":
+                if (f.severity == "error" or f.kind == "view_output") and f.kind != "ep_results":
                     f.severity = "warning" if f.severity == "error" else "info"
                     f.details["overruled_by_capture"] = True
                     f.message += " (yet the capture attempt succeeded and its replay matched: ORT copes here)"
@@ -888,6 +931,7 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         "provider": chosen,
         "ep": _EP_NAMES.get(chosen),
         "onnxruntime": ort.__version__,
+        "provider_options": ep_options,
         "inputs": {n: {"dims": ds, "shape": list(example.get(n, ())),
                        "source": "given" if n in given else ("derived" if n in derived else "model")}
                    for n, ds in dims.items()},
@@ -928,7 +972,7 @@ def run(args) -> int:
     progress = None if args.json else (lambda msg: print(f"ortcapture doctor: {msg} ...", file=sys.stderr,
                                                          flush=True))
     try:
-        report = diagnose(args.model, args.provider, args.shape, progress)
+        report = diagnose(args.model, args.provider, args.shape, progress, getattr(args, "provider_option", ()))
     except Exception as exc:  # noqa: BLE001 - DoctorError (the request) or anything unexpected: exit 2
         why = str(exc) if isinstance(exc, DoctorError) else f"doctor failed: {type(exc).__name__}: {exc}"
         if args.json:

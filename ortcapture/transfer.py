@@ -332,6 +332,22 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     return dst
 
 
+def direct_copy_ok(dst: ort.OrtValue, src: Any) -> bool:
+    """Whether ``dst.update_inplace(src)`` alone (no further checks, no gate entry) is exactly what
+    :func:`update_inplace` would do for this pair, every time: ``src`` an exact ``onnxruntime.OrtValue`` (not a
+    ``ReplayOutput``: those need a staleness check) already validated against ``dst`` by :func:`update_inplace`
+    (its metadata cached), both on the same CUDA device, disjoint, ORT's own copy in use. A tensor OrtValue's shape,
+    dtype and buffer never change, so a caller that holds the CUDA gate (a session guard) may keep the answer for
+    as long as it holds the very same ``src`` object and :data:`COPY_BACKEND` stays unset."""
+    sm = getattr(src, "_ortcapture_meta", None)
+    dm = getattr(dst, "_ortcapture_meta", None)
+    return (sm is not None and dm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind
+            and sm.device_id == dm.device_id and sm.dtype == dm.dtype and sm.dtype is not None
+            and sm.shape == dm.shape and bool(sm.span) and bool(dm.span)
+            and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0])
+            and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0])
+
+
 def prepare(dst: ort.OrtValue, src: Any, *, cast: bool = False):
     """Validate ``src`` for ``dst`` exactly as :func:`update_inplace` does, without copying; return a token for
     :func:`commit`. Lets a caller check every feed before touching any buffer."""

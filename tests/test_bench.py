@@ -47,6 +47,9 @@ def _check_result(res: dict, batches: list[int], procs: int, iters: int, capture
         assert all(v > 0 for v in entry["speedup"].values())
         assert entry["overhead"]["ortcapture_over_raw"] > 0
         assert len(entry["overhead"]["ortcapture_over_raw_per_process"]) == procs
+        paired = entry["overhead"]["paired"]  # the call-by-call raw/ortcapture alternation
+        assert paired["ortcapture_over_raw"] > 0 and len(paired["ortcapture_minus_raw_per_process_us"]) == procs
+        assert [len(w["raw_capture"]) for w in entry["paired_us"]] == [iters] * procs
         assert len(entry["processes"]) == procs
         assert all(p["ep"] == "WebGpuExecutionProvider" for p in entry["processes"])
 
@@ -203,3 +206,17 @@ def test_stats_speedups_and_overhead():
     assert out["overhead"]["ortcapture_over_raw"] == pytest.approx(103 / 102)
     assert out["overhead"]["ortcapture_minus_raw_us"] == pytest.approx(1.0)
     assert out["overhead"]["ortcapture_over_raw_per_process"] == pytest.approx([103 / 102] * 2)
+
+
+def test_stats_paired_overhead():
+    """Paired samples where the second call of a pair is 20 µs slower and ortcapture costs 3 µs more."""
+    n = 41
+    raw, ours = np.full(n, 100.0), np.full(n, 103.0)
+    raw[1::2] += 20
+    ours[0::2] += 20
+    w = {"samples_us": {a: [100.0, 101.0] for a in bench.ARMS},
+         "paired_us": {"raw_capture": list(raw), "captured_ortvalue": list(ours)}}
+    pa = bench._stats([w, w])["overhead"]["paired"]
+    assert pa["ortcapture_minus_raw_per_process_us"] == pytest.approx([3.0, 3.0])
+    assert pa["ortcapture_minus_raw_us"] == pytest.approx(3.0)
+    assert pa["raw_p50_us"] == pytest.approx(float(np.median(raw)))

@@ -222,3 +222,65 @@ def test_capture_beside_replays_in_another_thread(cuda):
         t.join()
         t2.join()
     assert errors == [] and count[0] > 0
+
+
+@pytest.mark.slow
+def test_prefer_nhwc_dynamic_dims_captures_via_specialization(cuda, reference_model_path, rng):
+    """Measured on onnxruntime-gpu 1.31.1 (H200): ``prefer_nhwc=1`` with the reference model's dims dynamic makes
+    the CUDA EP refuse capture at session creation ("all compute graph nodes have not been partitioned to the
+    CUDAExecutionProvider"). ortcapture defers and captures on a session specialised to the example shapes."""
+    import onnxruntime as ort
+
+    from ortcapture.providers import session_args
+
+    def args(capture):
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        return session_args("cuda", capture, so, ep_options={"prefer_nhwc": "1"})
+
+    with pytest.raises(Exception, match="have not been partitioned to the CUDAExecutionProvider"):
+        ort.InferenceSession(reference_model_path, **args(True))  # raw ORT: refused
+    plain = ort.InferenceSession(reference_model_path, **args(False))
+    sess = ortcapture.InferenceSession(reference_model_path, **args(True))
+    assert sess.capture_deferred
+    xs = [rng.random((1, 3, 320, 320), np.float32) for _ in range(3)]
+    with sess.capture({"images": xs[0]}) as g:
+        for x in xs[1:] + xs[:1]:
+            (got,) = g.run({"images": x})
+            (want,) = plain.run(None, {"images": x})
+            np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()), rtol=0)
+
+
+def test_repeated_cuda_feed_takes_the_direct_copy_and_stays_checked(cuda):
+    """CapturedGraph.run keeps the CUDA OrtValues it validated (weakly) and copies them directly next time; anything
+    else — a new object (even one reusing a dead feed's id), a ReplayOutput, COPY_BACKEND set — is checked again."""
+    import gc
+
+    import onnxruntime as ort
+
+    sess = cuda.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    srcs = [ort.OrtValue.ortvalue_from_numpy(np.full((2, 4), v, np.float32), "cuda", 0) for v in (1.0, 2.0)]
+    for i in range(6):  # double-buffered feeds: both stay on the direct path
+        np.testing.assert_array_equal(g.run({"X": srcs[i & 1]})[0], np.full((2, 4), 2.0 * (1 + (i & 1)) + 1))
+    assert {id(s) for s in srcs} <= set(g._direct)
+    for _ in range(20):  # dead feeds: a new value may get the same id; it must be validated all the same
+        bad = ort.OrtValue.ortvalue_from_numpy(np.zeros((4, 2), np.float32), "cuda", 0)
+        ok = ort.OrtValue.ortvalue_from_numpy(np.ones((2, 4), np.float32), "cuda", 0)
+        g.run({"X": ok})
+        del ok
+        gc.collect()
+        with pytest.raises(ortcapture.TransferError, match="shape"):
+            g.run({"X": bad})
+        del bad
+    out = g.run({"X": srcs[0]}, copy_outputs=False)[0]
+    g.run({"X": srcs[1]})  # out is stale now: feeding it must raise, never copy the newer values silently
+    with pytest.raises(ortcapture.StaleOutputError):
+        g.run({"X": out})
+    old = transfer.COPY_BACKEND
+    try:
+        transfer.COPY_BACKEND = "cuda-python"  # the backend switch is honoured on the next call
+        if pytest.importorskip("cuda.bindings", reason="cuda-python"):
+            np.testing.assert_array_equal(g.run({"X": srcs[0]})[0], np.full((2, 4), 3.0))
+    finally:
+        transfer.COPY_BACKEND = old

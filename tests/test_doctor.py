@@ -197,6 +197,30 @@ def test_human_report(tmp_path, capsys):
     assert "input cond [] -> scalar (model)" in out
 
 
+@pytest.mark.parametrize("option, why", [
+    ("prefer_nhwc", "must be KEY=VALUE"),
+    ("=1", "must be KEY=VALUE"),
+    ("enable_cuda_graph=1", "switches graph capture"),
+    ("device_id=one", "device ordinal"),
+])
+def test_bad_provider_option_is_exit_2(tmp_path, capsys, option, why):
+    code, report = doctor_json(capsys, _save(tmp_path, "add", tiny.add_model()), "--provider", "none",
+                               "--provider-option", option)
+    assert code == 2 and report["verdict"] == "error" and why in report["error"], report
+
+
+def test_provider_option_given_twice_is_exit_2(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "add", tiny.add_model()), "--provider", "none",
+                               "--provider-option", "prefer_nhwc=1", "--provider-option", "prefer_nhwc=0")
+    assert code == 2 and "given twice" in report["error"]
+
+
+def test_provider_options_are_reported(tmp_path, capsys):
+    code, report = doctor_json(capsys, _save(tmp_path, "add", tiny.add_model()), "--provider", "none",
+                               "--provider-option", "prefer_nhwc = 1")
+    assert code == 0 and report["provider_options"] == {"prefer_nhwc": "1"}
+
+
 def test_requested_cuda_without_cuda_is_exit_2(tmp_path, capsys):
     if cuda_available():
         pytest.skip("the CUDA EP is available here")
@@ -244,6 +268,7 @@ def test_dynamic_dims_capture_via_specialization_on_webgpu(webgpu, tmp_path, cap
     assert {name for name, _ in f["details"]["nodes"]} >= {"gather_batch", "concat_shape", "ones"}
     assert "fix dims batch, n: pass --shape X=1x320" in f["fix"]
     assert not findings(report, "cpu_nodes")  # nothing stays on CPU once the dims are fixed
+    assert not findings(report, "ep_results")  # a deterministic model: the two uncaptured runs agree
     assert any("--shape X=1x320" in fix for fix in report["what_to_change"])
 
     code, report = doctor_json(capsys, path, "--provider", "webgpu", "--shape", "X=2x16")
@@ -276,6 +301,39 @@ def test_aliased_output_refused_on_webgpu(webgpu, tmp_path, capsys):
     assert (alias := findings(report, "alias", "error")) and "'Z'" in alias[0]["message"] + str(alias[0]["fix"])
 
 
+def test_unstable_uncaptured_runs_are_reported_on_webgpu(webgpu, tmp_path, capsys):
+    """Y = X + RandomUniformLike(X), unseeded: two uncaptured runs disagree, so no replay can be judged."""
+    vi = tiny.vi
+    nodes = [helper.make_node("RandomUniformLike", ["X"], ["r"], name="noise"),
+             helper.make_node("Add", ["X", "r"], ["Y"], name="add")]
+    code, report = doctor_json(capsys, _save(tmp_path, "noise", _model(nodes, [vi("X", [4, 8])], [vi("Y", [4, 8])])),
+                               "--provider", "webgpu")
+    assert code == 1 and report["verdict"] == "not capturable"
+    (f,) = findings(report, "ep_results", "error")
+    assert "two uncaptured WebGpuExecutionProvider runs with the same inputs disagree" in f["message"]
+    assert f["details"]["max_abs_diff"] > 0 and "deterministic" in f["fix"]
+
+
+def test_provider_options_reach_every_session_on_webgpu(webgpu, tmp_path, capsys, monkeypatch):
+    """Every session doctor creates (placement as given, dims fixed, the capture attempt) gets the options."""
+    from ortcapture import providers
+
+    seen = []
+    real = providers.session_args
+
+    def spy(provider, capture, sess_options=None, device_id=0, ep_options=None):
+        seen.append((capture, dict(ep_options or {})))
+        return real(provider, capture, sess_options, device_id, ep_options)
+
+    monkeypatch.setattr(providers, "session_args", spy)
+    path = _save(tmp_path, "shapesub", shape_subgraph_model())
+    code, report = doctor_json(capsys, path, "--provider", "webgpu", "--provider-option", "forceCpuNodeNames=none")
+    assert code == 0 and report["capture"]["outcome"] == "captured_specialized", report
+    assert report["provider_options"] == {"forceCpuNodeNames": "none"}
+    assert {c for c, _ in seen} == {False, True} and len(seen) >= 3  # as given, dims fixed, capture attempt
+    assert all(opts == {"forceCpuNodeNames": "none"} for _, opts in seen), seen
+
+
 @pytest.mark.slow
 def test_reference_model_on_webgpu(webgpu, reference_model_path, capsys):
     code, report = doctor_json(capsys, reference_model_path, "--provider", "webgpu")
@@ -306,3 +364,20 @@ def test_cuda_verdicts(cuda, tmp_path, capsys):
     code, report = doctor_json(capsys, _save(tmp_path, "if", tiny.if_model()), "--provider", "cuda")
     assert code == 1 and report["capture"]["outcome"] == "refused", report
     assert "control flow" in report["capture"]["reason"]
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_prefer_nhwc_needs_fixed_dims(cuda, reference_model_path, capsys):
+    """Measured on onnxruntime-gpu 1.31.1 (H200): with prefer_nhwc=1 and the reference model's dims dynamic, the CUDA
+    EP refuses capture at session creation; without the option it captures the model as given. Doctor, given the
+    option, says so and captures via shape specialization."""
+    code, report = doctor_json(capsys, reference_model_path, "--provider", "cuda")
+    assert code == 0 and report["capture"]["outcome"] == "captured", report["capture"]
+    code, report = doctor_json(capsys, reference_model_path, "--provider", "cuda", "--provider-option",
+                               "prefer_nhwc=1")
+    assert code == 0 and report["provider_options"] == {"prefer_nhwc": "1"}
+    cap = report["capture"]
+    assert cap["outcome"] == "captured_specialized", cap
+    assert "have not been partitioned to the CUDAExecutionProvider" in cap["direct_refusal"]
+    assert cap["static_shapes"] == {"images": [1, 3, 320, 320]}

@@ -395,3 +395,23 @@ def test_device_ordinal_refuses_non_ascii_empty_and_huge():
     with pytest.raises(ortcapture.CaptureError, match="empty"):
         check_provider_options({"device_id": ""})
     assert device_ordinal("7") == 7
+
+
+def test_paired_extra_cancels_the_call_order_effect():
+    """Whichever call of a pair goes second is 20 µs slower; b's true extra cost is 5 µs. The plain median of b - a
+    lands on one order's value (25 or -15); timing.paired_extra weighs both orders alike and finds 5."""
+    from ortcapture import timing
+
+    rng = np.random.default_rng(0)
+    n = 101  # 51 pairs with a first, 50 with b first
+    a, b = np.full(n, 100.0), np.full(n, 105.0)
+    a[1::2] += 20  # a second
+    b[0::2] += 20  # b second
+    a += rng.normal(0, 0.5, n)
+    b += rng.normal(0, 0.5, n)
+    assert abs(float(np.median(b - a)) - 25) < 2
+    assert abs(timing.paired_extra(a, b) - 5) < 0.5
+    calls = []
+    pa, pb = timing.paired(lambda i: calls.append(("a", i)), lambda i: calls.append(("b", i)), 4, warmup=0)
+    assert [c for c, _ in calls] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # a first in even pairs
+    assert pa.shape == pb.shape == (4,)

@@ -28,6 +28,8 @@ has bench_sync && step bench_sync 300 $B --procs 5 --iters 300 --sync device --j
 has bench_nhwc && step bench_nhwc 300 $B --procs 5 --iters 300 --sync device --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc.json" --plot "$OUT/bench_nhwc.png"
 has bench_nhwc_rb && step bench_nhwc_rb 300 $B --procs 5 --iters 300 --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc_rb.json" --plot "$OUT/bench_nhwc_rb.png"
 has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/models/nudenet-3.4.2/320n.onnx" --provider cuda --json
+has profile && step profile 200 python3 tools/profile_gpu.py --json "$OUT/profile_gpu.json"
+has breakdown && step breakdown 120 python3 tools/overhead_breakdown.py --json "$OUT/overhead_breakdown.json"
 has bench_multi && step bench_multi 180 python3 tools/bench_multi_gpu.py --iters 300 --json "$OUT/bench_multi_gpu.json"
 has demo_webgpu && step demo_webgpu 120 python3 -m ortcapture demo --provider webgpu --batch 1 --iters 100 --json "$OUT/demo_webgpu.json"
 exit 0
