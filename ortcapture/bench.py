@@ -326,6 +326,7 @@ def _worker(opts) -> dict:
                 progress(done, total, f"round {r + 1}/{len(sizes)}")
         # the overhead ratio compares two near-identical arms: time them call by call too, alternating, so drift
         # between blocks (GPU clocks, host load) hits both alike
+        progress(done, total, "paired raw/ortcapture")
         paired = timing.paired(fns["raw_capture"], fns["captured_ortvalue"], opts.iters, warmup=1)
         progress(total, total, "paired raw/ortcapture")
     finally:
@@ -658,7 +659,7 @@ def _run(args) -> int:
           f"per arm in {rounds} round-robin blocks; each call ends with "
           f"{'the outputs read back' if args.sync == 'readback' else 'cudaDeviceSynchronize() (outputs on the GPU)'}"
           + (f"; EP options {args.ep_options}" if args.ep_options else ""), flush=True)
-    units = len(ARMS) * (1 + rounds)
+    units = len(ARMS) * (1 + rounds) + 1  # warm-up and blocks per arm, then the paired raw/ortcapture phase
     bar = _Progress(len(jobs) * args.procs * units)
     result = {"model": os.path.abspath(args.model), "provider": provider, "ort": ort.__version__,
               "graph_capture": capture, "procs": args.procs, "iters": args.iters, "rounds": rounds,

@@ -17,7 +17,8 @@ Static checks (the ``onnx`` library; no execution provider needed):
   validated against the model (known input, rank, dims the model already fixes): a bad ``--shape`` is exit 2.
   ORT's WebGPU EP refuses capture when a dynamic model's shape subgraph falls to the CPU EP; shape
   specialization (``InferenceSession(..., static_shapes=...)``, or ``capture(feeds)``) fixes the dims.
-* **input types** — string/sequence/map inputs cannot live in a fixed device buffer: not capturable.
+* **input and output types** — string/sequence/map inputs or outputs cannot live in a fixed device buffer: not
+  capturable (no capture is attempted).
 * **outputs that alias inputs** — a graph output that *is* a graph input, or is one only through ``Identity``.
   Measured on WebGPU (onnxruntime 1.32): replay never refreshes such an output (a pass-through output stays zero,
   an ``Identity`` output keeps its capture-time value), so captured results are silently wrong. CUDA copes.
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -334,15 +336,18 @@ def check_data_dependent(model) -> list[Finding]:
     return out
 
 
-def check_input_types(model) -> list[Finding]:
-    """Graph inputs that are not numeric/bool tensors (strings, sequences, maps): no fixed device buffer holds them."""
+def check_io_types(model) -> list[Finding]:
+    """Graph inputs and outputs that are not numeric/bool tensors (strings, sequences, maps): no fixed device buffer
+    holds them. No capture is attempted for such a model (a WebGPU capture attempt on one with a string output,
+    refused with "String tensors are not supported by this API", left onnxruntime 1.32 to abort the process at the
+    next such attempt)."""
     import numpy as np
     import onnx
 
     inits = {i.name for i in model.graph.initializer}
     out = []
-    for vi in model.graph.input:
-        if vi.name in inits:
+    for role, vi in [("input", v) for v in model.graph.input] + [("output", v) for v in model.graph.output]:
+        if role == "input" and vi.name in inits:
             continue
         dt = None
         if vi.type.HasField("tensor_type"):
@@ -351,18 +356,20 @@ def check_input_types(model) -> list[Finding]:
             except Exception:  # noqa: BLE001 - undefined/unknown element type
                 dt = None
         if dt is None or dt.kind not in "biuf":
+            fix = (f"feed {vi.name!r} as a numeric tensor (e.g. token ids instead of strings) or preprocess it "
+                   "outside the captured graph" if role == "input" else
+                   f"return {vi.name!r} as a numeric tensor (e.g. label ids) and map it to strings outside the "
+                   "captured graph")
             out.append(Finding(
-                "input_type", "error",
-                f"input {vi.name!r} is {onnx.helper.printable_type(vi.type)}: not a numeric tensor, so no fixed "
-                "device buffer can hold it and the graph cannot be captured",
-                f"feed {vi.name!r} as a numeric tensor (e.g. token ids instead of strings) or preprocess it outside "
-                "the captured graph", {"input": vi.name}))
+                f"{role}_type", "error",
+                f"{role} {vi.name!r} is {onnx.helper.printable_type(vi.type)}: not a numeric tensor, so no fixed "
+                "device buffer can hold it and the graph cannot be captured", fix, {role: vi.name}))
     return out
 
 
 def static_checks(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
     """All static checks; raises :class:`DoctorError` for a ``--shape`` that does not fit the model."""
-    return (check_control_flow(model) + check_dynamic_dims(model, given) + check_input_types(model)
+    return (check_control_flow(model) + check_dynamic_dims(model, given) + check_io_types(model)
             + check_aliasing(model) + check_view_outputs(model) + check_data_dependent(model))
 
 
@@ -536,7 +543,7 @@ def placement_session(model, provider: str, tmpdir: str, tag: str, list_memcpy: 
 
 def random_feeds(model, example: Mapping[str, Sequence[int]], seed: int) -> dict:
     """Random numpy feeds of the example shapes and the model's input element types (numeric inputs only: see
-    :func:`check_input_types`). Integers are 0 or 1, so index-like inputs stay in range."""
+    :func:`check_io_types`). Integers are 0 or 1, so index-like inputs stay in range."""
     import numpy as np
     import onnx
 
@@ -576,6 +583,10 @@ def _compare(got: Sequence[Any], want: Sequence[Any], tol: float) -> tuple[bool,
         if g.shape != w.shape:
             return False, float("inf"), f"output {i} has shape {g.shape}, the uncaptured run {w.shape}"
         if g.size == 0:
+            continue
+        if g.dtype.kind not in "biuf" or w.dtype.kind not in "biuf":  # strings, objects: equal or not
+            if not np.array_equal(g, w):
+                return False, float("inf"), f"output {i} ({g.dtype}) differs"
             continue
         g64, w64 = g.astype(np.float64), w.astype(np.float64)
         if not np.array_equal(np.isnan(g64), np.isnan(w64)):
@@ -748,14 +759,15 @@ def _unstable_finding(ep: str, stable: tuple[bool, float, str | None], ep_option
     right and every later run wrong (max abs diff ~700 against the CPU EP), captured or not."""
     _, worst, what = stable
     opts = f" with EP options {dict(ep_options)}" if ep_options else ""
-    fix = ("drop the EP options one at a time to find the one that changes results (onnxruntime-gpu 1.31.1: "
-           "fuse_conv_bias=1 does)" if ep_options else
-           "make the model deterministic (seeded random ops) or report the EP's results to onnxruntime")
+    fix = ("a model with random ops (seeded or not: ORT's generator advances every run) cannot be checked this way; "
+           "without them, ")
+    fix += ("drop the EP options one at a time to find the one that changes results (onnxruntime-gpu 1.31.1: "
+            "fuse_conv_bias=1 does)" if ep_options else "report the EP's changing results to onnxruntime")
     return Finding("ep_results", "error",
-                   f"two uncaptured {ep} runs{opts} with the same inputs disagree "
-                   f"({what or f'max abs diff {worst:.3g}'}): random ops, or the EP computes wrong results; "
+                   f"two uncaptured runs of the {ep} session{opts} with the same inputs disagree "
+                   f"({what or f'max abs diff {worst:.3g}'}): random ops, or an EP computes wrong results; "
                    "a captured replay cannot be checked against them, and is not to be trusted either",
-                   fix, {"max_abs_diff": worst})
+                   fix, {"max_abs_diff": worst if math.isfinite(worst) else None})
 
 
 def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[Finding]) -> Finding:
@@ -827,7 +839,10 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
             raise DoctorError(f"an uncaptured {ep} run with random feeds of shapes "
                               f"{ {n: _fmt_shape(s) for n, s in example.items()} } fails: {_ort_reason(exc)}; "
                               "pass --shape with shapes the model accepts") from None
-        stable = _compare(plain.run(None, feeds1), want, tol)  # a replay can only be judged against a stable run
+        try:  # a replay can only be judged against a stable run
+            stable = _compare(plain.run(None, feeds1), want, tol)
+        except Exception:  # noqa: BLE001 - a second run that fails: the capture attempt reports what ORT says
+            stable = (True, 0.0, None)
         del plain
         say(f"capture: one capture and one replay on {ep} (a big model's first capture can take a while)")
         log.set_phase(_PHASE_CAPTURE)
@@ -890,12 +905,13 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
             f.fix = dims_fix(model, example)
     chosen, why_none = choose_provider(provider)
     capture: dict[str, Any] = {"attempted": False, "outcome": "not_attempted", "reason": why_none}
-    if chosen != "none" and any(f.kind == "input_type" for f in findings):
-        why_none = "some inputs cannot live in device buffers (see input_type)"
+    if chosen != "none" and any(f.kind in ("input_type", "output_type") for f in findings):
+        why_none = "some inputs or outputs cannot live in device buffers (see input_type/output_type)"
         capture["reason"] = why_none
         findings.append(Finding("provider", "info", f"no capture attempted on {_EP_NAMES[chosen]}: {why_none}"))
     elif chosen == "none":
-        findings.append(Finding("provider", "info", f"no capture attempted: {why_none}"))
+        unused = f"; the --provider-option values {ep_options} were not used" if ep_options else ""
+        findings.append(Finding("provider", "info", f"no capture attempted: {why_none}{unused}"))
     else:
         more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress, ep_options)
         findings += more
@@ -966,6 +982,17 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _json_safe(obj):
+    """``obj`` with non-finite floats (an infinite max abs diff: NaNs or shapes differ) as ``None``: strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def run(args) -> int:
     """Entry point of ``ortcapture doctor``: print the report (``--json``: one JSON object) and return the exit
     code: 0 capturable, 1 not capturable, 2 error."""
@@ -982,7 +1009,7 @@ def run(args) -> int:
         else:
             print(f"ortcapture doctor: {why}", file=sys.stderr)
         return EXIT_ERROR
-    print(json.dumps(report, default=str) if args.json else format_report(report))
+    print(json.dumps(_json_safe(report), default=str, allow_nan=False) if args.json else format_report(report))
     return int(report["exit_code"])
 
 

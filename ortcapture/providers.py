@@ -207,8 +207,8 @@ def check_provider_options(options: Mapping[str, Any] | None) -> dict[str, str]:
             raise CaptureError(f"provider option key {key!r} must be a non-empty string without '='")
         key = key.strip()
         if key in switches:
-            raise CaptureError(f"provider option {key!r} switches graph capture; the tool sets it itself "
-                               "(use --graph-capture/--no-graph-capture)")
+            raise CaptureError(f"provider option {key!r} switches graph capture; ortcapture sets it itself "
+                               "(bench: --graph-capture/--no-graph-capture; doctor always tries a capture)")
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise CaptureError(f"provider option {key}={value!r}: the value must be a string or an int")
         if key in ordinals:

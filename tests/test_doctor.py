@@ -219,6 +219,8 @@ def test_provider_options_are_reported(tmp_path, capsys):
     code, report = doctor_json(capsys, _save(tmp_path, "add", tiny.add_model()), "--provider", "none",
                                "--provider-option", "prefer_nhwc = 1")
     assert code == 0 and report["provider_options"] == {"prefer_nhwc": "1"}
+    (f,) = findings(report, "provider")
+    assert "--provider-option values {'prefer_nhwc': '1'} were not used" in f["message"]
 
 
 def test_requested_cuda_without_cuda_is_exit_2(tmp_path, capsys):
@@ -310,8 +312,38 @@ def test_unstable_uncaptured_runs_are_reported_on_webgpu(webgpu, tmp_path, capsy
                                "--provider", "webgpu")
     assert code == 1 and report["verdict"] == "not capturable"
     (f,) = findings(report, "ep_results", "error")
-    assert "two uncaptured WebGpuExecutionProvider runs with the same inputs disagree" in f["message"]
-    assert f["details"]["max_abs_diff"] > 0 and "deterministic" in f["fix"]
+    assert "two uncaptured runs of the WebGpuExecutionProvider session with the same inputs disagree" in f["message"]
+    assert f["details"]["max_abs_diff"] > 0 and "random ops (seeded or not" in f["fix"]
+
+
+def test_nan_mismatch_prints_strict_json_on_webgpu(webgpu, tmp_path, capsys):
+    """Y = Log(RandomUniformLike(X) - 0.5): NaNs in different places (an infinite difference) must still print strict
+    JSON (no Infinity)."""
+    vi = tiny.vi
+    half = helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])
+    nodes = [helper.make_node("RandomUniformLike", ["X"], ["r"]), helper.make_node("Sub", ["r", "half"], ["d"]),
+             helper.make_node("Log", ["d"], ["Y"])]
+    path = _save(tmp_path, "nan", _model(nodes, [vi("X", [64])], [vi("Y", [64])], [half]))
+    code = cli.main(["doctor", path, "--provider", "webgpu", "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert code == 1 and report["verdict"] == "not capturable"
+    (f,) = findings(report, "ep_results", "error")
+    assert f["details"]["max_abs_diff"] is None and "NaNs differ" in f["message"]
+
+
+def test_string_outputs_give_a_verdict_on_webgpu(webgpu, tmp_path, capsys):
+    vi = tiny.vi
+    abc = helper.make_tensor("abc", TensorProto.STRING, [1], [b"abc"])
+    nodes = [helper.make_node("Relu", ["X"], ["Y"]), helper.make_node("Shape", ["X"], ["shp"]),
+             helper.make_node("Expand", ["abc", "shp"], ["S"])]
+    path = _save(tmp_path, "str", _model(nodes, [vi("X", [4])], [vi("Y", [4]), vi("S", [4], TensorProto.STRING)],
+                                         [abc]))
+    code, report = doctor_json(capsys, path, "--provider", "webgpu")
+    assert code == 1 and report["verdict"] == "not capturable", report
+    (f,) = findings(report, "output_type", "error")
+    assert f["details"] == {"output": "S"} and "map it to strings outside" in f["fix"]
+    assert report["capture"]["attempted"] is False and "output_type" in report["capture"]["reason"]
 
 
 def test_provider_options_reach_every_session_on_webgpu(webgpu, tmp_path, capsys, monkeypatch):
@@ -381,3 +413,14 @@ def test_cuda_prefer_nhwc_needs_fixed_dims(cuda, reference_model_path, capsys):
     assert cap["outcome"] == "captured_specialized", cap
     assert "have not been partitioned to the CUDAExecutionProvider" in cap["direct_refusal"]
     assert cap["static_shapes"] == {"images": [1, 3, 320, 320]}
+
+
+def test_compare_handles_non_numeric_and_nan_outputs():
+    import numpy as np
+
+    assert doctor._compare([np.array(["a", "b"])], [np.array(["a", "b"])], 1e-4) == (True, 0.0, None)
+    ok, worst, what = doctor._compare([np.array(["a", "c"])], [np.array(["a", "b"])], 1e-4)
+    assert not ok and worst == float("inf") and "differs" in what
+    ok, _, what = doctor._compare([np.array([np.nan, 1.0])], [np.array([1.0, np.nan])], 1e-4)
+    assert not ok and what == "output 0: NaNs differ"
+    assert doctor._json_safe({"a": [float("inf"), 1.5, float("nan")]}) == {"a": [None, 1.5, None]}
