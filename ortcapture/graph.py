@@ -227,7 +227,10 @@ class CapturedGraph:
         """Copy ``feeds`` into the fixed inputs, replay, carry state; return outputs (see class docstring).
 
         Raises :class:`~ortcapture.errors.TransferError` for an unknown input or a shape/dtype mismatch (before any
-        buffer is touched) and :class:`~ortcapture.errors.GraphReleasedError` after ``release()``.
+        buffer is touched) and :class:`~ortcapture.errors.GraphReleasedError` after ``release()``. A feed that is a
+        ``copy_outputs=False`` output of *another* graph raises :class:`~ortcapture.errors.StaleOutputError` when
+        that graph replays (in another thread) while it is being copied; with several feeds, the ones copied before
+        it are then already in the fixed inputs, so feed every input again on the next call.
         """
         sess = self._session
         sess._oc_check_foreign_capture()  # before any copy: CUDA calls inside a foreign capture break it
