@@ -259,7 +259,8 @@ class CapturedGraph:
                     if (direct is not None and direct[0]() is value and direct[1] == name
                             and transfer.COPY_BACKEND is None):
                         # a CUDA OrtValue fed here before: validated then, and nothing about it can change; the
-                        # session guard already holds the CUDA gate (saves ~2 µs a call on the H200 host)
+                        # session guard already holds the CUDA gate. Skips update_inplace's call, its checks and
+                        # the nested gate entry (~2.5 µs apart on the H200 host; within noise in a whole replay)
                         direct[2].update_inplace(value)
                         continue
                     if name not in bufs:

@@ -316,10 +316,7 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
                 _copy_host_to(dst, dm, _as_numpy(src, dm, cast))
                 return dst
     sm = getattr(src, "_ortcapture_meta", None)
-    if (sm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype
-            and sm.shape == dm.shape and sm.span and dm.span and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0]
-            and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id)):
-        # hot path: a CUDA OrtValue seen before, same shape and dtype, disjoint buffers (the checks below, inlined)
+    if _fast_pair(sm, dm, src):  # hot path: a CUDA OrtValue seen before, checked in one expression
         with _CUDA_SHARED:
             if sm.device_id != dm.device_id:
                 _peer(sm.device_id, dm.device_id)
@@ -332,20 +329,27 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     return dst
 
 
+def _fast_pair(sm: ValueMeta | None, dm: ValueMeta, src: Any) -> bool:
+    """The one test of :func:`update_inplace`'s hot path: ``src`` an exact ``onnxruntime.OrtValue`` (not a
+    ``ReplayOutput``: those need a staleness check) whose metadata is cached, CUDA to CUDA, same shape and dtype,
+    disjoint buffers (or different GPUs), ORT's own ``OrtValue.update_inplace(OrtValue)`` as the copy backend —
+    everything the full checks below it would establish."""
+    return (sm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype
+            and sm.shape == dm.shape and bool(sm.span) and bool(dm.span) and COPY_BACKEND is None
+            and _HAS_UPDATE_INPLACE[0]
+            and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id))
+
+
 def direct_copy_ok(dst: ort.OrtValue, src: Any) -> bool:
     """Whether ``dst.update_inplace(src)`` alone (no further checks, no gate entry) is exactly what
-    :func:`update_inplace` would do for this pair, every time: ``src`` an exact ``onnxruntime.OrtValue`` (not a
-    ``ReplayOutput``: those need a staleness check) already validated against ``dst`` by :func:`update_inplace`
-    (its metadata cached), both on the same CUDA device, disjoint, ORT's own copy in use. A tensor OrtValue's shape,
-    dtype and buffer never change, so a caller that holds the CUDA gate (a session guard) may keep the answer for
-    as long as it holds the very same ``src`` object and :data:`COPY_BACKEND` stays unset."""
+    :func:`update_inplace` would do for this pair, every time: its hot path (:func:`_fast_pair`) with both buffers
+    on the same GPU (no peer access to switch on). A tensor OrtValue's shape, dtype and buffer never change, so a
+    caller that holds the CUDA gate (a session guard) may keep the answer for as long as it holds the very same
+    ``src`` object and :data:`COPY_BACKEND` stays unset."""
     sm = getattr(src, "_ortcapture_meta", None)
     dm = getattr(dst, "_ortcapture_meta", None)
-    return (sm is not None and dm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind
-            and sm.device_id == dm.device_id and sm.dtype == dm.dtype and sm.dtype is not None
-            and sm.shape == dm.shape and bool(sm.span) and bool(dm.span)
-            and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0])
-            and COPY_BACKEND is None and _HAS_UPDATE_INPLACE[0])
+    return (dm is not None and dm.dtype is not None and sm is not None and sm.device_id == dm.device_id
+            and _fast_pair(sm, dm, src))
 
 
 def prepare(dst: ort.OrtValue, src: Any, *, cast: bool = False):

@@ -415,3 +415,41 @@ def test_paired_extra_cancels_the_call_order_effect():
     pa, pb = timing.paired(lambda i: calls.append(("a", i)), lambda i: calls.append(("b", i)), 4, warmup=0)
     assert [c for c, _ in calls] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # a first in even pairs
     assert pa.shape == pb.shape == (4,)
+
+
+def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
+    """transfer._fast_pair decides update_inplace's hot path and, with one GPU, CapturedGraph.run's direct copy. CPU
+    OrtValues stand in for CUDA ones here (their device recorded as cuda:N), so every clause can be flipped."""
+    from ortcapture import transfer, values
+
+    monkeypatch.setattr(transfer, "_HAS_UPDATE_INPLACE", [True])
+    monkeypatch.setattr(transfer, "COPY_BACKEND", None)
+
+    def val(shape=(2, 3), dtype=np.float32, dev=0):
+        v = ort.OrtValue.ortvalue_from_numpy(np.arange(np.prod(shape), dtype=dtype).reshape(shape))
+        values.remember(v, "cuda", dev)
+        values.meta(v)
+        return v
+
+    dst, src = val(), val()
+    sm, dm = values.meta(src), values.meta(dst)
+    assert transfer._fast_pair(sm, dm, src) and transfer.direct_copy_ok(dst, src)
+    assert not transfer._fast_pair(values.meta(val((3, 2))), dm, src)  # shape
+    assert not transfer._fast_pair(values.meta(val(dtype=np.int32)), dm, src)  # dtype
+    assert not transfer._fast_pair(None, dm, src)  # metadata not cached yet
+    assert not transfer._fast_pair(dm, dm, dst) and not transfer.direct_copy_ok(dst, dst)  # the same buffer
+    other_gpu = val(dev=1)
+    assert transfer._fast_pair(values.meta(other_gpu), dm, other_gpu)  # peers: update_inplace handles them
+    assert not transfer.direct_copy_ok(dst, other_gpu)  # ...but the direct copy is for one GPU only
+
+    class Sub(ort.OrtValue):
+        pass
+
+    sub = Sub(src._ortvalue)
+    sub._ortcapture_meta = sm
+    assert not transfer._fast_pair(sm, dm, sub)  # subclasses (ReplayOutput) go through the full checks
+    monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
+    assert not transfer._fast_pair(sm, dm, src) and not transfer.direct_copy_ok(dst, src)
+    monkeypatch.setattr(transfer, "COPY_BACKEND", None)
+    monkeypatch.setattr(transfer, "_HAS_UPDATE_INPLACE", [False])
+    assert not transfer._fast_pair(sm, dm, src)
