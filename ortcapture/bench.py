@@ -1,7 +1,8 @@
 """``ortcapture bench``: captured replay against raw ORT, per batch size, in fresh processes with the arms alternating.
 
 ``ortcapture bench [MODEL.onnx] [--provider auto|cuda|webgpu] [--batch 1,8] [--procs 5] [--iters N] [--json F]
-[--plot F.png] [--graph-capture/--no-graph-capture] [--sync readback|device] [--provider-option KEY=VALUE ...]``
+[--plot F.png] [--graph-capture/--no-graph-capture] [--sync readback|device] [--provider-option KEY=VALUE ...]
+[--intra-op-threads N] [--session-config KEY=VALUE ...] [--pin-thread]``
 
 Method. For each batch size the model's input dims are fixed (:func:`ortcapture.shapes.fix_input_shapes`; raw ORT
 needs fixed dims to capture a dynamic-dims model) and that one fixed model is used by every arm. ``--procs``
@@ -38,6 +39,12 @@ API, so there the readback is the only honest end of a call.) The inputs alterna
 
 ``--provider-option KEY=VALUE`` (repeatable) passes an EP option to every arm's session alike (e.g. CUDA
 ``prefer_nhwc=1``, ``cudnn_conv_algo_search=HEURISTIC``); the capture switch itself is refused there.
+``--intra-op-threads N`` and ``--session-config KEY=VALUE`` (``SessionOptions.add_session_config_entry``, e.g.
+``session.intra_op.allow_spinning=0``) likewise set every arm's ``SessionOptions``; ``--pin-thread`` pins the
+worker's calling thread, where every arm runs, to one CPU once the sessions exist. These are host settings, for
+matching a deployment; measured on H200 hosts (``tools/host_timeline.py``): ORT's default intra-op pool is 16
+threads per session there, and ``intra_op_num_threads=1`` took the uncaptured IOBinding arm at batch 8 from 3137 to
+2180 µs on one host and from 1961 to 1863 µs on another; pinning the calling thread changed nothing measurable.
 
 ``--no-graph-capture`` builds the ``raw_capture`` and ``captured_*`` arms' sessions with the capture option off and
 changes nothing else (same buffers, bindings, run options, warm-up and timing boundaries; the ``captured_*`` arms
@@ -99,6 +106,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(CUDA only) leave outputs on the device and call cudaDeviceSynchronize()")
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an execution provider option for every arm's session (repeatable), e.g. prefer_nhwc=1")
+    p.add_argument("--intra-op-threads", type=int, default=None, metavar="N",
+                   help="SessionOptions.intra_op_num_threads for every arm's session (default: ORT's own choice)")
+    p.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="SessionOptions.add_session_config_entry for every arm's session (repeatable), e.g. "
+                        "session.intra_op.allow_spinning=0")
+    p.add_argument("--pin-thread", action="store_true",
+                   help="each worker pins its calling thread (every arm runs in it) to the CPU it is on, once the "
+                        "sessions exist (ORT's own threads keep every CPU); Linux only")
 
 
 def _batches(text: str) -> list[int]:
@@ -139,6 +154,16 @@ def _check_args(args) -> tuple[list[int], int]:
         args.ep_options = parse_provider_options(args.provider_option)
     except CaptureError as exc:
         raise BenchError(str(exc)) from None
+    if args.intra_op_threads is not None and args.intra_op_threads < 0:
+        raise BenchError("--intra-op-threads must be >= 0 (0: ORT's default)")
+    args.session_config_entries = {}
+    for item in args.session_config:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise BenchError(f"--session-config takes KEY=VALUE, got {item!r}")
+        args.session_config_entries[key.strip()] = value.strip()
+    if args.pin_thread and not hasattr(os, "sched_setaffinity"):
+        raise BenchError("--pin-thread needs os.sched_setaffinity (Linux)")
     for path in (args.json, args.plot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise BenchError(f"the directory of {path} does not exist")
@@ -153,15 +178,21 @@ def _check_args(args) -> tuple[list[int], int]:
 # ---------------------------------------------------------------------------------------------------------------
 # sessions (one recipe for every arm)
 # ---------------------------------------------------------------------------------------------------------------
-def session_args(provider: str, capture: bool, ep_options: dict | None = None) -> dict:
-    """``InferenceSession`` keyword arguments for ``provider`` with the capture option on or off and the
-    ``--provider-option`` values (a fresh ``SessionOptions`` each call: the WebGPU EP is added to it)."""
+def session_args(provider: str, capture: bool, ep_options: dict | None = None, intra_op_threads: int | None = None,
+                 config: dict | None = None) -> dict:
+    """``InferenceSession`` keyword arguments for ``provider`` with the capture option on or off, the
+    ``--provider-option`` values, ``--intra-op-threads`` and ``--session-config`` entries (a fresh
+    ``SessionOptions`` each call: the WebGPU EP is added to it)."""
     import onnxruntime as ort
 
     from ortcapture import providers
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if intra_op_threads is not None:
+        so.intra_op_num_threads = int(intra_op_threads)
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
     return providers.session_args(provider, capture, so, ep_options=ep_options)
 
 
@@ -180,6 +211,7 @@ def _worker(opts) -> dict:
 
     provider, capture, model = opts.provider, bool(opts.capture), opts.model
     ep_options = json.loads(opts.ep_options)
+    sess_kw = {"intra_op_threads": opts.intra_op_threads, "config": json.loads(opts.session_config)}
     dev_id = int(ep_options.get("device_id", 0)) if provider == "cuda" else 0  # --provider-option device_id=N
     read_timed = opts.sync == "readback"
     dev = "cuda" if provider == "cuda" else "webgpu"
@@ -191,11 +223,15 @@ def _worker(opts) -> dict:
 
     progress(0, 0, "sessions and capture")
 
-    plain = ort.InferenceSession(model, **session_args(provider, False, ep_options))  # plain + iobinding arms
-    raw = ort.InferenceSession(model, **session_args(provider, capture, ep_options))  # raw_capture arm
-    ours = ortcapture.InferenceSession(model, **session_args(provider, capture, ep_options))  # captured_* arms
+    plain = ort.InferenceSession(model, **session_args(provider, False, ep_options, **sess_kw))  # plain, iobinding
+    raw = ort.InferenceSession(model, **session_args(provider, capture, ep_options, **sess_kw))  # raw_capture arm
+    ours = ortcapture.InferenceSession(model, **session_args(provider, capture, ep_options, **sess_kw))  # captured_*
     if capture and not ours.capture_enabled:
         raise RuntimeError(f"ortcapture session does not capture (deferred={ours.capture_deferred})")
+    pinned_cpu = None
+    if opts.pin_thread:  # after the sessions: ORT's pool threads were made with every CPU and keep them
+        pinned_cpu = _current_cpu()
+        os.sched_setaffinity(0, {pinned_cpu})
 
     rng = np.random.default_rng(opts.seed)
     in_types = {m.name: values.ONNX_TO_NP[m.type] for m in plain.get_inputs()}
@@ -338,13 +374,20 @@ def _worker(opts) -> dict:
     return {
         "ok": True, "pid": os.getpid(), "index": opts.index, "provider": provider, "graph_capture": capture,
         "ort": ort.__version__, "ep": info.ep.name if info else ours.get_providers()[0], "sync": opts.sync,
-        "provider_options": ep_options,
+        "provider_options": ep_options, "intra_op_threads": opts.intra_op_threads,
+        "session_config": sess_kw["config"], "pinned_cpu": pinned_cpu,
         "providers": ours.get_providers(), "shapes": {n: list(s) for n, s in shapes_.items()},
         "setup_s": setup_s, "raw_first_run_s": raw_first_s, "ortcapture_capture_s": capture_s,
         "samples_us": {arm: np.concatenate(samples[arm]).tolist() for arm in arms},
         "paired_us": {"raw_capture": paired[0].tolist(), "captured_ortvalue": paired[1].tolist()},
         "max_abs_diff": diffs, "tolerance": tol, "verified": all(d <= tol for d in diffs.values()),
     }
+
+
+def _current_cpu() -> int:
+    """The CPU the calling thread is running on (Linux: field 39 of /proc/thread-self/stat)."""
+    with open("/proc/thread-self/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[36])
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -360,6 +403,9 @@ def _worker_main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sync", choices=["readback", "device"], default="readback")
     ap.add_argument("--ep-options", default="{}", help="JSON {key: value} of EP options for every session")
+    ap.add_argument("--intra-op-threads", type=int, default=None)
+    ap.add_argument("--session-config", default="{}", help="JSON {key: value} of session config entries")
+    ap.add_argument("--pin-thread", action="store_true")
     opts = ap.parse_args(argv)
     try:
         result = _worker(opts)
@@ -509,12 +555,17 @@ def _run(args) -> int:
           f"{'on' if capture else 'OFF'}; {len(jobs)} batch size(s) x {args.procs} processes x {args.iters} calls "
           f"per arm in {rounds} round-robin blocks; each call ends with "
           f"{'the outputs read back' if args.sync == 'readback' else 'cudaDeviceSynchronize() (outputs on the GPU)'}"
-          + (f"; EP options {args.ep_options}" if args.ep_options else ""), flush=True)
+          + (f"; EP options {args.ep_options}" if args.ep_options else "")
+          + (f"; intra_op_num_threads={args.intra_op_threads}" if args.intra_op_threads is not None else "")
+          + (f"; session config {args.session_config_entries}" if args.session_config_entries else "")
+          + ("; calling thread pinned to one CPU" if args.pin_thread else ""), flush=True)
     units = len(ARMS) * (1 + rounds) + 1  # warm-up and blocks per arm, then the paired raw/ortcapture phase
     bar = _Progress(len(jobs) * args.procs * units)
     result = {"model": os.path.abspath(args.model), "provider": provider, "ort": ort.__version__,
               "graph_capture": capture, "procs": args.procs, "iters": args.iters, "rounds": rounds,
-              "warmup": args.warmup, "sync": args.sync, "provider_options": args.ep_options, "arms": dict(ARMS),
+              "warmup": args.warmup, "sync": args.sync, "provider_options": args.ep_options,
+              "intra_op_threads": args.intra_op_threads, "session_config": args.session_config_entries,
+              "pin_thread": bool(args.pin_thread), "arms": dict(ARMS),
               "batches": []}
     try:
         with tempfile.TemporaryDirectory(prefix="ortcapture-bench-") as tmp:
@@ -532,7 +583,12 @@ def _run(args) -> int:
                            provider, "--shapes", json.dumps({n: list(s) for n, s in shp.items()}),
                            "--iters", str(args.iters), "--rounds", str(rounds), "--warmup", str(args.warmup),
                            "--capture", str(int(capture)), "--index", str(i), "--sync", args.sync,
-                           "--ep-options", json.dumps(args.ep_options)]
+                           "--ep-options", json.dumps(args.ep_options),
+                           "--session-config", json.dumps(args.session_config_entries)]
+                    if args.intra_op_threads is not None:
+                        cmd += ["--intra-op-threads", str(args.intra_op_threads)]
+                    if args.pin_thread:
+                        cmd.append("--pin-thread")
                     t0 = time.perf_counter()
                     bar.job(desc)
                     res, tail = _run_worker(cmd, lambda done, phase, d=desc: bar.worker(done, phase, d))
@@ -548,7 +604,8 @@ def _run(args) -> int:
                 entry["tolerance"] = min(w["tolerance"] for w in workers)
                 entry["verified"] = all(w["verified"] for w in workers)
                 entry["processes"] = [{k: w[k] for k in ("pid", "ep", "providers", "setup_s", "raw_first_run_s",
-                                                         "ortcapture_capture_s", "verified")} for w in workers]
+                                                         "ortcapture_capture_s", "pinned_cpu", "verified")}
+                                      for w in workers]
                 entry["samples_us"] = {a: [w["samples_us"][a] for w in workers] for a in ARMS}  # per process
                 entry["paired_us"] = [w["paired_us"] for w in workers]  # per process, a first in even pairs
                 result["ep"] = workers[0]["ep"]

@@ -151,10 +151,17 @@ def plot(result: dict, path: str) -> None:
         ax.set_title(f"batch {entry['batch']} ({shapes_}) — captured vs IOBinding {sp['captured_vs_iobinding']:.2f}x,"
                      f" ortcapture/raw {ov['ortcapture_over_raw']:.3f}x", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
+    settings = [f"sync: {result.get('sync', 'readback')}"]
+    if result.get("provider_options"):
+        settings.append(f"EP options {result['provider_options']}")
+    if result.get("intra_op_threads") is not None:
+        settings.append(f"intra_op_num_threads={result['intra_op_threads']}")
+    if result.get("session_config"):
+        settings.append(f"session config {result['session_config']}")
+    if result.get("pin_thread"):
+        settings.append("calling thread pinned")
     fig.suptitle(f"ortcapture bench: {os.path.basename(result['model'])} on {result['provider']} "
                  f"(onnxruntime {result['ort']}), graph capture {'on' if capture else 'off'}, "
-                 f"{result['procs']} processes x {result['iters']} calls, sync: {result.get('sync', 'readback')}"
-                 + (f", EP options {result['provider_options']}" if result.get("provider_options") else "")
-                 + "; box 5-95 %, diamonds: per-process p50",
-                 fontsize=10)
+                 f"{result['procs']} processes x {result['iters']} calls; box 5-95 %, diamonds: per-process p50\n"
+                 + ", ".join(settings), fontsize=10)
     fig.savefig(path, dpi=110)

@@ -3,6 +3,7 @@ worker failures and the statistics, which need no GPU."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -78,14 +79,21 @@ def test_bench_no_graph_capture_webgpu(webgpu, tmp_path, capsys):
     model = tmp_path / "affine.onnx"
     model.write_bytes(tiny.affine_model())  # fixed dims: a second batch size is skipped, not benchmarked twice
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # with the host settings too: they reach every worker and are recorded
     rc = main(["bench", str(model), "--provider", "webgpu", "--batch", "1,4", "--procs", "1", "--iters", "4",
-               "--no-graph-capture", "--json", str(out_json), "--plot", str(out_png)])
+               "--no-graph-capture", "--json", str(out_json), "--plot", str(out_png), "--intra-op-threads", "1",
+               "--session-config", "session.intra_op.allow_spinning=0", "--pin-thread"])
     captured = capsys.readouterr()
     assert rc == 0, captured.out + captured.err
     assert "same input shapes" in captured.err
     res = json.loads(out_json.read_text())
     _check_result(res, [1], procs=1, iters=4, capture=False)
     assert "[capture off]" in captured.out
+    assert res["intra_op_threads"] == 1 and res["pin_thread"] is True
+    assert res["session_config"] == {"session.intra_op.allow_spinning": "0"}
+    assert "intra_op_num_threads=1" in captured.out and "pinned" in captured.out
+    for proc in res["batches"][0]["processes"]:
+        assert proc["pinned_cpu"] in os.sched_getaffinity(0)
     _check_png(out_png)
 
 
@@ -115,6 +123,9 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
     (["--provider-option", "enableGraphCapture=1"], "--graph-capture"),
     (["--provider-option", "a=1", "--provider-option", "a=2"], "given twice"),
     (["--sync", "host"], None),
+    (["--session-config", "session.intra_op.allow_spinning"], "KEY=VALUE"),
+    (["--session-config", "=0"], "KEY=VALUE"),
+    (["--intra-op-threads", "-1"], "--intra-op-threads"),
 ])
 def test_bench_bad_arguments_exit_2(tmp_path, capsys, extra, message):
     model = tmp_path / "affine.onnx"
@@ -146,11 +157,14 @@ def test_bench_cuda_sync_device_with_provider_option(tmp_path, capsys):
     model.write_bytes(tiny.dynamic_model())
     out_json = tmp_path / "bench.json"
     rc = main(["bench", str(model), "--provider", "cuda", "--batch", "1,2", "--procs", "2", "--iters", "20",
-               "--sync", "device", "--provider-option", "prefer_nhwc=1", "--json", str(out_json)])
+               "--sync", "device", "--provider-option", "prefer_nhwc=1", "--json", str(out_json),
+               "--intra-op-threads", "1", "--pin-thread"])
     text = capsys.readouterr().out
     assert rc == 0, text
     res = json.loads(out_json.read_text())
     assert res["sync"] == "device" and res["provider_options"] == {"prefer_nhwc": "1"} and res["ok"]
+    assert res["intra_op_threads"] == 1 and all(isinstance(p["pinned_cpu"], int)
+                                                for e in res["batches"] for p in e["processes"])
     for entry in res["batches"]:
         assert entry["verified"] and all(p["ep"] == "CUDAExecutionProvider" for p in entry["processes"])
         assert all(d <= entry["tolerance"] for d in entry["max_abs_diff"].values())

@@ -25,6 +25,11 @@ has bench && step bench 120 python3 tools/bench_overhead.py --provider cuda --it
 has bench_cli && step bench_cli 300 python3 -m ortcapture bench --provider cuda --batch 1,8 --procs 5 --iters 300 --json "$OUT/bench_cli.json" --plot "$OUT/bench_cli.png"
 B="python3 -m ortcapture bench --provider cuda --batch 1,8"
 has bench_sync && step bench_sync 300 $B --procs 5 --iters 300 --sync device --json "$OUT/bench_sync.json" --plot "$OUT/bench_sync.png"
+HOST="--intra-op-threads 1 --session-config session.intra_op.allow_spinning=0 --pin-thread"
+has bench_host && step bench_host 300 $B --procs 5 --iters 300 --sync device $HOST --json "$OUT/bench_host.json" --plot "$OUT/bench_host.png"
+has bench_host_rb && step bench_host_rb 300 $B --procs 5 --iters 300 $HOST --json "$OUT/bench_host_rb.json" --plot "$OUT/bench_host_rb.png"
+has timeline && step timeline 240 python3 tools/host_timeline.py --variants default,threads1,pinned,threads1+pinned --json "$OUT/host_timeline.json"
+has pytest_bench && step pytest_bench 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_bench.py
 has bench_nhwc && step bench_nhwc 300 $B --procs 5 --iters 300 --sync device --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc.json" --plot "$OUT/bench_nhwc.png"
 has bench_nhwc_rb && step bench_nhwc_rb 300 $B --procs 5 --iters 300 --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc_rb.json" --plot "$OUT/bench_nhwc_rb.png"
 has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/models/nudenet-3.4.2/320n.onnx" --provider cuda --json
