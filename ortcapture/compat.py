@@ -34,6 +34,32 @@ def webgpu_plugin_captures() -> bool:
     return ort_version() >= WEBGPU_PLUGIN_CAPTURE_SINCE
 
 
+_FORWARD_NAMES = frozenset({"_sess", "run_with_iobinding", "_iobinding"})
+#: what onnxruntime 1.30-1.32's wrapper adds: the IOBinding/session identity check and the WebGPU capture guards
+#: of ORT PR #32074 (``is_webgpu_graph_capture_enabled``: nothing else happens for any other EP)
+_WEBGPU_GUARD_NAMES = _FORWARD_NAMES | {
+    "_session", "ValueError", "_graph_annotation_id", "is_webgpu_graph_capture_enabled", "_GRAPH_ANNOTATION_SKIP",
+    "_validate_capture_bindings", "_capture_signature", "_captured_graph_bindings", "get", "weakref", "ref",
+    "_pinned_graph_ids", "add"}
+
+
+@functools.cache
+def iobinding_run_wrapper() -> str:
+    """What ``onnxruntime.InferenceSession.run_with_iobinding`` (Python) does besides calling the C session's
+    ``run_with_iobinding(iobinding._iobinding, run_options)``, read from the names its code uses: ``"nothing"``
+    (onnxruntime 1.24.4-1.29), ``"webgpu guards"`` (1.30-1.32: an IOBinding/session identity check and, for a
+    WebGPU capturing session only, ORT PR #32074's capture guards), or ``"more"`` (anything else: a future
+    release). Where it is nothing, or WebGPU-only work on a session that is not WebGPU, ortcapture's replay hot
+    path makes the C call itself, a Python frame and a few calls less per replay."""
+    code = getattr(ort.InferenceSession.run_with_iobinding, "__code__", None)
+    names = set(code.co_names) if code is not None else None
+    if names is not None and names <= _FORWARD_NAMES:
+        return "nothing"
+    if names is not None and names <= _WEBGPU_GUARD_NAMES and "is_webgpu_graph_capture_enabled" in names:
+        return "webgpu guards"
+    return "more"
+
+
 def device_name_is_reliable() -> bool:
     """``OrtValue.device_name()`` names WebGPU buffers "webgpu" (ORT >= 1.30); older releases say "cuda"."""
     return ort_version() >= (1, 30, 0)

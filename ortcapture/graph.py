@@ -123,7 +123,7 @@ class CapturedGraph:
         self.graph_id = int(graph_id)
         self._released = False
         self._generation = 0
-        self._direct: dict = {}  # id(feed) -> (weakref to it, input name, fixed buffer): see _run_locked
+        self._direct: dict = {}  # id(feed) -> (weakref to it, input name, fixed buffer): see run
         if _without_capture is None:
             info = session.capture_info
             base_alloc, device = session.allocate, (info.device_type, info.device_id)
@@ -232,8 +232,12 @@ class CapturedGraph:
         that graph replays (in another thread) while it is being copied; with several feeds, the ones copied before
         it are then already in the fixed inputs, so feed every input again on the next call.
         """
+        # The replay hot path: straight-line code, few calls. On the H200 hosts each Python frame here costs ~1-2 µs
+        # right after a replay's wait for the GPU (tools/host_timeline.py), several times its cost back to back.
         sess = self._session
-        sess._oc_check_foreign_capture()  # before any copy: CUDA calls inside a foreign capture break it
+        probe = sess._oc_capture_probe
+        if probe is not None and probe():  # before any copy: CUDA calls inside a foreign capture break it
+            sess._oc_check_foreign_capture()  # raises CaptureError (ORT PR #32081)
         if not sess._oc_thread_has(self.graph_id):
             with sess._oc_cguard:  # the thread's capture rewrites the outputs: earlier ReplayOutputs go stale
                 self._generation += 1
@@ -244,55 +248,50 @@ class CapturedGraph:
         with sess._oc_guard:
             if self._released:
                 self._raise_released()
-            return self._run_locked(feeds, copy_outputs)
-
-    def _run_locked(self, feeds, copy_outputs: bool) -> list:
-        """:meth:`run` once the session guard is held."""
-        sess = self._session
-        if feeds is not None and type(feeds) is not dict:
-            feeds = _require_mapping(feeds, "feeds")
-        if feeds:
-            bufs = self.inputs
-            if len(feeds) == 1:  # common case: nothing else can fail after this copy
-                for name, value in feeds.items():
-                    direct = self._direct.get(id(value))
-                    if (direct is not None and direct[0]() is value and direct[1] == name
-                            and transfer.COPY_BACKEND is None):
-                        # a CUDA OrtValue fed here before: validated then, and nothing about it can change; the
-                        # session guard already holds the CUDA gate. Skips update_inplace's call, its checks and
-                        # the nested gate entry (~2.5 µs apart on the H200 host; within noise in a whole replay)
-                        direct[2].update_inplace(value)
-                        continue
-                    if name not in bufs:
-                        raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
-                    dst = bufs[name]
-                    transfer.update_inplace(dst, value)
-                    if sess._oc_guard._gate is not None and transfer.direct_copy_ok(dst, value):
-                        if len(self._direct) >= 8:  # a few rotating sources (double buffering) is the use case
-                            self._direct.clear()
-                        self._direct[id(value)] = (weakref.ref(value), name, dst)
-            else:  # validate every feed before touching any buffer
-                tokens = []
-                for name, value in feeds.items():
-                    if name not in bufs:
-                        raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
-                    tokens.append(transfer.prepare(bufs[name], value))
-                for token in tokens:
-                    transfer.commit(token)
-        # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a read
-        # that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and after).
-        # Feeds were copied above, before it turned odd: this graph's own previous outputs may be fed back.
-        self._generation += 1
-        try:
-            sess._oc_replay(self._binding, self._run_options, self._record)
-            if self._state:
-                transfer.copy(self._state_src, self._state_dst)
-            if copy_outputs:
-                return [transfer.to_numpy(v) for v in self._output_list]
-            gen = self._generation + 1  # its value once this returns
-            return [ReplayOutput(v, self, gen) for v in self._output_list]
-        finally:
+            if feeds is not None and type(feeds) is not dict:
+                feeds = _require_mapping(feeds, "feeds")
+            if feeds:
+                bufs = self.inputs
+                if len(feeds) == 1:  # common case: nothing else can fail after this copy
+                    for name, value in feeds.items():
+                        direct = self._direct.get(id(value))
+                        if (direct is not None and direct[0]() is value and direct[1] == name
+                                and transfer.COPY_BACKEND is None):
+                            # a CUDA OrtValue fed here before: validated then, and nothing about it can change;
+                            # the session guard already holds the CUDA gate. Skips update_inplace's call, its
+                            # checks and the nested gate entry (~2.5 µs apart on the H200 host, back to back)
+                            direct[2].update_inplace(value)
+                            continue
+                        if name not in bufs:
+                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
+                        dst = bufs[name]
+                        transfer.update_inplace(dst, value)
+                        if sess._oc_guard._gate is not None and transfer.direct_copy_ok(dst, value):
+                            if len(self._direct) >= 8:  # a few rotating sources (double buffering): the use case
+                                self._direct.clear()
+                            self._direct[id(value)] = (weakref.ref(value), name, dst)
+                else:  # validate every feed before touching any buffer
+                    tokens = []
+                    for name, value in feeds.items():
+                        if name not in bufs:
+                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
+                        tokens.append(transfer.prepare(bufs[name], value))
+                    for token in tokens:
+                        transfer.commit(token)
+            # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a
+            # read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and
+            # after). Feeds were copied above, before it turned odd: this graph's own previous outputs may be fed back.
             self._generation += 1
+            try:
+                sess._oc_replay(self._binding, self._run_options, self._record)
+                if self._state:
+                    transfer.copy(self._state_src, self._state_dst)
+                if copy_outputs:
+                    return [transfer.to_numpy(v) for v in self._output_list]
+                gen = self._generation + 1  # its value once this returns
+                return [ReplayOutput(v, self, gen) for v in self._output_list]
+            finally:
+                self._generation += 1
 
     def reset_state(self, values: Mapping[str, Any] | None = None) -> None:
         """Restore the state inputs to their values at capture, or to ``values`` (``{input name: array}``)."""

@@ -203,6 +203,11 @@ class InferenceSession(ort.InferenceSession):
         # capture.capture_in_this_thread); a fresh threading.local after set_providers (new C session)
         self._oc_per_thread = info is not None and info.device_type == "cuda"
         self._oc_tls = threading.local()
+        # the replay may skip ORT's Python run_with_iobinding where it only forwards, or only adds WebGPU capture
+        # guards and this is a CUDA/TensorRT capture (its bindings are this session's: set_providers releases graphs)
+        wrapper = compat.iobinding_run_wrapper()
+        self._oc_c_replay = info is not None and (
+            wrapper == "nothing" or wrapper == "webgpu guards" and info.device_type == "cuda")
         self._oc_capture_probe = None
         if info is not None and info.device_type == "cuda":
             from ortcapture.cudart import make_capture_probe
@@ -365,7 +370,10 @@ class InferenceSession(ort.InferenceSession):
         """Hot path for :class:`~ortcapture.graph.CapturedGraph`: replay an already validated, pinned graph.
         The caller holds ``self._oc_guard`` and has called :meth:`_oc_check_foreign_capture` and
         :meth:`_oc_prepare_thread`."""
-        ort.InferenceSession.run_with_iobinding(self, iobinding, run_options)
+        if self._oc_c_replay:  # all that ORT's Python wrapper would do here (compat.iobinding_run_wrapper)
+            self._sess.run_with_iobinding(iobinding._iobinding, run_options)
+        else:
+            ort.InferenceSession.run_with_iobinding(self, iobinding, run_options)
         rec.replays += 1
 
     def _oc_capture(self, iobinding: IOBinding, gid: int, run_options, owner=None):

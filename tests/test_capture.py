@@ -222,6 +222,64 @@ def test_captured_graph_run_numpy_and_ortvalue_feeds(backend, rng):
         g.run({"A": a0})
 
 
+@pytest.mark.parametrize("c_replay", [True, False])
+def test_replay_skips_orts_python_wrapper_only_where_it_adds_nothing_here(backend, rng, monkeypatch, c_replay):
+    """The replay hot path calls the C session itself where onnxruntime's Python ``run_with_iobinding`` would only
+    forward to it: onnxruntime < 1.30, and CUDA sessions on 1.30-1.32 (whose wrapper adds WebGPU-only guards).
+    Both ways replay correctly."""
+    from ortcapture import compat
+
+    calls = []
+    wrapper = ort.InferenceSession.run_with_iobinding
+
+    def spy(self, iobinding, run_options=None):
+        calls.append(1)
+        return wrapper(self, iobinding, run_options)
+
+    sess = backend.session(tiny.add_model())
+    expected = backend.device_type == "cuda" or compat.ort_version() < (1, 30, 0)
+    assert sess._oc_c_replay is expected
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", spy)
+    monkeypatch.setattr(sess, "_oc_c_replay", c_replay)
+    plain = backend.plain(tiny.add_model())
+    a0, b0 = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with sess.capture({"A": a0, "B": b0}) as g:
+        before = len(calls)
+        for _ in range(3):
+            a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+            np.testing.assert_array_equal(g.run({"A": a, "B": b})[0], plain.run(None, {"A": a, "B": b})[0])
+        assert len(calls) - before == (0 if c_replay else 3)
+        assert g.replays >= 3
+
+
+def test_iobinding_run_wrapper_is_read_from_its_code(monkeypatch):
+    from ortcapture import compat
+
+    def forwards(self, iobinding, run_options=None):
+        self._sess.run_with_iobinding(iobinding._iobinding, run_options)
+
+    def webgpu_guards(self, iobinding, run_options=None):  # the shape of onnxruntime 1.30-1.32's wrapper
+        if iobinding._session is not self._sess:
+            raise ValueError("other session")
+        if self._sess.is_webgpu_graph_capture_enabled():
+            iobinding._validate_capture_bindings()
+        self._sess.run_with_iobinding(iobinding._iobinding, run_options)
+
+    def does_more(self, iobinding, run_options=None):
+        iobinding.synchronize_inputs()
+        self._sess.run_with_iobinding(iobinding._iobinding, run_options)
+
+    installed = compat.iobinding_run_wrapper()
+    assert installed == ("webgpu guards" if compat.ort_version() >= (1, 30, 0) else "nothing")
+    for fn, want in ((forwards, "nothing"), (webgpu_guards, "webgpu guards"), (does_more, "more"), (len, "more")):
+        monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", fn)
+        compat.iobinding_run_wrapper.cache_clear()
+        assert compat.iobinding_run_wrapper() == want, fn
+    monkeypatch.undo()
+    compat.iobinding_run_wrapper.cache_clear()
+    assert compat.iobinding_run_wrapper() == installed
+
+
 def test_capture_picks_free_ids_and_refuses_taken_ones(backend):
     sess = backend.session(tiny.add_model())
     feeds = {"A": np.ones((2, 4), np.float32), "B": np.ones((2, 4), np.float32)}

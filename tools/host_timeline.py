@@ -15,8 +15,8 @@ batch size, on the reference model with its dims fixed:
 
 Then the host cost of each piece of ortcapture's replay path (on a 1x64 model), back to back and right after a
 raw replay of the reference model: does the wrapper's Python cost more after a long ORT call?
-Usage: python tools/host_timeline.py [--batch 1,8] [--pairs 400] [--variants default,threads1] [--sections arms,interleaved,pieces]
-       [--json F]
+Usage: python tools/host_timeline.py [--batch 1,8] [--pairs 400] [--variants default,threads1]
+       [--sections arms,interleaved,pieces] [--json F]
 """
 from __future__ import annotations
 
