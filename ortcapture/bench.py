@@ -41,7 +41,8 @@ API, so there the readback is the only honest end of a call.) The inputs alterna
 ``prefer_nhwc=1``, ``cudnn_conv_algo_search=HEURISTIC``); the capture switch itself is refused there.
 ``--intra-op-threads N`` and ``--session-config KEY=VALUE`` (``SessionOptions.add_session_config_entry``, e.g.
 ``session.intra_op.allow_spinning=0``) likewise set every arm's ``SessionOptions``; ``--pin-thread`` pins the
-worker's calling thread, where every arm runs, to one CPU once the sessions exist. These are host settings, for
+worker's calling thread, where every arm runs, to one CPU once the sessions exist (threads made before keep every
+CPU; threads ORT or CUDA make later inherit the pin). These are host settings, for
 matching a deployment; measured on H200 hosts (``tools/host_timeline.py``): ORT's default intra-op pool is 16
 threads per session there, and ``intra_op_num_threads=1`` took the uncaptured IOBinding arm at batch 8 from 3137 to
 2180 µs on one host and from 1961 to 1863 µs on another; pinning the calling thread changed nothing measurable.
@@ -113,7 +114,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "session.intra_op.allow_spinning=0")
     p.add_argument("--pin-thread", action="store_true",
                    help="each worker pins its calling thread (every arm runs in it) to the CPU it is on, once the "
-                        "sessions exist (ORT's own threads keep every CPU); Linux only")
+                        "sessions exist (threads made before keep every CPU, later ones inherit the pin); Linux only")
+
+
+#: session config keys ORT reads as booleans ("0"/"1"); anything else there is a typo ORT would not report
+_BOOLEAN_CONFIG_KEYS = frozenset({
+    "session.intra_op.allow_spinning", "session.inter_op.allow_spinning", "session.set_denormal_as_zero",
+    "session.use_env_allocators", "session.disable_prepacking", "session.use_device_allocator_for_initializers",
+    "session.disable_cpu_ep_fallback", "session.use_ort_model_bytes_directly", "session.disable_quant_qdq",
+})
+
+
+def _session_config(items: list[str]) -> dict[str, str]:
+    """``--session-config KEY=VALUE`` items as a dict; raises :class:`BenchError` for a malformed item, a key given
+    twice, an EP option (``ep.*``: the capture switch lives there; EP options go through ``--provider-option``) or
+    a boolean key whose value is not 0/1."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise BenchError(f"--session-config takes KEY=VALUE, got {item!r}")
+        if key in out:
+            raise BenchError(f"--session-config {key} given twice")
+        if key.lower().startswith("ep."):
+            raise BenchError(f"--session-config {key}: EP options (and the capture switch among them) go through "
+                             "--provider-option KEY=VALUE and --graph-capture/--no-graph-capture")
+        if key in _BOOLEAN_CONFIG_KEYS and value not in ("0", "1"):
+            raise BenchError(f"--session-config {key} takes 0 or 1, got {value!r}")
+        out[key] = value
+    return out
 
 
 def _batches(text: str) -> list[int]:
@@ -123,6 +153,8 @@ def _batches(text: str) -> list[int]:
         raise BenchError(f"--batch must be comma-separated integers, got {text!r}") from None
     if not out or any(b < 1 for b in out):
         raise BenchError(f"--batch needs batch sizes >= 1, got {text!r}")
+    if any(b > 2**31 - 1 for b in out):
+        raise BenchError(f"--batch sizes must be below 2**31, got {text!r}")
     return list(dict.fromkeys(out))
 
 
@@ -154,19 +186,24 @@ def _check_args(args) -> tuple[list[int], int]:
         args.ep_options = parse_provider_options(args.provider_option)
     except CaptureError as exc:
         raise BenchError(str(exc)) from None
-    if args.intra_op_threads is not None and args.intra_op_threads < 0:
-        raise BenchError("--intra-op-threads must be >= 0 (0: ORT's default)")
-    args.session_config_entries = {}
-    for item in args.session_config:
-        key, sep, value = str(item).partition("=")
-        if not sep or not key.strip():
-            raise BenchError(f"--session-config takes KEY=VALUE, got {item!r}")
-        args.session_config_entries[key.strip()] = value.strip()
+    max_threads = 4 * (os.cpu_count() or 1)
+    if args.intra_op_threads is not None and not 0 <= args.intra_op_threads <= max_threads:
+        raise BenchError(f"--intra-op-threads must be between 0 (ORT's default) and {max_threads} (4x this host's "
+                         f"CPUs: more only oversubscribes it), got {args.intra_op_threads}")
+    args.session_config_entries = _session_config(args.session_config)
     if args.pin_thread and not hasattr(os, "sched_setaffinity"):
         raise BenchError("--pin-thread needs os.sched_setaffinity (Linux)")
-    for path in (args.json, args.plot):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise BenchError(f"the directory of {path} does not exist")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise BenchError(f"the directory of {flag} {path} does not exist")
+        if os.path.isdir(path) or not os.access(folder, os.W_OK) or (os.path.exists(path)
+                                                                     and not os.access(path, os.W_OK)):
+            raise BenchError(f"{flag} {path} is a directory or cannot be written")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise BenchError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -229,7 +266,7 @@ def _worker(opts) -> dict:
     if capture and not ours.capture_enabled:
         raise RuntimeError(f"ortcapture session does not capture (deferred={ours.capture_deferred})")
     pinned_cpu = None
-    if opts.pin_thread:  # after the sessions: ORT's pool threads were made with every CPU and keep them
+    if opts.pin_thread:  # after the sessions: ORT's pool threads made so far keep every CPU (later ones inherit)
         pinned_cpu = _current_cpu()
         os.sched_setaffinity(0, {pinned_cpu})
 
@@ -508,6 +545,9 @@ def run(args) -> int:
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130
 
 
 def _run(args) -> int:

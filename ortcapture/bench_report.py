@@ -139,7 +139,7 @@ def plot(result: dict, path: str) -> None:
             ax.annotate(f"p50 {s['p50_us'] / div:.4g} {unit}", (pos[i] + 0.12, s["p50_us"] / div), fontsize=8,
                         va="center")
         ax.set_xticks(pos)
-        ax.set_xticklabels([_label(a, capture).replace(" (", "\n(") for a in arms], fontsize=8)
+        ax.set_xticklabels([_label(a, capture).replace(" (", "\n(").replace(" [", "\n[") for a in arms], fontsize=8)
         lo = min(float(d.min()) for d in data)
         hi = max(float(np.percentile(d, 95)) for d in data) * 1.15  # rare stalls would flatten everything else
         top = max(float(d.max()) for d in data)
@@ -160,8 +160,10 @@ def plot(result: dict, path: str) -> None:
         settings.append(f"session config {result['session_config']}")
     if result.get("pin_thread"):
         settings.append("calling thread pinned")
+    import textwrap
+
     fig.suptitle(f"ortcapture bench: {os.path.basename(result['model'])} on {result['provider']} "
                  f"(onnxruntime {result['ort']}), graph capture {'on' if capture else 'off'}, "
                  f"{result['procs']} processes x {result['iters']} calls; box 5-95 %, diamonds: per-process p50\n"
-                 + ", ".join(settings), fontsize=10)
+                 + "\n".join(textwrap.wrap(", ".join(settings), 150)), fontsize=10)
     fig.savefig(path, dpi=110)

@@ -126,10 +126,20 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
     (["--session-config", "session.intra_op.allow_spinning"], "KEY=VALUE"),
     (["--session-config", "=0"], "KEY=VALUE"),
     (["--intra-op-threads", "-1"], "--intra-op-threads"),
+    (["--intra-op-threads", "2147483648"], "oversubscribes"),
+    (["--session-config", "a=1", "--session-config", "a=2"], "given twice"),
+    (["--session-config", "ep.webgpuexecutionprovider.enableGraphCapture=0"], "--provider-option"),
+    (["--session-config", "session.intra_op.allow_spinning=maybe"], "takes 0 or 1"),
+    (["--batch", "99999999999999999999"], "below 2**31"),
+    (["--plot", "PLOT.xyz"], ".png"),
+    (["--plot", "PLOT"], ".png"),
+    (["--json", "TMPDIR"], "is a directory"),
+    (["--plot", "TMPDIR"], "is a directory"),
 ])
 def test_bench_bad_arguments_exit_2(tmp_path, capsys, extra, message):
     model = tmp_path / "affine.onnx"
     model.write_bytes(tiny.affine_model())
+    extra = [str(tmp_path) if e == "TMPDIR" else str(tmp_path / e) if e.startswith("PLOT") else e for e in extra]
     if message is None:  # argparse's own refusal (choices)
         with pytest.raises(SystemExit) as exc:
             main(["bench", str(model), *extra])
