@@ -85,12 +85,12 @@ def _interleaved(args, ctx) -> dict:
 
     variants = {
         "raw session: run_with_iobinding": lambda: traw.run_with_iobinding(tb, ro),
-        "ortcapture session: run_with_iobinding (no wrapper)": ort_only,
+        "ortcapture session: ORT's run_with_iobinding": ort_only,
         "CapturedGraph.run(None)": lambda: tg.run(None, copy_outputs=False),
-        "probe + no wrapper": lambda: (probe(), ort_only()),
-        "thread check + no wrapper": lambda: (tiny._oc_thread_has(tg.graph_id), ort_only()),
-        "session guard around no wrapper": guarded,
-        "no wrapper + ReplayOutput": lambda: (ort_only(), [ReplayOutput(fixed, tg, 0)]),
+        "probe + ORT's run": lambda: (probe(), ort_only()),
+        "thread check + ORT's run": lambda: (tiny._oc_thread_has(tg.graph_id), ort_only()),
+        "session guard around ORT's run": guarded,
+        "ORT's run + ReplayOutput": lambda: (ort_only(), [ReplayOutput(fixed, tg, 0)]),
     }
     names = list(variants)
     fns = [variants[k] for k in names]

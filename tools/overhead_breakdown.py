@@ -16,7 +16,9 @@ weighted alike by ``timing.paired_extra``), and reported as µs more (+) or less
 So B - D is ortcapture's cost with the graph held equal, F - I the wrapper's, I - E the two sessions' GPU difference.
 Measured on the H200 host (2026-11-29, onnxruntime-gpu 1.31.1): I - E within ±20 µs, random per process (two
 sessions of one model differ by that much); F - I +10 to +38 µs, more than the whole wrapper costs on a 1x64 model
-(+6 µs, ``tools/bench_overhead.py``) — not explained yet.
+(+6 µs, ``tools/bench_overhead.py``). Explained by ``tools/host_timeline.py`` (2026-11-29, later): Python run right
+after a replay's ~1 ms wait for the GPU costs several times what it costs back to back, by an amount that varies
+between hosts and processes (ortcapture's part of a replay: 5-10 µs on one host, 8-26 µs on another).
 Usage: python tools/overhead_breakdown.py [--batch 1,8] [--pairs 400] [--provider-option KEY=VALUE ...] [--json F]
 """
 from __future__ import annotations
