@@ -126,23 +126,22 @@ _BOOLEAN_CONFIG_KEYS = frozenset({
 
 
 def _session_config(items: list[str]) -> dict[str, str]:
-    """``--session-config KEY=VALUE`` items as a dict; raises :class:`BenchError` for a malformed item, a key given
-    twice, an EP option (``ep.*``: the capture switch lives there; EP options go through ``--provider-option``) or
-    a boolean key whose value is not 0/1."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = str(item).partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            raise BenchError(f"--session-config takes KEY=VALUE, got {item!r}")
-        if key in out:
-            raise BenchError(f"--session-config {key} given twice")
+    """``--session-config KEY=VALUE`` items as a dict; raises :class:`BenchError` for a malformed item or a key given
+    twice (:func:`ortcapture.providers.parse_key_values`), an EP option (``ep.*``: the capture switch lives there;
+    EP options go through ``--provider-option``) or a boolean key whose value is not 0/1."""
+    from ortcapture.errors import CaptureError
+    from ortcapture.providers import parse_key_values
+
+    try:
+        out = parse_key_values(items, "--session-config", "session.intra_op.allow_spinning=0")
+    except CaptureError as exc:
+        raise BenchError(str(exc)) from None
+    for key, value in out.items():
         if key.lower().startswith("ep."):
             raise BenchError(f"--session-config {key}: EP options (and the capture switch among them) go through "
                              "--provider-option KEY=VALUE and --graph-capture/--no-graph-capture")
         if key in _BOOLEAN_CONFIG_KEYS and value not in ("0", "1"):
             raise BenchError(f"--session-config {key} takes 0 or 1, got {value!r}")
-        out[key] = value
     return out
 
 
@@ -267,7 +266,7 @@ def _worker(opts) -> dict:
         raise RuntimeError(f"ortcapture session does not capture (deferred={ours.capture_deferred})")
     pinned_cpu = None
     if opts.pin_thread:  # after the sessions: ORT's pool threads made so far keep every CPU (later ones inherit)
-        pinned_cpu = _current_cpu()
+        pinned_cpu = current_cpu()
         os.sched_setaffinity(0, {pinned_cpu})
 
     rng = np.random.default_rng(opts.seed)
@@ -421,7 +420,7 @@ def _worker(opts) -> dict:
     }
 
 
-def _current_cpu() -> int:
+def current_cpu() -> int:
     """The CPU the calling thread is running on (Linux: field 39 of /proc/thread-self/stat)."""
     with open("/proc/thread-self/stat") as fh:
         return int(fh.read().rsplit(")", 1)[1].split()[36])

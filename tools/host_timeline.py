@@ -69,6 +69,7 @@ def _interleaved(args, ctx) -> dict:
     alike. Run twice: as is, and with the calling thread pinned to one CPU (``os.sched_setaffinity``)."""
     import onnxruntime as ort
 
+    from ortcapture.bench import current_cpu
     from ortcapture.graph import ReplayOutput
 
     raw, b, ro, tiny, tg, traw, tb = (ctx[k] for k in ("raw", "b", "ro", "tiny", "tg", "traw", "tb"))
@@ -99,7 +100,7 @@ def _interleaved(args, ctx) -> dict:
     out = {}
     for pin in (False, True):
         if pin:
-            os.sched_setaffinity(0, {_current_cpu()})
+            os.sched_setaffinity(0, {current_cpu()})
         for mode in ("warm", "cold"):
             t = np.empty((len(fns), n))
             for i in range(n * len(fns)):
@@ -116,11 +117,6 @@ def _interleaved(args, ctx) -> dict:
                 print(f"  {name:55s} {v:7.2f} µs", flush=True)
     os.sched_setaffinity(0, ctx["affinity"])
     return out
-
-
-def _current_cpu() -> int:
-    """The CPU the calling thread runs on now (/proc/thread-self/stat field 39)."""
-    return int(_read("/proc/thread-self/stat").rsplit(")", 1)[1].split()[36])
 
 
 def _setup(so, path) -> dict:
@@ -256,6 +252,7 @@ def main() -> int:
         return 2
     import ortcapture
     from ortcapture import models, shapes, timing
+    from ortcapture.bench import current_cpu
     from ortcapture.providers import session_args
     from ortcapture.session import run_options_for
 
@@ -337,7 +334,7 @@ def main() -> int:
                 return xin, b, ro
 
             if "pinned" in variant:  # the calling thread only; ORT's threads (made above) keep every CPU
-                os.sched_setaffinity(0, {_current_cpu()})
+                os.sched_setaffinity(0, {current_cpu()})
             pin, pio, pro = bound(plain, 0)
             rin, rio, rro = bound(raw, 0)
             g = ours.capture({"images": x})
