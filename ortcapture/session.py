@@ -368,8 +368,8 @@ class InferenceSession(ort.InferenceSession):
 
     def _oc_replay(self, iobinding: IOBinding, run_options: ort.RunOptions, rec) -> None:
         """Hot path for :class:`~ortcapture.graph.CapturedGraph`: replay an already validated, pinned graph.
-        The caller holds ``self._oc_guard`` and has called :meth:`_oc_check_foreign_capture` and
-        :meth:`_oc_prepare_thread`."""
+        The caller holds ``self._oc_guard``, has checked for a foreign capture (``_oc_capture_probe``, else
+        :meth:`_oc_check_foreign_capture`) and has called :meth:`_oc_prepare_thread`."""
         if self._oc_c_replay:  # all that ORT's Python wrapper would do here (compat.iobinding_run_wrapper)
             self._sess.run_with_iobinding(iobinding._iobinding, run_options)
         else:
