@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", choices=["auto", "cuda", "webgpu"], default="auto")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--iters", type=int, default=None,
-                   help="timed calls per arm (default: 200 on CUDA, 10 on WebGPU, whose software adapter needs ~1.5 s a call)")
+                   help="timed calls per arm (default: 200 on CUDA, 10 on WebGPU, whose software adapter needs ~1 s a call)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=1x3x320x320",
                    help="example input shape (dims of dynamic inputs; batch comes from --batch otherwise)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
