@@ -1,7 +1,8 @@
 """ortcapture: safe, fast GPU graph capture (CUDA graphs, TensorRT, WebGPU) for ONNX Runtime.
 
-Public names only; see each module for details. Names are imported on first use (PEP 562), so tools that need
-no onnxruntime (``ortcapture patch``) never load it.
+The public surface is :data:`__all__`: the session, graph, transfer and error names below and the :mod:`ortcapture.webgpu`
+helpers. Modules whose names start with ``_`` are private; ``ortcapture.cli`` is the command line. Names are imported
+on first use (PEP 562), so ``import ortcapture`` and ``ortcapture patch`` work without onnxruntime installed.
 """
 from __future__ import annotations
 
@@ -15,18 +16,20 @@ _EXPORTS = {
     "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
     "InferenceSession": "ortcapture.session", "run_options_for": "ortcapture.session",
+    "IOBinding": "ortcapture._binding",
     "can_copy": "ortcapture.transfer", "copy": "ortcapture.transfer", "to_numpy": "ortcapture.transfer",
     "update_inplace": "ortcapture.transfer",
 }
-__all__ = sorted([*_EXPORTS, "__version__"])
-
-
-_SUBMODULES = {"binding", "buffers", "capture", "compat", "cudart", "errors", "graph", "models", "providers",
-               "registry", "session", "shapes", "timing", "transfer", "values", "webgpu"}
+#: public submodules, importable as attributes after a plain ``import ortcapture``
+_PUBLIC_MODULES = {"errors", "graph", "session", "transfer", "webgpu", "cli"}
+#: deprecated aliases of modules that became private in 0.2.0 (each warns once on import; gone in 0.3.0)
+_DEPRECATED_MODULES = {"binding", "buffers", "capture", "compat", "cudart", "gate", "providers", "registry", "shapes",
+                       "values"}
+__all__ = sorted([*_EXPORTS, "webgpu", "__version__"])
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:  # ortcapture.webgpu etc. work after a plain `import ortcapture`
+    if name in _PUBLIC_MODULES or name in _DEPRECATED_MODULES:
         return importlib.import_module(f"ortcapture.{name}")
     module = _EXPORTS.get(name)
     if module is None:

@@ -108,7 +108,7 @@ class CapturedGraph:
     * ``release()`` or leaving a ``with`` block releases the graph (CUDA/TensorRT: its id is retired).
 
     Thread-safe: runs of one session are serialised (ORT does not support concurrent ``Run`` under capture), and
-    different sessions' CUDA work waits while any thread captures (:mod:`ortcapture.gate`). CUDA/TensorRT: ORT keeps
+    different sessions' CUDA work waits while any thread captures (:mod:`ortcapture._sync`). CUDA/TensorRT: ORT keeps
     captured graphs per thread, so the first ``run`` from another thread first captures the graph for that thread
     too (side-effect free; once per thread) — reuse long-lived threads rather than new ones per call.
     """

@@ -1,13 +1,13 @@
 """``ortcapture.InferenceSession``: a drop-in ``onnxruntime.InferenceSession`` whose every run path is capture-safe.
 
 Capture is on when the user enabled it the ORT way (``enable_cuda_graph``, ``trt_cuda_graph_enable``,
-``enableGraphCapture``; see :mod:`ortcapture.providers`). With capture off this class behaves exactly like ORT.
+``enableGraphCapture``; see :mod:`ortcapture._providers`). With capture off this class behaves exactly like ORT.
 With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) holds for every capture-capable EP:
 
 * ``run``/``run_async``/``run_with_ort_values``/``run_with_ortvaluevector`` raise unless the run options set
   ``gpu_graph_id=-1`` (measured on CUDA: ``run()`` after a capture is accepted and replays stale buffers; after a
   release it fails with ``IndexError``);
-* ``run_with_iobinding`` pins the IOBinding per ``gpu_graph_id`` (:mod:`ortcapture.registry`), refuses CPU-bound,
+* ``run_with_iobinding`` pins the IOBinding per ``gpu_graph_id`` (:mod:`ortcapture._registry`), refuses CPU-bound,
   ORT-allocated, foreign-device and input/output-aliased bindings, and serialises runs (ORT does not support
   concurrent ``Run`` under capture and does not enforce it);
 * ``release_captured_graph`` retires CUDA/TensorRT ids (ORT's release is a no-op there) and ``set_providers``
@@ -21,12 +21,14 @@ from typing import Any, Mapping, Sequence
 
 import onnxruntime as ort
 
-from ortcapture import compat, gate, shapes
-from ortcapture.binding import IOBinding
-from ortcapture.buffers import BufferPool
+from ortcapture import _compat as compat
+from ortcapture import _sync as gate
+from ortcapture import _specialize as shapes
+from ortcapture._binding import IOBinding
+from ortcapture._buffers import BufferPool
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError, GraphReleasedError
-from ortcapture.providers import CUDA_EPS, CaptureInfo, detect_capture, names_cuda_ep, requested_capture
-from ortcapture.registry import SKIP_GRAPH_ID, GraphRegistry
+from ortcapture._providers import CUDA_EPS, CaptureInfo, detect_capture, names_cuda_ep, requested_capture
+from ortcapture._registry import SKIP_GRAPH_ID, GraphRegistry
 
 GRAPH_ID_KEY = "gpu_graph_id"
 
@@ -210,7 +212,7 @@ class InferenceSession(ort.InferenceSession):
             wrapper == "nothing" or wrapper == "webgpu guards" and info.device_type == "cuda")
         self._oc_capture_probe = None
         if info is not None and info.device_type == "cuda":
-            from ortcapture.cudart import make_capture_probe
+            from ortcapture._cudart import make_capture_probe
 
             self._oc_capture_probe = make_capture_probe()
         target = info or (requested if self._oc_deferred else None)
@@ -272,13 +274,13 @@ class InferenceSession(ort.InferenceSession):
             return self._oc_pool.allocate(shape, dtype)
 
     def io_binding(self) -> IOBinding:
-        """An :class:`ortcapture.binding.IOBinding` (an ``onnxruntime.IOBinding`` that records what it binds)."""
+        """An :class:`ortcapture._binding.IOBinding` (an ``onnxruntime.IOBinding`` that records what it binds)."""
         return IOBinding(self)
 
     # -- guarded run paths ------------------------------------------------------------------------------------
     def _oc_check_plain_run(self, api: str, run_options) -> bool:
         """Raise unless a plain run is safe here; True when it must hold the session guard (a capture session, or
-        any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture.gate``)."""
+        any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture._sync``)."""
         if self._oc_info is None:
             return self._oc_deferred or self._oc_gpu_guarded  # deferred: siblings capture under the same lock
         if graph_id_of(run_options) != SKIP_GRAPH_ID:
@@ -379,7 +381,7 @@ class InferenceSession(ort.InferenceSession):
     def _oc_capture(self, iobinding: IOBinding, gid: int, run_options, owner=None):
         """Validate bindings, capture ``gid`` side-effect free, and pin the binding. Caller holds the capture
         guard (:attr:`_oc_cguard`)."""
-        from ortcapture.capture import capture_bindings
+        from ortcapture._capture import capture_bindings
 
         rec = capture_bindings(self, iobinding, gid, run_options, owner)
         self._oc_thread_add(gid)
@@ -402,12 +404,12 @@ class InferenceSession(ort.InferenceSession):
 
     def _oc_prepare_thread(self, iobinding: IOBinding, gid: int, run_options) -> bool:
         """Before a replay of ``gid`` from this thread: give the thread its own ORT capture if it has none yet
-        (:func:`ortcapture.capture.capture_in_this_thread`). True when it did; False when the thread has it, or
+        (:func:`ortcapture._capture.capture_in_this_thread`). True when it did; False when the thread has it, or
         ``gid`` is not captured (the caller's path captures or raises). Raises like the registry's ``check`` for
         another IOBinding. Takes the capture guard itself."""
         if self._oc_thread_has(gid):
             return False
-        from ortcapture.capture import capture_in_this_thread
+        from ortcapture._capture import capture_in_this_thread
 
         with self._oc_cguard:
             if self._oc_thread_has(gid) or self._oc_registry is None or gid not in self._oc_registry:

@@ -5,7 +5,7 @@ ORT's own paths accept silently wrong input: ``OrtValue.update_inplace(numpy)`` 
 memory of non-contiguous arrays (ORT #13548), and before ORT #32315 a ``copy_tensors`` with an aliased pair or an
 undersized destination ended in ``std::terminate``. Every check here runs before any native call.
 
-Backends, chosen by :mod:`ortcapture.compat`: ``OrtValue.update_inplace(OrtValue)`` (ORT >= 1.26; for CUDA it is
+Backends, chosen by :mod:`ortcapture._compat`: ``OrtValue.update_inplace(OrtValue)`` (ORT >= 1.26; for CUDA it is
 ``cudaMemcpy`` + ``cudaStreamSynchronize`` on the legacy default stream), ``onnxruntime.copy_tensors`` (WebGPU,
 batch copies), and a cuda-python ``cudaMemcpyAsync`` + stream sync for CUDA on ORT versions without the former.
 Ordering guarantee: every copy has completed on the device when the call returns, so a replay started afterwards
@@ -20,10 +20,10 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from ortcapture import compat
+from ortcapture import _compat as compat
 from ortcapture.errors import CaptureUnsupportedError, TransferError
-from ortcapture.gate import CUDA_GATE
-from ortcapture.values import ONNX_TO_NP, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
+from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK
+from ortcapture._values import ONNX_TO_NP, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
 
 _C = ort.capi._pybind_state
 
@@ -271,7 +271,7 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
     is_bool = str(getattr(src, "dtype", "")).endswith("bool")
     # stream=1: the legacy default stream, on which ORT's device-to-device copy runs; the producer makes it wait for
     # its pending work (DLPack stream semantics), so the copy reads finished data.
-    from ortcapture.cudart import current_device
+    from ortcapture._cudart import current_device
 
     with current_device(int(dev_id)):  # the producer's device must be current to export with a stream
         try:
@@ -441,7 +441,7 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
     if not src:
         return
     if compat.has_copy_tensors() and any(m.kind == "webgpu" for m in (*sms, *dms)):
-        with _webgpu_lock():
+        with WEBGPU_LOCK:
             ort.copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
     else:
         for s, sm, d, dm in zip(src, sms, dst, dms):
@@ -457,7 +457,7 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
     m = _dst_meta(value, "value")
     if m.kind == "webgpu":
         host = ort.OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
-        with _webgpu_lock():
+        with WEBGPU_LOCK:
             ort.copy_tensors([value], [host], None)
         return host.numpy()
     if m.kind == "cuda":
@@ -482,26 +482,21 @@ _ORTVALUE = ort.OrtValue  # the hot path takes exact OrtValues only (a ReplayOut
 
 
 def _peer(a: int, b: int) -> None:
-    """GPU-to-GPU copies go peer to peer, not staged through the host (:func:`ortcapture.cudart.ensure_peer_access`)."""
-    from ortcapture.cudart import ensure_peer_access
+    """GPU-to-GPU copies go peer to peer, not staged through the host (:func:`ortcapture._cudart.ensure_peer_access`)."""
+    from ortcapture._cudart import ensure_peer_access
 
     ensure_peer_access(a, b)
 
 
-#: CUDA copies are "readers" of the process-wide capture gate: see :mod:`ortcapture.gate`.
+#: CUDA copies are "readers" of the process-wide capture gate: see :mod:`ortcapture._sync`.
 _CUDA_SHARED = CUDA_GATE.shared
 
 
-def _webgpu_lock():
-    """The process-wide WebGPU lock (ORT's WebGPU queue is not thread-safe): see :data:`ortcapture.webgpu.LOCK`."""
-    from ortcapture.webgpu import LOCK
-
-    return LOCK
 
 
 def _copy_host_to(dst: ort.OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
     if dm.kind == "webgpu":
-        with _webgpu_lock():
+        with WEBGPU_LOCK:
             ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(arr)], [dst], None)
     elif dm.kind == "cuda":
         with _CUDA_SHARED:
@@ -512,7 +507,7 @@ def _copy_host_to(dst: ort.OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
 
 def _copy_value(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMeta) -> None:
     if sm.kind == "cuda" or dm.kind == "cuda":
-        with _CUDA_SHARED:  # never while another thread captures a CUDA graph (ortcapture.gate)
+        with _CUDA_SHARED:  # never while another thread captures a CUDA graph (ortcapture._sync)
             _copy_value_unguarded(src, sm, dst, dm)
     else:
         _copy_value_unguarded(src, sm, dst, dm)
@@ -523,17 +518,17 @@ def _copy_value_unguarded(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, d
     if both_cuda and sm.device_id != dm.device_id:
         _peer(sm.device_id, dm.device_id)
     if COPY_BACKEND == "cuda-python" and both_cuda:
-        from ortcapture.cudart import memcpy_d2d
+        from ortcapture._cudart import memcpy_d2d
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif "webgpu" in (sm.kind, dm.kind):
-        with _webgpu_lock():
+        with WEBGPU_LOCK:
             ort.copy_tensors([src], [dst], None)
     elif compat.has_update_inplace_ortvalue():
         _HAS_UPDATE_INPLACE[0] = True
         dst.update_inplace(src)
     elif both_cuda and compat.has_cuda_python():
-        from ortcapture.cudart import memcpy_d2d
+        from ortcapture._cudart import memcpy_d2d
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif sm.kind == "cpu":

@@ -11,15 +11,14 @@ import importlib.util
 import json
 import subprocess
 import sys
-import threading
+
+from ortcapture._sync import WEBGPU_LOCK
 
 EP_NAME = "WebGpuExecutionProvider"
 _registered = False
 
-#: One lock for all WebGPU work of the process: sessions (captured or not) and copies share ORT's WebGPU device and
-#: queue, which are not thread-safe (measured on ORT 1.32: two WebGPU sessions, or a copy_tensors beside a replay,
-#: from two threads end in SIGSEGV or "CommandEncoder is already finished"). Re-entrant.
-LOCK = threading.RLock()
+#: The process-wide WebGPU lock (:data:`ortcapture._sync.WEBGPU_LOCK`): ORT's WebGPU queue is not thread-safe.
+LOCK = WEBGPU_LOCK
 
 
 def plugin_installed() -> bool:
@@ -34,7 +33,7 @@ def register() -> None:
         return
     import onnxruntime as ort
 
-    from ortcapture import compat
+    from ortcapture import _compat as compat
     from ortcapture.errors import CaptureUnsupportedError
 
     if not plugin_installed():

@@ -227,7 +227,7 @@ def test_replay_skips_orts_python_wrapper_only_where_it_adds_nothing_here(backen
     """The replay hot path calls the C session itself where onnxruntime's Python ``run_with_iobinding`` would only
     forward to it: onnxruntime < 1.30, and CUDA sessions on 1.30-1.32 (whose wrapper adds WebGPU-only guards).
     Both ways replay correctly."""
-    from ortcapture import compat
+    from ortcapture import _compat as compat
 
     calls = []
     wrapper = ort.InferenceSession.run_with_iobinding
@@ -253,7 +253,7 @@ def test_replay_skips_orts_python_wrapper_only_where_it_adds_nothing_here(backen
 
 
 def test_iobinding_run_wrapper_is_read_from_its_code(monkeypatch):
-    from ortcapture import compat
+    from ortcapture import _compat as compat
 
     def forwards(self, iobinding, run_options=None):
         self._sess.run_with_iobinding(iobinding._iobinding, run_options)
@@ -533,7 +533,7 @@ def test_aliases_of_fixed_buffers_are_recognised(backend):
     b = ort.IOBinding(sess)
     b.bind_ortvalue_output("Y", g.outputs["Y"])
     alias = b.get_outputs()[0]
-    assert ortcapture.values.device_kind(alias) == backend.device_type
+    assert ortcapture._values.device_kind(alias) == backend.device_type
     assert ortcapture.update_inplace(g.outputs["Y"], alias) is g.outputs["Y"]
     np.testing.assert_array_equal(ortcapture.to_numpy(alias), np.full((2, 4), 3.0))
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import unidiff  # test dependency (pyproject: [project.optional-dependencies] test)
 
-from ortcapture import cli, patching
+from ortcapture import cli
+from ortcapture.cli import patch as patching
 
 ROOT = patching.patches_root()
 SERIES = sorted(p.name for p in ROOT.iterdir() if (p / "series").is_file())

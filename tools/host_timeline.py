@@ -69,7 +69,7 @@ def _interleaved(args, ctx) -> dict:
     alike. Run twice: as is, and with the calling thread pinned to one CPU (``os.sched_setaffinity``)."""
     import onnxruntime as ort
 
-    from ortcapture.bench import current_cpu
+    from ortcapture.cli.bench import current_cpu
     from ortcapture.graph import ReplayOutput
 
     raw, b, ro, tiny, tg, traw, tb = (ctx[k] for k in ("raw", "b", "ro", "tiny", "tg", "traw", "tb"))
@@ -124,8 +124,8 @@ def _setup(so, path) -> dict:
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture import shapes
-    from ortcapture.providers import session_args
+    from ortcapture import _specialize as shapes
+    from ortcapture._providers import session_args
     from ortcapture.session import run_options_for
 
     model = shapes.fix_input_shapes(path, {"images": (8, 3, 320, 320)})
@@ -157,7 +157,7 @@ def _pieces(args, ctx) -> dict:
     """Host cost (median µs) of each piece of ortcapture's replay path, warm (back to back) and cold (right after
     a raw replay of the batch-8 reference model, i.e. after a ~1.4 ms ORT call and its wait for the GPU; and after a
     1 ms ``time.sleep``)."""
-    from ortcapture.gate import CUDA_GATE
+    from ortcapture._sync import CUDA_GATE
     from ortcapture.graph import ReplayOutput
 
     raw, b, ro, tiny, tg, tsrc, traw, tin, tb = (
@@ -251,9 +251,11 @@ def main() -> int:
         print("needs onnxruntime-gpu with the CUDA EP", file=sys.stderr)
         return 2
     import ortcapture
-    from ortcapture import models, shapes, timing
-    from ortcapture.bench import current_cpu
-    from ortcapture.providers import session_args
+    from ortcapture.cli import models as models
+    from ortcapture import _specialize as shapes
+    from ortcapture.cli import timing as timing
+    from ortcapture.cli.bench import current_cpu
+    from ortcapture._providers import session_args
     from ortcapture.session import run_options_for
 
     facts = {"ort": ort.__version__, "os.cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),

@@ -2,7 +2,7 @@
 """Where ortcapture's extra time per replay goes (CUDA, reference model, one process), for the open part of issue 6.
 
 Every variant below is timed call by call against the same baseline, raw ORT's hand-written replay
-``A = x.update_inplace(src); raw.run_with_iobinding(binding)`` (``ortcapture.timing.paired``; both call orders
+``A = x.update_inplace(src); raw.run_with_iobinding(binding)`` (``ortcapture.cli.timing.paired``; both call orders
 weighted alike by ``timing.paired_extra``), and reported as µs more (+) or less (-) than A per call:
 
   A2  raw, its fixed buffers from the session allocator (what ortcapture allocates from)
@@ -47,8 +47,11 @@ def main() -> int:
         print("needs onnxruntime-gpu with the CUDA EP", file=sys.stderr)
         return 2
     import ortcapture
-    from ortcapture import models, shapes, timing
-    from ortcapture.providers import parse_provider_options, session_args
+    from ortcapture.cli import models as models
+    from ortcapture import _specialize as shapes
+    from ortcapture.cli import timing as timing
+    from ortcapture._providers import session_args
+    from ortcapture.cli.options import parse_provider_options
     from ortcapture.session import run_options_for
 
     ep_options = parse_provider_options(args.provider_option)

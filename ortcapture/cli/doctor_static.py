@@ -1,7 +1,7 @@
 """``ortcapture doctor``'s static checks: what the ``onnx`` library alone says about capturing a model.
 
 The findings types (:class:`Finding`, :class:`DoctorError`) and the op lists live here too; the checks are described
-in :mod:`ortcapture.doctor`.
+in :mod:`ortcapture.cli.doctor`.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Finding:
 
 def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """``["images=1x3x320x320", ...]`` -> ``{"images": (1, 3, 320, 320)}``. Raises :class:`DoctorError`."""
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
     from ortcapture.errors import CaptureError
 
     try:
@@ -113,7 +113,7 @@ def check_control_flow(model) -> list[Finding]:
 def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
     """Dynamic input dims (named and unnamed) and whether ``given`` fixes them. Raises :class:`DoctorError` for a
     ``given`` shape that names no input, has the wrong rank, or contradicts a dim the model fixes."""
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
 
     dims = shapes.input_dims(model)
     for name, shape in given.items():
@@ -149,7 +149,7 @@ def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Findin
 
 def dims_fix(model, example: Mapping[str, Sequence[int]], only: Sequence[str] | None = None) -> str | None:
     """The "fix dims ..." advice for the dynamic inputs (``only``: restrict to these inputs)."""
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
 
     dyn = {n: d for n, d in shapes.dynamic_inputs(model).items() if only is None or n in only}
     if not dyn:

@@ -12,10 +12,10 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
-    "demo": ("ortcapture.demo", "capture and replay a real model, verify it, and print a timing table"),
-    "bench": ("ortcapture.bench", "benchmark captured replay against raw ORT in fresh processes"),
-    "doctor": ("ortcapture.doctor", "say whether (and why not) a model can be captured"),
-    "patch": ("ortcapture.patching", "check/apply/revert ortcapture's patches on an ORT source tree"),
+    "demo": ("ortcapture.cli.demo", "capture and replay a real model, verify it, and print a timing table"),
+    "bench": ("ortcapture.cli.bench", "benchmark captured replay against raw ORT in fresh processes"),
+    "doctor": ("ortcapture.cli.doctor", "say whether (and why not) a model can be captured"),
+    "patch": ("ortcapture.cli.patch", "check/apply/revert ortcapture's patches on an ORT source tree"),
 }
 
 

@@ -52,7 +52,7 @@ _FILE_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
 
 def patches_root() -> Path:
     """The ``onnxruntime`` patch folder: the repository's ``patches/`` or the installed package data."""
-    in_repo = Path(__file__).resolve().parent.parent / "patches" / "onnxruntime"
+    in_repo = Path(__file__).resolve().parents[2] / "patches" / "onnxruntime"
     if in_repo.is_dir():
         return in_repo
     spec = importlib.util.find_spec("ortcapture.patches")

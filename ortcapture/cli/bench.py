@@ -4,9 +4,9 @@
 [--plot F.png] [--graph-capture/--no-graph-capture] [--sync readback|device] [--provider-option KEY=VALUE ...]
 [--intra-op-threads N] [--session-config KEY=VALUE ...] [--pin-thread]``
 
-Method. For each batch size the model's input dims are fixed (:func:`ortcapture.shapes.fix_input_shapes`; raw ORT
+Method. For each batch size the model's input dims are fixed (:func:`ortcapture._specialize.fix_input_shapes`; raw ORT
 needs fixed dims to capture a dynamic-dims model) and that one fixed model is used by every arm. ``--procs``
-fresh processes (``python -m ortcapture.bench worker ...``, one after another, results as one JSON line on
+fresh processes (``python -m ortcapture.cli.bench worker ...``, one after another, results as one JSON line on
 stdout) each build the sessions, capture, warm every arm up (``--warmup`` untimed calls), then time the arms in
 round-robin blocks (``--rounds`` blocks of about ``iters / rounds`` calls per arm, the arm order rotated each
 round, one untimed call at the start of every block, the garbage collector off), and finally check every arm's
@@ -54,10 +54,10 @@ isolates what capture itself buys.
 
 Reported per batch: p50/p90/min/mean per arm, the per-process p50s, speedups (``captured_ortvalue`` against
 ``iobinding``, ``captured_numpy`` against ``plain``, raw capture against ``iobinding``) and ortcapture's overhead
-ratio ``captured_ortvalue`` p50 / ``raw_capture`` p50 (computed and drawn by :mod:`ortcapture.bench_report`) — from
+ratio ``captured_ortvalue`` p50 / ``raw_capture`` p50 (computed and drawn by :mod:`ortcapture.cli.bench_report`) — from
 the blocks, and again from a call-by-call alternation of just those two arms (``--iters`` pairs per process after
 the blocks, the order within a pair alternating; the per-pair differences, both orders weighted alike
-(:func:`ortcapture.timing.paired_extra`), give ortcapture's extra cost per call, free of the drift between blocks
+(:func:`ortcapture.cli.timing.paired_extra`), give ortcapture's extra cost per call, free of the drift between blocks
 that a ~1 % ratio drowns in). Exit code 0 on success, 1 when an arm's outputs disagree with the uncaptured run, 2 on
 errors (bad arguments, no capture-capable provider, a failed worker).
 """
@@ -73,7 +73,7 @@ import threading
 import time
 from collections import deque
 
-from ortcapture.bench_report import ARMS, CAPTURE_ARMS, _print_batch, _stats, plot  # noqa: F401 - re-exported
+from ortcapture.cli.bench_report import ARMS, CAPTURE_ARMS, _print_batch, _stats, plot  # noqa: F401 - re-exported
 
 _PROGRESS = "@@ortcapture-bench-progress"  # worker -> parent progress lines on stderr
 
@@ -127,10 +127,10 @@ _BOOLEAN_CONFIG_KEYS = frozenset({
 
 def _session_config(items: list[str]) -> dict[str, str]:
     """``--session-config KEY=VALUE`` items as a dict; raises :class:`BenchError` for a malformed item or a key given
-    twice (:func:`ortcapture.providers.parse_key_values`), an EP option (``ep.*``: the capture switch lives there;
+    twice (:func:`ortcapture._providers.parse_key_values`), an EP option (``ep.*``: the capture switch lives there;
     EP options go through ``--provider-option``) or a boolean key whose value is not 0/1."""
     from ortcapture.errors import CaptureError
-    from ortcapture.providers import parse_key_values
+    from ortcapture.cli.options import parse_key_values
 
     try:
         out = parse_key_values(items, "--session-config", "session.intra_op.allow_spinning=0")
@@ -160,7 +160,7 @@ def _batches(text: str) -> list[int]:
 def _check_args(args) -> tuple[list[int], int]:
     batches = _batches(args.batch)
     if args.model is None:
-        from ortcapture import models
+        from ortcapture.cli import models as models
 
         try:
             args.model = str(models.reference_model())
@@ -176,9 +176,9 @@ def _check_args(args) -> tuple[list[int], int]:
     rounds = min(args.iters, 10) if args.rounds is None else args.rounds
     if not 1 <= rounds <= args.iters:
         raise BenchError(f"--rounds must be between 1 and --iters ({args.iters})")
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
     from ortcapture.errors import CaptureError
-    from ortcapture.providers import parse_provider_options
+    from ortcapture.cli.options import parse_provider_options
 
     try:
         shapes.parse_shape_args(args.shape)
@@ -221,7 +221,7 @@ def session_args(provider: str, capture: bool, ep_options: dict | None = None, i
     ``SessionOptions`` each call: the WebGPU EP is added to it)."""
     import onnxruntime as ort
 
-    from ortcapture import providers
+    from ortcapture import _providers as providers
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -242,7 +242,10 @@ def _worker(opts) -> dict:
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture import compat, timing, transfer, values
+    from ortcapture import transfer
+    from ortcapture import _compat as compat
+    from ortcapture.cli import timing as timing
+    from ortcapture import _values as values
     from ortcapture.session import run_options_for
 
     provider, capture, model = opts.provider, bool(opts.capture), opts.model
@@ -427,7 +430,7 @@ def current_cpu() -> int:
 
 
 def _worker_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ortcapture.bench worker")
+    ap = argparse.ArgumentParser(prog="python -m ortcapture.cli.bench worker")
     ap.add_argument("--model", required=True)
     ap.add_argument("--provider", choices=["cuda", "webgpu"], required=True)
     ap.add_argument("--shapes", required=True, help='JSON {"input": [dims]}')
@@ -552,10 +555,10 @@ def run(args) -> int:
 def _run(args) -> int:
     batches, rounds = _check_args(args)
 
-    from ortcapture import shapes
-    from ortcapture.demo import example_shapes
+    from ortcapture import _specialize as shapes
+    from ortcapture.cli.demo import example_shapes
     from ortcapture.errors import CaptureError, CaptureUnsupportedError
-    from ortcapture.providers import pick_provider
+    from ortcapture._providers import pick_provider
 
     jobs = []  # (batch, shapes)
     seen = {}
@@ -578,7 +581,7 @@ def _run(args) -> int:
     except CaptureUnsupportedError as exc:
         raise BenchError(str(exc)) from None
     if args.sync == "device":
-        from ortcapture import compat
+        from ortcapture import _compat as compat
 
         if provider != "cuda":
             raise BenchError(f"--sync device is CUDA-only: ORT's Python API has no way to wait for {provider}'s "
@@ -618,7 +621,7 @@ def _run(args) -> int:
                 workers = []
                 for i in range(args.procs):
                     desc = f"batch {b} · process {i + 1}/{args.procs}"
-                    cmd = [sys.executable, "-m", "ortcapture.bench", "worker", "--model", fixed, "--provider",
+                    cmd = [sys.executable, "-m", "ortcapture.cli.bench", "worker", "--model", fixed, "--provider",
                            provider, "--shapes", json.dumps({n: list(s) for n, s in shp.items()}),
                            "--iters", str(args.iters), "--rounds", str(rounds), "--warmup", str(args.warmup),
                            "--capture", str(int(capture)), "--index", str(i), "--sync", args.sync,
@@ -677,6 +680,6 @@ def _median(xs):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         sys.exit(_worker_main(sys.argv[2:]))
-    parser = argparse.ArgumentParser(prog="python -m ortcapture.bench")
+    parser = argparse.ArgumentParser(prog="python -m ortcapture.cli.bench")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -1,6 +1,6 @@
 """``ortcapture bench``'s arms and what it makes of their timings: pooled statistics, speedups, ortcapture's overhead
 against raw capture (blocks and call-by-call), the table and the plot. The method is described in
-:mod:`ortcapture.bench`.
+:mod:`ortcapture.cli.bench`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _stats(per_process: list[dict]) -> dict:
     """Pooled stats per arm, per-process p50s, speedups and overhead ratios."""
     import numpy as np
 
-    from ortcapture import timing
+    from ortcapture.cli import timing as timing
 
     stats = {}
     for arm in ARMS:

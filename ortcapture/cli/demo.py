@@ -30,7 +30,7 @@ def make_sessions(model, provider: str):
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture.providers import session_args
+    from ortcapture._providers import session_args
 
     def so():
         o = ort.SessionOptions()
@@ -45,7 +45,7 @@ def example_shapes(model_path: str, batch: int, overrides: list[str]) -> dict:
     """``{input: shape}`` to capture with: ``--shape`` overrides, else the model's dims with a dynamic first dim set
     to ``batch`` and other dynamic dims to 320 (the reference model's). Raises :class:`CaptureError` for a bad or
     unknown ``--shape``."""
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
     from ortcapture.errors import CaptureError
 
     given = shapes.parse_shape_args(overrides)
@@ -72,8 +72,11 @@ def run(args) -> int:
     import numpy as np
     import onnxruntime as ort
 
-    from ortcapture import models, shapes, timing, transfer
-    from ortcapture.providers import pick_provider
+    from ortcapture import transfer
+    from ortcapture.cli import models as models
+    from ortcapture import _specialize as shapes
+    from ortcapture.cli import timing as timing
+    from ortcapture._providers import pick_provider
     from ortcapture.session import run_options_for
 
     from ortcapture.errors import CaptureError

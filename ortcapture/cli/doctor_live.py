@@ -1,5 +1,5 @@
 """``ortcapture doctor``'s dynamic checks: sessions on a capture-capable EP — node placement, ORT's own log, two
-uncaptured reference runs and a real capture attempt (described in :mod:`ortcapture.doctor`).
+uncaptured reference runs and a real capture attempt (described in :mod:`ortcapture.cli.doctor`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ortcapture.doctor_static import DoctorError, Finding, _fmt_shape, dims_fix
+from ortcapture.cli.doctor_static import DoctorError, Finding, _fmt_shape, dims_fix
 
 #: Session config key that makes ORT record which EP each node went to (read by get_provider_graph_assignment_info).
 RECORD_ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
@@ -97,13 +97,13 @@ class OrtLogCapture:
 # dynamic checks
 # ---------------------------------------------------------------------------------------------------------------
 def choose_provider(requested: str) -> tuple[str, str | None]:
-    """``(provider, why none)``: ``cuda``/``webgpu`` as :func:`ortcapture.demo.pick_provider` picks them, or ``none``
+    """``(provider, why none)``: ``cuda``/``webgpu`` as :func:`ortcapture.cli.demo.pick_provider` picks them, or ``none``
     (requested, or ``auto`` found no capture-capable EP: the reason is returned). Raises :class:`DoctorError` when
     an explicitly requested EP is unusable."""
     if requested == "none":
         return "none", "--provider none: static checks only"
     from ortcapture.errors import CaptureUnsupportedError
-    from ortcapture.providers import pick_provider
+    from ortcapture._providers import pick_provider
 
     try:
         return pick_provider(requested), None
@@ -124,7 +124,7 @@ def _session_args(provider: str, capture: bool, config: Mapping[str, str] = (), 
     (warnings), so OrtLogCapture sees them."""
     import onnxruntime as ort
 
-    from ortcapture.providers import session_args
+    from ortcapture._providers import session_args
 
     so = ort.SessionOptions()
     for k, v in dict(config).items():
@@ -312,7 +312,7 @@ _PHASE_AS_GIVEN, _PHASE_FIXED, _PHASE_CAPTURE = "model as given", "dims fixed", 
 
 def _placement_findings(model, ep: str, example, placement: Placement, fixed: Placement | None,
                         capture: dict) -> list[Finding]:
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
 
     out: list[Finding] = []
     outcome = capture["outcome"]
@@ -417,7 +417,7 @@ def _unstable_finding(ep: str, stable: tuple[bool, float, str | None], ep_option
 
 
 def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[Finding]) -> Finding:
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
 
     outcome = capture["outcome"]
     if outcome == "captured":
@@ -452,7 +452,7 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
     """Placement, ORT's log and a real capture on ``provider``; returns (findings, capture result).
 
     Raises :class:`DoctorError` when ORT cannot even create an uncaptured session for the model."""
-    from ortcapture import shapes
+    from ortcapture import _specialize as shapes
 
     say = progress or (lambda msg: None)
     ep = _EP_NAMES[provider]

@@ -53,7 +53,7 @@ none):
 Verdict: exit 0 capturable, 1 not capturable, 2 error (model unreadable, bad ``--shape`` or ``--provider-option``,
 provider missing), with "what to change" lines. ``--json`` prints one JSON object instead of the report.
 
-Layout: the static checks are in :mod:`ortcapture.doctor_static`, the dynamic ones in :mod:`ortcapture.doctor_live`;
+Layout: the static checks are in :mod:`ortcapture.cli.doctor_static`, the dynamic ones in :mod:`ortcapture.cli.doctor_live`;
 this module parses the command line, combines their findings into the verdict and prints the report.
 """
 from __future__ import annotations
@@ -66,10 +66,10 @@ import sys
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from ortcapture.doctor_live import (  # noqa: F401 - re-exported
+from ortcapture.cli.doctor_live import (  # noqa: F401 - re-exported
     _EP_NAMES, RECORD_ASSIGNMENT_KEY, OrtLogCapture, _compare, choose_provider, dynamic_checks,
 )
-from ortcapture.doctor_static import (  # noqa: F401 - the public names of ``ortcapture.doctor``
+from ortcapture.cli.doctor_static import (  # noqa: F401 - the public names of ``ortcapture.cli.doctor``
     CONTROL_FLOW_OPS, DATA_DEPENDENT_OPS, SEVERITIES, VIEW_OPS, DoctorError, Finding, _fmt_dims, _fmt_shape, dims_fix,
     parse_shapes, static_checks,
 )
@@ -101,16 +101,16 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
              option_items: Sequence[str] = ()) -> dict:
     """Run the static checks, then (with a capture-capable EP) the dynamic ones; return the report (the object
     ``--json`` prints). ``option_items``: ``--provider-option`` strings (``KEY=VALUE``) for every session doctor
-    creates, validated by :func:`ortcapture.providers.parse_provider_options`. Raises :class:`DoctorError`
+    creates, validated by :func:`ortcapture._providers.parse_provider_options`. Raises :class:`DoctorError`
     (exit 2) for an unreadable model, a bad ``--shape`` or ``--provider-option``, or an unusable requested
     provider."""
     import onnx
     import onnxruntime as ort
 
-    from ortcapture import shapes
-    from ortcapture.demo import example_shapes
+    from ortcapture import _specialize as shapes
+    from ortcapture.cli.demo import example_shapes
     from ortcapture.errors import CaptureError
-    from ortcapture.providers import parse_provider_options
+    from ortcapture.cli.options import parse_provider_options
 
     try:
         ep_options = parse_provider_options(list(option_items))

@@ -1,0 +1,171 @@
+"""An ``onnxruntime.IOBinding`` that remembers what is bound, so captured graphs can pin it.
+
+ORT's own IOBinding keeps this bookkeeping only from ORT 1.30 on and only enforces it for WebGPU capture
+(ORT PR #32074). For CUDA/TensorRT graphs a rebind after capture is accepted and silently ignored: replay reads the
+buffers recorded at capture. This subclass records every binding on every ORT version and refuses rebinding or
+clearing while a captured ``gpu_graph_id`` pins it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from ortcapture.errors import BindingError
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One bound input or output.
+
+    ``kind``: ``"ortvalue"`` (a fixed OrtValue), ``"cpu"`` (``bind_cpu_input``: ORT copies it once, later changes
+    are stale on replay), ``"pointer"`` (``bind_input``/``bind_output`` with a raw device pointer, memory owned by
+    the caller) or ``"allocate"`` (``bind_output`` without a buffer: ORT allocates per run).
+    """
+
+    kind: str
+    device: str  # "cpu" | "cuda" | "webgpu" | ...
+    device_id: int
+    shape: tuple[int, ...] | None
+    element_type: str | None  # e.g. "tensor(float)"; None when ORT decides
+    address: int | None  # device pointer where one exists (CUDA/CPU); None for WebGPU handles
+    value: Any = None  # the OrtValue (strong reference: keeps the buffer alive while pinned)
+
+    @property
+    def key(self) -> tuple:
+        """Identity of the buffer: pointer where there is one, else the OrtValue object's identity."""
+        ident = self.address if self.address is not None else (id(self.value) if self.value is not None else None)
+        return (self.kind, self.device, self.device_id, ident, self.shape, self.element_type)
+
+    @property
+    def nbytes(self) -> int:
+        if self.value is not None:
+            try:
+                return int(self.value.tensor_size_in_bytes())
+            except Exception:  # noqa: BLE001 - older ORT without tensor_size_in_bytes
+                pass
+        return 0
+
+
+_NP_TO_ONNX = {
+    np.dtype(np.float32): "tensor(float)", np.dtype(np.float16): "tensor(float16)",
+    np.dtype(np.float64): "tensor(double)", np.dtype(np.int8): "tensor(int8)", np.dtype(np.uint8): "tensor(uint8)",
+    np.dtype(np.int16): "tensor(int16)", np.dtype(np.uint16): "tensor(uint16)", np.dtype(np.int32): "tensor(int32)",
+    np.dtype(np.uint32): "tensor(uint32)", np.dtype(np.int64): "tensor(int64)", np.dtype(np.uint64): "tensor(uint64)",
+    np.dtype(np.bool_): "tensor(bool)",
+}
+
+
+def onnx_type_of(dtype) -> str:
+    """ORT's type string (``"tensor(float)"``) for a numpy dtype; raises :class:`TypeError` for others."""
+    try:
+        return _NP_TO_ONNX[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise TypeError(f"no ONNX tensor type for numpy dtype {dtype!r}") from None
+
+
+def describe_ortvalue(value: ort.OrtValue) -> Bound:
+    """A :class:`Bound` record for a tensor OrtValue (device kind and ordinal from :mod:`ortcapture._values`)."""
+    from ortcapture._values import meta
+
+    m = meta(value)
+    address = m.span[0] if m.span else None
+    return Bound("ortvalue", m.kind, m.device_id, m.shape, m.element_type, address, value)
+
+
+class IOBinding(ort.IOBinding):
+    """Drop-in ``onnxruntime.IOBinding`` that records its bindings and refuses changes while pinned.
+
+    Returned by :meth:`ortcapture.InferenceSession.io_binding`. Every ``bind_*``/``clear_*`` raises
+    :class:`~ortcapture.errors.BindingError` while a captured ``gpu_graph_id`` pins this binding; call
+    ``sess.release_captured_graph(id)`` first (CUDA/TensorRT: the id is then retired; use a new one).
+    """
+
+    def __init__(self, session: ort.InferenceSession):
+        super().__init__(session)
+        self._oc_inputs: dict[str, Bound] = {}
+        self._oc_outputs: dict[str, Bound] = {}
+        self._oc_pins: set[int] = set()
+        self._oc_state: dict[str, str] = {}  # output name -> input name allowed to share one buffer
+
+    def declare_state(self, output_name: str, input_name: str) -> None:
+        """Declare that ``output_name`` is bound to the same buffer as ``input_name`` on purpose (recurrent state
+        updated in place). Undeclared input/output aliasing is refused under capture. With a declared pair,
+        ortcapture snapshots the input before capture and restores it afterwards, so ORT's warm-up runs do not
+        advance the state (ORT #32243: 3 steps in the first CUDA-graph call on the H200).
+        """
+        self._oc_reject_if_pinned("declare state")
+        self._oc_state[str(output_name)] = str(input_name)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+    def _oc_reject_if_pinned(self, action: str) -> None:
+        if self._oc_pins:
+            ids = ", ".join(str(i) for i in sorted(self._oc_pins))
+            raise BindingError(
+                f"Cannot {action}: captured graph(s) gpu_graph_id=[{ids}] pin this IOBinding. Replay re-issues the "
+                "device buffers recorded at capture, so the new binding would be silently ignored. Update the "
+                "bound buffers in place (ortcapture.update_inplace), or release the graph "
+                "(sess.release_captured_graph(id)) and capture under a new gpu_graph_id."
+            )
+
+    def capture_signature(self) -> tuple:
+        """Hashable identity, shape, dtype and device of everything bound (inputs, then outputs, by name)."""
+        return (
+            tuple(sorted((n, b.key) for n, b in self._oc_inputs.items())),
+            tuple(sorted((n, b.key) for n, b in self._oc_outputs.items())),
+        )
+
+    @property
+    def bound_inputs(self) -> dict[str, Bound]:
+        return dict(self._oc_inputs)
+
+    @property
+    def bound_outputs(self) -> dict[str, Bound]:
+        return dict(self._oc_outputs)
+
+    # -- ORT API -------------------------------------------------------------------------------------------
+    def bind_cpu_input(self, name, arr_on_cpu):
+        self._oc_reject_if_pinned("rebind inputs")
+        super().bind_cpu_input(name, arr_on_cpu)
+        arr = np.asarray(arr_on_cpu)
+        self._oc_inputs[name] = Bound("cpu", "cpu", 0, tuple(arr.shape), None, None, arr)
+
+    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+        self._oc_reject_if_pinned("rebind inputs")
+        super().bind_input(name, device_type, device_id, element_type, shape, buffer_ptr)
+        self._oc_inputs[name] = Bound(
+            "pointer", str(device_type).lower(), int(device_id), tuple(shape), onnx_type_of(element_type),
+            int(buffer_ptr), None,
+        )
+
+    def bind_ortvalue_input(self, name, ortvalue):
+        self._oc_reject_if_pinned("rebind inputs")
+        super().bind_ortvalue_input(name, ortvalue)
+        self._oc_inputs[name] = describe_ortvalue(ortvalue)
+
+    def bind_output(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None):
+        self._oc_reject_if_pinned("rebind outputs")
+        super().bind_output(name, device_type, device_id, element_type, shape, buffer_ptr)
+        if buffer_ptr is None:
+            rec = Bound("allocate", str(device_type).lower(), int(device_id), None, None, None, None)
+        else:
+            rec = Bound("pointer", str(device_type).lower(), int(device_id), tuple(shape),
+                        onnx_type_of(element_type), int(buffer_ptr), None)
+        self._oc_outputs[name] = rec
+
+    def bind_ortvalue_output(self, name, ortvalue):
+        self._oc_reject_if_pinned("rebind outputs")
+        super().bind_ortvalue_output(name, ortvalue)
+        self._oc_outputs[name] = describe_ortvalue(ortvalue)
+
+    def clear_binding_inputs(self):
+        self._oc_reject_if_pinned("clear input bindings")
+        super().clear_binding_inputs()
+        self._oc_inputs.clear()
+
+    def clear_binding_outputs(self):
+        self._oc_reject_if_pinned("clear output bindings")
+        super().clear_binding_outputs()
+        self._oc_outputs.clear()

@@ -1,0 +1,184 @@
+"""The capturing run: validate an IOBinding for capture, capture without side effects, pin it.
+
+Kept apart from :mod:`ortcapture.session` so the rules for what may be captured live in one place.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from ortcapture import transfer
+from ortcapture._binding import Bound, IOBinding
+from ortcapture.errors import BindingError, CaptureError
+from ortcapture._values import meta
+
+#: Byte written over every output before the verification replay; a buffer still all of it was not written.
+SENTINEL_BYTE = 0xA5
+#: The second pattern, for outputs whose real value happened to equal the first (e.g. int32 0xA5A5A5A5).
+SENTINEL_BYTE_2 = 0x5A
+
+
+def _overlaps(a: Bound, b: Bound) -> bool:
+    if a.device != b.device or a.device_id != b.device_id:
+        return False
+    if a.value is not None and b.value is not None and (a.value is b.value or a.value._ortvalue is b.value._ortvalue):
+        return True
+    if a.address is None or b.address is None or not a.address or not b.address:
+        return False
+    na, nb = max(a.nbytes, 1), max(b.nbytes, 1)
+    return a.address < b.address + nb and b.address < a.address + na
+
+
+def validate_bindings(session, binding: IOBinding) -> list[tuple[str, str]]:
+    """Raise :class:`BindingError` unless every model input and output is bound to a fixed buffer on the capturing
+    device; return the declared (output, input) state pairs that share a buffer."""
+    info = session.capture_info
+    ins, outs = binding.bound_inputs, binding.bound_outputs
+    for node_arg in session.get_inputs():
+        if node_arg.name not in ins:
+            raise BindingError(f"input {node_arg.name!r} is not bound; capture needs every input bound to a fixed buffer")
+    for node_arg in session.get_outputs():
+        if node_arg.name not in outs:
+            raise BindingError(
+                f"output {node_arg.name!r} is not bound; ORT would allocate it per run, and replay would write into the "
+                "buffer allocated at capture. Bind a fixed buffer (sess.allocate(shape, dtype))."
+            )
+    for role, bound in (("input", ins), ("output", outs)):
+        for name, b in bound.items():
+            if b.kind == "cpu":
+                raise BindingError(
+                    f"input {name!r} is bound with bind_cpu_input: ORT copies it once at capture and replay reads "
+                    "that copy, so later changes to the array are silently stale. Bind a fixed device buffer "
+                    "(sess.allocate) and update it in place (ortcapture.update_inplace)."
+                )
+            if b.kind == "allocate":
+                raise BindingError(
+                    f"output {name!r} is bound without a buffer (ORT allocates per run); replay would keep writing "
+                    "into the capture-time allocation. Bind a fixed buffer (sess.allocate(shape, dtype))."
+                )
+            if b.device != info.device_type or (info.device_type == "cuda" and b.device_id != info.device_id):
+                raise BindingError(
+                    f"{role} {name!r} lives on {b.device}:{b.device_id}, but this session captures on "
+                    f"{info.device_type}:{info.device_id} ({info.ep.name}). Copy it to a buffer from "
+                    "sess.allocate() with ortcapture.update_inplace."
+                )
+    declared = []
+    for oname, ob in outs.items():
+        for iname, ib in ins.items():
+            if _overlaps(ob, ib):
+                if binding._oc_state.get(oname) == iname:
+                    declared.append((oname, iname))
+                    continue
+                raise BindingError(
+                    f"output {oname!r} and input {iname!r} share one buffer. ORT's memory planner does not promise "
+                    "every read of the input happens before the output is written, and the capture call's warm-up "
+                    "runs would advance it several steps (ORT #32243). Use separate buffers (CapturedGraph's "
+                    f"state=...), or declare it: binding.declare_state({oname!r}, {iname!r})."
+                )
+    return declared
+
+
+def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, owner=None):
+    """Capture ``graph_id`` with ``binding``, verify the replay, and pin it; the caller holds the session lock.
+
+    ORT runs the model several times inside the first capturing call (warm-up). Inputs that are not also outputs
+    are never written, so only declared in-place state pairs can be affected: their inputs are snapshotted on the
+    device before the call and restored after it.
+
+    Then every output buffer is filled with a sentinel byte pattern and the graph is replayed once (on the same
+    inputs, so the outputs end as the capture left them, and declared state advances exactly one step). An output
+    the replay did not write is refused: measured on ORT 1.32 WebGPU, an output that is a view (Reshape, Flatten,
+    Squeeze, Unsqueeze, Identity) of another tensor or a graph input is copied once at capture and never again, so
+    every later replay would silently return the capture-time value. Raises :class:`CaptureError` (the graph is
+    released) naming those outputs.
+    """
+    declared = validate_bindings(session, binding)
+    snapshots = _snapshot_state(session, binding, declared)
+    ort.InferenceSession.run_with_iobinding(session, binding, run_options)
+    rec = session._oc_registry.record(binding, graph_id, owner)
+    try:
+        if snapshots:
+            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+        sentinels = _fill_sentinels(binding, SENTINEL_BYTE)
+        ort.InferenceSession.run_with_iobinding(session, binding, run_options)  # internal: not counted
+        stale = [name for name, (buf, pattern) in sentinels.items()
+                 if transfer.to_numpy(buf).tobytes() == pattern]
+        if stale:  # a real result may equal the pattern: confirm with a second one, state kept at one step
+            again = _snapshot_state(session, binding, declared)
+            try:
+                second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=stale)
+                ort.InferenceSession.run_with_iobinding(session, binding, run_options)
+                stale = [name for name, (buf, pattern) in second.items()
+                         if transfer.to_numpy(buf).tobytes() == pattern]
+                if again:
+                    transfer.copy([t for t, _ in again], [b for _, b in again])
+            finally:
+                session._oc_pool.forget([t for t, _ in again])
+    except BaseException:
+        session.release_captured_graph(graph_id)
+        raise
+    finally:
+        session._oc_pool.forget([t for t, _ in snapshots])  # scratch copies: not needed after the restore
+    if stale:
+        session.release_captured_graph(graph_id)
+        raise CaptureError(
+            f"output(s) {stale} of gpu_graph_id={graph_id} are not written by the captured graph's replay: "
+            f"{session.capture_info.ep.name} copied them once at capture (an output that is a view — Reshape, "
+            "Flatten, Squeeze, Unsqueeze, Identity — of another tensor or of a graph input), so every replay "
+            "would return the capture-time value. The graph was released. Make those outputs real computations "
+            "(or drop them), or run this model without capture; `ortcapture doctor MODEL` lists such outputs."
+        )
+    return rec
+
+
+def _snapshot_state(session, binding: IOBinding, declared) -> list:
+    """Device copies of the declared in-place state inputs: [(scratch copy, bound buffer)]."""
+    ins = binding.bound_inputs
+    snapshots = []
+    for _, iname in declared:
+        buf = ins[iname].value
+        if buf is None:
+            raise BindingError(f"state input {iname!r} must be bound as an OrtValue to be snapshotted")
+        tmp = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
+        transfer.copy([buf], [tmp])
+        snapshots.append((tmp, buf))
+    return snapshots
+
+
+def capture_in_this_thread(session, binding: IOBinding, run_options) -> None:
+    """Give the calling thread its own copy of an already captured CUDA/TensorRT graph, side-effect free.
+
+    ORT's CUDA and TensorRT EPs keep captured graphs in a per-thread context (``CUDAExecutionProvider::
+    PerThreadContext``): the first run of a captured ``gpu_graph_id`` from another thread does not replay — ORT
+    runs the model uncaptured (warm-up; in-place state advances) and captures a new graph in that thread. Done here
+    once per thread under the process-wide capture gate, with the declared state inputs snapshotted and restored,
+    so the caller's following replay advances state exactly one step. When ORT hands the thread a retired
+    context that already holds the graph, the call is a plain replay and is undone the same way. The caller holds
+    the session's capture guard.
+    """
+    declared = validate_bindings(session, binding)
+    snapshots = _snapshot_state(session, binding, declared)
+    try:
+        ort.InferenceSession.run_with_iobinding(session, binding, run_options)
+        if snapshots:
+            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+    finally:
+        session._oc_pool.forget([t for t, _ in snapshots])
+
+
+def _fill_sentinels(binding: IOBinding, byte: int, only=None) -> dict:
+    """Overwrite every bound output OrtValue (or those named in ``only``) with ``byte``; return
+    name -> (buffer, the pattern's bytes)."""
+    out = {}
+    for name, b in binding.bound_outputs.items():
+        if only is not None and name not in only:
+            continue
+        if b.value is None:
+            continue  # raw-pointer outputs: not ours to fill
+        m = meta(b.value)
+        if m.dtype is None or m.nbytes == 0:
+            continue
+        pattern = np.full(m.nbytes, byte, np.uint8).view(m.dtype).reshape(m.shape)
+        transfer.update_inplace(b.value, pattern)
+        out[name] = (b.value, pattern.tobytes())
+    return out

@@ -1,0 +1,150 @@
+"""Thin cuda-python helpers (all optional: each returns ``None``/``False`` where cuda-python is absent).
+
+Used where ORT's Python API has no answer: which device a pointer lives on, whether a stream is being captured
+(ORT PR #32081: a capturing session called during a foreign stream capture ends in ``std::terminate``), and
+device-to-device copies on ORT versions without ``OrtValue.update_inplace(OrtValue)``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ortcapture import _compat as compat
+
+
+def _ok(err) -> bool:
+    return int(err) == 0
+
+
+def pointer_device(ptr: int) -> int | None:
+    """CUDA device ordinal that owns device pointer ``ptr``, or ``None`` (not CUDA memory / no cuda-python)."""
+    rt = compat.cudart()
+    if rt is None or not ptr:
+        return None
+    try:
+        err, attrs = rt.cudaPointerGetAttributes(ptr)
+    except Exception:  # noqa: BLE001
+        return None
+    if not _ok(err):
+        return None
+    mem_type = int(getattr(attrs, "type", 0))
+    if mem_type not in (2, 3):  # cudaMemoryTypeDevice, cudaMemoryTypeManaged
+        return None
+    return int(attrs.device)
+
+
+@contextlib.contextmanager
+def current_device(device: int):
+    """Make CUDA ``device`` the calling thread's current device inside the block, then restore the previous one.
+
+    For exporting DLPack tensors: a producer (torch) refuses ``__dlpack__(stream=...)`` unless its tensor's device
+    is current ("Can't export tensors on a different CUDA device index"), and ORT's CUDA EP leaves the device of
+    its last run current (``cudaSetDevice`` in ``OnRunStart``). A no-op without cuda-python.
+    """
+    rt = compat.cudart()
+    prev = None
+    if rt is not None:
+        err, cur = rt.cudaGetDevice()
+        if _ok(err) and int(cur) != int(device):
+            (err,) = rt.cudaSetDevice(int(device))
+            prev = int(cur) if _ok(err) else None
+    try:
+        yield
+    finally:
+        if prev is not None:
+            rt.cudaSetDevice(prev)
+
+
+_PEER: dict[tuple[int, int], bool] = {}
+_PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+def ensure_peer_access(a: int, b: int) -> bool:
+    """Enable CUDA peer access between devices ``a`` and ``b`` (both directions, once per process); True when it is
+    on. Without it a device-to-device ``cudaMemcpy`` between two GPUs is staged through host memory by the driver
+    (measured on two H200s: 15 GB/s for a 1.2 MB copy, against the host path's 9 GB/s). False (and the copy still
+    works, staged) where the GPUs cannot reach each other or cuda-python is absent."""
+    key = (a, b) if a < b else (b, a)
+    known = _PEER.get(key)
+    if known is not None:
+        return known
+    rt = compat.cudart()
+    ok = rt is not None and a != b
+    if ok:
+        for x, y in ((a, b), (b, a)):
+            err, can = rt.cudaDeviceCanAccessPeer(x, y)
+            if not _ok(err) or not int(can):
+                ok = False
+                break
+            with current_device(x):
+                (err,) = rt.cudaDeviceEnablePeerAccess(y, 0)
+                if int(err) == _PEER_ALREADY_ENABLED:
+                    rt.cudaGetLastError()  # clear it: ORT checks cudaGetLastError() after its kernel launches
+                elif not _ok(err):
+                    rt.cudaGetLastError()
+                    ok = False
+                    break
+    _PEER[key] = ok
+    return ok
+
+
+def stream_is_capturing(stream: int = 0) -> bool:
+    """Whether CUDA ``stream`` (0 = legacy default stream) is being captured into a CUDA graph right now."""
+    rt = compat.cudart()
+    if rt is None:
+        return False
+    try:
+        err, status = rt.cudaStreamIsCapturing(stream)
+    except Exception:  # noqa: BLE001
+        return False
+    if not _ok(err):
+        return int(err) in _CAPTURE_ERRORS
+    return int(status) != 0
+
+
+def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+    """Synchronous device-to-device (or peer) copy of ``nbytes`` bytes; raises :class:`RuntimeError` on failure."""
+    rt = compat.cudart()
+    if rt is None:
+        raise RuntimeError("cuda-python is not installed")
+    # cudaMemcpy does not wait for a device-to-device copy to finish; copy on the legacy stream and wait for it,
+    # so the copy is complete before the next replay on ORT's (non-blocking) stream reads the buffer.
+    (err,) = rt.cudaMemcpyAsync(dst_ptr, src_ptr, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, 0)
+    if _ok(err):
+        (err,) = rt.cudaStreamSynchronize(0)
+    if not _ok(err):
+        raise RuntimeError(f"cudaMemcpyAsync device-to-device copy failed: {err}")
+
+
+def make_capture_probe():
+    """A cheap callable answering: is the calling thread's CUDA stream (torch's current stream, else the legacy
+    default stream) being captured into a foreign CUDA graph right now? Built once per session; one or two
+    queries per call, no synchronisation. Without torch and cuda-python it always answers False."""
+    import sys
+
+    rt = compat.cudart()
+    query = getattr(rt, "cudaStreamIsCapturing", None) if rt is not None else None
+    modules = sys.modules
+
+    def probe() -> bool:
+        torch = modules.get("torch")
+        if torch is not None:
+            cuda = torch.cuda
+            if cuda.is_initialized() and cuda.is_current_stream_capturing():
+                return True
+        if query is not None:
+            err, status = query(0)
+            if int(err) != 0:
+                return int(err) in _CAPTURE_ERRORS
+            return int(status) != 0
+        return False
+
+    return probe
+
+
+# cudaErrorStreamCapture* (900-908): a capture in progress made the legacy stream query illegal
+_CAPTURE_ERRORS = frozenset(range(900, 909))
+
+
+def caller_stream_is_capturing() -> bool:
+    """One-off form of :func:`make_capture_probe`."""
+    return make_capture_probe()()

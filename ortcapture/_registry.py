@@ -1,0 +1,149 @@
+"""Captured-graph registry: ``gpu_graph_id`` -> the IOBinding and buffers it pinned.
+
+An explicit key -> graph pool (as ORT-GenAI's ``captured_graph_pool.h``) instead of hidden state. It enforces, for
+every capture-capable EP and ORT version, what ORT >= 1.30 enforces for WebGPU only (ORT PR #32074):
+
+* the first capturing ``run_with_iobinding`` of an id pins that IOBinding and the identity, shape, dtype and device
+  of every bound value; another IOBinding or a changed binding under that id raises;
+* a released id on an EP whose release is a no-op inside ORT (CUDA, TensorRT — measured on onnxruntime-gpu 1.31.1:
+  a new IOBinding replayed under a released id writes into the old buffers) is retired for good;
+* ``reset()`` (on ``set_providers``) forgets everything, since the captured graphs die with the old C session.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from ortcapture._binding import Bound, IOBinding
+from ortcapture.errors import BindingError, GraphReleasedError
+from ortcapture._providers import CaptureInfo
+
+SKIP_GRAPH_ID = -1  # ORT's kGraphAnnotationSkip: run without capture or replay
+
+
+@dataclass
+class CapturedGraphRecord:
+    """What one ``gpu_graph_id`` pinned at capture."""
+
+    graph_id: int
+    binding: "weakref.ReferenceType[IOBinding]"
+    signature: tuple
+    inputs: dict[str, Bound]
+    outputs: dict[str, Bound]
+    replays: int = 0
+    owner: object = field(default=None, repr=False)  # a CapturedGraph, when one made it
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of device memory the pinned inputs and outputs occupy."""
+        return sum(b.nbytes for b in (*self.inputs.values(), *self.outputs.values()))
+
+    def describe(self) -> dict:
+        return {
+            "gpu_graph_id": self.graph_id,
+            "inputs": {n: (b.device, b.shape, b.element_type) for n, b in self.inputs.items()},
+            "outputs": {n: (b.device, b.shape, b.element_type) for n, b in self.outputs.items()},
+            "bytes": self.nbytes,
+            "replays": self.replays,
+        }
+
+
+class GraphRegistry:
+    """Per-session map of ``gpu_graph_id`` to :class:`CapturedGraphRecord`, plus retired ids."""
+
+    def __init__(self, info: CaptureInfo):
+        self.info = info
+        self._graphs: dict[int, CapturedGraphRecord] = {}
+        self._retired: set[int] = set()
+        self._lock = threading.RLock()
+
+    # -- queries --------------------------------------------------------------------------------------------
+    def __contains__(self, graph_id: int) -> bool:
+        return graph_id in self._graphs
+
+    def get(self, graph_id: int) -> CapturedGraphRecord | None:
+        return self._graphs.get(graph_id)
+
+    @property
+    def graph_ids(self) -> list[int]:
+        return sorted(self._graphs)
+
+    @property
+    def retired_ids(self) -> list[int]:
+        return sorted(self._retired)
+
+    def free_id(self, start: int = 0) -> int:
+        """The smallest id >= ``start`` neither captured nor retired."""
+        with self._lock:
+            gid = max(0, start)
+            while gid in self._graphs or gid in self._retired:
+                gid += 1
+            return gid
+
+    # -- the run path ---------------------------------------------------------------------------------------
+    def check(self, binding: IOBinding, graph_id: int) -> CapturedGraphRecord | None:
+        """Validate a capturing run of ``graph_id``; return its record when this is a replay, ``None`` for a capture.
+
+        Raises :class:`GraphReleasedError` for a retired id and :class:`BindingError` when the binding differs
+        from the one the id pinned.
+        """
+        if graph_id in self._retired:
+            raise GraphReleasedError(
+                f"gpu_graph_id={graph_id} was released, but this onnxruntime cannot free a captured "
+                f"{self.info.ep.name} graph (release_captured_graph is a no-op for CUDA/TensorRT, and WebGPU gains it "
+                "in ORT 1.30): replaying it would write into the old buffers "
+                f"and ignore the new binding. Capture under a new gpu_graph_id (e.g. {self.free_id(graph_id)}), "
+                "or create a new session."
+            )
+        rec = self._graphs.get(graph_id)
+        if rec is None:
+            return None
+        pinned = rec.binding()
+        if pinned is not binding:
+            raise BindingError(
+                f"gpu_graph_id={graph_id} was captured with a different IOBinding. Replay re-issues the buffers "
+                "recorded at capture and would silently ignore this binding. Reuse the original IOBinding and "
+                "update its buffers in place, or capture under a new gpu_graph_id."
+            )
+        if binding.capture_signature() != rec.signature:
+            raise BindingError(
+                f"gpu_graph_id={graph_id}: the IOBinding's buffers changed since capture; replay would not read or "
+                "write the new ones. Update the original buffers in place instead."
+            )
+        return rec
+
+    def record(self, binding: IOBinding, graph_id: int, owner: object = None) -> CapturedGraphRecord:
+        """Pin ``binding`` under ``graph_id`` after its capturing run succeeded."""
+        with self._lock:
+            rec = CapturedGraphRecord(
+                graph_id, weakref.ref(binding), binding.capture_signature(),
+                binding.bound_inputs, binding.bound_outputs, 0, owner,
+            )
+            self._graphs[graph_id] = rec
+            binding._oc_pins.add(graph_id)
+            return rec
+
+    def release(self, graph_id: int) -> CapturedGraphRecord | None:
+        """Forget ``graph_id``, unpin its binding; retire the id where ORT cannot really release it."""
+        with self._lock:
+            rec = self._graphs.pop(graph_id, None)
+            if rec is not None:
+                binding = rec.binding()
+                if binding is not None:
+                    binding._oc_pins.discard(graph_id)
+                if not self.info.releases_natively:
+                    self._retired.add(graph_id)
+            return rec
+
+    def reset(self) -> list[CapturedGraphRecord]:
+        """Forget every graph and retired id (the C session that held them is gone); return the old records."""
+        with self._lock:
+            old = list(self._graphs.values())
+            for rec in old:
+                binding = rec.binding()
+                if binding is not None:
+                    binding._oc_pins.discard(rec.graph_id)
+            self._graphs.clear()
+            self._retired.clear()
+            return old

@@ -1,0 +1,233 @@
+"""The only process-wide state of ortcapture: the CUDA capture gate and the WebGPU lock.
+
+* :data:`CUDA_GATE`: a CUDA graph capture excludes every other ortcapture CUDA call (below).
+* :data:`WEBGPU_LOCK`: one re-entrant lock for all WebGPU work of the process (sessions, captured or not, and
+  copies share ORT's WebGPU device and queue, which are not thread-safe; measured on ORT 1.32: two WebGPU
+  sessions, or a ``copy_tensors`` beside a replay, from two threads end in SIGSEGV or "CommandEncoder is already
+  finished").
+
+Everything else ortcapture keeps lives in a session (:mod:`ortcapture._state`) or a graph. Caches that are
+process-wide but only memoise facts (the installed ORT's features in :mod:`ortcapture._compat`, peer access in
+:mod:`ortcapture._cudart`, DLPack wrappers in :mod:`ortcapture.transfer`) hold no state a user can observe.
+
+The CUDA capture gate in detail.
+
+ORT's CUDA and TensorRT EPs capture with ``cudaStreamBeginCapture(..., cudaStreamCaptureModeGlobal)``: while one
+thread captures, a "potentially unsafe" CUDA call from *any other thread* (``cudaMemcpy``, ``cudaMalloc``, a
+stream synchronisation — what every run, replay and host copy does) fails and invalidates the capture. Measured on
+two H200s with onnxruntime-gpu 1.31.1: a session capturing on GPU 1 while another thread replayed on GPU 0 failed
+with ``CUDA failure 901: operation failed due to a previous error during capture`` (``cudaStreamEndCapture``).
+
+So ortcapture treats CUDA work as readers and captures as writers of one process-wide gate (:data:`CUDA_GATE`):
+replays, plain runs and copies of different sessions still run concurrently (one session per GPU, one thread
+each), and a capture waits until they are out and keeps new ones out until it is done (writers first, so a busy
+replay loop cannot starve it). Both sides are re-entrant per thread (a capture's own copies pass straight
+through). Lock order everywhere: this gate first, then a session's lock. The design relies on the GIL (no
+free-threaded CPython).
+
+CUDA work issued outside ortcapture (raw onnxruntime sessions, torch) is not covered: do not run it from other
+threads while an ortcapture session captures.
+"""
+from __future__ import annotations
+
+import threading
+
+_get_ident = threading.get_ident
+
+
+class _Slot:
+    """One thread's view of the gate: nesting depth and whether it is inside CUDA work now."""
+
+    __slots__ = ("ident", "thread", "depth", "active")
+
+    def __init__(self) -> None:
+        self.ident, self.thread = _get_ident(), threading.current_thread()
+        self.depth, self.active = 0, False
+
+
+class CaptureGate:
+    """A writer-preferring, per-thread re-entrant readers/writer gate (see the module docstring).
+
+    ``with gate.shared:`` around CUDA work; ``with gate.exclusive:`` around a capture. Raises
+    :class:`RuntimeError` for misuse instead of corrupting its state: ``exclusive`` entered from a thread that is
+    inside ``shared`` (it would wait for itself forever), an exit without an enter, ``exclusive`` left by a thread
+    that does not hold it. Threads that die are forgotten (one that died inside a block no longer holds it).
+
+    The reader fast path takes no lock (about 0.3 µs): a reader publishes ``active`` and then looks for a pending
+    writer; a writer publishes ``pending`` and then waits until no other live thread is ``active``. Under the GIL
+    these stores and loads are sequentially consistent, so either the reader sees the writer and backs off, or
+    the writer sees the reader and waits for it (the Dekker handshake).
+    """
+
+    _POLL_S = 0.05  # how often a waiter looks for a dead peer
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._writers = threading.Lock()  # one capture at a time
+        self._pending = False  # a writer is waiting for readers to leave, or is inside
+        self._writer: _Slot | None = None  # the slot of the thread inside exclusive (not its ident: idents are
+        self._writer_depth = 0  # reused by new threads once a thread ends)
+        self._slots: list[_Slot] = []  # every live thread that has entered
+        self._tls = threading.local()
+        self.shared = _Shared(self)
+        self.exclusive = _Exclusive(self)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether some thread is inside ``exclusive`` now."""
+        return self._writer is not None
+
+    @property
+    def readers(self) -> int:
+        """Live threads inside ``shared`` now (the capturing thread's own work not counted)."""
+        return sum(1 for s in list(self._slots) if s.active and s is not self._writer and s.thread.is_alive())
+
+    def _slot(self) -> _Slot:
+        try:
+            return self._tls.slot
+        except AttributeError:
+            slot = self._tls.slot = _Slot()
+            with self._cond:
+                self._slots = [s for s in self._slots if s.thread.is_alive()] + [slot]
+            return slot
+
+    def _reap_dead_writer(self) -> None:
+        """Caller holds ``_cond``: a writer thread that died inside ``exclusive`` no longer holds it."""
+        w = self._writer
+        if w is not None and not w.thread.is_alive():
+            self._writer = None
+            self._writer_depth = 0
+            self._pending = False
+            self._writers.release()
+            self._cond.notify_all()
+
+
+class _Shared:
+    __slots__ = ("_g",)
+
+    def __init__(self, gate: CaptureGate) -> None:
+        self._g = gate
+
+    def __enter__(self) -> None:
+        g = self._g
+        try:
+            slot = g._tls.slot
+        except AttributeError:
+            slot = g._slot()
+        if slot.depth:
+            slot.depth += 1
+            return
+        slot.depth = 1
+        slot.active = True  # publish first, then look (see CaptureGate)
+        if g._pending and g._writer is not slot:
+            slot.active = False
+            try:
+                with g._cond:
+                    g._cond.notify_all()  # a writer may be waiting on this thread
+                    while g._pending:
+                        g._cond.wait(g._POLL_S)
+                        g._reap_dead_writer()
+                    slot.active = True
+            except BaseException:  # KeyboardInterrupt while waiting: leave no trace
+                slot.depth, slot.active = 0, False
+                raise
+
+    def __exit__(self, *exc) -> None:
+        g = self._g
+        slot = getattr(g._tls, "slot", None)
+        if slot is None or slot.depth <= 0:
+            raise RuntimeError("ortcapture: CaptureGate.shared exited without being entered by this thread")
+        slot.depth -= 1
+        if not slot.depth:
+            slot.active = False
+            if g._pending:
+                with g._cond:
+                    g._cond.notify_all()
+
+
+class _Exclusive:
+    __slots__ = ("_g",)
+
+    def __init__(self, gate: CaptureGate) -> None:
+        self._g = gate
+
+    def __enter__(self) -> None:
+        g = self._g
+        slot = g._slot()
+        if g._writer is slot:
+            g._writer_depth += 1
+            return
+        if slot.depth:
+            raise RuntimeError("ortcapture: a CUDA graph capture was started from inside CUDA work of the same "
+                               "thread (it would wait for itself); capture outside run/copy calls")
+        while not g._writers.acquire(timeout=g._POLL_S):
+            with g._cond:
+                g._reap_dead_writer()
+        try:
+            with g._cond:
+                g._pending = True
+                while any(s.active and s is not slot and s.thread.is_alive() for s in g._slots):
+                    g._cond.wait(g._POLL_S)
+                g._writer, g._writer_depth = slot, 1
+        except BaseException:  # KeyboardInterrupt while waiting for readers: undo, so the gate stays usable
+            with g._cond:
+                g._pending = False
+                g._cond.notify_all()
+            g._writers.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        g = self._g
+        if g._writer is None or g._writer is not getattr(g._tls, "slot", None):
+            raise RuntimeError("ortcapture: CaptureGate.exclusive exited by a thread that does not hold it")
+        g._writer_depth -= 1
+        if g._writer_depth == 0:
+            with g._cond:
+                g._writer = None
+                g._pending = False
+                g._cond.notify_all()
+            g._writers.release()
+
+
+#: The gate shared by every ortcapture CUDA/TensorRT session and CUDA copy in this process.
+CUDA_GATE = CaptureGate()
+
+
+class SessionGuard:
+    """``with guard:`` = ``CUDA_GATE.shared`` then the session's lock (the one lock order used everywhere).
+    For sessions whose EP is not CUDA-based it is just the lock."""
+
+    __slots__ = ("_lock", "_gate")
+
+    def __init__(self, lock, cuda: bool) -> None:
+        self._lock = lock
+        self._gate = CUDA_GATE.shared if cuda else None
+
+    def __enter__(self) -> None:
+        if self._gate is not None:
+            self._gate.__enter__()
+        try:
+            self._lock.acquire()
+        except BaseException:
+            if self._gate is not None:
+                self._gate.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+        if self._gate is not None:
+            self._gate.__exit__(*exc)
+
+
+class CaptureGuard(SessionGuard):
+    """``CUDA_GATE.exclusive`` then the session's lock: around a capture."""
+
+    __slots__ = ()
+
+    def __init__(self, lock, cuda: bool) -> None:
+        self._lock = lock
+        self._gate = CUDA_GATE.exclusive if cuda else None
+
+
+#: One lock for all WebGPU work of the process (see the module docstring). Re-entrant.
+WEBGPU_LOCK = threading.RLock()
