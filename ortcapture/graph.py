@@ -293,6 +293,12 @@ class CapturedGraph:
             finally:
                 self._generation += 1
 
+    def replay(self) -> None:
+        """Replay the graph on its fixed buffers as they are now (no feeds copied, outputs left in :attr:`outputs`,
+        declared state carried). For callers that fill :attr:`inputs` themselves (``ortcapture.update_inplace``) and
+        read :attr:`outputs` (``ortcapture.to_numpy``). Raises like :meth:`run`."""
+        self.run(None, copy_outputs=False)
+
     def reset_state(self, values: Mapping[str, Any] | None = None) -> None:
         """Restore the state inputs to their values at capture, or to ``values`` (``{input name: array}``)."""
         with self._session._oc_guard:
@@ -310,6 +316,12 @@ class CapturedGraph:
                 transfer.commit(token)
 
     # -- lifetime -------------------------------------------------------------------------------------------
+    @property
+    def session(self):
+        """The :class:`~ortcapture.InferenceSession` that holds this graph: the session :meth:`capture` was called
+        on, or its shape-specialised sibling (see ``capture_deferred``)."""
+        return self._session
+
     @property
     def released(self) -> bool:
         return self._released

@@ -232,6 +232,18 @@ class InferenceSession(ort.InferenceSession):
         return self._oc_deferred
 
     @property
+    def requested_capture(self) -> CaptureInfo | None:
+        """The capture the providers/options asked for (EP and device ordinal), whether or not the session captures
+        itself (a capture-deferred session captures on shape-specialised siblings); ``None`` when none was asked."""
+        return self._oc_requested
+
+    @property
+    def static_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """``{input name: shape}`` this session was specialised to (``static_shapes=``, or by :meth:`capture` for a
+        shape-specialised sibling); ``None`` when its input dims are the model's own."""
+        return dict(self._oc_static_shapes) if self._oc_static_shapes else None
+
+    @property
     def capture_info(self) -> CaptureInfo | None:
         """The capturing EP and device ordinal, or ``None``."""
         return self._oc_info

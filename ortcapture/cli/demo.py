@@ -77,7 +77,6 @@ def run(args) -> int:
     from ortcapture import _specialize as shapes
     from ortcapture.cli import timing as timing
     from ortcapture._providers import pick_provider
-    from ortcapture.session import run_options_for
 
     from ortcapture.errors import CaptureError
 
@@ -94,7 +93,7 @@ def run(args) -> int:
     if args.iters is None:
         args.iters = 200 if provider == "cuda" else 10
     plain, sess = make_sessions(model, provider)
-    info = (sess.capture_info or sess._oc_requested)
+    info = sess.capture_info or sess.requested_capture
     shapes_ = example_shapes(model, args.batch, args.shape)
     type_of = {m.name: m.type for m in sess.get_inputs()}
     rng = np.random.default_rng(0)
@@ -110,7 +109,7 @@ def run(args) -> int:
         print("  (ORT's error above, 'cannot use the graph capture feature ... not been partitioned', is expected: it\n"
               "   refuses capture while the input dims are dynamic; ortcapture then fixes them per example shape)")
     graph = sess.capture(feeds[0])
-    target = graph._session
+    target = graph.session
 
     # IOBinding without graph: same fixed device input, outputs bound to fixed device buffers, readback each call
     nog_in = {n: target.allocate(s, feeds[0][n].dtype) for n, s in shapes_.items()}
@@ -144,14 +143,11 @@ def run(args) -> int:
         return [transfer.to_numpy(v) for v in nog_out.values()]
 
     results["IOBinding, no graph"] = timing.measure(nograph, args.iters, warm)
-    ro = run_options_for(graph.graph_id)
-    rec = graph._record
 
-    def replay(i):
+    def replay(i):  # the fixed inputs updated by hand (device to device), then a bare replay
         for n, v in graph.inputs.items():
             v.update_inplace(dev_feeds[i % 4][n])
-        with target._oc_guard:
-            target._oc_replay(graph._binding, ro, rec)
+        graph.replay()
         return [transfer.to_numpy(v) for v in graph.outputs.values()]
 
     results["captured replay"] = timing.measure(replay, args.iters, warm)

@@ -278,8 +278,8 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
         return res
     try:
         if sess.capture_deferred:
-            res["static_shapes"] = {n: list(s) for n, s in (graph._session._oc_static_shapes or ())}
-        cpu = _assigned_cpu_nodes(graph._session)
+            res["static_shapes"] = {n: list(s) for n, s in (graph.session.static_shapes or {}).items()}
+        cpu = _assigned_cpu_nodes(graph.session)
         res["cpu_nodes_captured"] = [list(n) for n in cpu] if cpu is not None else None
         got = graph.run(feeds1)
         res["seconds"] = time.perf_counter() - t0
