@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
-
+from ortcapture._compat import OrtIOBinding, OrtValue
+from ortcapture._values import meta
 from ortcapture.errors import BindingError
 
 
@@ -66,16 +66,14 @@ def onnx_type_of(dtype) -> str:
         raise TypeError(f"no ONNX tensor type for numpy dtype {dtype!r}") from None
 
 
-def describe_ortvalue(value: ort.OrtValue) -> Bound:
+def describe_ortvalue(value: OrtValue) -> Bound:
     """A :class:`Bound` record for a tensor OrtValue (device kind and ordinal from :mod:`ortcapture._values`)."""
-    from ortcapture._values import meta
-
     m = meta(value)
     address = m.span[0] if m.span else None
     return Bound("ortvalue", m.kind, m.device_id, m.shape, m.element_type, address, value)
 
 
-class IOBinding(ort.IOBinding):
+class IOBinding(OrtIOBinding):
     """Drop-in ``onnxruntime.IOBinding`` that records its bindings and refuses changes while pinned.
 
     Returned by :meth:`ortcapture.InferenceSession.io_binding`. Every ``bind_*``/``clear_*`` raises
@@ -83,7 +81,7 @@ class IOBinding(ort.IOBinding):
     ``sess.release_captured_graph(id)`` first (CUDA/TensorRT: the id is then retired; use a new one).
     """
 
-    def __init__(self, session: ort.InferenceSession):
+    def __init__(self, session):
         super().__init__(session)
         self._oc_inputs: dict[str, Bound] = {}
         self._oc_outputs: dict[str, Bound] = {}
@@ -98,6 +96,25 @@ class IOBinding(ort.IOBinding):
         """
         self._oc_reject_if_pinned("declare state")
         self._oc_state[str(output_name)] = str(input_name)
+
+    @property
+    def declared_state(self) -> dict[str, str]:
+        """``{output name: input name}`` pairs declared with :meth:`declare_state` (allowed to share one buffer)."""
+        return dict(self._oc_state)
+
+    # -- pins: set and cleared by the graph registry (ortcapture._registry) only -----------------------------
+    @property
+    def pinned_ids(self) -> frozenset[int]:
+        """The ``gpu_graph_id`` s whose captured graphs pin this binding (bind/clear calls raise while non-empty)."""
+        return frozenset(self._oc_pins)
+
+    def pin(self, graph_id: int) -> None:
+        """Record that captured graph ``graph_id`` replays this binding's buffers (the registry's call)."""
+        self._oc_pins.add(graph_id)
+
+    def unpin(self, graph_id: int) -> None:
+        """Forget the pin of ``graph_id`` (released or reset; the registry's call)."""
+        self._oc_pins.discard(graph_id)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def _oc_reject_if_pinned(self, action: str) -> None:

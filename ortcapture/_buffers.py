@@ -1,25 +1,30 @@
-"""Session-scoped fixed device buffers.
+"""Fixed device buffers: one allocation function, and the raw IOBinding path's per-session pool.
 
-A captured graph replays into the exact device buffers it was captured with. :class:`BufferPool` allocates those
-buffers on the capturing EP's device and keeps a strong reference to each for the session's lifetime, so a buffer
-a graph still uses is never freed under it (freeing it would leave replay writing into freed memory).
+A captured graph replays into the exact device buffers it was captured with, so a buffer a graph still uses must
+never be freed under it (replay would write into freed memory). Who keeps a buffer alive:
+
+* a :class:`~ortcapture.graph.CapturedGraph` owns its buffers (allocated with :func:`allocate`; freed once it is
+  released and no handed-out output references them, or when it is collected);
+* the registry record of a captured ``gpu_graph_id`` holds every OrtValue its IOBinding pinned;
+* ``InferenceSession.allocate()`` (the raw IOBinding path) hands buffers to the caller and keeps them in the
+  session's :class:`BufferPool` until the session dies.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Sequence
 
 import numpy as np
-import onnxruntime as ort
 
 from ortcapture import _compat as compat
-from ortcapture.errors import TransferError
+from ortcapture._compat import OrtInferenceSession, OrtValue
 from ortcapture._providers import CaptureInfo
-from ortcapture._values import device_id_of, device_kind, remember  # noqa: F401 - re-exported
+from ortcapture._values import remember
+from ortcapture.errors import TransferError
+
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    import operator
-
     try:
         dims = tuple(operator.index(d) for d in shape)  # ints only: 2.7 must not become 2
     except (TypeError, ValueError):
@@ -29,39 +34,51 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return dims
 
 
-class BufferPool:
-    """Fixed device buffers owned by one session.
+def allocate(session, info: CaptureInfo, shape: Sequence[int], dtype) -> OrtValue:
+    """A new uninitialised OrtValue on the capturing EP's device.
 
-    Buffers are allocated on the capturing EP's device (``cuda:<device_id>`` or ``webgpu``) with the session's own
-    allocator where ORT offers one (``InferenceSession.create_ortvalue_from_shape_and_type``, ORT >= 1.30), else
-    ORT's shared device allocator.
+    Args:
+        session: the ORT session; WebGPU buffers come from its own allocator
+            (``InferenceSession.create_ortvalue_from_shape_and_type``, ORT >= 1.30), others from ORT's shared device
+            allocator (``OrtValue.ortvalue_from_shape_and_type``).
+        info: the capturing EP and device ordinal (``cuda:<device_id>`` or ``webgpu``).
+        shape: concrete dims, ints >= 0.
+        dtype: a numpy dtype.
+
+    Returns:
+        The OrtValue, with its device kind and ordinal recorded (:func:`ortcapture._values.remember`).
+
+    Raises:
+        TransferError: a bad shape, or a dtype or device ORT cannot allocate.
     """
+    dims = _check_shape(shape)
+    try:
+        np_type = np.dtype(dtype).type
+    except TypeError:
+        raise TransferError(f"dtype {dtype!r} is not a numpy dtype") from None
+    kind, dev = info.device_type, info.device_id
+    try:
+        if kind == "webgpu" and compat.has_session_ortvalues():
+            value = OrtInferenceSession.create_ortvalue_from_shape_and_type(session, dims, np_type, kind, dev)
+        else:
+            value = OrtValue.ortvalue_from_shape_and_type(dims, np_type, kind, dev)
+    except (RuntimeError, TypeError) as exc:
+        raise TransferError(f"cannot allocate {dims} {np.dtype(dtype)} on {kind}:{dev}: {exc}") from exc
+    return remember(value, kind, dev)
 
-    def __init__(self, session: ort.InferenceSession, info: CaptureInfo):
+
+class BufferPool:
+    """The buffers ``InferenceSession.allocate()`` handed out (the raw IOBinding path), kept for the session's life."""
+
+    def __init__(self, session, info: CaptureInfo):
         self._session = session
         self._info = info
-        self._buffers: list[ort.OrtValue] = []
+        self._buffers: list[OrtValue] = []
         self._lock = threading.Lock()
 
-    def allocate(self, shape: Sequence[int], dtype) -> ort.OrtValue:
-        """A new uninitialised device OrtValue of ``shape`` (ints >= 0) and numpy ``dtype``.
-
-        Raises :class:`~ortcapture.errors.TransferError` for a bad shape or a dtype ORT cannot hold.
-        """
-        dims = _check_shape(shape)
-        try:
-            np_type = np.dtype(dtype).type
-        except TypeError:
-            raise TransferError(f"dtype {dtype!r} is not a numpy dtype") from None
-        kind, dev = self._info.device_type, self._info.device_id
-        try:
-            if kind == "webgpu" and compat.has_session_ortvalues():
-                value = ort.InferenceSession.create_ortvalue_from_shape_and_type(self._session, dims, np_type, kind, dev)
-            else:
-                value = ort.OrtValue.ortvalue_from_shape_and_type(dims, np_type, kind, dev)
-        except (RuntimeError, TypeError) as exc:
-            raise TransferError(f"cannot allocate {dims} {np.dtype(dtype)} on {kind}:{dev}: {exc}") from exc
-        remember(value, kind, dev)
+    def allocate(self, shape: Sequence[int], dtype) -> OrtValue:
+        """:func:`allocate`, kept alive by the pool. Raises :class:`~ortcapture.errors.TransferError` as it does."""
+        value = allocate(self._session, self._info, shape, dtype)
         with self._lock:
             self._buffers.append(value)
         return value
@@ -74,14 +91,7 @@ class BufferPool:
     def __len__(self) -> int:
         return len(self._buffers)
 
-    def forget(self, values) -> None:
-        """Drop the pool's references to ``values`` (buffers of a released graph, or scratch copies); they are
-        freed once nothing else holds them. Must not be called for buffers a live captured graph still replays."""
-        ids = {id(v) for v in values}
-        with self._lock:
-            self._buffers = [b for b in self._buffers if id(b) not in ids]
-
     def clear(self) -> None:
-        """Drop the pool's references (only once no captured graph uses them)."""
+        """Drop the pool's references (the C session that used them is gone)."""
         with self._lock:
             self._buffers.clear()

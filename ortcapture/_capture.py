@@ -5,12 +5,14 @@ Kept apart from :mod:`ortcapture.session` so the rules for what may be captured 
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
+from ortcapture import _compat as compat
 from ortcapture import transfer
 from ortcapture._binding import Bound, IOBinding
-from ortcapture.errors import BindingError, CaptureError
+from ortcapture._buffers import allocate
+from ortcapture._run import run_bound
 from ortcapture._values import meta
+from ortcapture.errors import BindingError, CaptureError
 
 #: Byte written over every output before the verification replay; a buffer still all of it was not written.
 SENTINEL_BYTE = 0xA5
@@ -21,7 +23,7 @@ SENTINEL_BYTE_2 = 0x5A
 def _overlaps(a: Bound, b: Bound) -> bool:
     if a.device != b.device or a.device_id != b.device_id:
         return False
-    if a.value is not None and b.value is not None and (a.value is b.value or a.value._ortvalue is b.value._ortvalue):
+    if a.value is not None and b.value is not None and (a.value is b.value or compat.c_value(a.value) is compat.c_value(b.value)):
         return True
     if a.address is None or b.address is None or not a.address or not b.address:
         return False
@@ -29,10 +31,10 @@ def _overlaps(a: Bound, b: Bound) -> bool:
     return a.address < b.address + nb and b.address < a.address + na
 
 
-def validate_bindings(session, binding: IOBinding) -> list[tuple[str, str]]:
+def validate_bindings(state, binding: IOBinding) -> list[tuple[str, str]]:
     """Raise :class:`BindingError` unless every model input and output is bound to a fixed buffer on the capturing
     device; return the declared (output, input) state pairs that share a buffer."""
-    info = session.capture_info
+    info, session = state.info, state.session
     ins, outs = binding.bound_inputs, binding.bound_outputs
     for node_arg in session.get_inputs():
         if node_arg.name not in ins:
@@ -66,7 +68,7 @@ def validate_bindings(session, binding: IOBinding) -> list[tuple[str, str]]:
     for oname, ob in outs.items():
         for iname, ib in ins.items():
             if _overlaps(ob, ib):
-                if binding._oc_state.get(oname) == iname:
+                if binding.declared_state.get(oname) == iname:
                     declared.append((oname, iname))
                     continue
                 raise BindingError(
@@ -78,7 +80,7 @@ def validate_bindings(session, binding: IOBinding) -> list[tuple[str, str]]:
     return declared
 
 
-def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, owner=None):
+def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owner=None):
     """Capture ``graph_id`` with ``binding``, verify the replay, and pin it; the caller holds the session lock.
 
     ORT runs the model several times inside the first capturing call (warm-up). Inputs that are not also outputs
@@ -92,38 +94,34 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
     every later replay would silently return the capture-time value. Raises :class:`CaptureError` (the graph is
     released) naming those outputs.
     """
-    declared = validate_bindings(session, binding)
-    snapshots = _snapshot_state(session, binding, declared)
-    ort.InferenceSession.run_with_iobinding(session, binding, run_options)
-    rec = session._oc_registry.record(binding, graph_id, owner)
+    session = state.session
+    declared = validate_bindings(state, binding)
+    snapshots = _snapshot_state(state, binding, declared)
+    run_bound(session, binding, run_options)
+    rec = state.registry.record(binding, graph_id, owner)
     try:
         if snapshots:
             transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
         sentinels = _fill_sentinels(binding, SENTINEL_BYTE)
-        ort.InferenceSession.run_with_iobinding(session, binding, run_options)  # internal: not counted
+        run_bound(session, binding, run_options)  # internal: not counted
         stale = [name for name, (buf, pattern) in sentinels.items()
                  if transfer.to_numpy(buf).tobytes() == pattern]
         if stale:  # a real result may equal the pattern: confirm with a second one, state kept at one step
-            again = _snapshot_state(session, binding, declared)
-            try:
-                second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=stale)
-                ort.InferenceSession.run_with_iobinding(session, binding, run_options)
-                stale = [name for name, (buf, pattern) in second.items()
-                         if transfer.to_numpy(buf).tobytes() == pattern]
-                if again:
-                    transfer.copy([t for t, _ in again], [b for _, b in again])
-            finally:
-                session._oc_pool.forget([t for t, _ in again])
+            again = _snapshot_state(state, binding, declared)
+            second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=stale)
+            run_bound(session, binding, run_options)
+            stale = [name for name, (buf, pattern) in second.items()
+                     if transfer.to_numpy(buf).tobytes() == pattern]
+            if again:
+                transfer.copy([t for t, _ in again], [b for _, b in again])
     except BaseException:
-        session.release_captured_graph(graph_id)
+        state.release(graph_id)
         raise
-    finally:
-        session._oc_pool.forget([t for t, _ in snapshots])  # scratch copies: not needed after the restore
     if stale:
-        session.release_captured_graph(graph_id)
+        state.release(graph_id)
         raise CaptureError(
             f"output(s) {stale} of gpu_graph_id={graph_id} are not written by the captured graph's replay: "
-            f"{session.capture_info.ep.name} copied them once at capture (an output that is a view — Reshape, "
+            f"{state.info.ep.name} copied them once at capture (an output that is a view — Reshape, "
             "Flatten, Squeeze, Unsqueeze, Identity — of another tensor or of a graph input), so every replay "
             "would return the capture-time value. The graph was released. Make those outputs real computations "
             "(or drop them), or run this model without capture; `ortcapture doctor MODEL` lists such outputs."
@@ -131,21 +129,22 @@ def capture_bindings(session, binding: IOBinding, graph_id: int, run_options, ow
     return rec
 
 
-def _snapshot_state(session, binding: IOBinding, declared) -> list:
-    """Device copies of the declared in-place state inputs: [(scratch copy, bound buffer)]."""
+def _snapshot_state(state, binding: IOBinding, declared) -> list:
+    """Device copies of the declared in-place state inputs: [(scratch copy, bound buffer)] (the scratch copies are
+    the caller's: freed when it drops the list)."""
     ins = binding.bound_inputs
     snapshots = []
     for _, iname in declared:
         buf = ins[iname].value
         if buf is None:
             raise BindingError(f"state input {iname!r} must be bound as an OrtValue to be snapshotted")
-        tmp = session.allocate(buf.shape(), transfer.np_dtype_of(buf))
+        tmp = allocate(state.session, state.device, buf.shape(), transfer.np_dtype_of(buf))
         transfer.copy([buf], [tmp])
         snapshots.append((tmp, buf))
     return snapshots
 
 
-def capture_in_this_thread(session, binding: IOBinding, run_options) -> None:
+def capture_in_this_thread(state, binding: IOBinding, run_options) -> None:
     """Give the calling thread its own copy of an already captured CUDA/TensorRT graph, side-effect free.
 
     ORT's CUDA and TensorRT EPs keep captured graphs in a per-thread context (``CUDAExecutionProvider::
@@ -156,14 +155,11 @@ def capture_in_this_thread(session, binding: IOBinding, run_options) -> None:
     context that already holds the graph, the call is a plain replay and is undone the same way. The caller holds
     the session's capture guard.
     """
-    declared = validate_bindings(session, binding)
-    snapshots = _snapshot_state(session, binding, declared)
-    try:
-        ort.InferenceSession.run_with_iobinding(session, binding, run_options)
-        if snapshots:
-            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
-    finally:
-        session._oc_pool.forget([t for t, _ in snapshots])
+    declared = validate_bindings(state, binding)
+    snapshots = _snapshot_state(state, binding, declared)
+    run_bound(state.session, binding, run_options)
+    if snapshots:
+        transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
 
 
 def _fill_sentinels(binding: IOBinding, byte: int, only=None) -> dict:

@@ -1,8 +1,15 @@
-"""What the installed onnxruntime can do — the one place that probes versions and features.
+"""What the installed onnxruntime can do, and the one module that touches ORT's own internals.
 
-Every other module asks here instead of comparing version strings itself. Probes are cached; they never touch a
-GPU (a WebGPU probe that finds no adapter makes ORT call ``std::terminate``, so adapter probes run in a child
-process: see :mod:`ortcapture.probe`).
+* Features and versions: every other module asks here instead of comparing version strings itself. Probes are
+  cached; they never touch a GPU (a WebGPU probe that finds no adapter makes ORT call ``std::terminate``, so
+  adapter probes run in a child process: :func:`ortcapture.webgpu.probe`).
+* ORT's own classes and functions (:data:`OrtInferenceSession`, :data:`OrtIOBinding`, :data:`OrtValue`, ...), taken
+  at import from where ORT defines them (``onnxruntime.capi.onnxruntime_inference_collection``) and never looked up
+  through the ``onnxruntime`` module at call time: code that replaces ``onnxruntime.InferenceSession`` (with
+  ortcapture's own session, for libraries that build sessions themselves) must not make ortcapture call itself
+  (measured before: ``RecursionError`` on the first capture).
+* The private attributes of ORT's Python objects (the C session, C OrtValue, C IOBinding) are read only here
+  (:func:`c_session`, :func:`c_value`, :func:`c_binding`, :func:`c_device`).
 """
 from __future__ import annotations
 
@@ -12,8 +19,42 @@ import re
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi import _pybind_state as _C
+from onnxruntime.capi import onnxruntime_inference_collection as _oic
 
-_C = ort.capi._pybind_state
+#: ORT's Python classes, as ORT defines them (not whatever ``onnxruntime.<name>`` is bound to later)
+OrtInferenceSession = _oic.InferenceSession
+OrtIOBinding = _oic.IOBinding
+OrtValue = _oic.OrtValue
+OrtDevice = _oic.OrtDevice
+#: the C-level classes behind them
+C_OrtValue = _C.OrtValue
+C_OrtDevice = _C.OrtDevice
+#: ORT's Python ``run_with_iobinding`` (on ORT >= 1.30 it carries ORT's own WebGPU capture guards, ORT PR #32074):
+#: the only way ortcapture's core runs a session (:func:`ortcapture._state.run_bound`)
+ORT_RUN_WITH_IOBINDING = OrtInferenceSession.run_with_iobinding
+#: ``onnxruntime.copy_tensors(src, dst, stream)``, or ``None`` before ORT 1.24
+ort_copy_tensors = getattr(_oic, "copy_tensors", None)
+
+
+def c_session(session: OrtInferenceSession):
+    """The C ``InferenceSession`` behind a Python session (ORT's ``_sess``)."""
+    return session._sess
+
+
+def c_value(value: OrtValue):
+    """The C ``OrtValue`` behind a Python OrtValue (ORT's ``_ortvalue``)."""
+    return value._ortvalue
+
+
+def c_binding(binding: OrtIOBinding):
+    """The C ``SessionIOBinding`` behind a Python IOBinding (ORT's ``_iobinding``)."""
+    return binding._iobinding
+
+
+def c_device(device: OrtDevice):
+    """The C ``OrtDevice`` behind a Python ``onnxruntime.OrtDevice``."""
+    return device._get_c_device()
 
 
 def ort_version() -> tuple[int, int, int]:
@@ -34,32 +75,6 @@ def webgpu_plugin_captures() -> bool:
     return ort_version() >= WEBGPU_PLUGIN_CAPTURE_SINCE
 
 
-_FORWARD_NAMES = frozenset({"_sess", "run_with_iobinding", "_iobinding"})
-#: what onnxruntime 1.30-1.32's wrapper adds: the IOBinding/session identity check and the WebGPU capture guards
-#: of ORT PR #32074 (``is_webgpu_graph_capture_enabled``: nothing else happens for any other EP)
-_WEBGPU_GUARD_NAMES = _FORWARD_NAMES | {
-    "_session", "ValueError", "_graph_annotation_id", "is_webgpu_graph_capture_enabled", "_GRAPH_ANNOTATION_SKIP",
-    "_validate_capture_bindings", "_capture_signature", "_captured_graph_bindings", "get", "weakref", "ref",
-    "_pinned_graph_ids", "add"}
-
-
-@functools.cache
-def iobinding_run_wrapper() -> str:
-    """What ``onnxruntime.InferenceSession.run_with_iobinding`` (Python) does besides calling the C session's
-    ``run_with_iobinding(iobinding._iobinding, run_options)``, read from the names its code uses: ``"nothing"``
-    (onnxruntime 1.24.4-1.29), ``"webgpu guards"`` (1.30-1.32: an IOBinding/session identity check and, for a
-    WebGPU capturing session only, ORT PR #32074's capture guards), or ``"more"`` (anything else: a future
-    release). Where it is nothing, or WebGPU-only work on a session that is not WebGPU, ortcapture's replay hot
-    path makes the C call itself, a Python frame and a few calls less per replay."""
-    code = getattr(ort.InferenceSession.run_with_iobinding, "__code__", None)
-    names = set(code.co_names) if code is not None else None
-    if names is not None and names <= _FORWARD_NAMES:
-        return "nothing"
-    if names is not None and names <= _WEBGPU_GUARD_NAMES and "is_webgpu_graph_capture_enabled" in names:
-        return "webgpu guards"
-    return "more"
-
-
 def device_name_is_reliable() -> bool:
     """``OrtValue.device_name()`` names WebGPU buffers "webgpu" (ORT >= 1.30); older releases say "cuda"."""
     return ort_version() >= (1, 30, 0)
@@ -67,7 +82,7 @@ def device_name_is_reliable() -> bool:
 
 def has_native_webgpu_guards() -> bool:
     """ORT >= 1.30 pins IOBindings per ``gpu_graph_id`` itself — for WebGPU capture only (ORT PR #32074)."""
-    return hasattr(ort.IOBinding, "_reject_if_pinned")
+    return hasattr(OrtIOBinding, "_reject_if_pinned")
 
 
 def has_release_captured_graph() -> bool:
@@ -82,12 +97,12 @@ def has_webgpu_capture_query() -> bool:
 
 def has_session_ortvalues() -> bool:
     """``InferenceSession.create_ortvalue_from_shape_and_type`` (session-scoped allocator) exists."""
-    return hasattr(ort.InferenceSession, "create_ortvalue_from_shape_and_type")
+    return hasattr(OrtInferenceSession, "create_ortvalue_from_shape_and_type")
 
 
 def has_copy_tensors() -> bool:
     """``onnxruntime.copy_tensors(src_list, dst_list)`` exists (uses the environment's data transfers)."""
-    return hasattr(ort, "copy_tensors")
+    return ort_copy_tensors is not None
 
 
 def has_ep_devices() -> bool:
@@ -106,8 +121,8 @@ def has_update_inplace_ortvalue() -> bool:
 
     Probed on two tiny CPU values rather than by version, since builds differ.
     """
-    dst = ort.OrtValue.ortvalue_from_numpy(np.zeros(2, np.float32))
-    src = ort.OrtValue.ortvalue_from_numpy(np.ones(2, np.float32))
+    dst = OrtValue.ortvalue_from_numpy(np.zeros(2, np.float32))
+    src = OrtValue.ortvalue_from_numpy(np.ones(2, np.float32))
     try:
         dst.update_inplace(src)
     except (TypeError, RuntimeError, ValueError):
@@ -143,3 +158,8 @@ def require(feature: str, available: bool, since: str) -> None:
             f"{feature} needs onnxruntime >= {since}; this is onnxruntime {ort.__version__}. "
             "Upgrade onnxruntime (or onnxruntime-gpu)."
         )
+
+
+def ort_version_string() -> str:
+    """``onnxruntime.__version__``."""
+    return ort.__version__

@@ -144,7 +144,7 @@ def detect_capture(session: ort.InferenceSession, requested: CaptureInfo | None)
         opts = options.get(name, {})
         if ep.device_type == "webgpu":
             if compat.has_webgpu_capture_query():
-                on = bool(session._sess.is_webgpu_graph_capture_enabled())
+                on = bool(compat.c_session(session).is_webgpu_graph_capture_enabled())
             else:
                 on = _truthy(opts.get(ep.option, "0")) or (requested is not None and requested.ep is ep)
         else:

@@ -19,7 +19,10 @@ from ortcapture._binding import Bound, IOBinding
 from ortcapture.errors import BindingError, GraphReleasedError
 from ortcapture._providers import CaptureInfo
 
-SKIP_GRAPH_ID = -1  # ORT's kGraphAnnotationSkip: run without capture or replay
+from ortcapture._run import SKIP_GRAPH_ID  # noqa: F401 - re-exported
+#: ids ortcapture picks start at 1: 0 is the id a raw run without a ``gpu_graph_id`` entry uses (ORT's default),
+#: so a user's plain IOBinding run never collides with a graph ortcapture captured (as ORT-GenAI's graph pool)
+FIRST_AUTO_ID = 1
 
 
 @dataclass
@@ -32,7 +35,7 @@ class CapturedGraphRecord:
     inputs: dict[str, Bound]
     outputs: dict[str, Bound]
     replays: int = 0
-    owner: object = field(default=None, repr=False)  # a CapturedGraph, when one made it
+    owner: "weakref.ReferenceType | None" = field(default=None, repr=False)  # weakref to the CapturedGraph that made it
 
     @property
     def nbytes(self) -> int:
@@ -73,10 +76,10 @@ class GraphRegistry:
     def retired_ids(self) -> list[int]:
         return sorted(self._retired)
 
-    def free_id(self, start: int = 0) -> int:
+    def free_id(self, start: int = FIRST_AUTO_ID) -> int:
         """The smallest id >= ``start`` neither captured nor retired."""
         with self._lock:
-            gid = max(0, start)
+            gid = max(FIRST_AUTO_ID, start)
             while gid in self._graphs or gid in self._retired:
                 gid += 1
             return gid
@@ -118,10 +121,10 @@ class GraphRegistry:
         with self._lock:
             rec = CapturedGraphRecord(
                 graph_id, weakref.ref(binding), binding.capture_signature(),
-                binding.bound_inputs, binding.bound_outputs, 0, owner,
+                binding.bound_inputs, binding.bound_outputs, 0, weakref.ref(owner) if owner is not None else None,
             )
             self._graphs[graph_id] = rec
-            binding._oc_pins.add(graph_id)
+            binding.pin(graph_id)
             return rec
 
     def release(self, graph_id: int) -> CapturedGraphRecord | None:
@@ -131,7 +134,7 @@ class GraphRegistry:
             if rec is not None:
                 binding = rec.binding()
                 if binding is not None:
-                    binding._oc_pins.discard(graph_id)
+                    binding.unpin(graph_id)
                 if not self.info.releases_natively:
                     self._retired.add(graph_id)
             return rec
@@ -143,7 +146,7 @@ class GraphRegistry:
             for rec in old:
                 binding = rec.binding()
                 if binding is not None:
-                    binding._oc_pins.discard(rec.graph_id)
+                    binding.unpin(rec.graph_id)
             self._graphs.clear()
             self._retired.clear()
             return old

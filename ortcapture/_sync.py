@@ -22,23 +22,27 @@ So ortcapture treats CUDA work as readers and captures as writers of one process
 replays, plain runs and copies of different sessions still run concurrently (one session per GPU, one thread
 each), and a capture waits until they are out and keeps new ones out until it is done (writers first, so a busy
 replay loop cannot starve it). Both sides are re-entrant per thread (a capture's own copies pass straight
-through). Lock order everywhere: this gate first, then a session's lock. The design relies on the GIL (no
-free-threaded CPython).
+through). Lock order everywhere: this gate first, then a session's lock. The reader fast path relies on the GIL;
+free-threaded CPython takes a locked path (:data:`NO_GIL`).
 
 CUDA work issued outside ortcapture (raw onnxruntime sessions, torch) is not covered: do not run it from other
 threads while an ortcapture session captures.
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 _get_ident = threading.get_ident
+#: free-threaded CPython (PEP 703) with the GIL off: the gate's lock-free reader handshake relies on the GIL's
+#: sequentially consistent loads and stores, so without it readers take the locked path
+NO_GIL = not getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 class _Slot:
     """One thread's view of the gate: nesting depth and whether it is inside CUDA work now."""
 
-    __slots__ = ("ident", "thread", "depth", "active")
+    _slots__ = ("ident", "thread", "depth", "active")
 
     def __init__(self) -> None:
         self.ident, self.thread = _get_ident(), threading.current_thread()
@@ -56,54 +60,55 @@ class CaptureGate:
     The reader fast path takes no lock (about 0.3 µs): a reader publishes ``active`` and then looks for a pending
     writer; a writer publishes ``pending`` and then waits until no other live thread is ``active``. Under the GIL
     these stores and loads are sequentially consistent, so either the reader sees the writer and backs off, or
-    the writer sees the reader and waits for it (the Dekker handshake).
+    the writer sees the reader and waits for it (the Dekker handshake). On free-threaded CPython with the GIL off
+    (:data:`NO_GIL`) readers take the condition's lock instead.
     """
 
-    _POLL_S = 0.05  # how often a waiter looks for a dead peer
+    POLL_S = 0.05  # how often a waiter looks for a dead peer
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._writers = threading.Lock()  # one capture at a time
-        self._pending = False  # a writer is waiting for readers to leave, or is inside
-        self._writer: _Slot | None = None  # the slot of the thread inside exclusive (not its ident: idents are
-        self._writer_depth = 0  # reused by new threads once a thread ends)
-        self._slots: list[_Slot] = []  # every live thread that has entered
-        self._tls = threading.local()
+        self.cond = threading.Condition(threading.Lock())
+        self.writers = threading.Lock()  # one capture at a time
+        self.pending = False  # a writer is waiting for readers to leave, or is inside
+        self.writer: _Slot | None = None  # the slot of the thread inside exclusive (not its ident: idents are
+        self.writer_depth = 0  # reused by new threads once a thread ends)
+        self.slots: list[_Slot] = []  # every live thread that has entered
+        self.tls = threading.local()
         self.shared = _Shared(self)
         self.exclusive = _Exclusive(self)
 
     @property
     def capturing(self) -> bool:
         """Whether some thread is inside ``exclusive`` now."""
-        return self._writer is not None
+        return self.writer is not None
 
     @property
     def readers(self) -> int:
         """Live threads inside ``shared`` now (the capturing thread's own work not counted)."""
-        return sum(1 for s in list(self._slots) if s.active and s is not self._writer and s.thread.is_alive())
+        return sum(1 for s in list(self.slots) if s.active and s is not self.writer and s.thread.is_alive())
 
-    def _slot(self) -> _Slot:
+    def slot(self) -> _Slot:
         try:
-            return self._tls.slot
+            return self.tls.slot
         except AttributeError:
-            slot = self._tls.slot = _Slot()
-            with self._cond:
-                self._slots = [s for s in self._slots if s.thread.is_alive()] + [slot]
+            slot = self.tls.slot = _Slot()
+            with self.cond:
+                self.slots = [s for s in self.slots if s.thread.is_alive()] + [slot]
             return slot
 
-    def _reap_dead_writer(self) -> None:
-        """Caller holds ``_cond``: a writer thread that died inside ``exclusive`` no longer holds it."""
-        w = self._writer
+    def _reap_deadwriter(self) -> None:
+        """Caller holds ``cond``: a writer thread that died inside ``exclusive`` no longer holds it."""
+        w = self.writer
         if w is not None and not w.thread.is_alive():
-            self._writer = None
-            self._writer_depth = 0
-            self._pending = False
-            self._writers.release()
-            self._cond.notify_all()
+            self.writer = None
+            self.writer_depth = 0
+            self.pending = False
+            self.writers.release()
+            self.cond.notify_all()
 
 
 class _Shared:
-    __slots__ = ("_g",)
+    _slots__ = ("_g",)
 
     def __init__(self, gate: CaptureGate) -> None:
         self._g = gate
@@ -111,22 +116,33 @@ class _Shared:
     def __enter__(self) -> None:
         g = self._g
         try:
-            slot = g._tls.slot
+            slot = g.tls.slot
         except AttributeError:
-            slot = g._slot()
+            slot = g.slot()
         if slot.depth:
             slot.depth += 1
             return
         slot.depth = 1
+        if NO_GIL:
+            try:
+                with g.cond:
+                    while g.pending and g.writer is not slot:
+                        g.cond.wait(g.POLL_S)
+                        g.reap_dead_writer()
+                    slot.active = True
+            except BaseException:
+                slot.depth = 0
+                raise
+            return
         slot.active = True  # publish first, then look (see CaptureGate)
-        if g._pending and g._writer is not slot:
+        if g.pending and g.writer is not slot:
             slot.active = False
             try:
-                with g._cond:
-                    g._cond.notify_all()  # a writer may be waiting on this thread
-                    while g._pending:
-                        g._cond.wait(g._POLL_S)
-                        g._reap_dead_writer()
+                with g.cond:
+                    g.cond.notify_all()  # a writer may be waiting on this thread
+                    while g.pending:
+                        g.cond.wait(g.POLL_S)
+                        g._reap_deadwriter()
                     slot.active = True
             except BaseException:  # KeyboardInterrupt while waiting: leave no trace
                 slot.depth, slot.active = 0, False
@@ -134,59 +150,64 @@ class _Shared:
 
     def __exit__(self, *exc) -> None:
         g = self._g
-        slot = getattr(g._tls, "slot", None)
+        slot = getattr(g.tls, "slot", None)
         if slot is None or slot.depth <= 0:
             raise RuntimeError("ortcapture: CaptureGate.shared exited without being entered by this thread")
         slot.depth -= 1
         if not slot.depth:
+            if NO_GIL:
+                with g.cond:
+                    slot.active = False
+                    g.cond.notify_all()
+                return
             slot.active = False
-            if g._pending:
-                with g._cond:
-                    g._cond.notify_all()
+            if g.pending:
+                with g.cond:
+                    g.cond.notify_all()
 
 
 class _Exclusive:
-    __slots__ = ("_g",)
+    _slots__ = ("_g",)
 
     def __init__(self, gate: CaptureGate) -> None:
         self._g = gate
 
     def __enter__(self) -> None:
         g = self._g
-        slot = g._slot()
-        if g._writer is slot:
-            g._writer_depth += 1
+        slot = g.slot()
+        if g.writer is slot:
+            g.writer_depth += 1
             return
         if slot.depth:
             raise RuntimeError("ortcapture: a CUDA graph capture was started from inside CUDA work of the same "
                                "thread (it would wait for itself); capture outside run/copy calls")
-        while not g._writers.acquire(timeout=g._POLL_S):
-            with g._cond:
-                g._reap_dead_writer()
+        while not g.writers.acquire(timeout=g.POLL_S):
+            with g.cond:
+                g._reap_deadwriter()
         try:
-            with g._cond:
-                g._pending = True
-                while any(s.active and s is not slot and s.thread.is_alive() for s in g._slots):
-                    g._cond.wait(g._POLL_S)
-                g._writer, g._writer_depth = slot, 1
+            with g.cond:
+                g.pending = True
+                while any(s.active and s is not slot and s.thread.is_alive() for s in g.slots):
+                    g.cond.wait(g.POLL_S)
+                g.writer, g.writer_depth = slot, 1
         except BaseException:  # KeyboardInterrupt while waiting for readers: undo, so the gate stays usable
-            with g._cond:
-                g._pending = False
-                g._cond.notify_all()
-            g._writers.release()
+            with g.cond:
+                g.pending = False
+                g.cond.notify_all()
+            g.writers.release()
             raise
 
     def __exit__(self, *exc) -> None:
         g = self._g
-        if g._writer is None or g._writer is not getattr(g._tls, "slot", None):
+        if g.writer is None or g.writer is not getattr(g.tls, "slot", None):
             raise RuntimeError("ortcapture: CaptureGate.exclusive exited by a thread that does not hold it")
-        g._writer_depth -= 1
-        if g._writer_depth == 0:
-            with g._cond:
-                g._writer = None
-                g._pending = False
-                g._cond.notify_all()
-            g._writers.release()
+        g.writer_depth -= 1
+        if g.writer_depth == 0:
+            with g.cond:
+                g.writer = None
+                g.pending = False
+                g.cond.notify_all()
+            g.writers.release()
 
 
 #: The gate shared by every ortcapture CUDA/TensorRT session and CUDA copy in this process.
@@ -197,7 +218,7 @@ class SessionGuard:
     """``with guard:`` = ``CUDA_GATE.shared`` then the session's lock (the one lock order used everywhere).
     For sessions whose EP is not CUDA-based it is just the lock."""
 
-    __slots__ = ("_lock", "_gate")
+    _slots__ = ("_lock", "_gate")
 
     def __init__(self, lock, cuda: bool) -> None:
         self._lock = lock
@@ -222,7 +243,7 @@ class SessionGuard:
 class CaptureGuard(SessionGuard):
     """``CUDA_GATE.exclusive`` then the session's lock: around a capture."""
 
-    __slots__ = ()
+    _slots__ = ()
 
     def __init__(self, lock, cuda: bool) -> None:
         self._lock = lock

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
+from ortcapture._compat import OrtValue
 from ortcapture.errors import TransferError
 
 ONNX_TO_NP = {
@@ -39,7 +40,7 @@ _ATTR = "_ortcapture_meta"
 _KNOWN_ATTR = "_ortcapture_device"
 
 
-def remember(value: ort.OrtValue, kind: str, device_id: int) -> ort.OrtValue:
+def remember(value: OrtValue, kind: str, device_id: int) -> OrtValue:
     """Record the device kind and ordinal of a value ortcapture allocated (before its metadata is first read)."""
     setattr(value, _KNOWN_ATTR, (kind, int(device_id)))
     value.__dict__.pop(_ATTR, None)
@@ -49,12 +50,12 @@ def remember(value: ort.OrtValue, kind: str, device_id: int) -> ort.OrtValue:
 _HAS_CUDA_EP = ["CUDAExecutionProvider" in ort.get_available_providers()]
 
 
-def meta(value: ort.OrtValue) -> ValueMeta:
+def meta(value: OrtValue) -> ValueMeta:
     """The cached :class:`ValueMeta` of a tensor OrtValue. Raises :class:`TransferError` for non-tensors."""
     m = getattr(value, _ATTR, None)
     if m is not None:
         return m
-    if not isinstance(value, ort.OrtValue):
+    if not isinstance(value, OrtValue):
         raise TransferError(f"expected an onnxruntime.OrtValue, got {type(value).__name__}")
     fixed = getattr(value, "_fixed", None)  # a ReplayOutput: a view of a registered buffer
     if fixed is not None:
@@ -90,11 +91,11 @@ def meta(value: ort.OrtValue) -> ValueMeta:
     return m
 
 
-def device_kind(value: ort.OrtValue) -> str:
+def device_kind(value: OrtValue) -> str:
     """``"cpu"``, ``"cuda"``, ``"webgpu"``, … (recorded at allocation by ortcapture, else ``device_name()``)."""
     return meta(value).kind
 
 
-def device_id_of(value: ort.OrtValue) -> int:
+def device_id_of(value: OrtValue) -> int:
     """Device ordinal of ``value``: recorded at allocation by ortcapture, else asked of CUDA, else 0."""
     return meta(value).device_id

@@ -8,17 +8,18 @@ advancing in-place state (ORT #32243), and output OrtValues overwritten by the n
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Mapping
 
 import numpy as np
-import onnxruntime as ort
 
+from ortcapture import _compat as compat
 from ortcapture import transfer
+from ortcapture._binding import IOBinding
+from ortcapture._compat import OrtValue
 from ortcapture.errors import CaptureError, GraphReleasedError, StaleOutputError, TransferError
 
 
-class ReplayOutput(ort.OrtValue):
+class ReplayOutput(OrtValue):
     """A fixed output OrtValue as returned by ``CapturedGraph.run(..., copy_outputs=False)``.
 
     It *is* the graph's fixed device buffer (no copy), so the next replay overwrites it. Reading it through
@@ -26,11 +27,11 @@ class ReplayOutput(ort.OrtValue):
     you need to keep (``ortcapture.to_numpy``) before the next ``run``.
     """
 
-    def __init__(self, value: ort.OrtValue, graph: "CapturedGraph", generation: int):
+    def __init__(self, value: OrtValue, graph: "CapturedGraph", generation: int):
         # plain attribute writes instead of OrtValue.__init__: this is on the replay hot path
-        self._ortvalue = value._ortvalue
+        self._ortvalue = compat.c_value(value)
         self._numpy_obj = None
-        self._session = getattr(value, "_session", None)
+        self._session = getattr(value, "_session", None)  # ORT >= 1.30: the WebGPU allocator's session
         self._fixed = value  # the registered buffer: its metadata (device kind before ORT 1.30) is known
         self._graph = graph
         self._generation = generation
@@ -65,7 +66,7 @@ class ReplayOutput(ort.OrtValue):
 
 def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, numpy dtype) of an example feed: numpy array, OrtValue or DLPack tensor."""
-    if isinstance(value, ort.OrtValue):
+    if isinstance(value, OrtValue):
         return tuple(value.shape()), transfer.np_dtype_of(value)
     if isinstance(value, (np.ndarray, np.generic)):
         return tuple(np.shape(value)), value.dtype
@@ -76,12 +77,6 @@ def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
         except TypeError:
             pass
     raise TransferError(f"feed {name!r}: unsupported type {type(value).__name__} (numpy, OrtValue or DLPack tensor)")
-
-
-def _require_mapping(feeds: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(feeds, Mapping):
-        raise TransferError(f"{what} must be a mapping {{input name: value}}, got {type(feeds).__name__}")
-    return feeds
 
 
 def _check_model_input(meta, shape: tuple, dtype: np.dtype) -> None:
@@ -98,7 +93,8 @@ class CapturedGraph:
     """A captured ``gpu_graph_id`` with its own fixed input/output buffers. Made by ``sess.capture(feeds)``.
 
     * ``inputs`` / ``outputs``: name -> fixed device OrtValue (inputs: shapes/dtypes of the example feeds;
-      outputs: as the model produced them for those feeds), in ``get_inputs()`` / ``get_outputs()`` order.
+      outputs: as the model produced them for those feeds), in ``get_inputs()`` / ``get_outputs()`` order. The graph
+      owns them: they are freed once it is released (or collected) and nothing else holds them.
     * ``run(feeds)``: copies each given feed into its buffer (exact shape and dtype; numpy, OrtValue or DLPack),
       replays, carries declared state, and returns the outputs as numpy arrays in ``get_outputs()`` order. Inputs
       not in ``feeds`` keep their last values. ``copy_outputs=False`` returns the fixed output buffers as
@@ -108,46 +104,45 @@ class CapturedGraph:
     * ``release()`` or leaving a ``with`` block releases the graph (CUDA/TensorRT: its id is retired).
 
     Thread-safe: runs of one session are serialised (ORT does not support concurrent ``Run`` under capture), and
-    different sessions' CUDA work waits while any thread captures (:mod:`ortcapture._sync`). CUDA/TensorRT: ORT keeps
-    captured graphs per thread, so the first ``run`` from another thread first captures the graph for that thread
-    too (side-effect free; once per thread) — reuse long-lived threads rather than new ones per call.
+    different sessions' CUDA work waits while any thread captures (:mod:`ortcapture._sync`). CUDA/TensorRT: ORT
+    keeps captured graphs per thread, so the first ``run`` from another thread first captures the graph for that
+    thread too (side-effect free; once per thread) — reuse long-lived threads rather than new ones per call.
+
+    The graph talks to its session only through the session's :class:`ortcapture._state.CaptureState`.
     """
 
-    def __init__(self, session, example_feeds: Mapping[str, Any], graph_id: int, *, state=None, family=None,
-                 _without_capture=None):
-        """Built by :meth:`InferenceSession.capture`. ``_without_capture=(allocate(shape, dtype), device type, device
-        id)``: the same fixed buffers, IOBinding and ``run()`` on a session *without* capture, never captured — the
-        one honest "no graph" arm for ``ortcapture bench --no-graph-capture``."""
-        self._session = session
-        self._family = family if family is not None else session
+    def __init__(self, capture_state, example_feeds: Mapping[str, Any], graph_id: int, *,
+                 state: Mapping[str, str] | None = None, capture: bool = True, device=None):
+        """Built by :meth:`InferenceSession.capture` (``capture=True``) or ``InferenceSession.uncaptured_graph``
+        (``capture=False``, ``graph_id=-1``: the same buffers, binding and :meth:`run`, never captured)."""
+        self._cs = capture_state
         self.graph_id = int(graph_id)
         self._released = False
         self._generation = 0
-        self._direct: dict = {}  # id(feed) -> (weakref to it, input name, fixed buffer): see run
-        if _without_capture is None:
-            info = session.capture_info
-            base_alloc, device = session.allocate, (info.device_type, info.device_id)
+        self._captured = bool(capture)
+        self._record = None
+        where = self._device = device if device is not None else capture_state.device
+        session = capture_state.session
+        if capture:
+            new_buffer = capture_state.new_buffer
         else:
-            base_alloc, device = _without_capture[0], tuple(_without_capture[1:])
-        allocated: list[ort.OrtValue] = []
+            from ortcapture._buffers import allocate
 
-        def alloc(shape, dtype):
-            v = base_alloc(shape, dtype)
-            allocated.append(v)
-            return v
-
+            def new_buffer(shape, dtype):
+                with capture_state.guard:
+                    return allocate(session, where, shape, dtype)
         try:
-            self._build(session, example_feeds, state, alloc, device, _without_capture is None)
+            self._build(example_feeds, state, new_buffer)
         except BaseException:
-            pool = session._oc_pool  # a failed capture() must not keep its buffers in the session's pool
-            if pool is not None and allocated:
-                pool.forget(allocated)
+            self._drop_buffers()  # a failed capture() keeps nothing alive
             raise
 
-    def _build(self, session, example_feeds, state, alloc, device, capture: bool) -> None:
-        from ortcapture.session import run_options_for
-
-        example_feeds = _require_mapping(example_feeds, "example feeds")
+    def _build(self, example_feeds, state, new_buffer) -> None:
+        cs = self._cs
+        session = cs.session
+        if not isinstance(example_feeds, Mapping):
+            raise TransferError(f"example feeds must be a mapping {{input name: value}}, got "
+                                f"{type(example_feeds).__name__}")
         if state is not None and not isinstance(state, Mapping):
             raise CaptureError(f"state must be a mapping {{output name: input name}}, got {type(state).__name__}")
         metas = {m.name: m for m in session.get_inputs()}
@@ -158,50 +153,54 @@ class CapturedGraph:
         missing = [n for n in names if n not in example_feeds]
         if missing:
             raise TransferError(f"example feeds miss input(s) {missing}; capture needs a value for every input")
-        self.inputs: dict[str, ort.OrtValue] = {}
         specs = {name: _source_spec(name, example_feeds[name]) for name in names}
         for name, (shape, dtype) in specs.items():
             _check_model_input(metas[name], shape, dtype)
-        for name, (shape, dtype) in specs.items():
-            self.inputs[name] = alloc(shape, dtype)
-            transfer.update_inplace(self.inputs[name], example_feeds[name])
-        self.outputs = self._allocate_outputs(alloc, device)
+        #: the pool key of this graph: ((input name, shape, dtype), ...) in input order
+        self.shape_key = tuple((name, shape, str(dtype)) for name, (shape, dtype) in specs.items())
+        self.inputs: dict[str, OrtValue] = {name: new_buffer(shape, dtype) for name, (shape, dtype) in specs.items()}
+        self.outputs: dict[str, OrtValue] = {}
+        self._initial_state: dict[str, OrtValue] = {}
+        transfer.copy_feeds(self.inputs, example_feeds)
+        self.outputs = self._allocate_outputs(new_buffer)
         self._state = self._check_state(state or {})
-        self._binding = session.io_binding()
+        self._binding = IOBinding(session)
         for name, buf in self.inputs.items():
             self._binding.bind_ortvalue_input(name, buf)
         for name, buf in self.outputs.items():
             self._binding.bind_ortvalue_output(name, buf)
+        from ortcapture.session import run_options_for
+
         self._run_options = run_options_for(self.graph_id)
         self._state_src = [self.outputs[o] for o in self._state]
         self._state_dst = [self.inputs[i] for i in self._state.values()]
-        self._initial_state = {}
         for iname in self._state.values():
             buf = self.inputs[iname]
-            self._initial_state[iname] = alloc(buf.shape(), transfer.np_dtype_of(buf))
+            self._initial_state[iname] = new_buffer(buf.shape(), transfer.np_dtype_of(buf))
         if self._state:
             transfer.copy(self._state_dst, list(self._initial_state.values()))
-        if not capture:
+        if not self._captured:
             self._record = _NotCaptured()
         else:
-            with session._oc_cguard:
-                self._record = session._oc_capture(self._binding, self.graph_id, self._run_options, owner=self)
+            with cs.capture_guard:
+                self._record = cs.capture(self._binding, self.graph_id, self._run_options, owner=self)
         self._output_list = list(self.outputs.values())
 
     # -- construction ---------------------------------------------------------------------------------------
-    def _allocate_outputs(self, alloc, device: tuple[str, int]) -> dict[str, ort.OrtValue]:
+    def _allocate_outputs(self, new_buffer) -> dict[str, OrtValue]:
         """Run once without capture (gpu_graph_id=-1) to learn output shapes/dtypes, then allocate fixed buffers."""
-        from ortcapture.session import run_options_for
-
-        sess = self._session
-        probe = ort.IOBinding(sess)
+        cs = self._cs
+        session = cs.session
+        probe = compat.OrtIOBinding(session)
         for name, buf in self.inputs.items():
             probe.bind_ortvalue_input(name, buf)
-        for meta in sess.get_outputs():
-            probe.bind_output(meta.name, *device)
-        ort.InferenceSession.run_with_iobinding(sess, probe, run_options_for(-1))
+        kind, ordinal = _buffer_device(next(iter(self.inputs.values()), None), self._device)
+        for meta in session.get_outputs():
+            probe.bind_output(meta.name, kind, ordinal)
+        with cs.guard:
+            cs.run_uncaptured(probe)
         outs = probe.get_outputs()
-        return {meta.name: alloc(v.shape(), transfer.np_dtype_of(v)) for meta, v in zip(sess.get_outputs(), outs)}
+        return {meta.name: new_buffer(v.shape(), transfer.np_dtype_of(v)) for meta, v in zip(session.get_outputs(), outs)}
 
     def _check_state(self, state: Mapping[str, str]) -> dict[str, str]:
         targets = list(state.values())
@@ -226,64 +225,46 @@ class CapturedGraph:
     def run(self, feeds: Mapping[str, Any] | None = None, *, copy_outputs: bool = True) -> list:
         """Copy ``feeds`` into the fixed inputs, replay, carry state; return outputs (see class docstring).
 
-        Raises :class:`~ortcapture.errors.TransferError` for an unknown input or a shape/dtype mismatch (before any
-        buffer is touched) and :class:`~ortcapture.errors.GraphReleasedError` after ``release()``. A feed that is a
-        ``copy_outputs=False`` output of *another* graph raises :class:`~ortcapture.errors.StaleOutputError` when
-        that graph replays (in another thread) while it is being copied; with several feeds, the ones copied before
-        it are then already in the fixed inputs, so feed every input again on the next call.
+        Args:
+            feeds: ``{input name: value}`` (numpy array, OrtValue on any device, DLPack tensor), each exactly the
+                shape and dtype of its fixed input; ``None`` or ``{}``: replay on the inputs as they are.
+            copy_outputs: True: new host numpy arrays; False: the fixed output buffers as :class:`ReplayOutput`.
+
+        Returns:
+            One output per ``session.get_outputs()`` entry, in that order.
+
+        Raises:
+            TransferError: an unknown input or a shape/dtype/device mismatch (before any buffer is touched).
+            GraphReleasedError: after ``release()``.
+            StaleOutputError: a feed that is a ``copy_outputs=False`` output of another graph replayed meanwhile
+                (in another thread) while it was being copied; with several feeds, the ones copied before it are
+                then already in the fixed inputs, so feed every input again on the next call.
+            CaptureError: the calling thread's CUDA stream is inside a foreign capture (ORT PR #32081).
         """
         # The replay hot path: straight-line code, few calls. On the H200 hosts each Python frame here costs ~1-2 µs
-        # right after a replay's wait for the GPU (tools/host_timeline.py), several times its cost back to back.
-        sess = self._session
-        probe = sess._oc_capture_probe
+        # right after a replay's wait for the GPU, several times its cost back to back.
+        cs = self._cs
+        probe = cs.capture_probe
         if probe is not None and probe():  # before any copy: CUDA calls inside a foreign capture break it
-            sess._oc_check_foreign_capture()  # raises CaptureError (ORT PR #32081)
-        if not sess._oc_thread_has(self.graph_id):
-            with sess._oc_cguard:  # the thread's capture rewrites the outputs: earlier ReplayOutputs go stale
+            cs.check_foreign_capture()  # raises CaptureError (ORT PR #32081)
+        if self._captured and not cs.thread_has(self.graph_id):
+            with cs.capture_guard:  # the thread's capture rewrites the outputs: earlier ReplayOutputs go stale
                 self._generation += 1
                 try:
-                    sess._oc_prepare_thread(self._binding, self.graph_id, self._run_options)
+                    cs.ensure_thread(self._binding, self.graph_id, self._run_options)
                 finally:
                     self._generation += 1
-        with sess._oc_guard:
+        with cs.guard:
             if self._released:
                 self._raise_released()
-            if feeds is not None and type(feeds) is not dict:
-                feeds = _require_mapping(feeds, "feeds")
-            if feeds:
-                bufs = self.inputs
-                if len(feeds) == 1:  # common case: nothing else can fail after this copy
-                    for name, value in feeds.items():
-                        direct = self._direct.get(id(value))
-                        if (direct is not None and direct[0]() is value and direct[1] == name
-                                and transfer.COPY_BACKEND is None):
-                            # a CUDA OrtValue fed here before: validated then, and nothing about it can change;
-                            # the session guard already holds the CUDA gate. Skips update_inplace's call, its
-                            # checks and the nested gate entry (~2.5 µs apart on the H200 host, back to back)
-                            direct[2].update_inplace(value)
-                            continue
-                        if name not in bufs:
-                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
-                        dst = bufs[name]
-                        transfer.update_inplace(dst, value)
-                        if sess._oc_guard._gate is not None and transfer.direct_copy_ok(dst, value):
-                            if len(self._direct) >= 8:  # a few rotating sources (double buffering): the use case
-                                self._direct.clear()
-                            self._direct[id(value)] = (weakref.ref(value), name, dst)
-                else:  # validate every feed before touching any buffer
-                    tokens = []
-                    for name, value in feeds.items():
-                        if name not in bufs:
-                            raise TransferError(f"unknown input {name!r}; this graph's inputs are {list(bufs)}")
-                        tokens.append(transfer.prepare(bufs[name], value))
-                    for token in tokens:
-                        transfer.commit(token)
+            if feeds is not None:
+                transfer.copy_feeds(self.inputs, feeds)
             # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a
             # read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and
             # after). Feeds were copied above, before it turned odd: this graph's own previous outputs may be fed back.
             self._generation += 1
             try:
-                sess._oc_replay(self._binding, self._run_options, self._record)
+                cs.replay(self._binding, self._run_options, self._record)
                 if self._state:
                     transfer.copy(self._state_src, self._state_dst)
                 if copy_outputs:
@@ -300,27 +281,38 @@ class CapturedGraph:
         self.run(None, copy_outputs=False)
 
     def reset_state(self, values: Mapping[str, Any] | None = None) -> None:
-        """Restore the state inputs to their values at capture, or to ``values`` (``{input name: array}``)."""
-        with self._session._oc_guard:
+        """Restore the state inputs to their values at capture, or to ``values``.
+
+        Args:
+            values: ``{state input name: value}`` (as :meth:`run`'s feeds); state inputs not named are restored to
+                their capture-time values.
+
+        Raises:
+            CaptureError: the graph has no declared state, or a name is not a state input.
+            TransferError: a value that does not match its buffer (nothing is changed then).
+            GraphReleasedError: after ``release()``.
+        """
+        if values is not None and not isinstance(values, Mapping):
+            raise TransferError(f"values must be a mapping {{input name: value}}, got {type(values).__name__}")
+        with self._cs.guard:
             if self._released:
                 self._raise_released()
             if not self._state:
                 raise CaptureError("this graph has no declared state (capture(..., state={out: in}))")
-            tokens = []
-            for name, value in _require_mapping(values or {}, "values").items():
+            values = dict(values or {})
+            for name in values:
                 if name not in self._initial_state:
                     raise CaptureError(f"{name!r} is not a state input ({list(self._initial_state)})")
-                tokens.append(transfer.prepare(self.inputs[name], value))  # all checked before any change
-            transfer.copy(list(self._initial_state.values()), self._state_dst)
-            for token in tokens:
-                transfer.commit(token)
+            transfer.copy_feeds({n: self.inputs[n] for n in values}, values)  # all checked before any change
+            rest = [n for n in self._initial_state if n not in values]
+            transfer.copy([self._initial_state[n] for n in rest], [self.inputs[n] for n in rest])
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @property
     def session(self):
         """The :class:`~ortcapture.InferenceSession` that holds this graph: the session :meth:`capture` was called
         on, or its shape-specialised sibling (see ``capture_deferred``)."""
-        return self._session
+        return self._cs.session
 
     @property
     def released(self) -> bool:
@@ -329,25 +321,34 @@ class CapturedGraph:
     @property
     def replays(self) -> int:
         """Replays of the captured graph so far (the capturing call itself not counted)."""
-        return self._record.replays
+        return self._record.replays if self._record is not None else 0
 
     def release(self) -> None:
-        """Release the captured graph (idempotent, thread-safe). CUDA/TensorRT: the ``gpu_graph_id`` is retired."""
-        with self._session._oc_guard:  # two concurrent releases must not release a graph re-captured under the id
-            if not self._released:
-                self._session.release_captured_graph(self.graph_id)  # ends in _on_released
-                self._family._oc_graphs.pop(self.graph_id, None)
-                self._on_released()
+        """Release the captured graph (idempotent, thread-safe). CUDA/TensorRT: the ``gpu_graph_id`` is retired.
+        The graph's buffers are freed once no :class:`ReplayOutput` or other reference holds them."""
+        with self._cs.guard:  # two concurrent releases must not release a graph re-captured under the id
+            if self._released:
+                return
+            if self._captured:
+                self._cs.release(self.graph_id)  # ends in detach()
+            self.detach()
 
-    def _on_released(self) -> None:
-        """The graph is gone (release, release_captured_graph, set_providers): the session's pool lets go of its
-        buffers, so capture/release cycles do not accumulate device memory. Outputs handed out earlier keep theirs."""
+    def detach(self) -> None:
+        """Called by the session when the graph is gone (:meth:`release`, ``release_captured_graph``,
+        ``set_providers``): the graph is marked released and lets go of its binding and buffers. Idempotent; users
+        call :meth:`release`."""
         if self._released:
             return
         self._released = True
-        pool = self._session._oc_pool
-        if pool is not None:
-            pool.forget([*self.inputs.values(), *self.outputs.values(), *self._initial_state.values()])
+        self._drop_buffers()
+
+    def _drop_buffers(self) -> None:
+        self._binding = None
+        self._state_src = self._state_dst = []
+        for d in ("inputs", "outputs", "_initial_state"):
+            if hasattr(self, d):
+                setattr(self, d, {})
+        self._output_list = []
 
     def _raise_released(self):
         raise GraphReleasedError(
@@ -363,10 +364,21 @@ class CapturedGraph:
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"{self.replays} replays"
-        info = self._session.capture_info
-        ep = info.ep.name if info is not None else "not captured"
+        info = self._cs.info
+        ep = info.ep.name if info is not None and self._captured else "not captured"
         return f"<CapturedGraph gpu_graph_id={self.graph_id} {ep} {state}>"
 
+
+def _buffer_device(first_input, device) -> tuple[str, int]:
+    """(device kind, ordinal) for the probe's output bindings: the capture device, else where the inputs live."""
+    if device is not None:
+        return device.device_type, device.device_id
+    if first_input is not None:
+        from ortcapture._values import meta
+
+        m = meta(first_input)
+        return m.kind, m.device_id
+    return "cpu", 0
 
 class _NotCaptured:
     """The registry record's stand-in for a graph built with ``_without_capture``: it only counts runs."""

@@ -16,21 +16,21 @@ With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) hol
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from typing import Any, Mapping, Sequence
 
 import onnxruntime as ort
 
 from ortcapture import _compat as compat
-from ortcapture import _sync as gate
 from ortcapture import _specialize as shapes
 from ortcapture._binding import IOBinding
-from ortcapture._buffers import BufferPool
-from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError, GraphReleasedError
-from ortcapture._providers import CUDA_EPS, CaptureInfo, detect_capture, names_cuda_ep, requested_capture
-from ortcapture._registry import SKIP_GRAPH_ID, GraphRegistry
-
-GRAPH_ID_KEY = "gpu_graph_id"
+from ortcapture._compat import OrtInferenceSession
+from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
+from ortcapture._run import GRAPH_ID_KEY, SKIP_GRAPH_ID, run_bound
+from ortcapture._state import CaptureState
+from ortcapture._sync import CUDA_GATE
+from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
 
 _NULL = contextlib.nullcontext()
@@ -58,8 +58,6 @@ MAX_GRAPH_ID = 2**31 - 1
 
 def check_graph_id(graph_id) -> int:
     """``graph_id`` as an int in [-1, 2**31-1]; raises :class:`CaptureError` otherwise (bools and floats too)."""
-    import operator
-
     if isinstance(graph_id, bool):
         raise CaptureError(f"gpu_graph_id must be an int, got {graph_id!r}")
     try:
@@ -93,19 +91,27 @@ def _without_capture(providers, provider_options, requested: CaptureInfo):
     return out
 
 
-class InferenceSession(ort.InferenceSession):
+_NULL = contextlib.nullcontext()
+
+
+class InferenceSession(OrtInferenceSession):
     """Drop-in ``onnxruntime.InferenceSession`` with capture guards for CUDA, TensorRT and WebGPU graph capture.
 
     Takes exactly ``onnxruntime.InferenceSession``'s arguments, plus:
 
-    :param static_shapes: ``{input name: shape}`` — specialise the session to these input shapes up front (fixes
-        the dims in the model), so the raw IOBinding path can capture models with dynamic dims.
+    Args:
+        static_shapes: ``{input name: shape}`` — specialise the session to these input shapes up front (fixes the
+            dims in the model), so the raw IOBinding path can capture models with dynamic dims.
 
-    Raises :class:`~ortcapture.errors.CaptureUnsupportedError` when capture was requested but the session ended up
-    without a capturing EP (measured: on ORT 1.30, ``providers=[("WebGpuExecutionProvider", ...)]`` silently
-    yields a CPU-only session; add the plugin EP with ``SessionOptions.add_provider_for_devices``). When ORT
-    refuses capture for the model's dynamic shapes, the session is created without capture instead
+    Raises:
+        CaptureUnsupportedError: capture was requested but the session ended up without a capturing EP (measured:
+            on ORT 1.30, ``providers=[("WebGpuExecutionProvider", ...)]`` silently yields a CPU-only session; add
+            the plugin EP with ``SessionOptions.add_provider_for_devices``), or the installed ORT cannot capture on
+            the requested EP.
+
+    When ORT refuses capture for the model's dynamic shapes, the session is created without capture instead
     (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling session to the example shapes.
+    All capture bookkeeping lives in one per-session object (:class:`ortcapture._state.CaptureState`).
     """
 
     def __init__(
@@ -116,27 +122,26 @@ class InferenceSession(ort.InferenceSession):
         provider_options: Sequence[Mapping[str, Any]] | None = None,
         *,
         static_shapes: Mapping[str, Sequence[int]] | None = None,
+        _oc_family: CaptureState | None = None,
         **kwargs,
     ) -> None:
         self._oc_lock = threading.RLock()
+        self._oc_refusal: str | None = None
         self._oc_args = (path_or_bytes, sess_options, providers, provider_options, dict(kwargs))
-        self._oc_siblings: dict[tuple, InferenceSession] = {}
-        self._oc_graphs: dict[int, Any] = {}  # gpu_graph_id -> CapturedGraph made by capture()
-        self._oc_family: InferenceSession = self  # the session whose id space siblings share
-        self._oc_deferred = False
         requested = requested_capture(providers, provider_options, sess_options)
-        self._oc_check_version(requested)
+        _check_version(requested)
         model = shapes.fix_input_shapes(path_or_bytes, static_shapes) if static_shapes else path_or_bytes
-        self._oc_static_shapes = shapes.shape_signature(static_shapes) if static_shapes else None
+        static_sig = shapes.shape_signature(static_shapes) if static_shapes else None
+        deferred = False
         if requested is not None:
             # ORT silently falls back to the CPU EP when a session fails to build; under capture that fallback
             # hides the failure, so it is off unless the caller asked for it.
             kwargs.setdefault("enable_fallback", 0)
         # building a CUDA session allocates and initialises on the device: never while another thread captures
         cuda = (requested is not None and requested.device_type == "cuda") or names_cuda_ep(providers)
-        with gate.CUDA_GATE.exclusive if cuda else _NULL:
+        with CUDA_GATE.exclusive if cuda else _NULL:
             try:
-                super().__init__(model, sess_options, providers, provider_options, **kwargs)
+                self._oc_create(model, sess_options, providers, provider_options, kwargs, requested, static_sig)
             except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail/EPFail types, not RuntimeError
                 if requested is None or not shapes.is_capture_refusal(exc) or static_shapes:
                     raise
@@ -148,156 +153,138 @@ class InferenceSession(ort.InferenceSession):
                         "the EP."
                     ) from exc
                 self._oc_init_deferred(model, sess_options, providers, provider_options, kwargs, requested)
-        self._oc_requested = requested
-        self._oc_setup(requested)
+                deferred = True
+                self._oc_refusal = str(exc)
+        self._oc_setup(requested, deferred, static_sig, _oc_family)
 
     # -- construction helpers -------------------------------------------------------------------------------
+    def _oc_create(self, model, sess_options, providers, provider_options, kwargs, requested, static_sig) -> None:
+        """ORT's constructor. A WebGPU capture request for a model with dynamic input dims is first tried quietly:
+        ORT refuses it at creation with an ``[E:onnxruntime...]`` log line ("cannot use the graph capture feature")
+        that is expected here (ortcapture then defers, :meth:`_oc_init_deferred`); when ORT accepts, the session is
+        built again at the caller's log severity. Which sessions capture or defer does not change."""
+        quiet = (requested is not None and requested.device_type == "webgpu" and static_sig is None
+                 and sess_options is not None and sess_options.log_severity_level < 4
+                 and shapes.dynamic_inputs(shapes.load_model(model)))
+        if quiet:
+            level = sess_options.log_severity_level
+            sess_options.log_severity_level = 4  # fatal only: hides ORT's refusal line
+            try:
+                OrtInferenceSession.__init__(self, model, sess_options, providers, provider_options, **kwargs)
+            finally:
+                sess_options.log_severity_level = level
+        OrtInferenceSession.__init__(self, model, sess_options, providers, provider_options, **kwargs)
+
     def _oc_init_deferred(self, model, sess_options, providers, provider_options, kwargs, requested) -> None:
         """Create this session without capture; :meth:`capture` will specialise siblings that capture."""
-        self._oc_deferred = True
         if providers:
-            super().__init__(model, sess_options, _without_capture(providers, provider_options, requested),
-                             None, **kwargs)
+            OrtInferenceSession.__init__(self, model, sess_options,
+                                         _without_capture(providers, provider_options, requested), None, **kwargs)
             return
         key = f"ep.{requested.ep.name.lower()}.{requested.ep.option}"
         sess_options.add_session_config_entry(key, "0")
         try:
-            super().__init__(model, sess_options, providers, provider_options, **kwargs)
+            OrtInferenceSession.__init__(self, model, sess_options, providers, provider_options, **kwargs)
         finally:
             sess_options.add_session_config_entry(key, "1")
 
-    @staticmethod
-    def _oc_check_version(requested: CaptureInfo | None) -> None:
-        if requested is not None and requested.device_type == "webgpu" and not compat.webgpu_plugin_captures():
-            raise CaptureUnsupportedError(
-                f"onnxruntime {ort.__version__} accepts enableGraphCapture for the WebGPU plugin EP but never "
-                "captures (measured on 1.24.4 and 1.25.1: every run recomputes, rebinding is not even ignored); "
-                "WebGPU graph capture needs onnxruntime >= 1.27.0"
-            )
-
-    def _oc_setup(self, requested: CaptureInfo | None) -> None:
-        self._oc_check_version(requested)
-        info = None if self._oc_deferred else detect_capture(self, requested)
-        if requested is not None and info is None and not self._oc_deferred:
+    def _oc_setup(self, requested: CaptureInfo | None, deferred: bool, static_sig, family=None) -> None:
+        _check_version(requested)
+        info = None if deferred else detect_capture(self, requested)
+        if requested is not None and info is None and not deferred:
             raise CaptureUnsupportedError(
                 f"graph capture was requested for {requested.ep.name}, but the session runs on "
                 f"{self.get_providers()} without capture. On ORT 1.30 naming a plugin EP in providers=[...] can "
                 "silently give a CPU-only session: register the plugin library and add it with "
                 "SessionOptions.add_provider_for_devices([ep_device], {...}); check `ortcapture doctor`."
             )
-        self._oc_info = info
-        active = self.get_providers()
-        webgpu_ep = ((info or requested) is not None and (info or requested).device_type == "webgpu"
-                     or any(p == "WebGpuExecutionProvider" for p in active))
-        if webgpu_ep:
-            from ortcapture import webgpu
-
-            # ORT's WebGPU device is shared by every session and copy in the process: captured or not
-            self._oc_lock = webgpu.LOCK
-        cuda = ((info or requested) is not None and (info or requested).device_type == "cuda"
-                or any(p in CUDA_EPS for p in active))
-        # uncaptured GPU runs are guarded too: CUDA ones must not overlap another thread's capture, WebGPU ones
-        # must not overlap any other WebGPU work
-        self._oc_gpu_guarded = cuda or webgpu_ep
-        self._oc_guard = gate.SessionGuard(self._oc_lock, cuda)  # CUDA_GATE.shared, then the session lock
-        self._oc_cguard = gate.CaptureGuard(self._oc_lock, cuda)  # CUDA_GATE.exclusive, then the session lock
-        # ORT's CUDA/TensorRT EPs keep captured graphs per thread: which graph ids this thread has (see
-        # capture.capture_in_this_thread); a fresh threading.local after set_providers (new C session)
-        self._oc_per_thread = info is not None and info.device_type == "cuda"
-        self._oc_tls = threading.local()
-        # the replay may skip ORT's Python run_with_iobinding where it only forwards, or only adds WebGPU capture
-        # guards and this is a CUDA/TensorRT capture (its bindings are this session's: set_providers releases graphs)
-        wrapper = compat.iobinding_run_wrapper()
-        self._oc_c_replay = info is not None and (
-            wrapper == "nothing" or wrapper == "webgpu guards" and info.device_type == "cuda")
-        self._oc_capture_probe = None
-        if info is not None and info.device_type == "cuda":
-            from ortcapture._cudart import make_capture_probe
-
-            self._oc_capture_probe = make_capture_probe()
-        target = info or (requested if self._oc_deferred else None)
-        self._oc_registry = GraphRegistry(info) if info is not None else None
-        self._oc_pool = BufferPool(self, target) if target is not None else None
+        self._oc_state = CaptureState(self, info, requested, deferred, static_sig, self._oc_lock, family)
 
     # -- capture state ----------------------------------------------------------------------------------------
     @property
     def capture_enabled(self) -> bool:
         """True when this session's runs capture and replay CUDA/TensorRT/WebGPU graphs."""
-        return self._oc_info is not None
+        return self._oc_state.info is not None
 
     @property
     def capture_deferred(self) -> bool:
         """True when capture was requested but ORT refused it for the model's dynamic shapes: :meth:`capture`
         then captures on a sibling session specialised to the example shapes."""
-        return self._oc_deferred
+        return self._oc_state.deferred
+
+    @property
+    def capture_refusal(self) -> str | None:
+        """ORT's message when it refused capture for the model as given (why the session defers), else ``None``."""
+        return self._oc_refusal
 
     @property
     def requested_capture(self) -> CaptureInfo | None:
         """The capture the providers/options asked for (EP and device ordinal), whether or not the session captures
         itself (a capture-deferred session captures on shape-specialised siblings); ``None`` when none was asked."""
-        return self._oc_requested
+        return self._oc_state.requested
 
     @property
     def static_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """``{input name: shape}`` this session was specialised to (``static_shapes=``, or by :meth:`capture` for a
         shape-specialised sibling); ``None`` when its input dims are the model's own."""
-        return dict(self._oc_static_shapes) if self._oc_static_shapes else None
+        sig = self._oc_state.static_shapes
+        return dict(sig) if sig else None
 
     @property
     def capture_info(self) -> CaptureInfo | None:
         """The capturing EP and device ordinal, or ``None``."""
-        return self._oc_info
+        return self._oc_state.info
 
     @property
     def captured_graphs(self) -> dict[int, dict]:
         """``gpu_graph_id`` -> pinned inputs/outputs (device, shape, type), bytes and replay count, for this session
         and its shape-specialised siblings (ids are unique across them)."""
-        out = {}
-        for sess in (self, *self._oc_siblings.values()):
-            if sess._oc_registry is not None:
-                for gid in sess._oc_registry.graph_ids:
-                    rec = sess._oc_registry.get(gid)
-                    if rec is None:  # released by another thread meanwhile
-                        continue
-                    d = rec.describe()
-                    d["static_shapes"] = dict(sess._oc_static_shapes) if sess._oc_static_shapes else None
-                    out[gid] = d
-        return out
+        return self._oc_state.describe()
 
     def _oc_require_capture(self, what: str) -> None:
-        if self._oc_info is None:
+        if self._oc_state.info is None:
             raise CaptureUnsupportedError(
                 f"{what} needs a session with graph capture enabled (enable_cuda_graph=1, trt_cuda_graph_enable=1 "
                 "or enableGraphCapture=1)" + (
                     "; this session defers capture to shape-specialised siblings: use sess.capture(feeds)"
-                    if self._oc_deferred else "")
+                    if self._oc_state.deferred else "")
             )
 
     # -- buffers ----------------------------------------------------------------------------------------------
-    def allocate(self, shape: Sequence[int], dtype) -> ort.OrtValue:
-        """A fixed, uninitialised device OrtValue on the capturing EP's device (``cuda:<device_id>`` or ``webgpu``),
-        kept alive by this session. ``shape``: concrete ints; ``dtype``: a numpy dtype.
+    def allocate(self, shape: Sequence[int], dtype) -> compat.OrtValue:
+        """A fixed, uninitialised device OrtValue for the raw IOBinding path, kept alive by this session.
 
-        Raises :class:`~ortcapture.errors.CaptureUnsupportedError` on a session without capture.
+        Args:
+            shape: concrete ints >= 0.
+            dtype: a numpy dtype.
+
+        Returns:
+            An OrtValue on the capturing EP's device (``cuda:<device_id>`` or ``webgpu``).
+
+        Raises:
+            CaptureUnsupportedError: the session does not capture (nor defers capture).
+            TransferError: a bad shape or dtype.
         """
-        if self._oc_pool is None:
+        st = self._oc_state
+        if st.pool is None:
             self._oc_require_capture("allocate()")
-        with self._oc_guard:  # a device allocation must not happen while another thread captures (CUDA)
-            return self._oc_pool.allocate(shape, dtype)
+        with st.guard:  # a device allocation must not happen while another thread captures (CUDA)
+            return st.pool.allocate(shape, dtype)
 
     def io_binding(self) -> IOBinding:
-        """An :class:`ortcapture._binding.IOBinding` (an ``onnxruntime.IOBinding`` that records what it binds)."""
+        """An :class:`ortcapture.IOBinding` (an ``onnxruntime.IOBinding`` that records what it binds)."""
         return IOBinding(self)
 
     # -- guarded run paths ------------------------------------------------------------------------------------
     def _oc_check_plain_run(self, api: str, run_options) -> bool:
         """Raise unless a plain run is safe here; True when it must hold the session guard (a capture session, or
         any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture._sync``)."""
-        if self._oc_info is None:
-            return self._oc_deferred or self._oc_gpu_guarded  # deferred: siblings capture under the same lock
+        st = self._oc_state
+        if st.info is None:
+            return st.deferred or st.gpu_guarded  # deferred: siblings capture under the same lock
         if graph_id_of(run_options) != SKIP_GRAPH_ID:
             raise CaptureError(
-                f"{api}() on a session with {self._oc_info.ep.name} graph capture would capture or replay with "
+                f"{api}() on a session with {st.info.ep.name} graph capture would capture or replay with "
                 "transient buffers: replay re-issues the device buffers recorded at capture and ignores new feeds. "
                 "Use sess.capture(feeds) (or run_with_iobinding with fixed buffers), or set the run option "
                 f"{GRAPH_ID_KEY}=-1 to run this call without capture."
@@ -308,7 +295,7 @@ class InferenceSession(ort.InferenceSession):
     # support them concurrently with capture/replay (measured on WebGPU: SIGSEGV / SIGABRT beside CapturedGraph.run).
     def run(self, output_names, input_feed, run_options=None):
         if self._oc_check_plain_run("run", run_options):
-            with self._oc_guard:
+            with self._oc_state.guard:
                 return super().run(output_names, input_feed, run_options)
         return super().run(output_names, input_feed, run_options)
 
@@ -320,13 +307,13 @@ class InferenceSession(ort.InferenceSession):
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
         if self._oc_check_plain_run("run_with_ort_values", run_options):
-            with self._oc_guard:
+            with self._oc_state.guard:
                 return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
         return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
 
     def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
         if self._oc_check_plain_run("run_with_ortvaluevector", run_options):
-            with self._oc_guard:
+            with self._oc_state.guard:
                 return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches,
                                                        fetch_devices)
         return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches, fetch_devices)
@@ -335,113 +322,53 @@ class InferenceSession(ort.InferenceSession):
         """ORT's ``run_with_iobinding``, with the graph registry's checks when capture is on.
 
         The first run of a ``gpu_graph_id`` captures (ORT runs the model a few times inside that call) and pins
-        the IOBinding; later runs replay it. Raises :class:`~ortcapture.errors.BindingError` for another or a
-        changed IOBinding, a CPU-bound (``bind_cpu_input``) or ORT-allocated output, a buffer on another device,
-        or an input and output sharing one buffer; :class:`~ortcapture.errors.GraphReleasedError` for a retired id.
-        ``gpu_graph_id=-1`` runs without capture.
+        the IOBinding; later runs replay it. ``gpu_graph_id=-1`` runs without capture.
+
+        Raises:
+            BindingError: another or a changed IOBinding under a captured id, a CPU-bound (``bind_cpu_input``) or
+                ORT-allocated output, a buffer on another device, or an input and output sharing one buffer.
+            GraphReleasedError: a retired id (CUDA/TensorRT release is a no-op in ORT).
+            CaptureError: the calling thread's CUDA stream is inside a foreign capture (ORT PR #32081).
         """
-        if self._oc_info is None:
-            if not self._oc_deferred:
-                if self._oc_gpu_guarded:
-                    with self._oc_guard:
-                        return super().run_with_iobinding(iobinding, run_options)
-                return super().run_with_iobinding(iobinding, run_options)
+        st = self._oc_state
+        if st.info is None:
+            if not st.deferred:
+                if st.gpu_guarded:
+                    with st.guard:
+                        return run_bound(self, iobinding, run_options)
+                return run_bound(self, iobinding, run_options)
             if graph_id_of(run_options) != SKIP_GRAPH_ID:
                 raise CaptureUnsupportedError(
-                    f"this session cannot capture: {self._oc_requested.ep.name} refused graph capture for the model's "
+                    f"this session cannot capture: {st.requested.ep.name} refused graph capture for the model's "
                     "dynamic input dims, so a raw IOBinding run here would silently run uncaptured and unguarded. "
                     "Create the session with static_shapes={name: shape} to capture through IOBinding, use "
                     f"sess.capture(feeds), or set {GRAPH_ID_KEY}=-1 for an uncaptured run."
                 )
-            with self._oc_guard:
-                return super().run_with_iobinding(iobinding, run_options)
+            with st.guard:
+                return run_bound(self, iobinding, run_options)
         gid = graph_id_of(run_options)
         if gid == SKIP_GRAPH_ID:
-            with self._oc_guard:
-                return super().run_with_iobinding(iobinding, run_options)
+            with st.guard:
+                return run_bound(self, iobinding, run_options)
         if not isinstance(iobinding, IOBinding):
             raise BindingError(
                 "graph capture needs an IOBinding from sess.io_binding() (ortcapture records what it binds to pin "
                 "it per gpu_graph_id); got a plain onnxruntime.IOBinding"
             )
-        self._oc_check_foreign_capture()
-        if not self._oc_thread_has(gid):
-            self._oc_prepare_thread(iobinding, gid, run_options)
+        st.check_foreign_capture()
+        if not st.thread_has(gid):
+            st.ensure_thread(iobinding, gid, run_options)
         while True:
-            exclusive = gid not in self._oc_registry  # a first capture excludes all other CUDA work
-            with self._oc_cguard if exclusive else self._oc_guard:
-                rec = self._oc_registry.check(iobinding, gid)
+            exclusive = gid not in st.registry  # a first capture excludes all other CUDA work
+            with st.capture_guard if exclusive else st.guard:
+                rec = st.registry.check(iobinding, gid)
                 if rec is None:
                     if not exclusive:
                         continue  # released and free again (WebGPU) since the look above: capture exclusively
-                    self._oc_capture(iobinding, gid, run_options)
+                    st.capture(iobinding, gid, run_options)
                     return None
-                super().run_with_iobinding(iobinding, run_options)
-                rec.replays += 1
+                st.replay(iobinding, run_options, rec)
                 return None
-
-    def _oc_replay(self, iobinding: IOBinding, run_options: ort.RunOptions, rec) -> None:
-        """Hot path for :class:`~ortcapture.graph.CapturedGraph`: replay an already validated, pinned graph.
-        The caller holds ``self._oc_guard``, has checked for a foreign capture (``_oc_capture_probe``, else
-        :meth:`_oc_check_foreign_capture`) and has called :meth:`_oc_prepare_thread`."""
-        if self._oc_c_replay:  # all that ORT's Python wrapper would do here (compat.iobinding_run_wrapper)
-            self._sess.run_with_iobinding(iobinding._iobinding, run_options)
-        else:
-            ort.InferenceSession.run_with_iobinding(self, iobinding, run_options)
-        rec.replays += 1
-
-    def _oc_capture(self, iobinding: IOBinding, gid: int, run_options, owner=None):
-        """Validate bindings, capture ``gid`` side-effect free, and pin the binding. Caller holds the capture
-        guard (:attr:`_oc_cguard`)."""
-        from ortcapture._capture import capture_bindings
-
-        rec = capture_bindings(self, iobinding, gid, run_options, owner)
-        self._oc_thread_add(gid)
-        return rec
-
-    # ORT's CUDA/TensorRT EPs keep captured graphs per thread (CUDAExecutionProvider::PerThreadContext): a captured
-    # id run from a new thread would re-run warm-ups and capture again, racing other threads' CUDA work.
-    def _oc_thread_has(self, gid: int) -> bool:
-        if not self._oc_per_thread:
-            return True
-        graphs = getattr(self._oc_tls, "graphs", None)
-        return graphs is not None and gid in graphs
-
-    def _oc_thread_add(self, gid: int) -> None:
-        if self._oc_per_thread:
-            graphs = getattr(self._oc_tls, "graphs", None)
-            if graphs is None:
-                graphs = self._oc_tls.graphs = set()
-            graphs.add(gid)
-
-    def _oc_prepare_thread(self, iobinding: IOBinding, gid: int, run_options) -> bool:
-        """Before a replay of ``gid`` from this thread: give the thread its own ORT capture if it has none yet
-        (:func:`ortcapture._capture.capture_in_this_thread`). True when it did; False when the thread has it, or
-        ``gid`` is not captured (the caller's path captures or raises). Raises like the registry's ``check`` for
-        another IOBinding. Takes the capture guard itself."""
-        if self._oc_thread_has(gid):
-            return False
-        from ortcapture._capture import capture_in_this_thread
-
-        with self._oc_cguard:
-            if self._oc_thread_has(gid) or self._oc_registry is None or gid not in self._oc_registry:
-                return False
-            if self._oc_registry.check(iobinding, gid) is None:  # pinned binding only
-                return False
-            capture_in_this_thread(self, iobinding, run_options)
-            self._oc_thread_add(gid)
-            return True
-
-    def _oc_check_foreign_capture(self) -> None:
-        """Raise :class:`CaptureError` when the caller's CUDA stream is being captured (ORT PR #32081)."""
-        probe = self._oc_capture_probe
-        if probe is not None:
-            if probe():
-                raise CaptureError(
-                    "the calling thread's CUDA stream is being captured into another CUDA graph (e.g. inside "
-                    "torch.cuda.graph()); running an ORT CUDA-graph session now ends in std::terminate "
-                    "(ORT PR #32081). Run the ORT session outside the foreign capture."
-                )
 
     # -- release / reset --------------------------------------------------------------------------------------
     def release_captured_graph(self, graph_annotation_id: int = 0) -> None:
@@ -450,113 +377,126 @@ class InferenceSession(ort.InferenceSession):
         WebGPU frees the graph and the id can be captured again. CUDA/TensorRT: ORT's release is a no-op (measured
         on onnxruntime-gpu 1.31.1: a new IOBinding run under the released id writes into the old buffers), so the
         id is retired — reusing it raises :class:`~ortcapture.errors.GraphReleasedError`; capture under a new id.
+        A graph captured by :meth:`capture` on a shape-specialised sibling is released there.
+
+        Raises:
+            CaptureError: ``graph_annotation_id`` is not an int in [-1, 2**31-1].
         """
         gid = check_graph_id(graph_annotation_id)
-        with self._oc_guard:  # the family's lock first, then the sibling's (capture() takes them in that order)
-            owner = next((s for s in self._oc_siblings.values()
-                          if s._oc_registry is not None and gid in s._oc_registry), None)
-            if owner is not None:  # captured by capture() on a shape-specialised sibling: release it there
-                owner.release_captured_graph(gid)
-                graph = self._oc_graphs.pop(gid, None)
-                if graph is not None:
-                    graph._on_released()
-                return
-        with self._oc_guard:
-            rec = self._oc_registry.release(gid) if self._oc_registry is not None else None
-            if compat.has_release_captured_graph():
-                super().release_captured_graph(gid)
-            graph = self._oc_graphs.pop(gid, None) if self._oc_family is self else None
-            if rec is not None and rec.owner is not None:
-                rec.owner._on_released()
-            elif graph is not None:
-                graph._on_released()
+        fam = self._oc_state.family
+        with fam.guard:  # the family's lock first, then the member's (capture() takes them in that order)
+            owner = fam.owner_of(gid) or self._oc_state
+        owner.release(gid)
 
     def set_providers(self, providers=None, provider_options=None) -> None:
         """ORT's ``set_providers`` (recreates the C session); every captured graph is released and forgotten first,
-        and the CapturedGraphs made from this session become unusable. Raises
-        :class:`~ortcapture.errors.CaptureUnsupportedError` if the new providers request capture but do not give it; the
-        session is then left as ORT made it, without capture (``capture_enabled`` False).
+        and the CapturedGraphs made from this session become unusable.
+
+        Raises:
+            CaptureUnsupportedError: the new providers request capture but do not give it; the session is then left
+                as ORT made it, without capture (``capture_enabled`` False).
         """
         sess_options = self._oc_args[1]
         requested = requested_capture(providers, provider_options, sess_options if not providers else None)
-        with self._oc_cguard:  # a new C session: no other CUDA work meanwhile
-            for sess in (self, *self._oc_siblings.values()):
-                if sess._oc_registry is not None:
-                    for rec in sess._oc_registry.reset():
-                        if rec.owner is not None:
-                            rec.owner._on_released()
-            for g in list(self._oc_graphs.values()):
-                g._on_released()
-            self._oc_graphs.clear()
-            self._oc_siblings.clear()
+        st = self._oc_state
+        with st.capture_guard:  # a new C session: no other CUDA work meanwhile
+            st.reset()
             super().set_providers(providers, provider_options)
-            self._oc_deferred = False
             try:
-                self._oc_setup(requested)
+                self._oc_setup(requested, False, st.static_shapes)
             except Exception:
                 # the C session was already replaced: describe what it really is (no capture), then report
-                self._oc_requested = None
-                self._oc_setup(None)
+                self._oc_setup(None, False, st.static_shapes)
                 raise
-            self._oc_requested = requested
 
     # -- high level -------------------------------------------------------------------------------------------
     def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None, *,
                 state: Mapping[str, str] | None = None):
         """Capture a graph for ``example_feeds``' shapes and dtypes and return a
-        :class:`~ortcapture.graph.CapturedGraph` (see there). ``graph_id``: a free ``gpu_graph_id`` is picked when
-        ``None``. ``state``: ``{output name: input name}`` pairs carried from one replay to the next on the device.
+        :class:`~ortcapture.graph.CapturedGraph` (see there).
+
+        Args:
+            example_feeds: ``{input name: value}`` for every model input (numpy arrays, OrtValues on any device,
+                DLPack tensors); their shapes and dtypes are the graph's, their values its initial inputs.
+            graph_id: the ``gpu_graph_id``; ``None`` picks the smallest free id >= 1.
+            state: ``{output name: input name}`` pairs carried from one replay to the next on the device.
+
+        Raises:
+            CaptureUnsupportedError: the session cannot capture (or not even with the example's shapes fixed).
+            CaptureError: ``graph_id`` taken or invalid; a refused capture (see CapturedGraph).
+            GraphReleasedError: ``graph_id`` was released on CUDA/TensorRT (retired).
+            TransferError: feeds that do not match the model's inputs.
 
         Where the model has dynamic input dims and ORT refused capture for them, the graph is captured on a sibling
         session with the same model, providers and options but those dims fixed (cached per shape signature).
         """
         from ortcapture.graph import CapturedGraph
 
-        target = self._oc_specialized_for(example_feeds) if self._oc_deferred else self
-        target._oc_require_capture("capture()")
-        target._oc_check_foreign_capture()
-        with self._oc_cguard:
-            gid = self._oc_free_id() if graph_id is None else check_graph_id(graph_id)
-            if gid < 0:
-                raise CaptureError(f"gpu_graph_id must be >= 0 to capture, got {gid} (-1 means 'no capture')")
-            registries = [s._oc_registry for s in self._oc_members() if s._oc_registry is not None]
-            if any(gid in r for r in registries):
-                raise CaptureError(f"gpu_graph_id={gid} is already captured; release it or pick another id")
-            if any(gid in r.retired_ids for r in registries):
-                raise GraphReleasedError(
-                    f"gpu_graph_id={gid} was released, and this onnxruntime cannot free a captured "
-                    f"{target.capture_info.ep.name} graph: capture under a new id (graph_id=None picks one)")
-            graph = CapturedGraph(target, example_feeds, gid, state=state, family=self)
-            self._oc_graphs[gid] = graph
+        fam = self._oc_state
+        fam.release_collected()
+        target = self._oc_specialized_for(example_feeds) if fam.deferred else fam
+        if target.info is None:
+            self._oc_require_capture("capture()")
+        target.check_foreign_capture()
+        with fam.capture_guard:
+            gid = fam.free_id() if graph_id is None else check_graph_id(graph_id)
+            fam.check_free(gid)
+            graph = CapturedGraph(target, example_feeds, gid, state=state)
+            fam.graphs.add(graph, graph.shape_key)
             return graph
 
-    def _oc_members(self):
-        return (self, *self._oc_siblings.values())
+    def uncaptured_graph(self, example_feeds: Mapping[str, Any], device: str | None = None):
+        """The same fixed buffers, IOBinding and :meth:`~ortcapture.graph.CapturedGraph.run` as :meth:`capture`, run
+        with ``gpu_graph_id=-1`` (never captured, never replayed): the honest "no graph" arm of a benchmark
+        (``ortcapture bench --no-graph-capture``), or a way to tell a capture problem from a model problem.
 
-    def _oc_free_id(self) -> int:
-        gid = 0
-        while True:
-            taken = False
-            for s in self._oc_members():
-                reg = s._oc_registry
-                if reg is not None and (gid in reg or gid in reg.retired_ids):
-                    taken = True
-            if not taken and gid not in self._oc_graphs:
-                return gid
-            gid += 1
+        Args:
+            example_feeds: as for :meth:`capture`.
+            device: where the fixed buffers live, ``"cuda:N"`` or ``"webgpu"``; default the session's capture device
+                (required on a session that does not capture).
 
-    def _oc_specialized_for(self, feeds: Mapping[str, Any]) -> "InferenceSession":
+        Raises:
+            CaptureUnsupportedError: no ``device`` on a session without capture.
+            TransferError: feeds that do not match the model's inputs.
+        """
+        from ortcapture._providers import CAPTURE_EPS
+        from ortcapture.graph import CapturedGraph
+
+        st = self._oc_state
+        if device is None:
+            if st.device is None:
+                raise CaptureUnsupportedError("uncaptured_graph() on a session without capture needs device= "
+                                              "('cuda:N' or 'webgpu')")
+            where = st.device
+        else:
+            kind, _, ordinal = str(device).partition(":")
+            ep = next((e for e in CAPTURE_EPS.values() if e.device_type == kind), None)
+            if ep is None:
+                raise CaptureUnsupportedError(f"device {device!r}: expected 'cuda:N' or 'webgpu'")
+            where = CaptureInfo(ep, int(ordinal or 0))
+        return CapturedGraph(st, example_feeds, SKIP_GRAPH_ID, capture=False, device=where)
+
+    def _oc_specialized_for(self, feeds: Mapping[str, Any]) -> CaptureState:
         sig = shapes.shape_signature(shapes.feed_shapes(feeds))
-        with self._oc_cguard:
-            sib = self._oc_siblings.get(sig)
+        fam = self._oc_state
+        with fam.capture_guard:
+            sib = fam.siblings.get(sig)
             if sib is None:
                 path_or_bytes, sess_options, providers, provider_options, kwargs = self._oc_args
-                sib = InferenceSession(path_or_bytes, sess_options, providers, provider_options,
-                                       static_shapes=dict(sig), **kwargs)
-                if sib.capture_info is None:
+                sess = InferenceSession(path_or_bytes, sess_options, providers, provider_options,
+                                        static_shapes=dict(sig), _oc_family=fam, **kwargs)
+                if sess.capture_info is None:
                     raise CaptureUnsupportedError(
-                        f"even with input shapes fixed to {dict(sig)}, {self._oc_requested.ep.name} does not capture"
+                        f"even with input shapes fixed to {dict(sig)}, {fam.requested.ep.name} does not capture"
                     )
-                sib._oc_family = self
-                self._oc_siblings[sig] = sib
+                sib = fam.siblings[sig]  # the sibling's state joined the family (CaptureState)
             return sib
+
+
+def _check_version(requested: CaptureInfo | None) -> None:
+    if requested is not None and requested.device_type == "webgpu" and not compat.webgpu_plugin_captures():
+        raise CaptureUnsupportedError(
+            f"onnxruntime {ort.__version__} accepts enableGraphCapture for the WebGPU plugin EP but never "
+            "captures (measured on 1.24.4 and 1.25.1: every run recomputes, rebinding is not even ignored); "
+            "WebGPU graph capture needs onnxruntime >= 1.27.0"
+        )

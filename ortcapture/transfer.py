@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
-import onnxruntime as ort
 
 from ortcapture import _compat as compat
-from ortcapture.errors import CaptureUnsupportedError, TransferError
+from ortcapture._compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
 from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK
 from ortcapture._values import ONNX_TO_NP, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
-
-_C = ort.capi._pybind_state
+from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 #: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
 #: Set from $ORTCAPTURE_COPY_BACKEND at import; tests set it directly.
@@ -47,15 +45,15 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 # ---------------------------------------------------------------------------------------------------------------
 def _endpoint(x) -> tuple[int, int, str]:
     """(OrtDevice type, vendor id, kind name) of an OrtValue or OrtDevice."""
-    if isinstance(x, _C.OrtValue):
-        x = ort.OrtValue(x)
-    if isinstance(x, ort.OrtValue):
+    if isinstance(x, C_OrtValue):
+        x = OrtValue(x)
+    if isinstance(x, OrtValue):
         kind = meta(x).kind
         if kind not in _DEVICE_KINDS:
             raise TransferError(f"unknown OrtValue device {kind!r}")
         return (*_DEVICE_KINDS[kind], kind)
-    dev = x._get_c_device() if isinstance(x, ort.OrtDevice) else x
-    if isinstance(dev, _C.OrtDevice):
+    dev = compat.c_device(x) if isinstance(x, OrtDevice) else x
+    if isinstance(dev, C_OrtDevice):
         t = int(dev.device_type())
         v = int(dev.vendor_id()) if hasattr(dev, "vendor_id") else NONE_VENDOR
         if t == CPU:
@@ -92,7 +90,9 @@ def can_copy(src, dst) -> bool:
 
 
 _KIND_PAIR_OK: dict[tuple[str, str], bool] = {}
-_HAS_UPDATE_INPLACE = [False]  # set once the probe succeeded (compat.has_update_inplace_ortvalue)
+#: ORT's own device-to-device ``OrtValue.update_inplace(OrtValue)`` works (ORT >= 1.26; probed once at import on two
+#: tiny CPU values)
+_ORT_D2D = compat.has_update_inplace_ortvalue()
 
 
 def _require_copyable(sm: ValueMeta, dm: ValueMeta) -> None:
@@ -118,7 +118,7 @@ def _dst_meta(value: Any, role: str = "destination") -> ValueMeta:
     m = getattr(value, "_ortcapture_meta", None)  # fast path: values.meta's cache
     if m is not None and m.dtype is not None:
         return m
-    if not isinstance(value, ort.OrtValue):
+    if not isinstance(value, OrtValue):
         raise TransferError(f"{role} must be an onnxruntime.OrtValue, got {type(value).__name__}")
     m = meta(value)
     if m.dtype is None:
@@ -126,7 +126,7 @@ def _dst_meta(value: Any, role: str = "destination") -> ValueMeta:
     return m
 
 
-def np_dtype_of(value: ort.OrtValue) -> np.dtype:
+def np_dtype_of(value: OrtValue) -> np.dtype:
     """numpy dtype of a tensor OrtValue; raises :class:`TransferError` for types numpy cannot hold."""
     return _dst_meta(value, "value").dtype
 
@@ -144,9 +144,9 @@ def _check_match(dm: ValueMeta, shape: tuple, dtype: np.dtype, what: str) -> Non
         )
 
 
-def _alias(a: ort.OrtValue, am: ValueMeta, b: ort.OrtValue, bm: ValueMeta) -> str | None:
+def _alias(a: OrtValue, am: ValueMeta, b: OrtValue, bm: ValueMeta) -> str | None:
     """``"same"`` when a and b are one buffer, ``"overlap"`` when their bytes overlap, else ``None``."""
-    if a is b or a._ortvalue is b._ortvalue:
+    if a is b or compat.c_value(a) is compat.c_value(b):
         return "same"
     if am.kind == bm.kind == "webgpu":  # no byte ranges, but data_ptr() is the buffer handle: equal = same buffer
         try:
@@ -232,16 +232,16 @@ def _wrap_capsule(capsule, is_bool: bool):
     reads bool from the DLPack dtype. (A signature mismatch raises before the capsule is consumed.)"""
     if _FROM_DLPACK_TAKES_BOOL[0]:
         try:
-            return _C.OrtValue.from_dlpack(capsule, is_bool)
+            return C_OrtValue.from_dlpack(capsule, is_bool)
         except TypeError:
             _FROM_DLPACK_TAKES_BOOL[0] = False
-    return _C.OrtValue.from_dlpack(capsule)
+    return C_OrtValue.from_dlpack(capsule)
 
 
 _FROM_DLPACK_TAKES_BOOL = [True]
 
 
-def _cached_wrap(src: Any) -> ort.OrtValue | None:
+def _cached_wrap(src: Any) -> OrtValue | None:
     """The OrtValue that wrapped this same CUDA producer before, if still valid (see :func:`_revalidator`)."""
     cached = _WRAPPED.get(id(src))
     if cached is not None and cached[0]() is src and cached[1](src):
@@ -249,7 +249,7 @@ def _cached_wrap(src: Any) -> ort.OrtValue | None:
     return None
 
 
-def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
+def _from_dlpack(src: Any) -> OrtValue | np.ndarray:
     """Wrap a DLPack producer zero-copy: a numpy view for host memory, a device OrtValue for CUDA memory."""
     value = _cached_wrap(src)
     if value is not None:
@@ -278,7 +278,7 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
             capsule = src.__dlpack__(stream=1)
         except TypeError:
             capsule = src.__dlpack__()
-    value = ort.OrtValue(_wrap_capsule(capsule, is_bool))
+    value = OrtValue(_wrap_capsule(capsule, is_bool))
     address = _address(src)
     if address is not None:
         ident, table = id(src), _WRAPPED
@@ -293,7 +293,7 @@ def _from_dlpack(src: Any) -> ort.OrtValue | np.ndarray:
 # ---------------------------------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------------------------------
-def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.OrtValue:
+def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
     """Copy ``src`` into the fixed buffer ``dst`` in place and return ``dst``.
 
     ``dst``: a tensor OrtValue on any device (CPU, CUDA, WebGPU). ``src``: a numpy array, an OrtValue on any
@@ -306,7 +306,7 @@ def update_inplace(dst: ort.OrtValue, src: Any, *, cast: bool = False) -> ort.Or
     :class:`~ortcapture.errors.CaptureUnsupportedError` where the installed ORT lacks the needed copy path.
     """
     dm = _dst_meta(dst)
-    if not isinstance(src, ort.OrtValue):
+    if not isinstance(src, OrtValue):
         cached = _WRAPPED.get(id(src))  # a CUDA DLPack producer wrapped before (torch/cupy on the hot path)
         if cached is not None and cached[0]() is src and cached[1](src):
             src = cached[2]
@@ -335,28 +335,48 @@ def _fast_pair(sm: ValueMeta | None, dm: ValueMeta, src: Any) -> bool:
     disjoint buffers (or different GPUs), ORT's own ``OrtValue.update_inplace(OrtValue)`` as the copy backend —
     everything the full checks below it would establish."""
     return (sm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype
-            and sm.shape == dm.shape and bool(sm.span) and bool(dm.span) and COPY_BACKEND is None
-            and _HAS_UPDATE_INPLACE[0]
+            and sm.shape == dm.shape and bool(sm.span) and bool(dm.span) and COPY_BACKEND is None and _ORT_D2D
             and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id))
 
 
-def direct_copy_ok(dst: ort.OrtValue, src: Any) -> bool:
-    """Whether ``dst.update_inplace(src)`` alone (no further checks, no gate entry) is exactly what
-    :func:`update_inplace` would do for this pair, every time: its hot path (:func:`_fast_pair`) with both buffers
-    on the same GPU (no peer access to switch on). A tensor OrtValue's shape, dtype and buffer never change, so a
-    caller that holds the CUDA gate (a session guard) may keep the answer for as long as it holds the very same
-    ``src`` object and :data:`COPY_BACKEND` stays unset."""
-    sm = getattr(src, "_ortcapture_meta", None)
-    dm = getattr(dst, "_ortcapture_meta", None)
-    return (dm is not None and dm.dtype is not None and sm is not None and sm.device_id == dm.device_id
-            and _fast_pair(sm, dm, src))
+def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> None:
+    """Copy each feed into the fixed buffer of the same name — the one function that copies feeds into a graph's
+    inputs (:meth:`CapturedGraph.run`, capture, ``reset_state``).
+
+    Args:
+        buffers: ``{input name: fixed OrtValue}``.
+        feeds: ``{input name: source}``, each source as :func:`update_inplace` takes it (numpy array, OrtValue on
+            any device, DLPack tensor), exactly the buffer's shape and dtype.
+
+    Raises:
+        TransferError: ``feeds`` is not a mapping, names an unknown input, or a source does not match its buffer.
+            Every feed is checked before any buffer is written (a single feed: :func:`update_inplace`'s own checks,
+            which also precede its copy), so a refused call changes nothing.
+    """
+    if type(feeds) is not dict and not isinstance(feeds, Mapping):
+        raise TransferError(f"feeds must be a mapping {{input name: value}}, got {type(feeds).__name__}")
+    if len(feeds) == 1:  # the common case, straight to update_inplace's one fast path
+        for name, value in feeds.items():
+            dst = buffers.get(name)
+            if dst is None:
+                raise TransferError(f"unknown input {name!r}; the inputs are {list(buffers)}")
+            update_inplace(dst, value)
+        return
+    tokens = []
+    for name, value in feeds.items():
+        dst = buffers.get(name)
+        if dst is None:
+            raise TransferError(f"unknown input {name!r}; the inputs are {list(buffers)}")
+        tokens.append(prepare(dst, value))
+    for token in tokens:
+        commit(token)
 
 
-def prepare(dst: ort.OrtValue, src: Any, *, cast: bool = False):
+def prepare(dst: OrtValue, src: Any, *, cast: bool = False):
     """Validate ``src`` for ``dst`` exactly as :func:`update_inplace` does, without copying; return a token for
     :func:`commit`. Lets a caller check every feed before touching any buffer."""
     dm = _dst_meta(dst)
-    if not isinstance(src, ort.OrtValue):
+    if not isinstance(src, OrtValue):
         src = _as_source(src)
         if isinstance(src, np.ndarray):
             return (dst, dm, _as_numpy(src, dm, cast), None)
@@ -381,7 +401,7 @@ def _recheck(src) -> None:
         check()
 
 
-def _checked_value_source(src: ort.OrtValue, dst: ort.OrtValue, dm: ValueMeta) -> ValueMeta | None:
+def _checked_value_source(src: OrtValue, dst: OrtValue, dm: ValueMeta) -> ValueMeta | None:
     """Validate an OrtValue source against the destination; ``None`` when it is the destination itself."""
     check = getattr(src, "_check", None)  # a ReplayOutput: refuse reading it once a later replay overwrote it
     if check is not None:
@@ -397,14 +417,14 @@ def _checked_value_source(src: ort.OrtValue, dst: ort.OrtValue, dm: ValueMeta) -
     return sm
 
 
-def _as_source(src: Any) -> ort.OrtValue | np.ndarray:
+def _as_source(src: Any) -> OrtValue | np.ndarray:
     """A non-OrtValue source as an OrtValue (C OrtValue, CUDA DLPack producer) or a host numpy array."""
     if isinstance(src, np.ndarray):
         return src
     if hasattr(src, "__dlpack__"):
         return _from_dlpack(src)
-    if isinstance(src, _C.OrtValue):
-        return ort.OrtValue(src)
+    if isinstance(src, C_OrtValue):
+        return OrtValue(src)
     if isinstance(src, np.generic):
         return np.asarray(src)
     raise TransferError(
@@ -412,7 +432,7 @@ def _as_source(src: Any) -> ort.OrtValue | np.ndarray:
     )
 
 
-def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
+def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
     """Copy ``src[i]`` into ``dst[i]`` for every i, as ``onnxruntime.copy_tensors`` does, after checking every pair.
 
     Refused (:class:`~ortcapture.errors.TransferError`) before any copy starts: length mismatch, non-OrtValues,
@@ -442,7 +462,7 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
         return
     if compat.has_copy_tensors() and any(m.kind == "webgpu" for m in (*sms, *dms)):
         with WEBGPU_LOCK:
-            ort.copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
+            compat.ort_copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
     else:
         for s, sm, d, dm in zip(src, sms, dst, dms):
             _copy_value(s, sm, d, dm)
@@ -450,15 +470,15 @@ def copy(src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
         _recheck(s)
 
 
-def to_numpy(value: ort.OrtValue) -> np.ndarray:
+def to_numpy(value: OrtValue) -> np.ndarray:
     """A new host numpy array with the contents of ``value`` (any device; WebGPU read back via ``copy_tensors``)."""
     if getattr(value, "_check", None) is not None:  # a ReplayOutput: checked for staleness before and after
         return value.numpy()
     m = _dst_meta(value, "value")
     if m.kind == "webgpu":
-        host = ort.OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
+        host = OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
         with WEBGPU_LOCK:
-            ort.copy_tensors([value], [host], None)
+            compat.ort_copy_tensors([value], [host], None)
         return host.numpy()
     if m.kind == "cuda":
         with _CUDA_SHARED:
@@ -478,7 +498,7 @@ def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
     return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
 
 
-_ORTVALUE = ort.OrtValue  # the hot path takes exact OrtValues only (a ReplayOutput must be checked for staleness)
+_ORTVALUE = OrtValue  # the hot path takes exact OrtValues only (a ReplayOutput must be checked for staleness)
 
 
 def _peer(a: int, b: int) -> None:
@@ -494,10 +514,10 @@ _CUDA_SHARED = CUDA_GATE.shared
 
 
 
-def _copy_host_to(dst: ort.OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
+def _copy_host_to(dst: OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
     if dm.kind == "webgpu":
         with WEBGPU_LOCK:
-            ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(arr)], [dst], None)
+            compat.ort_copy_tensors([OrtValue.ortvalue_from_numpy(arr)], [dst], None)
     elif dm.kind == "cuda":
         with _CUDA_SHARED:
             dst.update_inplace(arr)
@@ -505,7 +525,7 @@ def _copy_host_to(dst: ort.OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
         dst.update_inplace(arr)
 
 
-def _copy_value(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMeta) -> None:
+def _copy_value(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: ValueMeta) -> None:
     if sm.kind == "cuda" or dm.kind == "cuda":
         with _CUDA_SHARED:  # never while another thread captures a CUDA graph (ortcapture._sync)
             _copy_value_unguarded(src, sm, dst, dm)
@@ -513,7 +533,7 @@ def _copy_value(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMe
         _copy_value_unguarded(src, sm, dst, dm)
 
 
-def _copy_value_unguarded(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, dm: ValueMeta) -> None:
+def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: ValueMeta) -> None:
     both_cuda = sm.kind == "cuda" and dm.kind == "cuda"
     if both_cuda and sm.device_id != dm.device_id:
         _peer(sm.device_id, dm.device_id)
@@ -523,9 +543,8 @@ def _copy_value_unguarded(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, d
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif "webgpu" in (sm.kind, dm.kind):
         with WEBGPU_LOCK:
-            ort.copy_tensors([src], [dst], None)
-    elif compat.has_update_inplace_ortvalue():
-        _HAS_UPDATE_INPLACE[0] = True
+            compat.ort_copy_tensors([src], [dst], None)
+    elif _ORT_D2D:
         dst.update_inplace(src)
     elif both_cuda and compat.has_cuda_python():
         from ortcapture._cudart import memcpy_d2d
@@ -536,5 +555,5 @@ def _copy_value_unguarded(src: ort.OrtValue, sm: ValueMeta, dst: ort.OrtValue, d
     else:
         raise CaptureUnsupportedError(
             f"device-to-device update_inplace needs onnxruntime >= 1.26 (OrtValue.update_inplace(OrtValue)) or "
-            f"cuda-python for CUDA; this is onnxruntime {ort.__version__}"
+            f"cuda-python for CUDA; this is onnxruntime {compat.ort_version_string()}"
         )

@@ -177,8 +177,7 @@ def test_cross_device_binding_refused_without_gpus():
     on = {}
     for name, dev in (("x0", 0), ("y0", 0), ("x1", 1), ("y1", 1)):
         on[name] = remember(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32)), "cuda", dev)
-    fake = types.SimpleNamespace(capture_info=CaptureInfo(CAPTURE_EPS["CUDAExecutionProvider"], 1),
-                                 get_inputs=sess.get_inputs, get_outputs=sess.get_outputs)
+    fake = types.SimpleNamespace(info=CaptureInfo(CAPTURE_EPS["CUDAExecutionProvider"], 1), session=sess)
     good = sess.io_binding()
     good.bind_ortvalue_input("X", on["x1"])
     good.bind_ortvalue_output("Y", on["y1"])
@@ -243,7 +242,7 @@ def test_capture_gate_readers_share_writer_excludes_and_is_preferred():
     w = threading.Thread(target=writer)
     w.start()
     time.sleep(0.1)
-    assert g._pending and not g.capturing  # waits for r1
+    assert g.pending and not g.capturing  # waits for r1
     r2 = threading.Thread(target=reader, args=("r2",))
     r2.start()
     time.sleep(0.1)
@@ -253,7 +252,7 @@ def test_capture_gate_readers_share_writer_excludes_and_is_preferred():
         t.join(5)
     order = [e for e in log if e[0] in ("write", "in")]
     assert order.index(("write", None)) < order.index(("in", "r2"))
-    assert g.readers == 0 and not g.capturing and not g._pending
+    assert g.readers == 0 and not g.capturing and not g.pending
     with g.shared:
         with pytest.raises(RuntimeError, match="wait for itself"):
             with g.exclusive:
@@ -354,7 +353,7 @@ def test_capture_gate_survives_an_interrupted_wait():
             return super().wait(timeout)
 
     g = CaptureGate()
-    g._cond = InterruptingCondition(threading.Lock())
+    g.cond = InterruptingCondition(threading.Lock())
     inside, leave = threading.Event(), threading.Event()
 
     def hold(block):
@@ -369,20 +368,20 @@ def test_capture_gate_survives_an_interrupted_wait():
         t = threading.Thread(target=hold, args=(holder,))
         t.start()
         assert inside.wait(5)
-        g._cond.armed = True
+        g.cond.armed = True
         with pytest.raises(Interrupt):
             with waiter:
                 pass
         return t
 
     t = interrupted(g.shared, g.exclusive)  # a capture waiting for a reader
-    assert not g._pending and not g._writers.locked() and not g.capturing
+    assert not g.pending and not g.writers.locked() and not g.capturing
     with g.shared:  # readers still get in
         pass
     leave.set()
     t.join(5)
     t = interrupted(g.exclusive, g.shared)  # a reader waiting for a capture
-    assert g._tls.slot.depth == 0 and not g._tls.slot.active
+    assert g.tls.slot.depth == 0 and not g.tls.slot.active
     leave.set()
     t.join(5)
     with g.exclusive:  # this thread can still capture: it is not left "inside" shared
@@ -421,12 +420,14 @@ def test_paired_extra_cancels_the_call_order_effect():
 
 
 def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
-    """transfer._fast_pair decides update_inplace's hot path and, with one GPU, CapturedGraph.run's direct copy. CPU
-    OrtValues stand in for CUDA ones here (their device recorded as cuda:N), so every clause can be flipped."""
+    """transfer._fast_pair decides update_inplace's hot path, the one fast copy (CapturedGraph.run copies feeds
+    through transfer.copy_feeds, which calls update_inplace). CPU OrtValues stand in for CUDA ones here (their
+    device recorded as cuda:N), so every clause can be flipped."""
     from ortcapture import transfer
+    from ortcapture import _compat as compat
     from ortcapture import _values as values
 
-    monkeypatch.setattr(transfer, "_HAS_UPDATE_INPLACE", [True])
+    monkeypatch.setattr(transfer, "_ORT_D2D", True)
     monkeypatch.setattr(transfer, "COPY_BACKEND", None)
 
     def val(shape=(2, 3), dtype=np.float32, dev=0):
@@ -437,23 +438,22 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
 
     dst, src = val(), val()
     sm, dm = values.meta(src), values.meta(dst)
-    assert transfer._fast_pair(sm, dm, src) and transfer.direct_copy_ok(dst, src)
+    assert transfer._fast_pair(sm, dm, src)
     assert not transfer._fast_pair(values.meta(val((3, 2))), dm, src)  # shape
     assert not transfer._fast_pair(values.meta(val(dtype=np.int32)), dm, src)  # dtype
     assert not transfer._fast_pair(None, dm, src)  # metadata not cached yet
-    assert not transfer._fast_pair(dm, dm, dst) and not transfer.direct_copy_ok(dst, dst)  # the same buffer
+    assert not transfer._fast_pair(dm, dm, dst)  # the same buffer
     other_gpu = val(dev=1)
     assert transfer._fast_pair(values.meta(other_gpu), dm, other_gpu)  # peers: update_inplace handles them
-    assert not transfer.direct_copy_ok(dst, other_gpu)  # ...but the direct copy is for one GPU only
 
     class Sub(ort.OrtValue):
         pass
 
-    sub = Sub(src._ortvalue)
+    sub = Sub(compat.c_value(src))
     sub._ortcapture_meta = sm
     assert not transfer._fast_pair(sm, dm, sub)  # subclasses (ReplayOutput) go through the full checks
     monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
-    assert not transfer._fast_pair(sm, dm, src) and not transfer.direct_copy_ok(dst, src)
+    assert not transfer._fast_pair(sm, dm, src)
     monkeypatch.setattr(transfer, "COPY_BACKEND", None)
-    monkeypatch.setattr(transfer, "_HAS_UPDATE_INPLACE", [False])
+    monkeypatch.setattr(transfer, "_ORT_D2D", False)
     assert not transfer._fast_pair(sm, dm, src)

@@ -351,11 +351,8 @@ def _worker(opts) -> dict:
         graph = ours.capture(feeds[0])
         cg_srcs = device_sources(ours, ours.allocate)
     else:
-        from ortcapture.graph import CapturedGraph
-
         # the same CapturedGraph code (fixed buffers, IOBinding, run()) on the session without capture
-        graph = CapturedGraph(ours, feeds[0], 0, _without_capture=(lambda shape, dtype: alloc(ours, shape, dtype),
-                                                                   dev, dev_id))
+        graph = ours.uncaptured_graph(feeds[0], device=f"{dev}:{dev_id}")
         cg_srcs = device_sources(ours)
     capture_s = time.perf_counter() - t0
 

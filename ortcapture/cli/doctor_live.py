@@ -268,6 +268,8 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
                    error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0)
         return res
     res["deferred"] = sess.capture_deferred
+    if sess.capture_refusal:
+        res["direct_refusal"] = sess.capture_refusal
     try:
         graph = sess.capture(feeds0)
     except Exception as exc:  # noqa: BLE001
@@ -497,7 +499,7 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
     refusals = [m for sev, _, m, ph in log.records if ph == _PHASE_CAPTURE and sev >= 3 and "graph capture" in m]
     if refusals and capture["outcome"] == "refused":
         capture["reason"] = refusals[-1]
-    if refusals and capture.get("deferred"):
+    if refusals and capture.get("deferred") and not capture.get("direct_refusal"):
         capture["direct_refusal"] = refusals[0]
     findings = _placement_findings(model, ep, example, placement, fixed_placement, capture)
     if not stable[0]:

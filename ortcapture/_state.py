@@ -1,0 +1,332 @@
+"""Per-session capture state: the one owner of a session's graphs, registry, buffers and gate interaction.
+
+Every :class:`~ortcapture.session.InferenceSession` holds one :class:`CaptureState` (a new one after
+``set_providers``, which builds a new C session). A shape-specialised sibling session (capture-deferred models,
+:mod:`ortcapture._specialize`) has its own state whose :attr:`CaptureState.family` is the parent's: the family
+state owns the ``gpu_graph_id`` space, the sibling sessions and the :class:`GraphPool` of
+:class:`~ortcapture.graph.CapturedGraph` s; each member state owns the :class:`~ortcapture._registry.GraphRegistry` of
+the graphs captured on its own C session.
+
+The interface a :class:`~ortcapture.graph.CapturedGraph` uses (and nothing else of the session):
+:attr:`~CaptureState.guard` / :attr:`~CaptureState.capture_guard`, :meth:`~CaptureState.new_buffer`,
+:meth:`~CaptureState.run_uncaptured`, :meth:`~CaptureState.capture`, :meth:`~CaptureState.replay`,
+:meth:`~CaptureState.ensure_thread`, :attr:`~CaptureState.capture_probe` / :meth:`~CaptureState.check_foreign_capture`
+and :meth:`~CaptureState.release`.
+
+Data flow of a replay: feeds -> :func:`ortcapture.transfer.copy_feeds` (validate, copy into the graph's fixed
+buffers) -> :meth:`CaptureState.replay` (pinned record) -> :func:`ortcapture._run.run_bound` (ORT) -> outputs.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterator, Sequence
+
+from ortcapture import _compat as compat
+from ortcapture._buffers import BufferPool, allocate
+from ortcapture._providers import CUDA_EPS, CaptureInfo
+from ortcapture._registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
+from ortcapture._run import run_bound, uncaptured_run_options
+from ortcapture._sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
+from ortcapture.errors import CaptureError
+
+class GraphPool:
+    """The live :class:`~ortcapture.graph.CapturedGraph` s of one session family, by ``gpu_graph_id`` and by key.
+
+    An explicit key -> graph pool, as ORT-GenAI's ``CapturedGraphPool`` (``captured_graph_pool.h``): the key is the
+    graph's shape signature (``((input name, shape), ...)``), so a caller can find a graph already captured for a set
+    of shapes. Graphs are held weakly: a graph dropped by its user is collected, and its id comes back from
+    :meth:`take_collected` so that the session releases it.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ReferenceType] = {}
+        self._keys: dict[int, Any] = {}
+        self._collected: list[tuple[int, weakref.ReferenceType]] = []
+        self._lock = threading.Lock()
+
+    def add(self, graph, key: Any) -> None:
+        """Register ``graph`` (its ``graph_id`` must be free in the pool) under shape key ``key``."""
+        gid = graph.graph_id
+        collected = self._collected
+
+        def on_collect(ref, gid=gid):
+            collected.append((gid, ref))
+
+        with self._lock:
+            self._refs[gid] = weakref.ref(graph, on_collect)
+            self._keys[gid] = key
+
+    def get(self, key: Any):
+        """The most recently captured live, unreleased graph for ``key``, or ``None``."""
+        with self._lock:
+            items = [(gid, ref) for gid, ref in self._refs.items() if self._keys.get(gid) == key]
+        for _, ref in reversed(items):
+            graph = ref()
+            if graph is not None and not graph.released:
+                return graph
+        return None
+
+    def by_id(self, graph_id: int):
+        ref = self._refs.get(graph_id)
+        return ref() if ref is not None else None
+
+    def pop(self, graph_id: int):
+        """Forget ``graph_id``; return its graph when still alive."""
+        with self._lock:
+            ref = self._refs.pop(graph_id, None)
+            self._keys.pop(graph_id, None)
+        return ref() if ref is not None else None
+
+    def __contains__(self, graph_id: int) -> bool:
+        return graph_id in self._refs
+
+    def ids(self) -> list[int]:
+        """Every registered id (live or collected but not yet taken)."""
+        return list(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def graphs(self) -> list:
+        """The live graphs, by id."""
+        with self._lock:
+            refs = sorted(self._refs.items())
+        return [g for _, ref in refs if (g := ref()) is not None]
+
+    def take_collected(self) -> list[int]:
+        """Ids whose graph was garbage-collected without ``release()`` since the last call (now forgotten)."""
+        out = []
+        while self._collected:
+            gid, ref = self._collected.pop()
+            with self._lock:
+                if self._refs.get(gid) is ref:
+                    del self._refs[gid]
+                    self._keys.pop(gid, None)
+                    out.append(gid)
+        return out
+
+    def clear(self) -> list:
+        """Forget every graph; return the live ones."""
+        live = self.graphs()
+        with self._lock:
+            self._refs.clear()
+            self._keys.clear()
+        return live
+
+
+class CaptureState:
+    """What one session knows about capture (see the module docstring).
+
+    Args:
+        session: the :class:`~ortcapture.session.InferenceSession` (its C session is the one that captures).
+        info: the capture the session really does (``None``: it does not capture).
+        requested: the capture its providers asked for (``None``: none).
+        deferred: capture was requested but ORT refused it for the model's dynamic dims; shape-specialised siblings
+            capture instead.
+        static_shapes: the shape signature the session was specialised to, or ``None``.
+        lock: the session's lock; replaced by the process-wide WebGPU lock for WebGPU sessions (ORT's WebGPU queue is
+            not thread-safe).
+        family: the parent's state for a shape-specialised sibling; ``None`` for a session the user made.
+    """
+
+    def __init__(self, session, info: CaptureInfo | None, requested: CaptureInfo | None, deferred: bool,
+                 static_shapes: tuple | None, lock, family: "CaptureState | None" = None) -> None:
+        self.session = session
+        self.info = info
+        self.requested = requested
+        self.deferred = deferred
+        self.static_shapes = static_shapes
+        self.family = family if family is not None else self
+        want = info or requested
+        active = session.get_providers()
+        webgpu = (want is not None and want.device_type == "webgpu") or "WebGpuExecutionProvider" in active
+        cuda = (want is not None and want.device_type == "cuda") or any(p in CUDA_EPS for p in active)
+        self.lock = WEBGPU_LOCK if webgpu else lock
+        #: uncaptured GPU runs are guarded too: CUDA ones must not overlap another thread's capture, WebGPU ones no
+        #: other WebGPU work
+        self.gpu_guarded = cuda or webgpu
+        #: ``with state.guard:`` — ``CUDA_GATE.shared`` (CUDA sessions), then the session lock
+        self.guard = SessionGuard(self.lock, cuda)
+        #: ``with state.capture_guard:`` — ``CUDA_GATE.exclusive`` (CUDA sessions), then the session lock
+        self.capture_guard = CaptureGuard(self.lock, cuda)
+        # ORT's CUDA/TensorRT EPs keep captured graphs per thread (CUDAExecutionProvider::PerThreadContext)
+        self.per_thread = info is not None and info.device_type == "cuda"
+        self._tls = threading.local()
+        #: ``probe() -> bool``: is the calling thread's CUDA stream being captured by someone else (ORT PR #32081)?
+        self.capture_probe = None
+        if info is not None and info.device_type == "cuda":
+            from ortcapture._cudart import make_capture_probe
+
+            self.capture_probe = make_capture_probe()
+        #: where fixed buffers live: the capturing EP's device (the requested one for a deferred session)
+        self.device: CaptureInfo | None = info or (requested if deferred else None)
+        self.registry = GraphRegistry(info) if info is not None else None
+        self.pool = BufferPool(session, self.device) if self.device is not None else None
+        # family-level: set on the family state only
+        self.graphs = GraphPool()
+        self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
+        if family is not None and info is not None and static_shapes is not None:
+            family.siblings[static_shapes] = self  # a shape-specialised sibling joins its family
+
+    # -- family ---------------------------------------------------------------------------------------------
+    def members(self) -> Iterator["CaptureState"]:
+        """This state and its shape-specialised siblings' states (call on the family state)."""
+        yield self
+        yield from list(self.siblings.values())
+
+    def owner_of(self, graph_id: int) -> "CaptureState | None":
+        """The member state whose registry holds ``graph_id`` (call on the family state)."""
+        for st in self.members():
+            if st.registry is not None and graph_id in st.registry:
+                return st
+        return None
+
+    def free_id(self) -> int:
+        """The smallest ``gpu_graph_id`` >= 1 that no member captured or retired and no graph holds (id 0 is what a
+        raw run without a ``gpu_graph_id`` uses)."""
+        taken: set[int] = set(self.graphs.ids())
+        for st in self.members():
+            if st.registry is not None:
+                taken.update(st.registry.graph_ids)
+                taken.update(st.registry.retired_ids)
+        gid = FIRST_AUTO_ID
+        while gid in taken:
+            gid += 1
+        return gid
+
+    def check_free(self, graph_id: int) -> None:
+        """Raise unless ``graph_id`` may be captured in this family (call on the family state)."""
+        from ortcapture.errors import GraphReleasedError
+
+        if graph_id < 0:
+            raise CaptureError(f"gpu_graph_id must be >= 0 to capture, got {graph_id} (-1 means 'no capture')")
+        for st in self.members():
+            if st.registry is None:
+                continue
+            if graph_id in st.registry:
+                raise CaptureError(f"gpu_graph_id={graph_id} is already captured; release it or pick another id")
+            if graph_id in st.registry.retired_ids:
+                raise GraphReleasedError(
+                    f"gpu_graph_id={graph_id} was released, and this onnxruntime cannot free a captured "
+                    f"{st.info.ep.name} graph: capture under a new id (graph_id=None picks one)")
+
+    def release_collected(self) -> None:
+        """Release the graphs whose CapturedGraph was garbage-collected without ``release()`` (call on the family
+        state, outside any guard: it takes each member's own)."""
+        for gid in self.graphs.take_collected():
+            owner = self.owner_of(gid)
+            if owner is not None:
+                owner.release(gid)
+
+    # -- buffers --------------------------------------------------------------------------------------------
+    def new_buffer(self, shape: Sequence[int], dtype):
+        """A fixed device OrtValue on :attr:`device` that the caller owns (a CapturedGraph's buffers). Raises
+        :class:`~ortcapture.errors.TransferError` for a bad shape or dtype."""
+        with self.guard:  # a device allocation must not happen while another thread captures (CUDA)
+            return allocate(self.session, self.device, shape, dtype)
+
+    # -- running --------------------------------------------------------------------------------------------
+    def run_uncaptured(self, binding) -> None:
+        """One run of ``binding`` with ``gpu_graph_id=-1`` (no capture, no replay); the caller holds a guard."""
+        run_bound(self.session, binding, uncaptured_run_options())
+
+    def capture(self, binding, graph_id: int, run_options, owner=None) -> CapturedGraphRecord:
+        """Capture ``graph_id`` with ``binding`` side-effect free, verify it and pin it
+        (:func:`ortcapture._capture.capture_bindings`). The caller holds :attr:`capture_guard`."""
+        from ortcapture._capture import capture_bindings
+
+        rec = capture_bindings(self, binding, graph_id, run_options, owner)
+        self._thread_add(graph_id)
+        return rec
+
+    def replay(self, binding, run_options, record: CapturedGraphRecord) -> None:
+        """The hot path: replay a pinned, validated graph. The caller holds :attr:`guard`, has checked for a
+        foreign capture and has called :meth:`ensure_thread`."""
+        run_bound(self.session, binding, run_options)
+        record.replays += 1
+
+    # ORT's CUDA/TensorRT EPs keep captured graphs per thread: a captured id run from a new thread would re-run the
+    # warm-ups (state advances) and capture again, racing other threads' CUDA work.
+    def thread_has(self, graph_id: int) -> bool:
+        """Whether the calling thread may replay ``graph_id`` now (always True off CUDA)."""
+        if not self.per_thread:
+            return True
+        graphs = getattr(self._tls, "graphs", None)
+        return graphs is not None and graph_id in graphs
+
+    def _thread_add(self, graph_id: int) -> None:
+        if self.per_thread:
+            graphs = getattr(self._tls, "graphs", None)
+            if graphs is None:
+                graphs = self._tls.graphs = set()
+            graphs.add(graph_id)
+
+    def ensure_thread(self, binding, graph_id: int, run_options) -> bool:
+        """Before a replay of ``graph_id`` from this thread: give the thread its own ORT capture if it has none yet
+        (:func:`ortcapture._capture.capture_in_this_thread`). True when it did; False when the thread has it, or
+        ``graph_id`` is not captured (the caller captures or raises). Raises like the registry's ``check`` for
+        another IOBinding. Takes :attr:`capture_guard` itself."""
+        if self.thread_has(graph_id):
+            return False
+        from ortcapture._capture import capture_in_this_thread
+
+        with self.capture_guard:
+            if self.thread_has(graph_id) or self.registry is None or graph_id not in self.registry:
+                return False
+            if self.registry.check(binding, graph_id) is None:  # pinned binding only
+                return False
+            capture_in_this_thread(self, binding, run_options)
+            self._thread_add(graph_id)
+            return True
+
+    def check_foreign_capture(self) -> None:
+        """Raise :class:`CaptureError` when the caller's CUDA stream is being captured (ORT PR #32081)."""
+        probe = self.capture_probe
+        if probe is not None and probe():
+            raise CaptureError(
+                "the calling thread's CUDA stream is being captured into another CUDA graph (e.g. inside "
+                "torch.cuda.graph()); running an ORT CUDA-graph session now ends in std::terminate "
+                "(ORT PR #32081). Run the ORT session outside the foreign capture."
+            )
+
+    # -- release / reset ------------------------------------------------------------------------------------
+    def release(self, graph_id: int) -> None:
+        """Release ``graph_id`` on this member: unpin it, free it in ORT where ORT can (WebGPU; CUDA/TensorRT ids
+        are retired instead), and detach the CapturedGraph that owned it."""
+        with self.guard:
+            rec = self.registry.release(graph_id) if self.registry is not None else None
+            if compat.has_release_captured_graph():
+                compat.OrtInferenceSession.release_captured_graph(self.session, graph_id)
+            graph = self.family.graphs.pop(graph_id)
+            owner = rec.owner() if rec is not None and rec.owner is not None else None
+            for g in {id(x): x for x in (graph, owner) if x is not None}.values():
+                g.detach()
+
+    def reset(self) -> None:
+        """Forget every graph of the family (the C sessions that held them are going: ``set_providers``) and detach
+        the CapturedGraphs. The caller holds :attr:`capture_guard`."""
+        for st in list(self.members()):
+            if st.registry is not None:
+                for rec in st.registry.reset():
+                    owner = rec.owner() if rec.owner is not None else None
+                    if owner is not None:
+                        owner.detach()
+        for g in self.graphs.clear():
+            g.detach()
+        self.siblings.clear()
+
+    def describe(self) -> dict[int, dict]:
+        """``gpu_graph_id`` -> what it pinned (see ``InferenceSession.captured_graphs``), family-wide."""
+        out = {}
+        for st in self.members():
+            if st.registry is None:
+                continue
+            for gid in st.registry.graph_ids:
+                rec = st.registry.get(gid)
+                if rec is None:  # released by another thread meanwhile
+                    continue
+                d = rec.describe()
+                d["static_shapes"] = dict(st.static_shapes) if st.static_shapes else None
+                out[gid] = d
+        return out
