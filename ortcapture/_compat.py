@@ -163,3 +163,9 @@ def require(feature: str, available: bool, since: str) -> None:
 def ort_version_string() -> str:
     """``onnxruntime.__version__``."""
     return ort.__version__
+
+
+def torch_raw_stream_getter(torch):
+    """torch's ``torch._C._cuda_getCurrentRawStream(device) -> int`` (the current CUDA stream's handle, much cheaper
+    than ``torch.cuda.current_stream()``), or ``None`` where this torch lacks it."""
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -1,7 +1,13 @@
-"""The one call of ORT's ``run_with_iobinding`` in ortcapture's core (captures, replays, uncaptured probes)."""
+"""The one call of ORT's ``run_with_iobinding`` in ortcapture's core (captures, replays, uncaptured probes), and the
+``gpu_graph_id`` run option."""
 from __future__ import annotations
 
+import operator
+
+import onnxruntime as ort
+
 from ortcapture import _compat as compat
+from ortcapture.errors import CaptureError
 
 GRAPH_ID_KEY = "gpu_graph_id"
 SKIP_GRAPH_ID = -1  # ORT's kGraphAnnotationSkip: run without capture or replay
@@ -17,10 +23,48 @@ def run_bound(session, binding, run_options) -> None:
     compat.ORT_RUN_WITH_IOBINDING(session, binding, run_options)
 
 
-def uncaptured_run_options():
+def uncaptured_run_options() -> ort.RunOptions:
     """``RunOptions`` with ``gpu_graph_id=-1``: run without capture or replay."""
-    import onnxruntime as ort
+    return run_options_for(SKIP_GRAPH_ID)
 
-    ro = ort.RunOptions()
-    ro.add_run_config_entry(GRAPH_ID_KEY, str(SKIP_GRAPH_ID))
+
+def graph_id_of(run_options: ort.RunOptions | None) -> int:
+    """The ``gpu_graph_id`` a run uses: the run config entry, default 0. Raises :class:`CaptureError` if not an int."""
+    if run_options is None:
+        return 0
+    try:
+        entry = run_options.get_run_config_entry(GRAPH_ID_KEY)
+    except RuntimeError:
+        return 0
+    if not entry:
+        return 0
+    try:
+        return check_graph_id(int(entry))
+    except ValueError:
+        raise CaptureError(f"run option {GRAPH_ID_KEY!r} must be an integer, got {entry!r}") from None
+
+
+#: ORT parses gpu_graph_id as a 32-bit int ("Failed to parse the cuda graph annotation id" beyond that).
+MAX_GRAPH_ID = 2**31 - 1
+
+
+def check_graph_id(graph_id) -> int:
+    """``graph_id`` as an int in [-1, 2**31-1]; raises :class:`CaptureError` otherwise (bools and floats too)."""
+    if isinstance(graph_id, bool):
+        raise CaptureError(f"gpu_graph_id must be an int, got {graph_id!r}")
+    try:
+        gid = operator.index(graph_id)
+    except TypeError:
+        raise CaptureError(f"gpu_graph_id must be an int, got {graph_id!r}") from None
+    if not -1 <= gid <= MAX_GRAPH_ID:
+        raise CaptureError(f"gpu_graph_id must be -1 (no capture) or in [0, {MAX_GRAPH_ID}], got {gid}")
+    return gid
+
+
+def run_options_for(graph_id: int, base: ort.RunOptions | None = None) -> ort.RunOptions:
+    """``RunOptions`` (``base`` or new) with ``gpu_graph_id`` set to ``graph_id`` (-1: run without capture).
+    Raises :class:`CaptureError` for anything but an int in [-1, 2**31-1]."""
+    gid = check_graph_id(graph_id)
+    ro = base if base is not None else ort.RunOptions()
+    ro.add_run_config_entry(GRAPH_ID_KEY, str(gid))
     return ro

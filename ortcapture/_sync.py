@@ -96,7 +96,7 @@ class CaptureGate:
                 self.slots = [s for s in self.slots if s.thread.is_alive()] + [slot]
             return slot
 
-    def _reap_deadwriter(self) -> None:
+    def reap_dead_writer(self) -> None:
         """Caller holds ``cond``: a writer thread that died inside ``exclusive`` no longer holds it."""
         w = self.writer
         if w is not None and not w.thread.is_alive():
@@ -142,7 +142,7 @@ class _Shared:
                     g.cond.notify_all()  # a writer may be waiting on this thread
                     while g.pending:
                         g.cond.wait(g.POLL_S)
-                        g._reap_deadwriter()
+                        g.reap_dead_writer()
                     slot.active = True
             except BaseException:  # KeyboardInterrupt while waiting: leave no trace
                 slot.depth, slot.active = 0, False
@@ -183,7 +183,7 @@ class _Exclusive:
                                "thread (it would wait for itself); capture outside run/copy calls")
         while not g.writers.acquire(timeout=g.POLL_S):
             with g.cond:
-                g._reap_deadwriter()
+                g.reap_dead_writer()
         try:
             with g.cond:
                 g.pending = True

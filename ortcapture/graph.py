@@ -16,6 +16,7 @@ from ortcapture import _compat as compat
 from ortcapture import transfer
 from ortcapture._binding import IOBinding
 from ortcapture._compat import OrtValue
+from ortcapture._run import run_options_for
 from ortcapture.errors import CaptureError, GraphReleasedError, StaleOutputError, TransferError
 
 
@@ -38,13 +39,13 @@ class ReplayOutput(OrtValue):
 
     @property
     def is_stale(self) -> bool:
-        return self._graph._generation != self._generation
+        return self._graph.generation != self._generation
 
     def _check(self) -> None:
         if self.is_stale:
             raise StaleOutputError(
                 f"this output of gpu_graph_id={self._graph.graph_id} was overwritten by a later replay "
-                f"(generation {self._generation}, now {self._graph._generation}); copy outputs before the next run"
+                f"(generation {self._generation}, now {self._graph.generation}); copy outputs before the next run"
             )
 
     def numpy(self) -> np.ndarray:
@@ -169,8 +170,6 @@ class CapturedGraph:
             self._binding.bind_ortvalue_input(name, buf)
         for name, buf in self.outputs.items():
             self._binding.bind_ortvalue_output(name, buf)
-        from ortcapture.session import run_options_for
-
         self._run_options = run_options_for(self.graph_id)
         self._state_src = [self.outputs[o] for o in self._state]
         self._state_dst = [self.inputs[i] for i in self._state.values()]
@@ -317,6 +316,12 @@ class CapturedGraph:
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def generation(self) -> int:
+        """The outputs' seqlock counter: even while the outputs are stable, odd while a replay rewrites them; each
+        :class:`ReplayOutput` remembers the value it was made at."""
+        return self._generation
 
     @property
     def replays(self) -> int:

@@ -16,7 +16,6 @@ With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) hol
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -27,55 +26,14 @@ from ortcapture import _specialize as shapes
 from ortcapture._binding import IOBinding
 from ortcapture._compat import OrtInferenceSession
 from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
-from ortcapture._run import GRAPH_ID_KEY, SKIP_GRAPH_ID, run_bound
+from ortcapture._run import (  # noqa: F401 - run_options_for and friends are public here
+    GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for)
 from ortcapture._state import CaptureState
 from ortcapture._sync import CUDA_GATE
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
 
 _NULL = contextlib.nullcontext()
-
-
-def graph_id_of(run_options: ort.RunOptions | None) -> int:
-    """The ``gpu_graph_id`` a run uses: the run config entry, default 0. Raises :class:`CaptureError` if not an int."""
-    if run_options is None:
-        return 0
-    try:
-        entry = run_options.get_run_config_entry(GRAPH_ID_KEY)
-    except RuntimeError:
-        return 0
-    if not entry:
-        return 0
-    try:
-        return check_graph_id(int(entry))
-    except ValueError:
-        raise CaptureError(f"run option {GRAPH_ID_KEY!r} must be an integer, got {entry!r}") from None
-
-
-#: ORT parses gpu_graph_id as a 32-bit int ("Failed to parse the cuda graph annotation id" beyond that).
-MAX_GRAPH_ID = 2**31 - 1
-
-
-def check_graph_id(graph_id) -> int:
-    """``graph_id`` as an int in [-1, 2**31-1]; raises :class:`CaptureError` otherwise (bools and floats too)."""
-    if isinstance(graph_id, bool):
-        raise CaptureError(f"gpu_graph_id must be an int, got {graph_id!r}")
-    try:
-        gid = operator.index(graph_id)
-    except TypeError:
-        raise CaptureError(f"gpu_graph_id must be an int, got {graph_id!r}") from None
-    if not -1 <= gid <= MAX_GRAPH_ID:
-        raise CaptureError(f"gpu_graph_id must be -1 (no capture) or in [0, {MAX_GRAPH_ID}], got {gid}")
-    return gid
-
-
-def run_options_for(graph_id: int, base: ort.RunOptions | None = None) -> ort.RunOptions:
-    """``RunOptions`` (``base`` or new) with ``gpu_graph_id`` set to ``graph_id`` (-1: run without capture).
-    Raises :class:`CaptureError` for anything but an int in [-1, 2**31-1]."""
-    gid = check_graph_id(graph_id)
-    ro = base if base is not None else ort.RunOptions()
-    ro.add_run_config_entry(GRAPH_ID_KEY, str(gid))
-    return ro
 
 
 def _without_capture(providers, provider_options, requested: CaptureInfo):

@@ -199,7 +199,7 @@ def _revalidator(src: Any):
         import torch
 
         index = src.get_device()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int; much cheaper than current_stream()
+        raw = compat.torch_raw_stream_getter(torch)  # an int; much cheaper than current_stream()
 
         def hit(s, raw=raw, index=index, torch=torch):
             if s.data_ptr() != address or s.dtype is not dtype or s.shape != shape or not s.is_contiguous():

@@ -8,9 +8,15 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 versions=${ORTCAPTURE_ORT_VERSIONS:-"1.32.0 1.27.0 1.24.4"}
 status=0
+lint_done=0
 for v in $versions; do
   { read -r venv; read -r env_file; } < <(bash tools/bootstrap.sh --ort "$v")
   echo "=== onnxruntime $v ($venv) ==="
+  if [ $lint_done = 0 ]; then  # the architecture's contracts (once): layers, and no reaching into private members
+    lint_done=1
+    "$venv/bin/ruff" check ortcapture || status=1
+    "$venv/bin/lint-imports" --config .importlinter || status=1
+  fi
   (
     [ -n "$env_file" ] && source "$env_file"
     # WebGPU must really run here: a missing adapter fails the WebGPU tests instead of skipping them.

@@ -29,22 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if exc.name != module_name:
                 raise
-            p.set_defaults(_module=None)
+            p.set_defaults(command_module=None)
             continue
         module.add_arguments(p)
-        p.set_defaults(_module=module)
+        p.set_defaults(command_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args._module is None:
+    if args.command_module is None:
         print(f"ortcapture {args.command}: not available in this build", file=sys.stderr)
         return 2
     from ortcapture.errors import CaptureError
 
     try:
-        return int(args._module.run(args) or 0)
+        return int(args.command_module.run(args) or 0)
     except CaptureError as exc:  # a refusal with its reason: no traceback for the user
         print(f"ortcapture {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,114 @@
+"""The architecture's promises, checked: one ORT run call, one feed-copy function, ORT's classes taken at import
+(ortcapture keeps working when ``onnxruntime.InferenceSession`` is replaced), deprecated module shims."""
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import sys
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortcapture
+from ortcapture import transfer
+from tests import tiny
+
+CORE = sorted(p for p in (pathlib.Path(ortcapture.__file__).parent).glob("*.py"))
+
+
+def _calls(path: pathlib.Path) -> list[str]:
+    """Names of every function or method called in ``path`` (``a.b.c(...)`` -> ``c``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            out.append(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return out
+
+
+def test_orts_run_with_iobinding_is_called_from_one_place_in_the_core():
+    where = {p.name: n for p in CORE
+             if (n := sum(c in ("run_with_iobinding", "ORT_RUN_WITH_IOBINDING") for c in _calls(p)))}
+    assert where == {"_run.py": 1}, where
+    # and every core path reaches ORT through it
+    users = {p.name for p in CORE if "run_bound" in _calls(p)}
+    assert {"session.py", "_state.py", "_capture.py"} <= users
+
+
+def test_feeds_are_copied_by_one_function(backend, rng, monkeypatch):
+    graph_calls = _calls(pathlib.Path(ortcapture.graph.__file__))
+    assert "copy_feeds" in graph_calls
+    assert not {"update_inplace", "prepare", "commit"} & set(graph_calls)
+    calls = []
+    real = transfer.copy_feeds
+
+    def spy(buffers, feeds):
+        calls.append(sorted(feeds))
+        return real(buffers, feeds)
+
+    monkeypatch.setattr(transfer, "copy_feeds", spy)
+    sess = backend.session(tiny.add_model())
+    a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with sess.capture({"A": a, "B": b}) as g:
+        g.run({"A": b})
+        np.testing.assert_array_equal(g.run({"A": a, "B": a})[0], 2 * a)
+    assert calls == [["A", "B"], ["A"], ["A", "B"]]
+
+
+def test_capture_works_with_onnxruntime_inference_session_replaced(backend, rng, monkeypatch):
+    """Libraries' code creates ``onnxruntime.InferenceSession``: replaced by ortcapture's, the first capture once
+    recursed until RecursionError (ortcapture looked ORT's methods up through the module at call time)."""
+    monkeypatch.setattr(ort, "InferenceSession", ortcapture.InferenceSession)
+    monkeypatch.setattr(ort, "IOBinding", ortcapture.IOBinding)
+    sess = backend.session(tiny.add_model())
+    assert isinstance(sess, ortcapture.InferenceSession)
+    a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with sess.capture({"A": a, "B": b}) as g:
+        for k in (1.0, 2.0, 3.0):
+            np.testing.assert_allclose(g.run({"A": a * k})[0], a * k + b, rtol=1e-6)
+        assert g.replays == 3
+    # the raw IOBinding path and an uncaptured run too
+    x, y = sess.allocate((2, 4), np.float32), sess.allocate((2, 4), np.float32)
+    out = sess.allocate((2, 4), np.float32)
+    ortcapture.update_inplace(x, a)
+    ortcapture.update_inplace(y, b)
+    binding = sess.io_binding()
+    binding.bind_ortvalue_input("A", x)
+    binding.bind_ortvalue_input("B", y)
+    binding.bind_ortvalue_output("C", out)
+    sess.run_with_iobinding(binding, ortcapture.run_options_for(5))
+    sess.run_with_iobinding(binding, ortcapture.run_options_for(5))
+    np.testing.assert_allclose(ortcapture.to_numpy(out), a + b, rtol=1e-6)
+    np.testing.assert_allclose(sess.run(None, {"A": a, "B": b}, ortcapture.run_options_for(-1))[0], a + b, rtol=1e-6)
+
+
+def test_automatic_graph_ids_start_at_one(backend):
+    sess = backend.session(tiny.add_model())
+    feeds = {"A": np.ones((2, 4), np.float32), "B": np.ones((2, 4), np.float32)}
+    with sess.capture(feeds) as g:
+        assert g.graph_id == 1  # 0 is what a raw run without a gpu_graph_id entry uses
+
+
+@pytest.mark.parametrize("old", ["binding", "buffers", "capture", "compat", "cudart", "gate", "providers",
+                                 "registry", "shapes", "values"])
+def test_old_module_names_still_work_and_warn(old):
+    sys.modules.pop(f"ortcapture.{old}", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mod = importlib.import_module(f"ortcapture.{old}")
+    assert any(issubclass(w.category, DeprecationWarning) and f"ortcapture.{old}" in str(w.message) for w in seen)
+    assert dir(mod)  # names resolve through the private module
+    target = {"gate": "_sync", "shapes": "_specialize"}.get(old, f"_{old}")
+    private = importlib.import_module(f"ortcapture.{target}")
+    name = next(n for n in dir(private) if not n.startswith("__"))
+    assert getattr(mod, name) is getattr(private, name)
+
+
+def test_public_surface_is_all():
+    assert "IOBinding" in ortcapture.__all__ and "webgpu" in ortcapture.__all__
+    for name in ortcapture.__all__:
+        assert getattr(ortcapture, name) is not None
+    assert hasattr(ortcapture.IOBinding, "declare_state")
