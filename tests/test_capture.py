@@ -637,12 +637,13 @@ def test_reset_state_validates_before_resetting(backend):
 def test_released_id_reuse_through_capture(backend):
     sess = backend.session(tiny.affine_model())
     x = np.ones((2, 4), np.float32)
-    sess.capture({"X": x}).release()
+    g = sess.capture({"X": x})
+    g.release()
     if sess.capture_info.releases_natively:
-        assert sess.capture({"X": x}, graph_id=0).graph_id == 0
+        assert sess.capture({"X": x}, graph_id=g.graph_id).graph_id == g.graph_id
     else:
         with pytest.raises(GraphReleasedError, match="new id"):
-            sess.capture({"X": x}, graph_id=0)
+            sess.capture({"X": x}, graph_id=g.graph_id)
 
 
 def test_deferred_session_release_and_raw_path(backend):

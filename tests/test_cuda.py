@@ -251,9 +251,10 @@ def test_prefer_nhwc_dynamic_dims_captures_via_specialization(cuda, reference_mo
             np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()), rtol=0)
 
 
-def test_repeated_cuda_feed_takes_the_direct_copy_and_stays_checked(cuda):
-    """CapturedGraph.run keeps the CUDA OrtValues it validated (weakly) and copies them directly next time; anything
-    else — a new object (even one reusing a dead feed's id), a ReplayOutput, COPY_BACKEND set — is checked again."""
+def test_repeated_cuda_feed_takes_the_one_fast_path_and_stays_checked(cuda, monkeypatch):
+    """CapturedGraph.run copies feeds through transfer.copy_feeds -> update_inplace, whose one fast path
+    (transfer._fast_pair) takes CUDA OrtValues seen before without the full checks; anything else — a new object
+    (even one reusing a dead feed's id), a ReplayOutput, COPY_BACKEND set — is checked in full."""
     import gc
 
     import onnxruntime as ort
@@ -261,9 +262,12 @@ def test_repeated_cuda_feed_takes_the_direct_copy_and_stays_checked(cuda):
     sess = cuda.session(tiny.affine_model())
     g = sess.capture({"X": np.zeros((2, 4), np.float32)})
     srcs = [ort.OrtValue.ortvalue_from_numpy(np.full((2, 4), v, np.float32), "cuda", 0) for v in (1.0, 2.0)]
-    for i in range(6):  # double-buffered feeds: both stay on the direct path
+    full = []
+    real = transfer._checked_value_source
+    monkeypatch.setattr(transfer, "_checked_value_source", lambda *a: full.append(1) or real(*a))
+    for i in range(6):  # double-buffered feeds: after their first copy both stay on the fast path
         np.testing.assert_array_equal(g.run({"X": srcs[i & 1]})[0], np.full((2, 4), 2.0 * (1 + (i & 1)) + 1))
-    assert {id(s) for s in srcs} <= set(g._direct)
+    assert len(full) == 2
     for _ in range(20):  # dead feeds: a new value may get the same id; it must be validated all the same
         bad = ort.OrtValue.ortvalue_from_numpy(np.zeros((4, 2), np.float32), "cuda", 0)
         ok = ort.OrtValue.ortvalue_from_numpy(np.ones((2, 4), np.float32), "cuda", 0)
