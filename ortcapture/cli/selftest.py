@@ -7,7 +7,9 @@ not a crash. Cases, and what decides them:
 * ``copy-size-check`` (ortcapture patch 0003): ``onnxruntime.copy_tensors`` from a WebGPU float32[8] value into a
   CPU float32[2] value. present = refused with an error; missing = accepted (it writes past the destination).
 * ``aliased-copy`` (ORT #32315, patch 0002): ``copy_tensors([v], [v])`` on a WebGPU value. present = the call
-  returns (an error status or not); missing = the process dies.
+  returns (an error status or not); missing = the process dies. With the plugin EP (``onnxruntime-ep-webgpu``)
+  the WebGPU data transfer is the plugin's own code, so this and ``copy-size-check`` judge the plugin + core pair
+  that is installed (plugin 0.4.0 already carries #32315, even next to ORT 1.24).
 * ``update-inplace`` (ORT #28256): ``OrtValue.update_inplace(OrtValue)`` copies between two values.
 * ``webgpu-io-guards`` (ORT #32074): ORT's own Python WebGPU capture guards (``IOBinding._reject_if_pinned``,
   ``is_webgpu_graph_capture_enabled``) exist.
