@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "bench": ("ortcapture.cli.bench", "benchmark captured replay against raw ORT in fresh processes"),
     "doctor": ("ortcapture.cli.doctor", "say whether (and why not) a model can be captured"),
     "patch": ("ortcapture.cli.patch", "check/apply/revert ortcapture's patches on an ORT source tree"),
+    "selftest": ("ortcapture.cli.selftest", "check that the installed ORT build carries the patched fixes"),
 }
 
 
