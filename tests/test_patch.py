@@ -313,14 +313,14 @@ def _python(code: str, cwd: Path) -> dict:
 def test_patching_module_never_imports_onnxruntime(tmp_path):
     """patching.py and what it imports must work where onnxruntime is not even installed."""
     src = make_tree(tmp_path, SERIES[0])
-    package = Path(patching.__file__).resolve().parent
+    package = Path(patching.__file__).resolve().parents[1]  # ortcapture/ (its __init__ not run)
     code = ("import argparse, sys, types\n"
             "class Block:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name.split('.')[0] == 'onnxruntime': raise ImportError('blocked: ' + name)\n"
             "sys.meta_path.insert(0, Block())\n"
             "pkg = types.ModuleType('ortcapture'); pkg.__path__ = [%r]; sys.modules['ortcapture'] = pkg\n"
-            "from ortcapture import patching\n"
+            "from ortcapture.cli import patch as patching\n"
             "p = argparse.ArgumentParser(); patching.add_arguments(p)\n"
             "rc = patching.run(p.parse_args(['check', '--ort-src', %r]))\n"
             "print({'rc': rc, 'ort': 'onnxruntime' in sys.modules})\n") % (str(package), str(src))
