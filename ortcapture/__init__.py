@@ -2,7 +2,8 @@
 
 The public surface is :data:`__all__`: the session, graph, transfer and error names below and the :mod:`ortcapture.webgpu`
 helpers. Modules whose names start with ``_`` are private; ``ortcapture.cli`` is the command line. Names are imported
-on first use (PEP 562), so ``import ortcapture`` and ``ortcapture patch`` work without onnxruntime installed.
+on first use (PEP 562), so ``import ortcapture`` and ``ortcapture patch`` work without onnxruntime installed; the
+first name that needs it raises :class:`ModuleNotFoundError` naming the extras that install it.
 """
 from __future__ import annotations
 
@@ -27,14 +28,30 @@ _DEPRECATED_MODULES = {"binding", "buffers", "capture", "compat", "cudart", "gat
                        "values"}
 __all__ = sorted([*_EXPORTS, "webgpu", "__version__"])
 
+#: the error when no ONNX Runtime is installed (ortcapture depends on none: onnxruntime and onnxruntime-gpu are two
+#: distributions of one package, and installing either replaces the other)
+_MISSING_ORT = ("ortcapture needs ONNX Runtime, and no onnxruntime is installed: pip install 'ortcapture[cpu]' "
+               "(CPU; add webgpu for WebGPU: 'ortcapture[cpu,webgpu]') or 'ortcapture[cuda]' (NVIDIA GPUs: "
+               "onnxruntime-gpu)")
+
+
+def _import(module: str):
+    """``importlib.import_module(module)``; a missing onnxruntime becomes one error that names the extras."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != "onnxruntime":
+            raise
+        raise ModuleNotFoundError(_MISSING_ORT, name="onnxruntime") from exc
+
 
 def __getattr__(name: str):
     if name in _PUBLIC_MODULES or name in _DEPRECATED_MODULES:
-        return importlib.import_module(f"ortcapture.{name}")
+        return _import(f"ortcapture.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ortcapture' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_import(module), name)
     globals()[name] = value
     return value
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with ortcapture and everything its demo and tests need, and set up
-# software WebGPU on machines without a GPU. Idempotent.
+# Create (or reuse) a virtual environment with ortcapture (editable, extras test, bench, webgpu), the pinned
+# onnxruntime and WebGPU plugin EP, and set up software WebGPU on machines without a GPU. Idempotent.
 #
 # Usage: tools/bootstrap.sh [--ort VERSION] [--venv DIR]
 #   --ort   onnxruntime version to install (default: the newest supported, 1.32.0)
@@ -30,8 +30,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "creating $venv (onnxruntime $ort_version)"
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    "onnxruntime==$ort_version" "onnxruntime-ep-webgpu==$WEBGPU_EP" -e "$root[test,bench]" >&2
+  # ortcapture depends on no ORT distribution (onnxruntime and onnxruntime-gpu are one package): name one here.
+  # An onnxruntime-gpu already in the venv is kept (installing onnxruntime would overwrite its files).
+  ort_req="onnxruntime==$ort_version"
+  if gpu=$("$venv/bin/python" -m pip show onnxruntime-gpu 2>/dev/null | sed -n 's/^Version: //p') && [ -n "$gpu" ]; then
+    log "keeping onnxruntime-gpu $gpu in $venv (not installing onnxruntime $ort_version)"
+    ort_req=""
+  fi
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check $ort_req \
+    "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root[test,bench,webgpu]" >&2
   echo "$want" > "$stamp"
 else
   log "reusing $venv (onnxruntime $ort_version)"

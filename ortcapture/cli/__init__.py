@@ -1,8 +1,9 @@
 """The ``ortcapture`` command: ``demo``, ``bench``, ``doctor``, ``patch``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
-only wires them up, importing a module when its subcommand runs (so ``ortcapture patch`` never imports
-onnxruntime).
+only wires them up. No subcommand module imports onnxruntime at import time, so ``--help`` always works; ``patch``
+runs without onnxruntime (it patches ORT source trees, on build machines that have none installed), and every other
+subcommand, where none is installed, prints one line naming the extras that install it and exits 2.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ SUBCOMMANDS = {
     "patch": ("ortcapture.cli.patch", "check/apply/revert ortcapture's patches on an ORT source tree"),
     "selftest": ("ortcapture.cli.selftest", "check that the installed ORT build carries the patched fixes"),
 }
+#: subcommands that run without onnxruntime
+WITHOUT_ORT = {"patch"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command_module is None:
         print(f"ortcapture {args.command}: not available in this build", file=sys.stderr)
         return 2
+    if args.command not in WITHOUT_ORT:
+        try:
+            importlib.import_module("onnxruntime")
+        except ModuleNotFoundError as exc:
+            if exc.name != "onnxruntime":
+                raise
+            from ortcapture import _MISSING_ORT
+
+            print(f"ortcapture {args.command}: {_MISSING_ORT}", file=sys.stderr)
+            return 2
     from ortcapture.errors import CaptureError
 
     try:

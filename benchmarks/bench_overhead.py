@@ -11,7 +11,7 @@ Update arms (the 1.2 MB batch-1 input, device to device):
   ortcapture.update_inplace(OrtValue)
   ortcapture.update_inplace(torch)  (if torch with CUDA is importable)
 On WebGPU every replay arm ends with the output readback (run_with_iobinding returns before the GPU is done).
-Usage: python tools/bench_overhead.py [--provider cuda|webgpu] [--iters N] [--rounds R] [--json FILE]
+Usage: python benchmarks/bench_overhead.py [--provider cuda|webgpu] [--iters N] [--rounds R] [--json FILE]
 """
 from __future__ import annotations
 

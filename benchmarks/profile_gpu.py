@@ -8,7 +8,7 @@ and reports per call:
   wall p50 (µs; ``run_with_iobinding`` returns after ORT's stream synchronization), kernels per call, GPU busy time
   (µs; union of the kernel/memcpy/memset intervals CUPTI reports through ``torch.profiler``), and the top kernels.
 If the captured replay is GPU-bound (busy ≈ wall), no capture can beat ``wall_no_graph / busy_captured``.
-Usage: python tools/profile_gpu.py [--batch 1,8] [--iters 300] [--profile-iters 50] [--options SET ...] [--json F]
+Usage: python benchmarks/profile_gpu.py [--batch 1,8] [--iters 300] [--profile-iters 50] [--options SET ...] [--json F]
   SET: ``default`` or comma-separated CUDA EP options, e.g. ``prefer_nhwc=1,fuse_conv_bias=1``.
 Needs onnxruntime-gpu and torch (for the profiler); exits 2 without them.
 """

@@ -6,7 +6,7 @@ the host in both arms), and max |captured - uncaptured| on that GPU.
 Copies (1.2 MB input, ``ortcapture.update_inplace`` into a GPU-1 buffer): from GPU 1 (same device), from GPU 0
 (peer), from a torch tensor on cuda:0 (peer), and the host path for scale; plus whether CUDA reports peer access.
 Two threads: both GPUs replaying at once (each thread its own session) vs one GPU alone, calls per second.
-Usage: python tools/bench_multi_gpu.py [--iters N] [--json FILE]
+Usage: python benchmarks/bench_multi_gpu.py [--iters N] [--json FILE]
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU run on the H200 device machine (shared/DEVICE.md): CUDA suite, demo at batch 1 and 8, overhead
-# benchmark, then the WebGPU suite and demo on the real GPU through Vulkan. Results go to $OUT.
+# The GPU run on the H200 device machine (shared/DEVICE.md), from the repository root: CUDA suite, demo at batch 1
+# and 8, overhead benchmark, then the WebGPU suite and demo on the real GPU through Vulkan. Results go to $OUT.
 # Expects onnxruntime-gpu installed in /tmp/site (staged with shared/tools/stage-ort-gpu.sh), .whl (the WebGPU
 # plugin wheel), .gl (Vulkan/GL loader debs) and .models (ORTCAPTURE_CACHE holding the reference model).
+# Steps (STEPS="..."; benchmarks/README.md says which numbers each one gave): see the `has` lines below.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ORTCAPTURE_CACHE=$PWD/.models
@@ -21,20 +22,18 @@ has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 has pytest && step pytest 480 python3 -m pytest -q -p no:cacheprovider -rs tests/ --ignore=tests/test_patch.py
 has demo1 && step demo1 90 python3 -m ortcapture demo --provider cuda --batch 1 --iters 300 --json "$OUT/demo1.json"
 has demo8 && step demo8 90 python3 -m ortcapture demo --provider cuda --batch 8 --iters 200 --json "$OUT/demo8.json"
-has bench && step bench 120 python3 tools/bench_overhead.py --provider cuda --iters 300 --rounds 5 --json "$OUT/bench.json"
+has bench && step bench 120 python3 benchmarks/bench_overhead.py --provider cuda --iters 300 --rounds 5 --json "$OUT/bench.json"
 has bench_cli && step bench_cli 300 python3 -m ortcapture bench --provider cuda --batch 1,8 --procs 5 --iters 300 --json "$OUT/bench_cli.json" --plot "$OUT/bench_cli.png"
 B="python3 -m ortcapture bench --provider cuda --batch 1,8"
 has bench_sync && step bench_sync 300 $B --procs 5 --iters 300 --sync device --json "$OUT/bench_sync.json" --plot "$OUT/bench_sync.png"
 HOST="--intra-op-threads 1 --session-config session.intra_op.allow_spinning=0 --pin-thread"
 has bench_host && step bench_host 300 $B --procs 5 --iters 300 --sync device $HOST --json "$OUT/bench_host.json" --plot "$OUT/bench_host.png"
 has bench_host_rb && step bench_host_rb 300 $B --procs 5 --iters 300 $HOST --json "$OUT/bench_host_rb.json" --plot "$OUT/bench_host_rb.png"
-has timeline && step timeline 240 python3 tools/host_timeline.py --variants default,threads1,pinned,threads1+pinned --json "$OUT/host_timeline.json"
 has pytest_bench && step pytest_bench 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_bench.py
 has bench_nhwc && step bench_nhwc 300 $B --procs 5 --iters 300 --sync device --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc.json" --plot "$OUT/bench_nhwc.png"
 has bench_nhwc_rb && step bench_nhwc_rb 300 $B --procs 5 --iters 300 --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc_rb.json" --plot "$OUT/bench_nhwc_rb.png"
 has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/models/nudenet-3.4.2/320n.onnx" --provider cuda --json
-has profile && step profile 200 python3 tools/profile_gpu.py --json "$OUT/profile_gpu.json"
-has breakdown && step breakdown 120 python3 tools/overhead_breakdown.py --json "$OUT/overhead_breakdown.json"
-has bench_multi && step bench_multi 180 python3 tools/bench_multi_gpu.py --iters 300 --json "$OUT/bench_multi_gpu.json"
+has profile && step profile 200 python3 benchmarks/profile_gpu.py --json "$OUT/profile_gpu.json"
+has bench_multi && step bench_multi 180 python3 benchmarks/bench_multi_gpu.py --iters 300 --json "$OUT/bench_multi_gpu.json"
 has demo_webgpu && step demo_webgpu 120 python3 -m ortcapture demo --provider webgpu --batch 1 --iters 100 --json "$OUT/demo_webgpu.json"
 exit 0

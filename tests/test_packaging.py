@@ -1,0 +1,113 @@
+"""Packaging: ortcapture installs beside either ONNX Runtime distribution and works without one where it can.
+
+``onnxruntime`` and ``onnxruntime-gpu`` are two distributions of the one ``onnxruntime`` package, so ortcapture
+depends on neither (extras ``cpu`` / ``cuda`` pick one). Without any, ``import ortcapture`` and ``ortcapture patch``
+work (patches are applied on source-build machines that have no ORT), and the first use that needs ORT raises one
+error naming the extras. The no-ORT runs are subprocesses whose meta path refuses to import onnxruntime.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# a fresh interpreter in which ``import onnxruntime`` fails as it does where no ORT distribution is installed
+NO_ORT = """
+import importlib.abc, sys
+class _NoOrt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "onnxruntime" or name.startswith("onnxruntime."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _NoOrt())
+"""
+CLI = NO_ORT + "from ortcapture.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def run_without_ort(code: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                          cwd=cwd or ROOT, timeout=120)
+
+
+def test_import_without_ort_and_the_first_use_names_the_extras():
+    proc = run_without_ort(NO_ORT + """
+import ortcapture
+from ortcapture.errors import CaptureError  # the error types need no ORT
+print(ortcapture.__version__)
+try:
+    from ortcapture import InferenceSession
+except ModuleNotFoundError as exc:
+    print("name:", exc.name)
+    print("error:", exc)
+try:
+    ortcapture.update_inplace
+except ModuleNotFoundError as exc:
+    print("again:", exc)
+""")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == __import__("ortcapture").__version__
+    assert lines[1] == "name: onnxruntime"
+    for line in lines[2:]:
+        assert "ortcapture[cpu]" in line and "ortcapture[cuda]" in line and "onnxruntime-gpu" in line
+
+
+def test_patch_command_without_ort(tmp_path):
+    proc = run_without_ort(CLI, "patch", "check", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--ort-src" in proc.stdout
+    pytest.importorskip("unidiff")
+    from tests.test_patch import SERIES, make_tree
+
+    src = str(make_tree(tmp_path, SERIES[0], git=False))  # needs GNU patch, as ortcapture patch does
+    assert run_without_ort(CLI, "patch", "check", "--ort-src", src).returncode == 1  # pending
+    proc = run_without_ort(CLI, "patch", "apply", "--ort-src", src)
+    assert proc.returncode == 0, proc.stderr
+    assert run_without_ort(CLI, "patch", "check", "--ort-src", src).returncode == 0
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["doctor", "model.onnx"], ["bench", "model.onnx"]])
+def test_commands_that_need_ort_say_which_extra(argv):
+    proc = run_without_ort(CLI, *argv)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    (line,) = proc.stderr.splitlines()  # one line, no traceback
+    assert line.startswith(f"ortcapture {argv[0]}: ortcapture needs ONNX Runtime")
+    assert "ortcapture[cpu]" in line and "ortcapture[cuda]" in line
+
+
+def test_help_of_every_command_without_ort():
+    for command in ("demo", "bench", "doctor", "patch"):
+        proc = run_without_ort(CLI, command, "--help")
+        assert proc.returncode == 0, (command, proc.stderr)
+
+
+def test_pyproject_pins_no_ort_distribution_and_ships_the_patches():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    meta, setuptools_cfg = project["project"], project["tool"]["setuptools"]
+    names = [dep.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+             for dep in meta["dependencies"]]
+    assert not {"onnxruntime", "onnxruntime-gpu"} & set(names)
+    extras = meta["optional-dependencies"]
+    assert any(d.startswith("onnxruntime>=") for d in extras["cpu"])
+    assert any(d.startswith("onnxruntime-gpu>=") for d in extras["cuda"])
+    # the plugin EP declares no ORT dependency and needs Python >= 3.11
+    assert len(extras["webgpu"]) == 1 and "python_version >= '3.11'" in extras["webgpu"][0]
+    assert {"bf16", "bench", "test"} <= set(extras)
+    # one version source
+    assert "version" not in meta and "version" in meta["dynamic"]
+    assert setuptools_cfg["dynamic"]["version"] == {"attr": "ortcapture.__version__"}
+    assert "package-dir" not in setuptools_cfg
+    # every patch file and py.typed are matched by package-data
+    globs = setuptools_cfg["package-data"]["ortcapture"]
+    package = ROOT / "ortcapture"
+    shipped = {p for g in globs for p in package.glob(g)}
+    data = {p for p in (package / "patches").rglob("*") if p.is_file() and p.suffix != ".pyc"}
+    assert data and data <= shipped
+    assert package / "py.typed" in shipped
