@@ -103,11 +103,12 @@ def test_pyproject_pins_no_ort_distribution_and_ships_the_patches():
     # one version source
     assert "version" not in meta and "version" in meta["dynamic"]
     assert setuptools_cfg["dynamic"]["version"] == {"attr": "ortcapture.__version__"}
-    assert "package-dir" not in setuptools_cfg
-    # every patch file and py.typed are matched by package-data
-    globs = setuptools_cfg["package-data"]["ortcapture"]
-    package = ROOT / "ortcapture"
-    shipped = {p for g in globs for p in package.glob(g)}
-    data = {p for p in (package / "patches").rglob("*") if p.is_file() and p.suffix != ".pyc"}
+    # the top-level patches/ is the package data folder ortcapture.patches: every patch file and py.typed ship
+    assert setuptools_cfg["package-dir"] == {"ortcapture.patches": "patches"}
+    assert "ortcapture.patches" in setuptools_cfg["packages"]
+    patch_globs = setuptools_cfg["package-data"]["ortcapture.patches"]
+    shipped = {p for g in patch_globs for p in (ROOT / "patches").glob(g)}
+    data = {p for p in (ROOT / "patches").rglob("*") if p.is_file()}
     assert data and data <= shipped
-    assert package / "py.typed" in shipped
+    assert setuptools_cfg["package-data"]["ortcapture"] == ["py.typed"]
+    assert (ROOT / "ortcapture" / "py.typed").is_file()

@@ -15,7 +15,7 @@ for v in $versions; do
   if [ $lint_done = 0 ]; then  # the architecture's contracts (once): layers, and no reaching into private members
     lint_done=1
     "$venv/bin/ruff" check ortcapture || status=1
-    "$venv/bin/lint-imports" --config .importlinter || status=1
+    "$venv/bin/lint-imports" .importlinter || status=1
   fi
   (
     [ -n "$env_file" ] && source "$env_file"

@@ -82,7 +82,9 @@ def case_update_inplace(np, ort) -> None:
 
 def case_webgpu_io_guards(np, ort) -> None:
     names = [n for n in ("_reject_if_pinned",) if hasattr(ort.IOBinding, n)]
-    query = hasattr(ort.capi._pybind_state.InferenceSession, "is_webgpu_graph_capture_enabled")
+    from onnxruntime.capi import _pybind_state as C
+
+    query = hasattr(C.InferenceSession, "is_webgpu_graph_capture_enabled")
     if names and query:
         done("present", "IOBinding._reject_if_pinned and InferenceSession.is_webgpu_graph_capture_enabled exist")
     done("missing", "ORT's Python layer has no WebGPU I/O guards (IOBinding._reject_if_pinned: "
