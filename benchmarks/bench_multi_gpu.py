@@ -77,7 +77,7 @@ def main() -> int:
         a, c = timing.summary(timing.measure(iob, args.iters)), timing.summary(timing.measure(cap, args.iters))
         res["per_gpu"][d] = {"iobinding_p50_us": a["p50_us"], "captured_p50_us": c["p50_us"],
                              "speedup": a["p50_us"] / c["p50_us"], "max_abs_diff_vs_uncaptured": diff}
-    sess1 = graphs[1]._session
+    sess1 = graphs[1].session
     dst = sess1.allocate(shape, np.float32)
     same = sess1.allocate(shape, np.float32)
     ortcapture.update_inplace(same, host)

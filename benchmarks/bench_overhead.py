@@ -96,9 +96,8 @@ def main() -> int:
 
     arms = {"raw replay": raw_replay, "CapturedGraph.run(OrtValue)": ours_replay,
             "raw numpy in/out": raw_numpy, "CapturedGraph.run(numpy)": ours_numpy}
-    target = g._session
-    arms["part: foreign-capture check"] = lambda i: target._oc_check_foreign_capture()
-    arms["part: ReplayOutput wrap"] = lambda i: [ortcapture.ReplayOutput(v, g, 0) for v in g._output_list]
+    outs = list(g.outputs.values())
+    arms["part: ReplayOutput wrap"] = lambda i: [ortcapture.ReplayOutput(v, g, 0) for v in outs]
     if dev == "cuda":
         dst = sess.allocate(shape, np.float32)
         arms["raw update_inplace(OrtValue)"] = lambda i: dst.update_inplace(src)

@@ -14,7 +14,7 @@ for v in $versions; do
   echo "=== onnxruntime $v ($venv) ==="
   if [ $lint_done = 0 ]; then  # the architecture's contracts (once): layers, and no reaching into private members
     lint_done=1
-    "$venv/bin/ruff" check ortcapture || status=1
+    "$venv/bin/ruff" check ortcapture benchmarks || status=1
     "$venv/bin/lint-imports" .importlinter || status=1
   fi
   (

@@ -43,7 +43,7 @@ API, so there the readback is the only honest end of a call.) The inputs alterna
 ``session.intra_op.allow_spinning=0``) likewise set every arm's ``SessionOptions``; ``--pin-thread`` pins the
 worker's calling thread, where every arm runs, to one CPU once the sessions exist (threads made before keep every
 CPU; threads ORT or CUDA make later inherit the pin). These are host settings, for
-matching a deployment; measured on H200 hosts (``tools/host_timeline.py``): ORT's default intra-op pool is 16
+matching a deployment; measured on H200 hosts (``benchmarks/README.md (host timeline)``): ORT's default intra-op pool is 16
 threads per session there, and ``intra_op_num_threads=1`` took the uncaptured IOBinding arm at batch 8 from 3137 to
 2180 µs on one host and from 1961 to 1863 µs on another; pinning the calling thread changed nothing measurable.
 
