@@ -5,6 +5,11 @@ Arms (p50/p90 host wall time per call, µs; every call ends with the outputs on 
 plain ``run(numpy)``; IOBinding without graph (input already on the device); captured replay of the same
 IOBinding I/O (raw ORT ``run_with_iobinding`` on the captured ``gpu_graph_id``); ``CapturedGraph.run`` with
 numpy in and out.
+
+Inputs are random: floats in [0, 1), integers in [0, 4) and random bools, different for every verified replay;
+any element type numpy holds (float16/32/64, int8-64, uint8-64, bool) is fed, others are refused. Progress goes to
+stderr one line per phase, the table to stdout; a bad request (model, ``--shape``, ``--json`` path, provider) is
+one line ``ortcapture demo: ...`` and exit code 2, checked before the long part where it can be.
 """
 from __future__ import annotations
 
@@ -315,6 +320,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    from ortcapture.cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

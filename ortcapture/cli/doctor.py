@@ -26,6 +26,9 @@ Static checks (the ``onnx`` library; no execution provider needed):
   (onnxruntime 1.32, raw ORT IOBinding capture as well): every replay returns the capture-time value.
 * **carried state** (info) — output/input pairs like ``state_out``/``state_in``, ``present.*``/``past_key_values.*``
   with one type and shape: bind them to separate buffers and carry them with ``capture(feeds, state=...)``.
+* **constant outputs** — a graph output computed from constants only (no input reaches it): ORT folds it into a
+  constant, no kernel writes it on a replay, and ortcapture refuses the capture (measured on WebGPU, onnxruntime
+  1.32); drop it from the graph.
 * **data-dependent output shapes** (``NonZero``, ``Unique``, ``NonMaxSuppression``, ``Compress``): a replay keeps
   the shapes of the capture.
 
