@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 # subcommand -> (module, one-line help)
@@ -40,10 +41,73 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: onnxruntime's error prefix, e.g. "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : "
+_ORT_PREFIX = re.compile(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*[A-Z_]+\s*:\s*")
+#: a Python exception line inside a child's stderr tail, e.g. "ortcapture.errors.CaptureUnsupportedError: why"
+_EXC_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\w*: (.+)$")
+
+
+def one_line(text) -> str:
+    """An error (or its text) as one line for the terminal: onnxruntime's ``[ONNXRuntimeError] : N : CODE :`` prefix
+    dropped, whitespace runs (ORT's multi-line messages) collapsed. A child's traceback tail joined with `` | ``
+    (``File "...", line N`` lines, then ``module.SomeError: why``) is reduced to its last exception message."""
+    text = _ORT_PREFIX.sub("", str(text))
+    parts = [p.strip() for p in text.split(" | ")]
+    if len(parts) > 1:
+        last = _EXC_LINE.match(parts[-1])
+        if last:
+            head = parts[0]
+            # "WebGPU probe exit code 1:   File ..., line 61, in ep_device" -> "WebGPU probe exit code 1"
+            head = head.split('File "', 1)[0].rstrip(" :")
+            head = re.sub(r"[^:]*\bexit code \d+$", "", head).rstrip(" :")  # the exception says more
+            text = f"{head}: {last.group(1)}" if head else last.group(1)
+        else:
+            text = " | ".join(p for p in parts if p and not p.startswith('File "'))
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def webgpu_env_hint() -> str:
+    """A hint for a WebGPU that is unusable because the software adapter's settings are not in the environment:
+    ``""`` when they are, or when ``tools/setup_webgpu.sh`` never wrote them (``$ORTCAPTURE_CACHE/webgpu.env``)."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER"):
+        return ""
+    env = Path(os.environ.get("ORTCAPTURE_CACHE") or Path.home() / ".cache" / "ortcapture") / "webgpu.env"
+    if not env.is_file():
+        return ""
+    return f" (without a GPU, run `source {env}` first: it sets up the software adapter)"
+
+
+def pick_provider(requested: str = "auto") -> str:
+    """:func:`ortcapture._providers.pick_provider` with its refusal as one line (the WebGPU probe's traceback tail
+    reduced to its message, plus where the software adapter's settings are). Raises
+    :class:`~ortcapture.errors.CaptureUnsupportedError`."""
+    from ortcapture._providers import pick_provider as _pick
+    from ortcapture.errors import CaptureUnsupportedError
+
+    try:
+        return _pick(requested)
+    except CaptureUnsupportedError as exc:
+        hint = webgpu_env_hint() if "WebGPU" in str(exc) else ""
+        raise CaptureUnsupportedError(one_line(exc) + hint) from None
+
+
+def _is_ort_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("onnxruntime")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; return its exit code. Errors are one line, ``ortcapture <command>: <message>``, exit 2:
+    ortcapture's refusals, onnxruntime's errors and OS errors as their message, anything else with its type
+    (``ORTCAPTURE_DEBUG=1`` shows the traceback instead). Ctrl-C: ``interrupted``, exit 130."""
+    import os
+
     args = build_parser().parse_args(argv)
+    prefix = f"ortcapture {args.command}"
     if args.command_module is None:
-        print(f"ortcapture {args.command}: not available in this build", file=sys.stderr)
+        print(f"{prefix}: not available in this build", file=sys.stderr)
         return 2
     if args.command not in WITHOUT_ORT:
         try:
@@ -53,14 +117,24 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             from ortcapture import _MISSING_ORT
 
-            print(f"ortcapture {args.command}: {_MISSING_ORT}", file=sys.stderr)
+            print(f"{prefix}: {_MISSING_ORT}", file=sys.stderr)
             return 2
-    from ortcapture.errors import CaptureError
-
     try:
         return int(args.command_module.run(args) or 0)
-    except CaptureError as exc:  # a refusal with its reason: no traceback for the user
-        print(f"ortcapture {args.command}: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the command line shows one line, never a traceback
+        if os.environ.get("ORTCAPTURE_DEBUG") == "1":
+            raise
+        from ortcapture.errors import CaptureError
+
+        if isinstance(exc, (CaptureError, OSError)) or _is_ort_error(exc):
+            why = one_line(exc)
+        else:
+            why = (f"{type(exc).__name__}: {one_line(exc)} (an unexpected error: ORTCAPTURE_DEBUG=1 shows the "
+                   "traceback)")
+        print(f"{prefix}: {why}", file=sys.stderr)
         return 2
 
 

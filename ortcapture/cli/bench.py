@@ -79,7 +79,7 @@ _PROGRESS = "@@ortcapture-bench-progress"  # worker -> parent progress lines on 
 
 
 class BenchError(Exception):
-    """A user-facing error: printed as ``bench: ...``, exit code 2."""
+    """A user-facing error: printed as ``ortcapture bench: ...``, exit code 2."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,8 +166,13 @@ def _check_args(args) -> tuple[list[int], int]:
             args.model = str(models.reference_model())
         except Exception as exc:  # noqa: BLE001 - no network, bad checksum
             raise BenchError(f"no model given and the reference model is unavailable: {exc}") from None
-    if not os.path.isfile(args.model):
-        raise BenchError(f"no such model file: {args.model}")
+    from ortcapture.cli.demo import check_model_file  # a directory, a missing or empty file: one line, exit 2
+    from ortcapture.errors import CaptureError
+
+    try:
+        check_model_file(args.model)
+    except CaptureError as exc:
+        raise BenchError(str(exc)) from None
     for name in ("procs", "iters"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name} must be >= 1")
@@ -542,10 +547,10 @@ def run(args) -> int:
     try:
         return _run(args)
     except BenchError as exc:
-        print(f"bench: {exc}", file=sys.stderr)
+        print(f"ortcapture bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
+        print("ortcapture bench: interrupted", file=sys.stderr)
         return 130
 
 
@@ -555,7 +560,7 @@ def _run(args) -> int:
     from ortcapture import _specialize as shapes
     from ortcapture.cli.demo import example_shapes
     from ortcapture.errors import CaptureError, CaptureUnsupportedError
-    from ortcapture._providers import pick_provider
+    from ortcapture.cli import pick_provider
 
     jobs = []  # (batch, shapes)
     seen = {}
@@ -564,7 +569,7 @@ def _run(args) -> int:
             shp = example_shapes(args.model, b, args.shape)
             sig = shapes.shape_signature(shp)
             if sig in seen:
-                print(f"bench: batch {b} gives the same input shapes as batch {seen[sig]} (the model's batch dim "
+                print(f"ortcapture bench: batch {b} gives the same input shapes as batch {seen[sig]} (the model's batch dim "
                       "is fixed, or --shape fixes it); skipped", file=sys.stderr)
                 continue
             seen[sig] = b
@@ -664,7 +669,7 @@ def _run(args) -> int:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
     if not ok:
-        print("bench: some arm's outputs disagree with the uncaptured run (see MISMATCH above)", file=sys.stderr)
+        print("ortcapture bench: some arm's outputs disagree with the uncaptured run (see MISMATCH above)", file=sys.stderr)
     return 0 if ok else 1
 
 

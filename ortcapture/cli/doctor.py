@@ -26,6 +26,9 @@ Static checks (the ``onnx`` library; no execution provider needed):
   (onnxruntime 1.32, raw ORT IOBinding capture as well): every replay returns the capture-time value.
 * **carried state** (info) — output/input pairs like ``state_out``/``state_in``, ``present.*``/``past_key_values.*``
   with one type and shape: bind them to separate buffers and carry them with ``capture(feeds, state=...)``.
+* **constant outputs** — a graph output computed from constants only (no input reaches it): ORT folds it into a
+  constant, no kernel writes it on a replay, and ortcapture refuses the capture (measured on WebGPU, onnxruntime
+  1.32); drop it from the graph.
 * **data-dependent output shapes** (``NonZero``, ``Unique``, ``NonMaxSuppression``, ``Compress``): a replay keeps
   the shapes of the capture.
 
@@ -50,8 +53,11 @@ none):
   captured directly, captured via shape specialization, refused (with ORT's reason), or replay mismatch. A
   successful capture with a matching replay overrules static findings (downgraded, their fixes dropped).
 
-Verdict: exit 0 capturable, 1 not capturable, 2 error (model unreadable, bad ``--shape`` or ``--provider-option``,
-provider missing), with "what to change" lines. ``--json`` prints one JSON object instead of the report.
+Verdict and exit code (:data:`EXIT_CODES`): 0 capturable (a real capture and replay succeeded), 1 not capturable
+(the capture attempt failed, or a static check found a blocker), 2 error (model unreadable, bad ``--shape`` or
+``--provider-option``, requested provider missing), 3 unknown (no capture was attempted — ``--provider none``, or no
+capture-capable EP here, e.g. WebGPU without an adapter — and the static checks found no blocker), with "what to
+change" lines. ``--json`` prints one JSON object instead of the report.
 
 Layout: the static checks are in :mod:`ortcapture.cli.doctor_static`, the dynamic ones in :mod:`ortcapture.cli.doctor_live`;
 this module parses the command line, combines their findings into the verdict and prints the report.
@@ -61,7 +67,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import asdict
 from typing import Any, Sequence
@@ -74,13 +79,25 @@ from ortcapture.cli.doctor_static import (  # noqa: F401 - the public names of `
     parse_shapes, static_checks,
 )
 
-EXIT_CAPTURABLE, EXIT_NOT_CAPTURABLE, EXIT_ERROR = 0, 1, 2
+EXIT_CAPTURABLE, EXIT_NOT_CAPTURABLE, EXIT_ERROR, EXIT_UNKNOWN = 0, 1, 2, 3
+#: ``ortcapture doctor``'s exit codes and what they mean (also in ``ortcapture doctor --help``)
+EXIT_CODES = {
+    EXIT_CAPTURABLE: "capturable: a real capture on the EP succeeded and its replay matched an uncaptured run",
+    EXIT_NOT_CAPTURABLE: "not capturable: the capture attempt failed, or a static check found a blocker",
+    EXIT_ERROR: "error: unreadable model, bad --shape or --provider-option, requested provider unusable",
+    EXIT_UNKNOWN: "unknown: no capture was attempted (--provider none, or no capture-capable EP here) and the "
+                  "static checks found no blocker",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # argument parsing
 # ---------------------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    import argparse as _argparse
+
+    p.formatter_class = _argparse.RawDescriptionHelpFormatter
+    p.epilog = "exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in EXIT_CODES.items())
     p.add_argument("model", help="ONNX model file")
     p.add_argument("--provider", choices=["auto", "cuda", "webgpu", "none"], default="auto",
                    help="EP for the placement checks and the capture attempt (none: static checks only)")
@@ -108,24 +125,32 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     import onnxruntime as ort
 
     from ortcapture import _specialize as shapes
-    from ortcapture.cli.demo import example_shapes
-    from ortcapture.errors import CaptureError
+    from ortcapture.cli import one_line
+    from ortcapture.cli.demo import check_model_file, example_shapes
     from ortcapture.cli.options import parse_provider_options
+    from ortcapture.errors import CaptureError
 
     try:
         ep_options = parse_provider_options(list(option_items))
     except CaptureError as exc:
         raise DoctorError(str(exc)) from None
-    if not os.path.isfile(model_path):
-        raise DoctorError(f"no such model file: {model_path}")
+    try:
+        check_model_file(model_path)
+    except CaptureError as exc:
+        raise DoctorError(str(exc)) from None
     try:
         model = onnx.load(model_path, load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - DecodeError and friends
-        raise DoctorError(f"cannot read {model_path} as an ONNX model: {exc}") from None
+        raise DoctorError(f"cannot read {model_path} as an ONNX model: {one_line(exc)}") from None
+    if not model.graph.output:
+        raise DoctorError(f"{model_path} has no graph outputs: not a usable ONNX model")
     given = parse_shapes(shape_items)
     findings = static_checks(model, given)
     dims = shapes.input_dims(model)
-    example = {n: tuple(s) for n, s in example_shapes(model_path, 1, list(shape_items)).items()}
+    try:
+        example = {n: tuple(s) for n, s in example_shapes(model_path, 1, list(shape_items)).items()}
+    except CaptureError as exc:  # a --shape with a 0 dim (the static checks caught the rest)
+        raise DoctorError(str(exc)) from None
     derived = [n for n, ds in dims.items() if n not in given and any(not isinstance(d, int) for d in ds)]
     if derived:
         findings.append(Finding(
@@ -164,18 +189,24 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     errors = any(f.severity == "error" for f in findings)
     if capture["attempted"]:
         ok = capture["outcome"] in ("captured", "captured_specialized") and not errors
+        verdict, code = ("capturable", EXIT_CAPTURABLE) if ok else ("not capturable", EXIT_NOT_CAPTURABLE)
         basis = f"capture attempt on {_EP_NAMES[chosen]}"
-    else:
-        ok = not errors
-        basis = "static checks only"
+    elif errors:  # a static blocker needs no capture attempt to be sure
+        verdict, code, basis = "not capturable", EXIT_NOT_CAPTURABLE, "static checks only"
+    else:  # nothing found, but nothing tried either: no "capturable" without a capture
+        verdict, code, basis = "unknown", EXIT_UNKNOWN, "static checks only: no capture attempted"
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: order[f.severity])
     fixes = [f.fix for f in findings if f.fix and (f.severity in ("error", "warning") or f.kind == "capture")
              and not f.details.get("overruled_by_capture")]
+    if code == EXIT_UNKNOWN:
+        fixes.append("for a verdict, let doctor attempt a real capture: drop --provider none" if provider == "none"
+                     else "for a verdict, make a capture-capable EP usable here (the provider line above says why "
+                          "none is) and run doctor again")
     return {
         "model": model_path,
-        "verdict": "capturable" if ok else "not capturable",
-        "exit_code": EXIT_CAPTURABLE if ok else EXIT_NOT_CAPTURABLE,
+        "verdict": verdict,
+        "exit_code": code,
         "basis": basis,
         "provider": chosen,
         "ep": _EP_NAMES.get(chosen),
@@ -228,13 +259,15 @@ def _json_safe(obj):
 
 def run(args) -> int:
     """Entry point of ``ortcapture doctor``: print the report (``--json``: one JSON object) and return the exit
-    code: 0 capturable, 1 not capturable, 2 error."""
+    code (:data:`EXIT_CODES`): 0 capturable, 1 not capturable, 2 error, 3 unknown (no capture attempted)."""
     progress = None if args.json else (lambda msg: print(f"ortcapture doctor: {msg} ...", file=sys.stderr,
                                                          flush=True))
     try:
         report = diagnose(args.model, args.provider, args.shape, progress, getattr(args, "provider_option", ()))
     except Exception as exc:  # noqa: BLE001 - DoctorError (the request) or anything unexpected: exit 2
-        why = str(exc) if isinstance(exc, DoctorError) else f"doctor failed: {type(exc).__name__}: {exc}"
+        from ortcapture.cli import one_line
+
+        why = one_line(exc) if isinstance(exc, DoctorError) else f"doctor failed: {type(exc).__name__}: {one_line(exc)}"
         if args.json:
             print(json.dumps({"model": args.model, "verdict": "error", "exit_code": EXIT_ERROR, "error": why,
                               "provider": args.provider, "findings": [], "capture": {"attempted": False},

@@ -102,8 +102,8 @@ def choose_provider(requested: str) -> tuple[str, str | None]:
     an explicitly requested EP is unusable."""
     if requested == "none":
         return "none", "--provider none: static checks only"
+    from ortcapture.cli import pick_provider
     from ortcapture.errors import CaptureUnsupportedError
-    from ortcapture._providers import pick_provider
 
     try:
         return pick_provider(requested), None
@@ -245,8 +245,18 @@ def _compare(got: Sequence[Any], want: Sequence[Any], tol: float) -> tuple[bool,
 
 
 def _ort_reason(text: str) -> str:
-    text = re.sub(r"\[ONNXRuntimeError\] : \d+ : [A-Z_]+ : ", "", str(text))
-    return re.sub(r"\s+Run `ortcapture doctor MODEL`.*$", "", text).strip()
+    """An error as doctor quotes it: one line, without ORT's error prefix and without sentences that point at
+    ``ortcapture doctor`` (the user is running it)."""
+    from ortcapture.cli import one_line
+
+    text = one_line(text)
+    text = re.sub(r"\s*Run `ortcapture doctor[^.]*\.", "", text)
+    text = re.sub(r";?\s*`ortcapture doctor MODEL` lists such outputs\.?", ".", text)
+    return re.sub(r"\.\.$", ".", text).strip()
+
+
+#: ortcapture's refusal of a capture whose replay would never write some outputs (they keep the capture-time value)
+_STALE_OUTPUTS = re.compile(r"output\(s\) (\[[^\]]*\]) of gpu_graph_id=\d+ are not written by the captured graph's replay")
 
 
 def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Mapping, want: Sequence,
@@ -433,6 +443,23 @@ def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[
             f"captured via shape specialization on {ep} (dims fixed to {fixed}); one replay matches the "
             f"uncaptured run (max abs diff {capture['max_abs_diff']:.3g})"
             + (f". ORT refused the model as given: {why}" if why else ""), dims_fix(model, example))
+    stale = _STALE_OUTPUTS.search(capture.get("reason") or "") if outcome == "refused" else None
+    if stale:
+        import ast
+
+        names = ast.literal_eval(stale.group(1))
+        causes = {f.details.get("output"): f for f in findings
+                  if f.kind in ("constant_output", "view_output", "alias") and f.details.get("output") in names}
+        why = {"constant_output": "depends on no input (a constant)", "alias": "is an input passed through",
+               "view_output": "comes straight from a view op"}
+        known = "; ".join(f"{n!r} {why[causes[n].kind]}" for n in names if n in causes)
+        fix = " / ".join(dict.fromkeys(causes[n].fix for n in names if n in causes and causes[n].fix)) or (
+            f"make output(s) {names} real computations on the inputs (or drop them), or run this model without "
+            "capture")
+        return Finding("capture", "error",
+                       f"{ep} capture refused by ortcapture: a replay would never write output(s) {names} (ORT "
+                       "copies them once, at capture, so every replay would return the capture-time value)"
+                       + (f": {known}" if known else ""), fix, {"error": capture.get("error"), "outputs": names})
     if outcome == "refused":
         fix = None
         if not any(f.severity == "error" and f.fix for f in findings):

@@ -245,6 +245,30 @@ def check_view_outputs(model) -> list[Finding]:
     return out
 
 
+def check_constant_outputs(model) -> list[Finding]:
+    """Graph outputs that depend on no graph input (computed from initializers and ``Constant`` nodes only): ORT
+    folds them into constants at session creation, so no kernel writes them on a replay."""
+    graph = model.graph
+    inits = {i.name for i in graph.initializer}
+    live = {i.name for i in graph.input if i.name not in inits}
+    for node in graph.node:  # topological order (ONNX requires it)
+        has_subgraph = any(a.HasField("g") or len(a.graphs) for a in node.attribute)
+        if has_subgraph or any(i in live for i in node.input if i):
+            live.update(o for o in node.output if o)
+    out = []
+    for vo in graph.output:
+        if vo.name in live:
+            continue
+        out.append(Finding(
+            "constant_output", "warning",
+            f"output {vo.name!r} depends on no input (it is computed from constants only): ORT folds it into a "
+            "constant, so no kernel writes it on a replay (measured on WebGPU, onnxruntime 1.32: the capture is "
+            "refused, ortcapture cannot tell a constant from a stale output)",
+            f"drop output {vo.name!r} from the graph and keep its value (from one uncaptured run) in the caller",
+            {"output": vo.name}))
+    return out
+
+
 def check_data_dependent(model) -> list[Finding]:
     """Ops whose output shape depends on the input values."""
     out = []
@@ -293,4 +317,5 @@ def check_io_types(model) -> list[Finding]:
 def static_checks(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
     """All static checks; raises :class:`DoctorError` for a ``--shape`` that does not fit the model."""
     return (check_control_flow(model) + check_dynamic_dims(model, given) + check_io_types(model)
-            + check_aliasing(model) + check_view_outputs(model) + check_data_dependent(model))
+            + check_aliasing(model) + check_view_outputs(model) + check_constant_outputs(model)
+            + check_data_dependent(model))
