@@ -145,27 +145,14 @@ def example_shapes(model_path: str, batch: int, overrides: list[str]) -> dict:
     to ``batch`` and other dynamic dims to 320 (the reference model's). Raises :class:`CaptureError` for a bad or
     unknown ``--shape``: wrong rank, a dim the model fixes otherwise, or a dim of 0."""
     from ortcapture import _specialize as shapes
+    from ortcapture.cli.options import shape_arg_problem
     from ortcapture.errors import CaptureError
 
     given = shapes.parse_shape_args(overrides)
     all_dims = shapes.input_dims(shapes.load_model(model_path))
-    unknown = sorted(set(given) - set(all_dims))
-    if unknown:
-        raise CaptureError(f"--shape names {unknown}, but the model's inputs are {sorted(all_dims)}")
-    for name, shape in given.items():
-        have = all_dims[name]
-        text = "x".join(map(str, shape))
-        shown = "[" + ", ".join("?" if d is None else str(d) for d in have) + "]"
-        if len(shape) != len(have):
-            raise CaptureError(f"--shape {name}={text}: input {name!r} has rank {len(have)} ({shown}), the shape "
-                               f"has rank {len(shape)}")
-        for i, (want, d) in enumerate(zip(shape, have)):
-            if isinstance(d, int) and d != want:
-                raise CaptureError(f"--shape {name}={text}: dim {i} of {name!r} is fixed to {d} in the model "
-                                   f"({shown})")
-        if 0 in shape:
-            raise CaptureError(f"--shape {name}={text}: dims must be >= 1 (an empty tensor leaves nothing to "
-                               "capture)")
+    problem = shape_arg_problem(given, all_dims, allow_empty=False)
+    if problem:
+        raise CaptureError(problem)
     out = {}
     for name, dims in all_dims.items():
         if name in given:

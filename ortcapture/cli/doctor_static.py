@@ -114,19 +114,12 @@ def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Findin
     """Dynamic input dims (named and unnamed) and whether ``given`` fixes them. Raises :class:`DoctorError` for a
     ``given`` shape that names no input, has the wrong rank, or contradicts a dim the model fixes."""
     from ortcapture import _specialize as shapes
+    from ortcapture.cli.options import shape_arg_problem
 
     dims = shapes.input_dims(model)
-    for name, shape in given.items():
-        if name not in dims:
-            raise DoctorError(f"--shape names input {name!r}, but the model's inputs are {sorted(dims)}")
-        have = dims[name]
-        if len(shape) != len(have):
-            raise DoctorError(f"--shape {name}={_fmt_shape(shape)}: input {name!r} has rank {len(have)} "
-                              f"({_fmt_dims(have)}), the shape has rank {len(shape)}")
-        for i, (want, d) in enumerate(zip(shape, have)):
-            if isinstance(d, int) and d != want:
-                raise DoctorError(f"--shape {name}={_fmt_shape(shape)}: dim {i} of {name!r} is fixed to {d} in the "
-                                  f"model ({_fmt_dims(have)})")
+    problem = shape_arg_problem(given, dims)
+    if problem:
+        raise DoctorError(problem)
     out = []
     for name, ds in shapes.dynamic_inputs(model).items():
         labels = [d if isinstance(d, str) else f"{name}[{i}] (unnamed)" for i, d in enumerate(ds)

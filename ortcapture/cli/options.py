@@ -1,7 +1,7 @@
 """Command-line option parsing shared by ``ortcapture demo``, ``bench`` and ``doctor`` (``KEY=VALUE`` lists)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from ortcapture._providers import check_provider_options
 
@@ -39,3 +39,33 @@ def parse_provider_options(items: Sequence[str]) -> dict[str, str]:
     it.
     """
     return check_provider_options(parse_key_values(items, "provider option", "prefer_nhwc=1"))
+
+
+def shape_arg_problem(given: Mapping[str, Sequence[int]], dims: Mapping[str, Sequence[Any]], *,
+                      allow_empty: bool = True) -> str | None:
+    """The first thing wrong with ``--shape`` values for a model, as a one-line message, or ``None``.
+
+    Args:
+        given: ``{input name: shape}`` from :func:`ortcapture._specialize.parse_shape_args`.
+        dims: the model's input dims (:func:`ortcapture._specialize.input_dims`: int, dim name, or ``None``).
+        allow_empty: False refuses a 0 dim (nothing to capture).
+
+    Checks, in order: an unknown input name, a rank that differs from the model's, a dim the model fixes to another
+    value, and (``allow_empty=False``) a 0 dim. Used by ``demo`` and ``doctor`` alike.
+    """
+    unknown = sorted(set(given) - set(dims))
+    if unknown:
+        return f"--shape names {unknown}, but the model's inputs are {sorted(dims)}"
+    for name, shape in given.items():
+        have = dims[name]
+        text = "x".join(map(str, shape)) if len(shape) else "scalar"
+        shown = "[" + ", ".join("?" if d is None else str(d) for d in have) + "]"
+        if len(shape) != len(have):
+            return (f"--shape {name}={text}: input {name!r} has rank {len(have)} ({shown}), the shape has rank "
+                    f"{len(shape)}")
+        for i, (want, d) in enumerate(zip(shape, have)):
+            if isinstance(d, int) and d != want:
+                return f"--shape {name}={text}: dim {i} of {name!r} is fixed to {d} in the model ({shown})"
+        if not allow_empty and 0 in shape:
+            return f"--shape {name}={text}: dims must be >= 1 (an empty tensor leaves nothing to capture)"
+    return None
