@@ -300,8 +300,9 @@ class CaptureState:
                 compat.OrtInferenceSession.release_captured_graph(self.session, graph_id)
             graph = self.family.graphs.pop(graph_id)
             owner = rec.owner() if rec is not None and rec.owner is not None else None
-            for g in {id(x): x for x in (graph, owner) if x is not None}.values():
-                g.detach()
+            for g in (graph, owner):  # usually the same graph; detach() is idempotent
+                if g is not None:
+                    g.detach()
 
     def reset(self) -> None:
         """Forget every graph of the family (the C sessions that held them are going: ``set_providers``) and detach

@@ -79,12 +79,22 @@ def _can_copy_endpoints(s: tuple[int, int, str], d: tuple[int, int, str]) -> boo
 
 
 def can_copy(src, dst) -> bool:
-    """Whether ORT can copy from ``src`` to ``dst`` (OrtValues or ``onnxruntime.OrtDevice``s) without misreading memory.
+    """Whether ORT can copy from ``src`` to ``dst`` without misreading memory.
 
     Mirrors WebGPU ``DataTransfer::CanCopy`` with its vendor guard (ORT #32317): WebGPU buffers (GPU memory with
     vendor id NONE) copy only to and from CPU and other WebGPU buffers; a GPU buffer of a named vendor (CUDA's
     0x10DE, AMD, Intel, Microsoft …) is not a ``WGPUBuffer`` and unpatched ORT would hand its pointer to Dawn.
     CUDA copies to and from CPU and CUDA (any ordinal: peer copies). Any other pair of GPU kinds: no.
+
+    Args:
+        src: an OrtValue (any shape and dtype) or an ``onnxruntime.OrtDevice``.
+        dst: likewise.
+
+    Returns:
+        True when the device pair is copyable.
+
+    Raises:
+        TransferError: ``src`` or ``dst`` is neither an OrtValue nor an OrtDevice, or an OrtValue of an unknown device.
     """
     return _can_copy_endpoints(_endpoint(src), _endpoint(dst))
 
@@ -294,16 +304,29 @@ def _from_dlpack(src: Any) -> OrtValue | np.ndarray:
 # public API
 # ---------------------------------------------------------------------------------------------------------------
 def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
-    """Copy ``src`` into the fixed buffer ``dst`` in place and return ``dst``.
+    """Copy ``src`` into the fixed buffer ``dst`` in place; the copy has completed when this returns.
 
-    ``dst``: a tensor OrtValue on any device (CPU, CUDA, WebGPU). ``src``: a numpy array, an OrtValue on any
-    device, or any DLPack producer (``torch.Tensor``, ``cupy.ndarray``: wrapped zero-copy; CUDA sources are copied
-    device-to-device, never through the host). Shape and dtype must match exactly (``cast=True`` converts numpy
-    sources on the host); numpy sources are made C-contiguous, non-contiguous device sources are refused. ``src``
-    that is ``dst`` itself is a no-op; overlapping buffers are refused. The copy has completed when this returns.
+    Guards against ORT's own ``OrtValue.update_inplace(numpy)``, which checks only the element count (measured on
+    onnxruntime-gpu 1.31.1: int32 bytes accepted into a float32 OrtValue and reinterpreted) and copies the raw memory
+    of non-contiguous arrays (ORT #13548).
 
-    Raises :class:`~ortcapture.errors.TransferError` (a ``ValueError``) for any mismatch, before native code, and
-    :class:`~ortcapture.errors.CaptureUnsupportedError` where the installed ORT lacks the needed copy path.
+    Args:
+        dst: a tensor OrtValue on any device (CPU, ``cuda:N``, WebGPU), any shape and numpy-representable dtype.
+        src: a numpy array (made C-contiguous), an OrtValue on any device, or a DLPack producer (``torch.Tensor``,
+            ``cupy.ndarray``: wrapped zero-copy; CUDA sources go device to device, peer to peer across GPUs, never
+            through the host; non-contiguous device sources are refused). Exactly ``dst``'s shape and dtype;
+            ``src`` that is ``dst`` itself is a no-op.
+        cast: convert a numpy source of another dtype on the host first.
+
+    Returns:
+        ``dst``.
+
+    Raises:
+        TransferError: (a ``ValueError``) shape, dtype or device mismatch, overlapping buffers, an unsupported source
+            type — always before any native call.
+        StaleOutputError: ``src`` is a ``ReplayOutput`` overwritten by a later replay.
+        CaptureUnsupportedError: the installed ORT lacks the needed copy path (device to device needs ORT >= 1.26
+            or cuda-python).
     """
     dm = _dst_meta(dst)
     if not isinstance(src, OrtValue):
@@ -435,10 +458,18 @@ def _as_source(src: Any) -> OrtValue | np.ndarray:
 def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
     """Copy ``src[i]`` into ``dst[i]`` for every i, as ``onnxruntime.copy_tensors`` does, after checking every pair.
 
-    Refused (:class:`~ortcapture.errors.TransferError`) before any copy starts: length mismatch, non-OrtValues,
-    shape or dtype mismatch (an undersized destination included), device pairs ORT cannot copy (:func:`can_copy`),
-    a pair whose source is its destination, overlapping pairs, and one destination written twice — the aliased and
-    undersized cases made ORT ``std::terminate`` before ORT #32315.
+    Guards against ``copy_tensors`` with an aliased pair (``std::terminate`` before ORT #32315) and with an undersized
+    destination (accepted and written past its end by released ORT: ortcapture patch 0003).
+
+    Args:
+        src: tensor OrtValues on any device.
+        dst: tensor OrtValues, each exactly the shape and dtype of its source.
+
+    Raises:
+        TransferError: before any copy starts, for a length mismatch, non-OrtValues, a shape or dtype mismatch
+            (an undersized destination included), a device pair ORT cannot copy (:func:`can_copy`), a pair whose
+            source is its destination, overlapping pairs, or one destination written twice.
+        StaleOutputError: a source is a ``ReplayOutput`` overwritten by a later replay.
     """
     src, dst = list(src), list(dst)
     if len(src) != len(dst):
@@ -471,7 +502,19 @@ def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
 
 
 def to_numpy(value: OrtValue) -> np.ndarray:
-    """A new host numpy array with the contents of ``value`` (any device; WebGPU read back via ``copy_tensors``)."""
+    """A new host copy of a tensor OrtValue.
+
+    Args:
+        value: a tensor OrtValue on any device (WebGPU is read back through ``copy_tensors``; a ``ReplayOutput`` is
+            checked for staleness before and after the read).
+
+    Returns:
+        A C-contiguous numpy array of ``value``'s shape and dtype.
+
+    Raises:
+        TransferError: not a tensor OrtValue, or an element type numpy cannot hold.
+        StaleOutputError: a ``ReplayOutput`` overwritten by a later replay (also when one begins during the read).
+    """
     if getattr(value, "_check", None) is not None:  # a ReplayOutput: checked for staleness before and after
         return value.numpy()
     m = _dst_meta(value, "value")

@@ -27,7 +27,12 @@ def plugin_installed() -> bool:
 
 
 def register() -> None:
-    """Register the plugin EP library with ORT once per process. Raises :class:`CaptureUnsupportedError` without it."""
+    """Register the plugin EP library with ORT once per process (idempotent).
+
+    Raises:
+        CaptureUnsupportedError: ``onnxruntime-ep-webgpu`` is not installed (``pip install "ortcapture[webgpu]"``), or
+            this onnxruntime has no plugin EP API (needs >= 1.24.4).
+    """
     global _registered
     if _registered:
         return
@@ -37,7 +42,8 @@ def register() -> None:
     from ortcapture.errors import CaptureUnsupportedError
 
     if not plugin_installed():
-        raise CaptureUnsupportedError("the WebGPU plugin EP is not installed: pip install onnxruntime-ep-webgpu")
+        raise CaptureUnsupportedError("the WebGPU plugin EP is not installed: pip install 'ortcapture[webgpu]' "
+                                      "(onnxruntime-ep-webgpu)")
     compat.require("the WebGPU plugin EP", compat.has_ep_devices(), "1.24.4")
     import onnxruntime_ep_webgpu as plugin
 
@@ -50,7 +56,15 @@ def register() -> None:
 
 
 def ep_device():
-    """The WebGPU ``OrtEpDevice`` (a GPU one when present, else the software-adapter one); raises if none."""
+    """The WebGPU ``OrtEpDevice``: a GPU one when present, else the software-adapter one.
+
+    Returns:
+        An ``onnxruntime.OrtEpDevice`` for ``SessionOptions.add_provider_for_devices``.
+
+    Raises:
+        CaptureUnsupportedError: the plugin is missing, or ORT offers no WebGPU EP device (without a GPU:
+            ``ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1`` and a software Vulkan driver, ``tools/setup_webgpu.sh``).
+    """
     import onnxruntime as ort
 
     from ortcapture.errors import CaptureUnsupportedError
@@ -67,9 +81,23 @@ def ep_device():
 
 
 def session_options(capture: bool = True, sess_options=None, ep_options=None):
-    """``SessionOptions`` with the WebGPU EP added through ``add_provider_for_devices`` (``enableGraphCapture``
-    set from ``capture``, plus ``ep_options``: further WebGPU EP options as strings) and memory patterns off
-    (capture needs ``enable_mem_pattern=False``). Raises :class:`CaptureError` for options already holding the EP."""
+    """``SessionOptions`` with the WebGPU plugin EP added through ``add_provider_for_devices``.
+
+    On ORT 1.30 naming a plugin EP in ``providers=[...]`` can silently give a CPU-only session, so the EP is added to
+    the options instead; memory patterns are switched off (capture needs ``enable_mem_pattern=False``).
+
+    Args:
+        capture: sets the EP option ``enableGraphCapture``.
+        sess_options: a fresh ``onnxruntime.SessionOptions`` to add the EP to (default: a new one).
+        ep_options: further WebGPU EP options, ``{key: str}`` (the EP ignores unknown keys).
+
+    Returns:
+        The ``SessionOptions`` (``sess_options`` itself when given).
+
+    Raises:
+        CaptureError: ``sess_options`` already holds the WebGPU EP (ORT refuses to register it twice).
+        CaptureUnsupportedError: no WebGPU EP device (see :func:`ep_device`).
+    """
     import onnxruntime as ort
 
     from ortcapture.errors import CaptureError
@@ -89,7 +117,16 @@ def session_options(capture: bool = True, sess_options=None, ep_options=None):
 
 
 def probe(timeout: float = 180.0) -> dict:
-    """Run :func:`_probe_main` in a child process; return its JSON (``ok`` false when the child failed or died)."""
+    """Whether WebGPU capture works here, asked in a child process (ORT calls ``std::terminate`` when Dawn finds no
+    adapter, which would end this process).
+
+    Args:
+        timeout: seconds the child may take.
+
+    Returns:
+        The child's JSON: ``{"ok": True, "device_type", "vendor_id", "providers"}``, or ``{"ok": False, "error": why}``
+        when the child failed, died or timed out. Never raises for a failed probe.
+    """
     try:
         proc = subprocess.run([sys.executable, "-m", "ortcapture.webgpu"], capture_output=True, text=True,
                               timeout=timeout)
