@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 from ortcapture._compat import OrtIOBinding, OrtValue
-from ortcapture._values import meta
+from ortcapture._values import BFLOAT16, meta
 from ortcapture.errors import BindingError
 
 
@@ -56,6 +56,8 @@ _NP_TO_ONNX = {
     np.dtype(np.uint32): "tensor(uint32)", np.dtype(np.int64): "tensor(int64)", np.dtype(np.uint64): "tensor(uint64)",
     np.dtype(np.bool_): "tensor(bool)",
 }
+if BFLOAT16 is not None:
+    _NP_TO_ONNX[BFLOAT16] = "tensor(bfloat16)"
 
 
 def onnx_type_of(dtype) -> str:

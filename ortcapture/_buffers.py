@@ -20,8 +20,8 @@ import numpy as np
 from ortcapture import _compat as compat
 from ortcapture._compat import OrtInferenceSession, OrtValue
 from ortcapture._providers import CaptureInfo
-from ortcapture._values import remember
-from ortcapture.errors import TransferError
+from ortcapture._values import BFLOAT16, STORAGE, remember
+from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -43,20 +43,28 @@ def allocate(session, info: CaptureInfo, shape: Sequence[int], dtype) -> OrtValu
             allocator (``OrtValue.ortvalue_from_shape_and_type``).
         info: the capturing EP and device ordinal (``cuda:<device_id>`` or ``webgpu``).
         shape: concrete dims, ints >= 0.
-        dtype: a numpy dtype.
+        dtype: a numpy dtype; bfloat16 is ``ml_dtypes.bfloat16`` (CUDA and CPU only: the WebGPU EP has no bfloat16
+            kernels).
 
     Returns:
         The OrtValue, with its device kind and ordinal recorded (:func:`ortcapture._values.remember`).
 
     Raises:
         TransferError: a bad shape, or a dtype or device ORT cannot allocate.
+        CaptureUnsupportedError: bfloat16 on WebGPU.
     """
     dims = _check_shape(shape)
     try:
-        np_type = np.dtype(dtype).type
+        np_dtype = np.dtype(dtype)
     except TypeError:
         raise TransferError(f"dtype {dtype!r} is not a numpy dtype") from None
     kind, dev = info.device_type, info.device_id
+    storage = STORAGE.get(np_dtype)
+    if np_dtype == BFLOAT16 and kind == "webgpu":
+        raise CaptureUnsupportedError("bfloat16 buffers on WebGPU: the WebGPU EP has no bfloat16 kernels (its "
+                                      "nodes would fall back to the CPU EP); use float16 or float32 there")
+    # ORT allocates the types its numpy bridge does not know (bfloat16) by ONNX element type code
+    np_type = storage[1] if storage is not None else np_dtype.type
     try:
         if kind == "webgpu" and compat.has_session_ortvalues():
             value = OrtInferenceSession.create_ortvalue_from_shape_and_type(session, dims, np_type, kind, dev)

@@ -23,6 +23,19 @@ ONNX_TO_NP = {
     "tensor(bool)": np.dtype(np.bool_),
 }
 
+try:  # bfloat16 through ml_dtypes (an optional dependency: ``ortcapture[bf16]``; onnx itself requires it)
+    import ml_dtypes as _ml_dtypes
+except ImportError:  # pragma: no cover - onnx >= 1.15 depends on ml_dtypes
+    _ml_dtypes = None
+#: ``numpy.dtype(ml_dtypes.bfloat16)``, or ``None`` without ml_dtypes
+BFLOAT16 = np.dtype(_ml_dtypes.bfloat16) if _ml_dtypes is not None else None
+if BFLOAT16 is not None:
+    ONNX_TO_NP["tensor(bfloat16)"] = BFLOAT16
+#: numpy dtypes that ORT's numpy bridge does not know (``OrtValue.numpy()``: "No corresponding Numpy type",
+#: ``ortvalue_from_numpy`` refuses them), with the same-size dtype whose bytes ORT copies unchanged, and the ONNX
+#: element type code (``onnx.TensorProto``) to allocate them with
+STORAGE: dict[np.dtype, tuple[np.dtype, int]] = {BFLOAT16: (np.dtype(np.uint16), 16)} if BFLOAT16 is not None else {}
+
 
 class ValueMeta(NamedTuple):
     kind: str  # "cpu" | "cuda" | "webgpu" | ...

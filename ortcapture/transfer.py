@@ -22,7 +22,7 @@ import numpy as np
 from ortcapture import _compat as compat
 from ortcapture._compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
 from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK
-from ortcapture._values import ONNX_TO_NP, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
+from ortcapture._values import ONNX_TO_NP, STORAGE, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 #: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
@@ -132,7 +132,9 @@ def _dst_meta(value: Any, role: str = "destination") -> ValueMeta:
         raise TransferError(f"{role} must be an onnxruntime.OrtValue, got {type(value).__name__}")
     m = meta(value)
     if m.dtype is None:
-        raise TransferError(f"OrtValue element type {m.element_type} is not supported by ortcapture transfers")
+        hint = (": bfloat16 needs ml_dtypes (pip install 'ortcapture[bf16]')" if m.element_type == "tensor(bfloat16)"
+                else "")
+        raise TransferError(f"OrtValue element type {m.element_type} is not supported by ortcapture transfers{hint}")
     return m
 
 
@@ -518,6 +520,8 @@ def to_numpy(value: OrtValue) -> np.ndarray:
     if getattr(value, "_check", None) is not None:  # a ReplayOutput: checked for staleness before and after
         return value.numpy()
     m = _dst_meta(value, "value")
+    if m.dtype in STORAGE:
+        return _storage_to_numpy(value, m)
     if m.kind == "webgpu":
         host = OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
         with WEBGPU_LOCK:
@@ -557,7 +561,24 @@ _CUDA_SHARED = CUDA_GATE.shared
 
 
 
+def _storage_to_numpy(value: OrtValue, m: ValueMeta) -> np.ndarray:
+    """A host copy of a value whose dtype ORT's numpy bridge does not know (bfloat16): its bytes, read from a CPU
+    OrtValue of the same element type (``value`` itself, or a copy of it), viewed as ``m.dtype``."""
+    import ctypes
+
+    storage, code = STORAGE[m.dtype]
+    host = value
+    if m.kind != "cpu":
+        host = OrtValue.ortvalue_from_shape_and_type(list(m.shape), code)
+        _copy_value(value, m, host, meta(host))
+    raw = bytes((ctypes.c_char * m.nbytes).from_address(host.data_ptr())) if m.nbytes else b""
+    return np.frombuffer(raw, dtype=storage).view(m.dtype).reshape(m.shape).copy()
+
+
 def _copy_host_to(dst: OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
+    storage = STORAGE.get(arr.dtype)
+    if storage is not None:  # ORT's numpy bridge copies the bytes of the same-size storage type unchanged
+        arr = arr.view(storage[0])
     if dm.kind == "webgpu":
         with WEBGPU_LOCK:
             compat.ort_copy_tensors([OrtValue.ortvalue_from_numpy(arr)], [dst], None)
@@ -594,7 +615,11 @@ def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: Value
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif sm.kind == "cpu":
-        dst.update_inplace(np.require(src.numpy(), requirements="C"))
+        _copy_host_to(dst, dm, np.require(to_numpy(src), requirements="C"))
+    elif "cuda" in (sm.kind, dm.kind) and sm.span and dm.span and compat.has_cuda_python():
+        from ortcapture._cudart import memcpy_d2d  # cudaMemcpyDefault: device to host as well
+
+        memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     else:
         raise CaptureUnsupportedError(
             f"device-to-device update_inplace needs onnxruntime >= 1.26 (OrtValue.update_inplace(OrtValue)) or "

@@ -288,3 +288,39 @@ def test_repeated_cuda_feed_takes_the_one_fast_path_and_stays_checked(cuda, monk
             np.testing.assert_array_equal(g.run({"X": srcs[0]})[0], np.full((2, 4), 3.0))
     finally:
         transfer.COPY_BACKEND = old
+
+
+def test_bf16_model_captures_from_numpy_and_torch_sources(cuda):
+    """Issue 20: a bfloat16 model captured on CUDA, fed ml_dtypes.bfloat16 arrays and torch.bfloat16 tensors
+    (DLPack, device to device); outputs bit-exact against the uncaptured run."""
+    import onnxruntime as ort
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    model = tiny.bf16_scale_model()
+    sess = cuda.session(model)
+    plain = cuda.plain(model)
+
+    def uncaptured(x):
+        v = ort.OrtValue.ortvalue_from_shape_and_type(list(x.shape), 16)  # onnx.TensorProto.BFLOAT16
+        ortcapture.update_inplace(v, x)
+        return ortcapture.to_numpy(plain.run_with_ort_values(["Y"], {"X": v})[0])
+
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((4, 8)).astype(np.float32).astype(bf16) for _ in range(3)]
+    with sess.capture({"X": xs[0]}) as g:
+        assert g.inputs["X"].data_type() == "tensor(bfloat16)"
+        for x in xs:
+            (y,) = g.run({"X": x})
+            assert y.dtype == bf16
+            np.testing.assert_array_equal(y.view(np.uint16), uncaptured(x).view(np.uint16))
+            np.testing.assert_array_equal(y.astype(np.float32), (x.astype(np.float32) * 2 + 1).astype(bf16)
+                                          .astype(np.float32))
+        (out,) = g.run({"X": xs[1]}, copy_outputs=False)
+        np.testing.assert_array_equal(out.numpy().view(np.uint16), uncaptured(xs[1]).view(np.uint16))
+        torch = pytest.importorskip("torch")
+        t = torch.randn(4, 8, device="cuda").to(torch.bfloat16)
+        (y,) = g.run({"X": t})
+        want = (t.float() * 2 + 1).to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+        np.testing.assert_array_equal(y.view(np.uint16), want)
+        assert g.replays == 5

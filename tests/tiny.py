@@ -118,3 +118,16 @@ def shape_subgraph_model() -> bytes:
     ]
     return _model(nodes, [vi("X", ["batch", "n"])], [vi("Y", ["batch", "n"])],
                   [ints("zero", 0), ints("axis0", [0]), ints("one", [1])])
+
+
+def bf16_scale_model(shape=(4, 8)) -> bytes:
+    """Y (bfloat16) = Cast(Cast(X, float) * 2 + 1, bfloat16): a bfloat16 model that runs on CUDA."""
+    from onnx import helper
+
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    nodes = [helper.make_node("Cast", ["X"], ["xf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["xf", "two"], ["m"]),
+             helper.make_node("Add", ["m", "one"], ["yf"]),
+             helper.make_node("Cast", ["yf"], ["Y"], to=TensorProto.BFLOAT16)]
+    return _model(nodes, [vi("X", shape, TensorProto.BFLOAT16)], [vi("Y", shape, TensorProto.BFLOAT16)], [two, one])
