@@ -18,11 +18,13 @@ _EXPORTS = {
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
     "InferenceSession": "ortcapture.session", "run_options_for": "ortcapture.session",
     "IOBinding": "ortcapture._binding",
+    "patch_onnxruntime": "ortcapture.dropin", "unpatch_onnxruntime": "ortcapture.dropin",
+    "patched": "ortcapture.dropin",
     "can_copy": "ortcapture.transfer", "copy": "ortcapture.transfer", "to_numpy": "ortcapture.transfer",
     "update_inplace": "ortcapture.transfer",
 }
 #: public submodules, importable as attributes after a plain ``import ortcapture``
-_PUBLIC_MODULES = {"errors", "graph", "session", "transfer", "webgpu", "cli"}
+_PUBLIC_MODULES = {"dropin", "errors", "graph", "session", "transfer", "webgpu", "cli"}
 #: deprecated aliases of modules that became private in 0.2.0 (each warns once on import; gone in 0.3.0)
 _DEPRECATED_MODULES = {"binding", "buffers", "capture", "compat", "cudart", "gate", "providers", "registry", "shapes",
                        "values"}

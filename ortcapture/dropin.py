@@ -1,0 +1,278 @@
+"""ortcapture inside code you do not control: install its session as ``onnxruntime.InferenceSession``.
+
+Libraries (pipelines, model zoos, OCR toolkits) create their own sessions with ``onnxruntime.InferenceSession(...)``
+and call plain ``sess.run(output_names, feeds)``. :func:`patch_onnxruntime` (or the :func:`patched` context
+manager) replaces that name with :class:`AutoCaptureSession`, an :class:`ortcapture.InferenceSession` that
+
+* gets the capture provider when the caller names none (``provider=``: ``"cuda"``, ``"webgpu"`` or ``"auto"``), and
+  switches capture on for a CUDA/TensorRT EP the caller names without it;
+* serves plain ``run()`` from captured graphs: one graph per distinct set of input shapes and dtypes (and per value
+  of the inputs ORT reads on the host, e.g. a Reshape shape or a Slice start: those are capture-time constants),
+  captured on first use, checked once against an uncaptured run of the same feeds, replayed afterwards;
+* never raises what ORT would not: a ``run()`` it cannot serve captured (more distinct shapes than ``max_graphs``, a
+  graph whose check failed, an input missing, a refused capture) runs uncaptured (``gpu_graph_id=-1``) with one
+  warning per session and reason; ``run_with_ort_values``/``run_async`` and ``run_with_iobinding`` without an
+  explicit ``gpu_graph_id`` run uncaptured too.
+
+Limits (documented, by design): sessions created before patching are untouched; a library that did
+``from onnxruntime import InferenceSession`` at import time keeps ORT's class unless it is imported after patching;
+CUDA graphs live per thread (ORT), so each thread captures its own copy on first use.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from ortcapture._run import GRAPH_ID_KEY, SKIP_GRAPH_ID
+from ortcapture.errors import CaptureError
+from ortcapture.session import InferenceSession
+
+#: OrtMemoryInfo names (lower case) of host memory: inputs ORT reads there are constants of a captured graph
+_HOST_MEMORY = ("cpu", "cudapinned", "cuda_cpu")
+
+
+class AutoCaptureSession(InferenceSession):
+    """The session :func:`patch_onnxruntime` installs. Takes ``onnxruntime.InferenceSession``'s arguments.
+
+    ``stats`` counts the plain runs: ``{"replayed", "captured", "uncaptured"}``.
+    """
+
+    #: set on the subclass that patch_onnxruntime installs: {"provider", "provider_options", "max_graphs"}
+    _oc_defaults: dict = {"provider": None, "provider_options": None, "max_graphs": 8}
+
+    def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
+        sess_options, providers, provider_options = _with_capture(
+            self._oc_defaults, sess_options, providers, provider_options)
+        super().__init__(path_or_bytes, sess_options, providers, provider_options, **kwargs)
+        self._oc_graphs_by_key: dict[tuple, Any] = {}  # feed key -> CapturedGraph, or None (run uncaptured)
+        self._oc_auto_lock = threading.Lock()
+        self._oc_warned: set[str] = set()
+        self.stats = {"replayed": 0, "captured": 0, "uncaptured": 0}
+        self._oc_host_inputs = _host_read_inputs(self)
+
+    # -- plain run: replayed where it can be --------------------------------------------------------------------
+    def run(self, output_names, input_feed, run_options=None):
+        """ORT's ``run``; served from a captured graph where it can be (see the module docstring). Returns what ORT
+        returns: one numpy array per requested output. Raises what ORT raises."""
+        if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
+            return super().run(output_names, input_feed, run_options)
+        feeds = {k: np.asarray(v) for k, v in input_feed.items()} if isinstance(input_feed, Mapping) else None
+        graph = self._oc_graph_for(feeds, run_options) if feeds is not None else None
+        if graph is None:
+            self.stats["uncaptured"] += 1
+            return super().run(output_names, input_feed, _uncaptured(run_options))
+        outs = graph.run(feeds)
+        self.stats["replayed"] += 1
+        return _select(self, outs, output_names)
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
+        if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
+            return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
+        self._oc_warn("run_with_ort_values", "OrtValue feeds run uncaptured under patch_onnxruntime")
+        return super().run_with_ort_values(output_names, input_dict_ort_values, _uncaptured(run_options))
+
+    def run_async(self, output_names, input_feed, callback, user_data, run_options=None):
+        if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
+            return super().run_async(output_names, input_feed, callback, user_data, run_options)
+        self._oc_warn("run_async", "run_async runs uncaptured under patch_onnxruntime")
+        return super().run_async(output_names, input_feed, callback, user_data, _uncaptured(run_options))
+
+    def run_with_iobinding(self, iobinding, run_options=None):
+        """Without an explicit ``gpu_graph_id`` (ORT's default id 0), a library's IOBinding run is uncaptured: it
+        may rebind between runs, which a captured graph would refuse. With one, ortcapture's capture rules apply."""
+        if _explicit_graph_id(run_options) or not self.capture_enabled:
+            return super().run_with_iobinding(iobinding, run_options)
+        return super().run_with_iobinding(iobinding, _uncaptured(run_options))
+
+    # -- the graphs -----------------------------------------------------------------------------------------------
+    def _oc_graph_for(self, feeds: dict, run_options):
+        names = [i.name for i in self.get_inputs()]
+        if set(feeds) != set(names):
+            self._oc_warn("inputs", "a run that does not feed every input runs uncaptured")
+            return None
+        key = tuple((n, feeds[n].shape, feeds[n].dtype.str,
+                     feeds[n].tobytes() if n in self._oc_host_inputs else None) for n in names)
+        with self._oc_auto_lock:
+            if key in self._oc_graphs_by_key:
+                return self._oc_graphs_by_key[key]
+            if len(self._oc_graphs_by_key) >= self._oc_defaults["max_graphs"]:
+                self._oc_warn("max_graphs", f"more than max_graphs={self._oc_defaults['max_graphs']} distinct input "
+                                            "shapes: the others run uncaptured")
+                return None
+            graph = None
+            try:
+                graph = self.capture(feeds)
+                got = graph.run(feeds)
+                want = super().run(None, feeds, _uncaptured(run_options))
+                if not all(np.array_equal(g, w, equal_nan=g.dtype.kind in "fc") for g, w in zip(got, want)):
+                    raise CaptureError("its first replay differs from the uncaptured run")
+                self.stats["captured"] += 1
+            except Exception as exc:  # noqa: BLE001 - whatever refused the capture: run uncaptured instead
+                if graph is not None:
+                    graph.release()
+                    graph = None
+                self._oc_warn(f"capture:{type(exc).__name__}", f"inputs of shapes "
+                              f"{ {n: s for n, s, _, _ in key} } run uncaptured: {exc}")
+            self._oc_graphs_by_key[key] = graph
+            return graph
+
+    def _oc_warn(self, kind: str, message: str) -> None:
+        if kind not in self._oc_warned:
+            self._oc_warned.add(kind)
+            warnings.warn(f"ortcapture: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _explicit_graph_id(run_options) -> bool:
+    if run_options is None:
+        return False
+    try:
+        return bool(run_options.get_run_config_entry(GRAPH_ID_KEY))
+    except RuntimeError:
+        return False
+
+
+def _uncaptured(run_options):
+    """Fresh ``RunOptions`` with ``gpu_graph_id=-1`` and the caller's settings (the caller's object is not changed)."""
+    import onnxruntime as ort
+
+    ro = ort.RunOptions()
+    if run_options is not None:
+        for attr in ("log_severity_level", "log_verbosity_level", "logid", "terminate",
+                     "only_execute_path_to_fetches"):
+            if hasattr(run_options, attr):
+                setattr(ro, attr, getattr(run_options, attr))
+    ro.add_run_config_entry(GRAPH_ID_KEY, str(SKIP_GRAPH_ID))
+    return ro
+
+
+def _select(session, outs: list, output_names) -> list:
+    if not output_names:
+        return outs
+    names = [o.name for o in session.get_outputs()]
+    return [outs[names.index(n)] for n in output_names]
+
+
+def _host_read_inputs(session) -> frozenset[str]:
+    """Inputs ORT reads in host memory (a Reshape shape, Slice starts, Clip bounds, ...): their values are constants
+    of a captured graph, so they join the graph's key. Without ``get_input_memory_infos`` (ORT < 1.27) every integer
+    input is treated as one."""
+    metas = session.get_inputs()
+    getter = getattr(session, "get_input_memory_infos", None)
+    if getter is not None:
+        try:
+            infos = getter()
+            return frozenset(m.name for m, info in zip(metas, infos)
+                             if str(getattr(info, "name", "")).lower().startswith(_HOST_MEMORY))
+        except Exception:  # noqa: BLE001 - fall back to the conservative rule
+            pass
+    return frozenset(m.name for m in metas if "int" in m.type)
+
+
+def _with_capture(defaults: dict, sess_options, providers, provider_options):
+    """The session arguments with capture requested: the default provider when the caller names none (and added no
+    plugin EP to ``sess_options``), and ``enable_cuda_graph``/``trt_cuda_graph_enable`` for a CUDA/TensorRT EP the
+    caller names without it."""
+    from ortcapture._providers import CAPTURE_EPS, requested_capture, session_args
+
+    if providers:
+        if requested_capture(providers, provider_options, sess_options) is not None:
+            return sess_options, providers, provider_options
+        out = []
+        for i, p in enumerate(providers):
+            name, opts = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (
+                p, dict(provider_options[i]) if provider_options and i < len(provider_options) else {})
+            ep = CAPTURE_EPS.get(name)
+            if ep is not None and ep.device_type == "cuda":
+                opts[ep.option] = "1"
+            out.append((name, opts))
+        return sess_options, out, None
+    if defaults.get("provider") is None or requested_capture(None, None, sess_options) is not None:
+        return sess_options, providers, provider_options
+    if sess_options is not None and _has_plugin_ep(sess_options):
+        return sess_options, providers, provider_options
+    args = session_args(defaults["provider"], True, sess_options, ep_options=defaults.get("provider_options"))
+    return args["sess_options"], args.get("providers"), None
+
+
+def _has_plugin_ep(sess_options) -> bool:
+    try:
+        return bool(sess_options.get_session_config_entry("ep.webgpuexecutionprovider.enableGraphCapture"))
+    except RuntimeError:
+        return False
+
+
+_PATCH_LOCK = threading.Lock()
+_ORIGINAL: list = []  # the onnxruntime.InferenceSession that patch_onnxruntime replaced (one level)
+
+
+def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[str, str] | None = None, *,
+                      max_graphs: int = 8) -> type:
+    """Install :class:`AutoCaptureSession` as ``onnxruntime.InferenceSession`` (see the module docstring).
+
+    Args:
+        provider: the capture provider for sessions whose caller names none: ``"cuda"``, ``"webgpu"``, ``"auto"``
+            (CUDA where onnxruntime-gpu has a GPU, else WebGPU where a child-process probe captures), or ``None``
+            (leave such sessions as the caller made them).
+        provider_options: further EP options for that provider, ``{key: str}`` (e.g. ``{"device_id": "1"}``).
+        max_graphs: distinct input-shape sets captured per session; runs beyond it are uncaptured.
+
+    Returns:
+        The installed class (a subclass of :class:`AutoCaptureSession` holding these defaults).
+
+    Raises:
+        CaptureError: already patched (call :func:`unpatch_onnxruntime` first), or a bad argument.
+        CaptureUnsupportedError: ``provider="auto"`` and no capture-capable provider here.
+    """
+    import onnxruntime as ort
+
+    from ortcapture._providers import check_provider_options, pick_provider
+
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+        raise CaptureError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
+    if provider not in (None, "auto", "cuda", "webgpu"):
+        raise CaptureError(f"provider must be 'cuda', 'webgpu', 'auto' or None, got {provider!r}")
+    options = check_provider_options(provider_options)
+    with _PATCH_LOCK:
+        if _ORIGINAL:
+            raise CaptureError("onnxruntime is already patched by ortcapture; call unpatch_onnxruntime() first")
+        chosen = pick_provider("auto") if provider == "auto" else provider
+        cls = type("InferenceSession", (AutoCaptureSession,), {
+            "_oc_defaults": {"provider": chosen, "provider_options": options, "max_graphs": max_graphs},
+            "__module__": __name__, "__doc__": AutoCaptureSession.__doc__})
+        _ORIGINAL.append(ort.InferenceSession)
+        ort.InferenceSession = cls
+        return cls
+
+
+def unpatch_onnxruntime() -> None:
+    """Restore the ``onnxruntime.InferenceSession`` that :func:`patch_onnxruntime` replaced (no-op if not patched).
+    Sessions made while patched keep working."""
+    import onnxruntime as ort
+
+    with _PATCH_LOCK:
+        if _ORIGINAL:
+            ort.InferenceSession = _ORIGINAL.pop()
+
+
+@contextlib.contextmanager
+def patched(provider: str | None = "auto", provider_options: Mapping[str, str] | None = None, *,
+            max_graphs: int = 8) -> Iterator[type]:
+    """``with ortcapture.patched(...) as cls:`` — :func:`patch_onnxruntime` for the block, restored on exit (also on
+    an exception). Same arguments and exceptions."""
+    cls = patch_onnxruntime(provider, provider_options, max_graphs=max_graphs)
+    try:
+        yield cls
+    finally:
+        unpatch_onnxruntime()
+
+
+def is_patched() -> bool:
+    """Whether ``onnxruntime.InferenceSession`` is ortcapture's now."""
+    return bool(_ORIGINAL)
+
+
+__all__: Sequence[str] = ["AutoCaptureSession", "patch_onnxruntime", "unpatch_onnxruntime", "patched", "is_patched"]

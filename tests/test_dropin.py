@@ -1,0 +1,88 @@
+"""patch_onnxruntime / patched (issue 24 item 2): code that builds its own onnxruntime.InferenceSession and calls
+plain run() gets captured replays, results unchanged, never an exception ORT would not raise."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import ortcapture
+from tests import tiny
+
+
+def library_code(model: bytes, batches):
+    """Stands for a library: makes its own session (no providers) and calls plain run()."""
+    sess = ort.InferenceSession(model)
+    return sess, [sess.run(None, {"X": x})[0] for x in batches]
+
+
+@pytest.fixture
+def provider(backend):
+    return backend.name
+
+
+def test_patched_session_replays_plain_runs_and_restores(provider, rng):
+    original = ort.InferenceSession
+    model = tiny.dynamic_model()
+    batches = [rng.random((b, 4), np.float32) for b in (2, 2, 3, 2, 3, 3)]
+    plain = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    with ortcapture.patched(provider) as cls:
+        assert ort.InferenceSession is cls and ortcapture.dropin.is_patched()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn about here
+            sess, outs = library_code(model, batches)
+        assert isinstance(sess, ortcapture.InferenceSession) and isinstance(sess, original)
+        for x, y in zip(batches, outs):
+            np.testing.assert_allclose(y, plain.run(None, {"X": x})[0], rtol=1e-5, atol=1e-6)
+        assert sess.stats == {"captured": 2, "replayed": 6, "uncaptured": 0}  # one graph per batch size
+        # output_names as ORT takes them, and an explicit gpu_graph_id=-1 is ORT's uncaptured run
+        y = sess.run([sess.get_outputs()[0].name], {"X": batches[0]})[0]
+        np.testing.assert_allclose(y, outs[0], rtol=1e-6)
+        ro = ortcapture.run_options_for(-1)
+        np.testing.assert_allclose(sess.run(None, {"X": batches[0]}, ro)[0], outs[0], rtol=1e-5, atol=1e-6)
+    assert ort.InferenceSession is original and not ortcapture.dropin.is_patched()
+    np.testing.assert_allclose(sess.run(None, {"X": batches[1]})[0], outs[1], rtol=1e-6)  # still works after
+
+
+def test_patched_runs_beyond_max_graphs_run_uncaptured_with_one_warning(provider, rng):
+    model = tiny.dynamic_model()
+    with ortcapture.patched(provider, max_graphs=1):
+        with pytest.warns(RuntimeWarning, match="max_graphs=1") as seen:
+            sess, outs = library_code(model, [rng.random((b, 4), np.float32) for b in (2, 3, 4, 3)])
+    assert len([w for w in seen if "max_graphs" in str(w.message)]) == 1
+    assert sess.stats == {"captured": 1, "replayed": 1, "uncaptured": 3}
+
+
+def test_host_read_inputs_are_part_of_the_graph_key(provider, rng):
+    """A Reshape's shape input is read on the host: a graph captured with one value must not replay another."""
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["X", "X"], ["sq"]), helper.make_node("Reshape", ["sq", "S"], ["Y"])], "r",
+        [vi("X", TensorProto.FLOAT, [2, 4]), vi("S", TensorProto.INT64, [2])], [vi("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    x = rng.random((2, 4), np.float32)
+    with ortcapture.patched(provider), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the EP may refuse to capture it: then it runs uncaptured
+        sess = ort.InferenceSession(model.SerializeToString())
+        for shape in ([4, 2], [8, 1], [4, 2], [1, 8]):
+            y = sess.run(None, {"X": x, "S": np.array(shape, np.int64)})[0]
+            np.testing.assert_allclose(y, (x * x).reshape(shape), rtol=1e-6)
+    assert sess.stats["captured"] + sess.stats["uncaptured"] >= 3
+
+
+def test_patch_refuses_bad_arguments_and_double_patching(provider):
+    with pytest.raises(ortcapture.CaptureError, match="max_graphs"):
+        ortcapture.patch_onnxruntime(provider, max_graphs=0)
+    with pytest.raises(ortcapture.CaptureError, match="provider must be"):
+        ortcapture.patch_onnxruntime("metal")
+    with ortcapture.patched(provider):
+        with pytest.raises(ortcapture.CaptureError, match="already patched"):
+            ortcapture.patch_onnxruntime(provider)
+    assert not ortcapture.dropin.is_patched()
+    with pytest.raises(ZeroDivisionError), ortcapture.patched(provider):
+        1 / 0
+    assert not ortcapture.dropin.is_patched()  # restored on an exception too
