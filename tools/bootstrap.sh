@@ -25,7 +25,8 @@ fi
 log() { echo "bootstrap: $*" >&2; }
 py=${PYTHON:-python3}
 stamp="$venv/.ortcapture-stamp"
-want="ort=$ort_version webgpu=$WEBGPU_EP $(sha256sum "$root/pyproject.toml" | cut -c1-16)"
+NUDENET=3.4.2  # the end-to-end library example (tests/test_library_example.py); --no-deps: it requires onnxruntime
+want="ort=$ort_version webgpu=$WEBGPU_EP nudenet=$NUDENET $(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "creating $venv (onnxruntime $ort_version)"
   "$py" -m venv "$venv"
@@ -39,6 +40,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   "$venv/bin/python" -m pip install -q --disable-pip-version-check $ort_req \
     "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root[test,bench,webgpu]" >&2
+  # a library that builds its own ORT sessions, for the patch_onnxruntime example; its onnxruntime requirement is
+  # not installed (it would replace the ORT distribution chosen above)
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nudenet==$NUDENET" \
+    opencv-python-headless >&2
   echo "$want" > "$stamp"
 else
   log "reusing $venv (onnxruntime $ort_version)"
