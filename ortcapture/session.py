@@ -150,11 +150,16 @@ class InferenceSession(OrtInferenceSession):
         _check_version(requested)
         info = None if deferred else detect_capture(self, requested)
         if requested is not None and info is None and not deferred:
+            if requested.device_type == "cuda" and requested.ep.name not in ort.get_available_providers():
+                why = (f"this onnxruntime has no {requested.ep.name} (install onnxruntime-gpu, e.g. pip install "
+                       "'ortcapture[cuda]', on a machine with an NVIDIA GPU)")
+            else:
+                why = ("on ORT 1.30 naming a plugin EP in providers=[...] can silently give a CPU-only session: "
+                       "register the plugin library and add it with SessionOptions.add_provider_for_devices("
+                       "[ep_device], {...}) (ortcapture.webgpu.session_options does); check `ortcapture doctor`")
             raise CaptureUnsupportedError(
                 f"graph capture was requested for {requested.ep.name}, but the session runs on "
-                f"{self.get_providers()} without capture. On ORT 1.30 naming a plugin EP in providers=[...] can "
-                "silently give a CPU-only session: register the plugin library and add it with "
-                "SessionOptions.add_provider_for_devices([ep_device], {...}); check `ortcapture doctor`."
+                f"{self.get_providers()} without capture: {why}."
             )
         self._oc_state = CaptureState(self, info, requested, deferred, static_sig, self._oc_lock, family)
 

@@ -72,8 +72,9 @@ def webgpu_env_hint() -> str:
     import os
     from pathlib import Path
 
-    if os.environ.get("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER"):
-        return ""
+    if os.environ.get("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER") and (os.environ.get("VK_ICD_FILENAMES")
+                                                               or os.environ.get("VK_DRIVER_FILES")):
+        return ""  # the settings are there (a half-set environment, e.g. no Vulkan driver named, still gets the hint)
     env = Path(os.environ.get("ORTCAPTURE_CACHE") or Path.home() / ".cache" / "ortcapture") / "webgpu.env"
     if not env.is_file():
         return ""

@@ -193,7 +193,7 @@ def run(args) -> int:
     if args.model:
         model = args.model
     else:
-        _say("reference model (nudenet 3.4.2's YOLOv8n, downloaded from PyPI once)")
+        _say("reference model (nudenet 3.4.2's YOLOv8n, fetched from PyPI on first use, then cached)")
         try:
             model = str(models.reference_model())
         except Exception as exc:  # noqa: BLE001 - no network, bad checksum
@@ -207,7 +207,8 @@ def run(args) -> int:
     missing = sorted(set(dtypes) - set(shapes_))
     if missing:
         raise CaptureError(f"input(s) {missing} have no tensor shape in the model; the demo cannot feed them")
-    _say(f"choosing the provider ({args.provider}; WebGPU is probed in a child process)")
+    _say(f"choosing the provider ({args.provider}" + ("; WebGPU is probed in a child process)"
+                                                       if args.provider in ("auto", "webgpu") else ")"))
     provider = pick_provider(args.provider)
     if args.iters is None:
         args.iters = 200 if provider == "cuda" else 10
