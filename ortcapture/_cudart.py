@@ -115,6 +115,33 @@ def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         raise RuntimeError(f"cudaMemcpyAsync device-to-device copy failed: {err}")
 
 
+def memcpy_2d_d2d(dst_ptr: int, dpitch: int, src_ptr: int, spitch: int, width: int, height: int) -> None:
+    """Synchronous strided device copy: ``height`` rows of ``width`` bytes, rows ``spitch``/``dpitch`` bytes apart
+    (a bucket's leading region along a non-first axis). Raises :class:`RuntimeError` on failure."""
+    rt = compat.cudart()
+    if rt is None:
+        raise RuntimeError("cuda-python is not installed")
+    (err,) = rt.cudaMemcpy2DAsync(dst_ptr, dpitch, src_ptr, spitch, width, height,
+                                  rt.cudaMemcpyKind.cudaMemcpyDefault, 0)
+    if _ok(err):
+        (err,) = rt.cudaStreamSynchronize(0)
+    if not _ok(err):
+        raise RuntimeError(f"cudaMemcpy2DAsync device-to-device copy failed: {err}")
+
+
+def memset_2d(ptr: int, pitch: int, width: int, height: int, value: int = 0) -> None:
+    """Synchronous strided fill of ``height`` rows of ``width`` bytes, ``pitch`` bytes apart, with byte ``value``
+    (zeroes a bucket's padding). Raises :class:`RuntimeError` on failure."""
+    rt = compat.cudart()
+    if rt is None:
+        raise RuntimeError("cuda-python is not installed")
+    (err,) = rt.cudaMemset2DAsync(ptr, pitch, value, width, height, 0)
+    if _ok(err):
+        (err,) = rt.cudaStreamSynchronize(0)
+    if not _ok(err):
+        raise RuntimeError(f"cudaMemset2DAsync failed: {err}")
+
+
 def make_capture_probe():
     """A cheap callable answering: is the calling thread's CUDA stream (torch's current stream, else the legacy
     default stream) being captured into a foreign CUDA graph right now? Built once per session; one or two

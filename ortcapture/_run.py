@@ -68,3 +68,25 @@ def run_options_for(graph_id: int, base: ort.RunOptions | None = None) -> ort.Ru
     ro = base if base is not None else ort.RunOptions()
     ro.add_run_config_entry(GRAPH_ID_KEY, str(gid))
     return ro
+
+
+def explicit_graph_id(run_options) -> bool:
+    """Whether ``run_options`` names a ``gpu_graph_id`` at all (ORT's default, 0, is then not what the caller meant)."""
+    if run_options is None:
+        return False
+    try:
+        return bool(run_options.get_run_config_entry(GRAPH_ID_KEY))
+    except RuntimeError:
+        return False
+
+
+def uncaptured(run_options) -> ort.RunOptions:
+    """Fresh ``RunOptions`` with ``gpu_graph_id=-1`` and the caller's settings (the caller's object is not changed)."""
+    ro = ort.RunOptions()
+    if run_options is not None:
+        for attr in ("log_severity_level", "log_verbosity_level", "logid", "terminate",
+                     "only_execute_path_to_fetches"):
+            if hasattr(run_options, attr):
+                setattr(ro, attr, getattr(run_options, attr))
+    ro.add_run_config_entry(GRAPH_ID_KEY, str(SKIP_GRAPH_ID))
+    return ro

@@ -132,3 +132,23 @@ def parse_shape_args(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
             raise CaptureError(f"--shape given twice for {name!r}: {out[name]} and {shape}")
         out[name] = shape
     return out
+
+
+#: OrtMemoryInfo names (lower case) of host memory: inputs ORT reads there are constants of a captured graph
+_HOST_MEMORY = ("cpu", "cudapinned", "cuda_cpu")
+
+
+def host_read_inputs(session) -> frozenset[str]:
+    """Inputs ORT reads in host memory (a Reshape shape, Slice starts, Clip bounds, ...): their values are constants
+    of a captured graph, so they join the graph's key. Without ``get_input_memory_infos`` (ORT < 1.27) every integer
+    input is treated as one."""
+    metas = session.get_inputs()
+    getter = getattr(session, "get_input_memory_infos", None)
+    if getter is not None:
+        try:
+            infos = getter()
+            return frozenset(m.name for m, info in zip(metas, infos)
+                             if str(getattr(info, "name", "")).lower().startswith(_HOST_MEMORY))
+        except Exception:  # noqa: BLE001 - fall back to the conservative rule
+            pass
+    return frozenset(m.name for m in metas if "int" in m.type)

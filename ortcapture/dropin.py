@@ -27,13 +27,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture._run import GRAPH_ID_KEY, SKIP_GRAPH_ID
+from ortcapture._specialize import host_read_inputs
+from ortcapture._run import explicit_graph_id as _explicit_graph_id
+from ortcapture._run import uncaptured as _uncaptured
 from ortcapture.errors import CaptureError
 from ortcapture.session import InferenceSession
-
-#: OrtMemoryInfo names (lower case) of host memory: inputs ORT reads there are constants of a captured graph
-_HOST_MEMORY = ("cpu", "cudapinned", "cuda_cpu")
-
 
 class AutoCaptureSession(InferenceSession):
     """The session :func:`patch_onnxruntime` installs. Takes ``onnxruntime.InferenceSession``'s arguments.
@@ -52,7 +50,7 @@ class AutoCaptureSession(InferenceSession):
         self._oc_auto_lock = threading.Lock()
         self._oc_warned: set[str] = set()
         self.stats = {"replayed": 0, "captured": 0, "uncaptured": 0}
-        self._oc_host_inputs = _host_read_inputs(self)
+        self._oc_host_inputs = host_read_inputs(self)
 
     # -- plain run: replayed where it can be --------------------------------------------------------------------
     def run(self, output_names, input_feed, run_options=None):
@@ -126,50 +124,11 @@ class AutoCaptureSession(InferenceSession):
             warnings.warn(f"ortcapture: {message}", RuntimeWarning, stacklevel=3)
 
 
-def _explicit_graph_id(run_options) -> bool:
-    if run_options is None:
-        return False
-    try:
-        return bool(run_options.get_run_config_entry(GRAPH_ID_KEY))
-    except RuntimeError:
-        return False
-
-
-def _uncaptured(run_options):
-    """Fresh ``RunOptions`` with ``gpu_graph_id=-1`` and the caller's settings (the caller's object is not changed)."""
-    import onnxruntime as ort
-
-    ro = ort.RunOptions()
-    if run_options is not None:
-        for attr in ("log_severity_level", "log_verbosity_level", "logid", "terminate",
-                     "only_execute_path_to_fetches"):
-            if hasattr(run_options, attr):
-                setattr(ro, attr, getattr(run_options, attr))
-    ro.add_run_config_entry(GRAPH_ID_KEY, str(SKIP_GRAPH_ID))
-    return ro
-
-
 def _select(session, outs: list, output_names) -> list:
     if not output_names:
         return outs
     names = [o.name for o in session.get_outputs()]
     return [outs[names.index(n)] for n in output_names]
-
-
-def _host_read_inputs(session) -> frozenset[str]:
-    """Inputs ORT reads in host memory (a Reshape shape, Slice starts, Clip bounds, ...): their values are constants
-    of a captured graph, so they join the graph's key. Without ``get_input_memory_infos`` (ORT < 1.27) every integer
-    input is treated as one."""
-    metas = session.get_inputs()
-    getter = getattr(session, "get_input_memory_infos", None)
-    if getter is not None:
-        try:
-            infos = getter()
-            return frozenset(m.name for m, info in zip(metas, infos)
-                             if str(getattr(info, "name", "")).lower().startswith(_HOST_MEMORY))
-        except Exception:  # noqa: BLE001 - fall back to the conservative rule
-            pass
-    return frozenset(m.name for m in metas if "int" in m.type)
 
 
 def _with_capture(defaults: dict, sess_options, providers, provider_options):

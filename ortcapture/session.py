@@ -24,6 +24,7 @@ import onnxruntime as ort
 from ortcapture import _compat as compat
 from ortcapture import _specialize as shapes
 from ortcapture._binding import IOBinding
+from ortcapture._bucket_run import BucketRunner
 from ortcapture._compat import OrtInferenceSession
 from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
 from ortcapture._run import (  # noqa: F401 - run_options_for and friends are public here
@@ -60,12 +61,25 @@ class InferenceSession(OrtInferenceSession):
     Args:
         static_shapes: ``{input name: shape}`` — specialise the session to these input shapes up front (fixes the
             dims in the model), so the raw IOBinding path can capture models with dynamic dims.
+        buckets: ``{dim_param or (input name, axis): [ascending sizes]}`` — plain :meth:`run` (and
+            ``run_with_ort_values``) then replays captured graphs: the smallest bucket >= the request's dim, feeds
+            padded with zeros, outputs sliced back (see docs/BUCKETS.md). Needs capture requested.
+        output_axes: ``{output: {axis: dim or size function} or None}`` for outputs whose relation to a bucketed dim
+            cannot be measured (otherwise decided by running the model uncaptured at two sizes).
+        oversize: ``"uncaptured"`` (default: a request beyond the largest bucket runs uncaptured) or ``"split"``
+            (chunks of the largest bucket).
+        verify: the check of every new bucket graph against the uncaptured run of the unpadded feeds:
+            ``True``/``"full"`` (example and a varied input set), ``"example"``, ``False`` (see ortcapture._verify).
+        max_graphs: at most this many bucket graphs (least recently used evicted on WebGPU; on CUDA at least one per
+            bucket, further keys run uncaptured, since ORT never frees a CUDA graph).
+        replay_thread: one session-owned thread captures and replays for every caller (CUDA graphs are per thread).
 
     Raises:
         CaptureUnsupportedError: capture was requested but the session ended up without a capturing EP (measured:
             on ORT 1.30, ``providers=[("WebGpuExecutionProvider", ...)]`` silently yields a CPU-only session; add
             the plugin EP with ``SessionOptions.add_provider_for_devices``), or the installed ORT cannot capture on
             the requested EP.
+        CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``, or buckets without capture.
 
     When ORT refuses capture for the model's dynamic shapes, the session is created without capture instead
     (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling session to the example shapes.
@@ -80,6 +94,12 @@ class InferenceSession(OrtInferenceSession):
         provider_options: Sequence[Mapping[str, Any]] | None = None,
         *,
         static_shapes: Mapping[str, Sequence[int]] | None = None,
+        buckets: Mapping[Any, Sequence[int]] | None = None,
+        output_axes: Mapping[str, Any] | None = None,
+        oversize: str = "uncaptured",
+        verify: Any = True,
+        max_graphs: int | None = None,
+        replay_thread: bool = False,
         _oc_family: CaptureState | None = None,
         **kwargs,
     ) -> None:
@@ -114,6 +134,14 @@ class InferenceSession(OrtInferenceSession):
                 deferred = True
                 self._oc_refusal = str(exc)
         self._oc_setup(requested, deferred, static_sig, _oc_family)
+        self._oc_bucket_args = dict(output_axes=output_axes, oversize=oversize, verify=verify,
+                                    max_graphs=max_graphs, replay_thread=replay_thread)
+        self._oc_buckets = None
+        if buckets is not None:
+            self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, buckets, **self._oc_bucket_args)
+        elif output_axes is not None or oversize != "uncaptured" or max_graphs is not None or replay_thread:
+            raise CaptureError("output_axes=, oversize=, max_graphs= and replay_thread= go with buckets=")
+        self._oc_buckets_spec = buckets
 
     # -- construction helpers -------------------------------------------------------------------------------
     def _oc_create(self, model, sess_options, providers, provider_options, kwargs, requested, static_sig) -> None:
@@ -257,6 +285,19 @@ class InferenceSession(OrtInferenceSession):
     # Plain runs (gpu_graph_id=-1) of a capturing or capture-deferred session take the session lock too: ORT does not
     # support them concurrently with capture/replay (measured on WebGPU: SIGSEGV / SIGABRT beside CapturedGraph.run).
     def run(self, output_names, input_feed, run_options=None):
+        """ORT's ``run``. With ``buckets=``: served from the bucket's captured graph (padded, replayed, sliced; see
+        :meth:`bucket_stats`); ``gpu_graph_id=-1`` runs uncaptured, any other ``gpu_graph_id`` raises
+        :class:`CaptureError`. Without buckets on a capturing session only ``gpu_graph_id=-1`` is allowed."""
+        if self._oc_buckets is not None:
+            return self._oc_buckets.run(output_names, input_feed, run_options)
+        return self._oc_plain_run(output_names, input_feed, run_options)
+
+    def _oc_plain_run(self, output_names, input_feed, run_options=None, ort_values: bool = False):
+        if ort_values:
+            if self._oc_check_plain_run("run_with_ort_values", run_options):
+                with self._oc_state.guard:
+                    return super().run_with_ort_values(output_names, input_feed, run_options)
+            return super().run_with_ort_values(output_names, input_feed, run_options)
         if self._oc_check_plain_run("run", run_options):
             with self._oc_state.guard:
                 return super().run(output_names, input_feed, run_options)
@@ -269,10 +310,9 @@ class InferenceSession(OrtInferenceSession):
         return super().run_async(output_names, input_feed, callback, user_data, run_options)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
-        if self._oc_check_plain_run("run_with_ort_values", run_options):
-            with self._oc_state.guard:
-                return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
-        return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
+        if self._oc_buckets is not None:
+            return self._oc_buckets.run(output_names, input_dict_ort_values, run_options, ort_values=True)
+        return self._oc_plain_run(output_names, input_dict_ort_values, run_options, True)
 
     def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
         if self._oc_check_plain_run("run_with_ortvaluevector", run_options):
@@ -367,10 +407,44 @@ class InferenceSession(OrtInferenceSession):
             super().set_providers(providers, provider_options)
             try:
                 self._oc_setup(requested, False, st.static_shapes)
+                if self._oc_buckets is not None:  # the graphs went with the old C session
+                    self._oc_buckets.close()
+                    self._oc_buckets = None
+                    self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, self._oc_buckets_spec,
+                                                    **self._oc_bucket_args)
             except Exception:
                 # the C session was already replaced: describe what it really is (no capture), then report
                 self._oc_setup(None, False, st.static_shapes)
                 raise
+
+    # -- buckets ----------------------------------------------------------------------------------------------
+    def warmup(self, example_feeds: Mapping[str, Any] | None = None) -> dict:
+        """Capture (and verify) every bucket now, for the calling thread (CUDA graphs are per thread).
+
+        Args:
+            example_feeds: ``{input: value}`` whose non-bucketed dynamic dims (e.g. height, width) the graphs get;
+                they are cut or zero-padded to each bucket size. ``None``: zeros, only when every dynamic dim is
+                bucketed.
+
+        Returns:
+            :meth:`bucket_stats`.
+
+        Raises:
+            CaptureError: the session has no ``buckets=``; ``None`` with non-bucketed dynamic dims; a bucket whose
+                capture or verification failed.
+        """
+        if self._oc_buckets is None:
+            raise CaptureError("warmup() needs a session made with buckets=")
+        return self._oc_buckets.warmup(example_feeds)
+
+    def bucket_stats(self) -> dict:
+        """Counts of plain runs with ``buckets=``: ``replayed``, ``uncaptured``, ``captured``, ``oversize``,
+        ``split``, ``evicted``, ``refused``; ``padding_waste`` (padded rows / rows replayed, 0..1) and ``buckets``:
+        ``{"batch=4": {"replayed", "device_bytes" (the graph's fixed input+output buffers, bytes),
+        "padding_waste", "threads", "gpu_graph_id"}}``. Raises :class:`CaptureError` without ``buckets=``."""
+        if self._oc_buckets is None:
+            raise CaptureError("bucket_stats() needs a session made with buckets=")
+        return self._oc_buckets.stats()
 
     # -- high level -------------------------------------------------------------------------------------------
     def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None, *,

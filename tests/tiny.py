@@ -131,3 +131,57 @@ def bf16_scale_model(shape=(4, 8)) -> bytes:
              helper.make_node("Add", ["m", "one"], ["yf"]),
              helper.make_node("Cast", ["yf"], ["Y"], to=TensorProto.BFLOAT16)]
     return _model(nodes, [vi("X", shape, TensorProto.BFLOAT16)], [vi("Y", shape, TensorProto.BFLOAT16)], [two, one])
+
+
+def bucket_model() -> bytes:
+    """A dynamic-batch model for batch buckets: X [batch, 4] ->
+    ``scores`` = Relu(X @ W + b) [N, 3] (the batch dim named differently), ``probs`` = Softmax(scores) [?, 3]
+    (unnamed), ``feat`` = Transpose(scores) [3, M] (batch on axis 1)."""
+    rng = np.random.default_rng(7)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W")
+    b = numpy_helper.from_array(np.array([0.5, -0.25, 0.1], np.float32), "b")
+    nodes = [
+        helper.make_node("MatMul", ["X", "W"], ["xw"]),
+        helper.make_node("Add", ["xw", "b"], ["pre"]),
+        helper.make_node("Relu", ["pre"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=1),
+        helper.make_node("Transpose", ["scores"], ["feat"], perm=[1, 0]),
+    ]
+    return _model(nodes, [vi("X", ["batch", 4])],
+                  [vi("scores", ["N", 3]), vi("probs", [None, 3]), vi("feat", [3, "M"])], [w, b])
+
+
+def bucket_reference(x: np.ndarray) -> dict[str, np.ndarray]:
+    """What :func:`bucket_model` computes, in numpy (float64, for tolerances)."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((4, 3)).astype(np.float32).astype(np.float64)
+    s = np.maximum(x.astype(np.float64) @ w + np.array([0.5, -0.25, 0.1]), 0)
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    return {"scores": s, "probs": e / e.sum(axis=1, keepdims=True), "feat": s.T}
+
+
+def batch_pooled_model() -> bytes:
+    """Y = ReduceMean(X, axis 0) [1, 4] for X [batch, 4]: zero padding along batch changes it."""
+    return _model([helper.make_node("ReduceMean", ["X"], ["Y"], axes=[0], keepdims=1)],
+                  [vi("X", ["batch", 4])], [vi("Y", [1, 4])])
+
+
+def batch_doubled_model() -> bytes:
+    """Y = Concat(X, X) along axis 0: [2*batch, 4], a length that is a function of the batch."""
+    return _model([helper.make_node("Concat", ["X", "X"], ["Y"], axis=0)], [vi("X", ["batch", 4])],
+                  [vi("Y", ["twice", 4])])
+
+
+def batch_reshaped_model() -> bytes:
+    """Y = Reshape(X, [-1, 2]): X [batch, 4] -> Y [2*batch, 2] (rows of one request stay first: a size function
+    ``2 * batch`` slices it right)."""
+    shape = numpy_helper.from_array(np.array([-1, 2], np.int64), "shape")
+    return _model([helper.make_node("Reshape", ["X", "shape"], ["r"]), helper.make_node("Neg", ["r"], ["Y"])],
+                  [vi("X", ["batch", 4])], [vi("Y", ["rows", 2])], [shape])
+
+
+def batch_last_model() -> bytes:
+    """Y = X * 2 + T with X [4, batch] (the batch on axis 1) and T [4, 1]: bucketed by ("X", 1)."""
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    return _model([helper.make_node("Mul", ["X", "two"], ["m"]), helper.make_node("Add", ["m", "T"], ["Y"])],
+                  [vi("X", [4, "cols"]), vi("T", [4, 1])], [vi("Y", [4, "cols"])], [two])

@@ -1,0 +1,510 @@
+"""Plain ``sess.run()`` served from captured graphs, one per bucket (issue 16): pad up, replay, slice back.
+
+A session made with ``buckets=`` hands its plain runs here. A request picks the smallest bucket >= each bucketed dim;
+its feeds are copied into that graph's fixed buffers (host feeds through a per-graph host staging array whose tail
+is zeroed, CUDA device feeds device to device into the buffer's leading region with cuda-python), the graph replays,
+and the outputs are sliced back along the axes that follow the bucketed dims (:mod:`ortcapture._buckets`). Each
+graph is captured on first use (or by ``warmup``) and checked once by :mod:`ortcapture._verify` against the
+uncaptured run of the unpadded feeds. Runs it cannot serve captured (oversize, inconsistent dims, feeds ORT would
+refuse) run uncaptured (``gpu_graph_id=-1``) and are counted.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ortcapture import _compat as compat
+from ortcapture import _verify
+from ortcapture._buckets import BucketDim, check_output_axes, output_relations, parse_buckets, sliced_lengths
+from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
+from ortcapture._specialize import host_read_inputs
+from ortcapture.errors import CaptureError
+
+log = logging.getLogger("ortcapture")
+
+OVERSIZE = ("uncaptured", "split")
+
+
+class _Entry:
+    """One captured bucket: the graph, its host staging arrays and what was last written into them."""
+
+    def __init__(self, graph, bucket: dict[str, int], staging: dict[str, np.ndarray], label: str):
+        self.graph = graph
+        self.bucket = bucket
+        self.staging = staging
+        self.label = label
+        self.filled: dict[str, tuple] = {}
+        self.lock = threading.Lock()
+        self.threads: set[int] = set()
+        self.replayed = 0
+        self.rows = 0
+        self.padded_rows = 0
+        self.device_bytes = sum(int(np.prod(v.shape())) * np.dtype(_np_dtype(v)).itemsize
+                                for v in itertools.chain(graph.inputs.values(), graph.outputs.values()))
+
+
+class _Refused:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _np_dtype(value) -> np.dtype:
+    from ortcapture.transfer import np_dtype_of
+
+    return np_dtype_of(value)
+
+
+class BucketRunner:
+    """The bucket machinery of one session (see the module docstring); built by ``InferenceSession(buckets=...)``."""
+
+    def __init__(self, session, st, plain, buckets: Mapping, *, output_axes=None, oversize: str = "uncaptured",
+                 verify: Any = True, max_graphs: int | None = None, replay_thread: bool = False):
+        if st.info is None and not st.deferred:
+            raise CaptureError("buckets= needs a session whose providers request graph capture (CUDA "
+                               "enable_cuda_graph=1, TensorRT trt_cuda_graph_enable=1, or WebGPU enableGraphCapture=1)")
+        self._s = session
+        self._plain_run = plain  # the session's run without buckets: (names, feeds, run_options, ort_values)
+        metas = session.get_inputs()
+        self.input_names = [m.name for m in metas]
+        self.output_names = [o.name for o in session.get_outputs()]
+        self.dims: list[BucketDim] = parse_buckets(buckets, {m.name: list(m.shape) for m in metas})
+        self._declared = check_output_axes(output_axes, self.output_names, self.dims)
+        if oversize not in OVERSIZE:
+            raise CaptureError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
+        self.oversize = oversize
+        self.level = _verify.level_of(verify)
+        requested = st.requested or st.info
+        self.device_type = requested.device_type
+        combos = int(np.prod([len(d.sizes) for d in self.dims]))
+        if max_graphs is not None:
+            if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+                raise CaptureError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
+            if self.device_type == "cuda" and max_graphs < combos:
+                raise CaptureError(
+                    f"max_graphs={max_graphs} is below the {combos} bucket(s): evicting a CUDA graph would not free "
+                    "its memory (ORT keeps every CUDA graph until the session dies), so on CUDA max_graphs must "
+                    "cover every bucket")
+        self.max_graphs = max_graphs
+        self._sites = {}  # input -> [(axis, label)]
+        for d in self.dims:
+            for name, axis in d.sites:
+                self._sites.setdefault(name, []).append((axis, d.label))
+        self._host_read = host_read_inputs(session)
+        self._rel: dict[str, dict] | None = None
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.RLock()
+        self._counts = {"replayed": 0, "uncaptured": 0, "captured": 0, "oversize": 0, "split": 0, "evicted": 0}
+        self._exact = False
+        if self.device_type == "cuda":
+            opts = session.get_provider_options().get("CUDAExecutionProvider", {})
+            self._exact = str(opts.get("use_tf32", "1")) == "0"
+        self._worker = ThreadPoolExecutor(1, "ortcapture-replay") if replay_thread else None
+        self._worker_ident: int | None = None
+
+    # -- the plain-run entry points ---------------------------------------------------------------------------
+    def run(self, output_names, input_feed, run_options=None, *, ort_values: bool = False):
+        """``InferenceSession.run`` with buckets. Returns one numpy array (``ort_values``: OrtValue) per requested
+        output. Raises :class:`CaptureError` for an explicit ``gpu_graph_id`` other than -1, or a bucket whose
+        capture or verification failed; otherwise what ORT raises for the uncaptured run."""
+        if explicit_graph_id(run_options):
+            if graph_id_of(run_options) == SKIP_GRAPH_ID:
+                return self._plain(output_names, input_feed, run_options, ort_values)
+            raise CaptureError("a session with buckets= picks its own gpu_graph_ids; run_options may only set "
+                               "gpu_graph_id=-1 (run uncaptured)")
+        if self._worker is not None and threading.get_ident() != self._worker_ident:
+            return self._worker.submit(self._run_here, output_names, input_feed, run_options, ort_values).result()
+        return self._run_here(output_names, input_feed, run_options, ort_values)
+
+    def _run_here(self, output_names, input_feed, run_options, ort_values):
+        if self._worker is not None:
+            self._worker_ident = threading.get_ident()
+        feeds = self._host_feeds(input_feed, ort_values)
+        names = self._output_names(output_names)
+        if feeds is None or names is None:
+            return self._plain(output_names, input_feed, run_options, ort_values)
+        sizes = self._request_sizes(feeds)
+        if sizes is None:
+            return self._plain(output_names, input_feed, run_options, ort_values)
+        bucket = {d.label: d.bucket_for(sizes[d.label]) for d in self.dims}
+        if any(b is None for b in bucket.values()):
+            with self._lock:
+                self._counts["oversize"] += 1
+            if self.oversize == "split":
+                outs = self._split(feeds, sizes, names)
+                if outs is not None:
+                    return _wrap(outs, ort_values)
+            return self._plain(output_names, input_feed, run_options, ort_values)
+        entry = self._entry(feeds, sizes, bucket)
+        if entry is None:
+            return self._plain(output_names, input_feed, run_options, ort_values)
+        outs = self._replay(entry, feeds, sizes, names)
+        with self._lock:
+            self._counts["replayed"] += 1
+        return _wrap(outs, ort_values)
+
+    def _plain(self, output_names, input_feed, run_options, ort_values):
+        with self._lock:
+            self._counts["uncaptured"] += 1
+        return self._plain_run(output_names, input_feed, uncaptured(run_options), ort_values)
+
+    # -- feeds ------------------------------------------------------------------------------------------------
+    def _host_feeds(self, input_feed, ort_values: bool) -> dict | None:
+        """``{input: value}`` with host values as numpy arrays and device values (CUDA OrtValues, DLPack) kept;
+        ``None`` when the feeds are not every input exactly once (the uncaptured run then says what ORT says)."""
+        if not isinstance(input_feed, Mapping) or set(input_feed) != set(self.input_names):
+            return None
+        out = {}
+        for name, v in input_feed.items():
+            if isinstance(v, compat.OrtValue):
+                out[name] = v.numpy() if v.device_name().lower() == "cpu" else v
+            elif hasattr(v, "__dlpack_device__") and not isinstance(v, np.ndarray):
+                out[name] = np.from_dlpack(v) if int(v.__dlpack_device__()[0]) == 1 else v
+            else:
+                out[name] = np.asarray(v)
+        return out
+
+    def _output_names(self, output_names) -> list[str] | None:
+        if not output_names:
+            return list(self.output_names)
+        names = list(output_names)
+        return names if all(n in self.output_names for n in names) else None
+
+    def _request_sizes(self, feeds: dict) -> dict[str, int] | None:
+        sizes = {}
+        for d in self.dims:
+            vals = set()
+            for name, axis in d.sites:
+                shape = _shape(feeds[name])
+                if axis >= len(shape):
+                    return None
+                vals.add(int(shape[axis]))
+            if len(vals) != 1:
+                return None  # inconsistent: ORT says what is wrong
+            sizes[d.label] = vals.pop()
+        return sizes
+
+    def _key(self, feeds: dict, bucket: dict) -> tuple:
+        parts = []
+        for name in self.input_names:
+            v = feeds[name]
+            shape = list(_shape(v))
+            for axis, _ in self._sites.get(name, ()):
+                shape[axis] = -1
+            host = v.tobytes() if name in self._host_read and isinstance(v, np.ndarray) else None
+            parts.append((name, tuple(shape), str(_dtype(v)), host))
+        return tuple(bucket[d.label] for d in self.dims), tuple(parts)
+
+    def _resized(self, feeds: dict, sizes: Mapping[str, int]) -> dict:
+        """Host copies of ``feeds`` padded with zeros (or cut) along the bucketed axes to ``sizes``."""
+        out = {}
+        for name, v in feeds.items():
+            x = v if isinstance(v, np.ndarray) else _to_host(v)
+            for axis, label in self._sites.get(name, ()):
+                n, want = x.shape[axis], sizes[label]
+                if want < n:
+                    x = np.take(x, np.arange(want), axis=axis)
+                elif want > n:
+                    pad = [(0, 0)] * x.ndim
+                    pad[axis] = (0, want - n)
+                    x = np.pad(x, pad)
+            out[name] = np.ascontiguousarray(x)
+        return out
+
+    # -- graphs -----------------------------------------------------------------------------------------------
+    def _entry(self, feeds: dict, sizes: dict, bucket: dict) -> _Entry | None:
+        key = self._key(feeds, bucket)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                if isinstance(entry, _Refused):
+                    raise entry.error
+                return entry
+            if self._rel is None:
+                self._rel = self._decide_relations(feeds, bucket)
+            if self.max_graphs is not None and self._live() >= self.max_graphs:
+                if self.device_type == "cuda":
+                    return None  # ORT would keep an evicted CUDA graph's memory: serve this key uncaptured
+                self._evict()
+            label = ", ".join(f"{k}={v}" for k, v in bucket.items())
+            t0 = time.perf_counter()
+            padded = {n: np.array(v, copy=True) for n, v in self._resized(feeds, bucket).items()}  # ours: staging
+            try:
+                graph = self._s.capture(padded)
+            except CaptureError as exc:
+                self._entries[key] = _Refused(exc)
+                raise
+            entry = _Entry(graph, dict(bucket), padded, label)
+            entry.filled = {n: _shape(feeds[n]) for n in self._sites}  # the example's region, zeroed on a shrink
+            entry.threads.add(threading.get_ident())
+            try:
+                self._verify(entry, feeds, sizes)
+            except CaptureError as exc:
+                graph.release()
+                self._entries[key] = _Refused(exc)
+                raise
+            self._entries[key] = entry
+            self._counts["captured"] += 1
+            log.info("ortcapture: captured bucket %s (gpu_graph_id=%d) for thread %s in %.3f s", label,
+                     graph.graph_id, threading.current_thread().name, time.perf_counter() - t0)
+            return entry
+
+    def _live(self) -> int:
+        return sum(1 for e in self._entries.values() if isinstance(e, _Entry))
+
+    def _evict(self) -> None:
+        for key, e in self._entries.items():
+            if isinstance(e, _Entry):
+                del self._entries[key]
+                e.graph.release()
+                self._counts["evicted"] += 1
+                log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
+                return
+
+    def _decide_relations(self, feeds: dict, bucket: dict) -> dict[str, dict]:
+        probes = {}
+        for d in self.dims:
+            first = bucket[d.label]
+            others = [s for s in d.sizes if s != first]
+            probes[d.label] = (first, others[0] if others else first + 1)
+
+        def run(sizes):
+            outs = self._plain_run(None, self._resized(feeds, sizes), uncaptured(None), False)
+            return {n: tuple(o.shape) for n, o in zip(self.output_names, outs)}
+
+        return output_relations(run, self.dims, probes, self._declared)
+
+    def _verify(self, entry: _Entry, feeds: dict, sizes: dict) -> None:
+        exact = self._exact and all(entry.bucket[k] == v for k, v in sizes.items())
+        host = {n: (v if isinstance(v, np.ndarray) else _to_host(v)) for n, v in feeds.items()}
+
+        def replay(fs):
+            return self._replay(entry, fs, self._request_sizes(fs), self.output_names, count=False)
+
+        def reference(fs):
+            return self._plain_run(None, fs, uncaptured(None), False)
+
+        _verify.verify(replay, reference, host, self.output_names, level=self.level,
+                       rtol=None if exact else _verify.DEFAULT_RTOL, keep=sorted(self._host_read),
+                       what=f"bucket {entry.label} (padded replay vs the uncaptured run of the unpadded feeds)")
+
+    # -- replay -----------------------------------------------------------------------------------------------
+    def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str], count: bool = True) -> list:
+        with entry.lock:
+            tid = threading.get_ident()
+            first_here = tid not in entry.threads and self.device_type == "cuda"
+            t0 = time.perf_counter()
+            graph_feeds = {}
+            for name, v in feeds.items():
+                axes = self._sites.get(name)
+                if not axes:
+                    graph_feeds[name] = v
+                elif isinstance(v, np.ndarray):
+                    graph_feeds[name] = self._stage(entry, name, v, axes)
+                else:
+                    self._device_fill(entry, name, v, axes)
+            outs = entry.graph.run(graph_feeds)
+            if first_here:
+                entry.threads.add(tid)
+                log.info("ortcapture: bucket %s captured for thread %s in %.3f s (CUDA graphs are per thread)",
+                         entry.label, threading.current_thread().name, time.perf_counter() - t0)
+            if count:
+                entry.replayed += 1
+                req = int(np.prod(list(sizes.values())))
+                entry.rows += req
+                entry.padded_rows += int(np.prod(list(entry.bucket.values()))) - req
+        by_name = dict(zip(self.output_names, outs))
+        return [self._slice(by_name[n], self._rel[n], sizes) for n in names]
+
+    def _stage(self, entry: _Entry, name: str, x: np.ndarray, axes) -> np.ndarray:
+        stage = entry.staging[name]
+        if x.dtype != stage.dtype or x.ndim != stage.ndim:
+            stage = entry.staging[name] = np.zeros(stage.shape, x.dtype)  # the graph's copy then says what is wrong
+        region = tuple(slice(0, x.shape[ax]) for ax in range(x.ndim))
+        last = entry.filled.get(name)
+        if last is not None and last != x.shape:
+            if len(axes) == 1:
+                ax = axes[0][0]
+                if last[ax] > x.shape[ax]:
+                    tail = [slice(None)] * x.ndim
+                    tail[ax] = slice(x.shape[ax], last[ax])
+                    stage[tuple(tail)] = 0
+            else:
+                stage.fill(0)
+        stage[region] = x
+        entry.filled[name] = x.shape
+        return stage
+
+    def _device_fill(self, entry: _Entry, name: str, v: Any, axes) -> None:
+        """A CUDA feed copied device to device into the fixed buffer's leading region, the rest zeroed; other device
+        feeds (WebGPU) through a padded host copy."""
+        from ortcapture import _cudart
+        from ortcapture.transfer import update_inplace
+
+        buf = entry.graph.inputs[name]
+        shape = tuple(_shape(v))
+        if len(axes) != 1 or self.device_type != "cuda" or _cuda_ptr(v) is None or str(_dtype(v)) != str(
+                _np_dtype(buf)) or len(shape) != len(buf.shape()):
+            update_inplace(buf, self._stage(entry, name, _to_host(v), axes))
+            entry.filled.pop(name, None)
+            return
+        ax = axes[0][0]
+        full = tuple(buf.shape())
+        item = np.dtype(_np_dtype(buf)).itemsize
+        inner = int(np.prod(full[ax + 1:])) * item
+        outer = int(np.prod(full[:ax]))
+        width, pitch = shape[ax] * inner, full[ax] * inner
+        dst = buf.data_ptr()
+        _cudart.memcpy_2d_d2d(dst, pitch, _cuda_ptr(v), width, width, outer)
+        if pitch > width:
+            _cudart.memset_2d(dst + width, pitch, pitch - width, outer)
+        entry.filled.pop(name, None)
+
+    def _slice(self, out: np.ndarray, rel: Mapping[int, tuple], sizes: dict) -> np.ndarray:
+        if not rel:
+            return out
+        lengths = sliced_lengths(rel, sizes)
+        region = tuple(slice(0, lengths[ax]) if ax in lengths else slice(None) for ax in range(out.ndim))
+        y = out[region]
+        return y if y.flags.c_contiguous else np.ascontiguousarray(y)
+
+    def _split(self, feeds: dict, sizes: dict, names: Sequence[str]) -> list | None:
+        """Oversize along one bucketed dim: chunks of the largest bucket, outputs joined along the following axes;
+        ``None`` (run uncaptured) when an output's relation is not a plain follow on one axis."""
+        if len(self.dims) != 1 or self._rel is None:
+            return None
+        d = self.dims[0]
+        rels = {n: self._rel[n] for n in names}
+        if any(len(r) > 1 or any(x[0] != "follow" for x in r.values()) for r in rels.values()):
+            return None
+        step, total = d.sizes[-1], sizes[d.label]
+        parts = []
+        for start in range(0, total, step):
+            chunk = {}
+            for name, v in feeds.items():
+                x = v if isinstance(v, np.ndarray) else _to_host(v)
+                for axis, _ in self._sites.get(name, ()):
+                    x = np.take(x, np.arange(start, min(start + step, total)), axis=axis)
+                chunk[name] = x
+            csizes = {d.label: min(step, total - start)}
+            entry = self._entry(chunk, csizes, {d.label: d.bucket_for(csizes[d.label])})
+            if entry is None:
+                return None
+            parts.append(self._replay(entry, chunk, csizes, names))
+        with self._lock:
+            self._counts["split"] += 1
+            self._counts["replayed"] += len(parts)
+        out = []
+        for i, n in enumerate(names):
+            axis = next(iter(rels[n]), None)
+            out.append(parts[0][i] if axis is None else np.concatenate([p[i] for p in parts], axis=axis))
+        return out
+
+    # -- public helpers ---------------------------------------------------------------------------------------
+    def warmup(self, example_feeds: Mapping[str, Any] | None = None) -> dict:
+        """Capture every bucket (every combination of bucketed sizes) for the calling thread; see
+        ``InferenceSession.warmup``."""
+        if example_feeds is None:
+            example_feeds = self._zeros_example()
+        feeds = self._host_feeds(example_feeds, False)
+        if feeds is None:
+            raise CaptureError(f"warmup: example feeds must give every input once ({self.input_names})")
+        for combo in itertools.product(*[d.sizes for d in self.dims]):
+            sizes = {d.label: s for d, s in zip(self.dims, combo)}
+            resized = self._resized(feeds, sizes)
+            self._run_here(None, resized, None, False) if self._worker is None else self.run(None, resized)
+        return self.stats()
+
+    def _zeros_example(self) -> dict:
+        out = {}
+        for m in self._s.get_inputs():
+            shape = []
+            for ax, d in enumerate(m.shape):
+                if isinstance(d, int):
+                    shape.append(d)
+                elif any(ax == a for a, _ in self._sites.get(m.name, ())):
+                    shape.append(1)
+                else:
+                    raise CaptureError(
+                        f"warmup: input {m.name!r} axis {ax} ({d!r}) is dynamic and not bucketed; pass example feeds "
+                        "(warmup(feeds)) so its size is known")
+            out[m.name] = np.zeros(shape, _ORT_TYPES.get(m.type, np.float32))
+        return out
+
+    def stats(self) -> dict:
+        """See ``InferenceSession.bucket_stats``."""
+        with self._lock:
+            per = {}
+            rows = padded = 0
+            for e in self._entries.values():
+                if isinstance(e, _Entry):
+                    per[e.label] = {"replayed": e.replayed, "device_bytes": e.device_bytes,
+                                    "padding_waste": e.padded_rows / max(e.rows + e.padded_rows, 1),
+                                    "threads": len(e.threads), "gpu_graph_id": e.graph.graph_id}
+                    rows += e.rows
+                    padded += e.padded_rows
+            return {**self._counts, "padding_waste": padded / max(rows + padded, 1), "buckets": per,
+                    "refused": sum(1 for e in self._entries.values() if isinstance(e, _Refused))}
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+              "tensor(bool)": np.bool_}
+
+
+def _shape(v) -> tuple:
+    if isinstance(v, np.ndarray):
+        return v.shape
+    s = v.shape() if callable(getattr(v, "shape", None)) else v.shape
+    return tuple(int(x) for x in s)
+
+
+def _dtype(v):
+    if isinstance(v, np.ndarray):
+        return v.dtype
+    if isinstance(v, compat.OrtValue):
+        return _np_dtype(v)
+    return str(getattr(v, "dtype", "?")).replace("torch.", "")
+
+
+def _cuda_ptr(v) -> int | None:
+    if isinstance(v, compat.OrtValue):
+        return v.data_ptr() if v.device_name().lower() == "cuda" else None
+    if hasattr(v, "__dlpack_device__") and int(v.__dlpack_device__()[0]) == 2:
+        if hasattr(v, "is_contiguous") and not v.is_contiguous():
+            return None
+        if hasattr(v, "data_ptr"):
+            return int(v.data_ptr())
+        cai = getattr(v, "__cuda_array_interface__", None)
+        if cai and cai.get("strides") is None:
+            return int(cai["data"][0])
+    return None
+
+
+def _to_host(v) -> np.ndarray:
+    from ortcapture.transfer import to_numpy
+
+    if isinstance(v, compat.OrtValue):
+        return to_numpy(v)
+    if hasattr(v, "cpu") and hasattr(v, "numpy"):
+        return v.detach().cpu().numpy() if hasattr(v, "detach") else v.cpu().numpy()
+    if hasattr(v, "get"):
+        return v.get()
+    return np.asarray(v)
+
+
+def _wrap(outs: list, ort_values: bool) -> list:
+    if not ort_values:
+        return outs
+    return [compat.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o)) for o in outs]

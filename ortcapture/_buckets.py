@@ -1,0 +1,199 @@
+"""Bucket specifications: which input dims are bucketed, and which output axes follow them (issue 16).
+
+``buckets={"batch": [1, 2, 4, 8]}`` names a dim by its ``dim_param`` (every input axis with that name is padded), or
+``{("images", 0): [...]}`` by input and axis (with every other input axis that shares its ``dim_param``). Sizes are
+ascending positive ints. Which output axes to slice back is decided from the model's behaviour, not its names
+(:func:`output_relations`): real models name the batch dim differently in outputs, or leave it unnamed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ortcapture.errors import CaptureError
+
+
+@dataclass(frozen=True)
+class BucketDim:
+    """One bucketed dim: ``label`` (the dim_param, or ``"input[axis]"``), its ``sites`` ((input name, axis), ...)
+    and ascending ``sizes``."""
+
+    label: str
+    sites: tuple[tuple[str, int], ...]
+    sizes: tuple[int, ...]
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest size >= ``n``; ``None`` when ``n`` is beyond the largest (oversize)."""
+        for s in self.sizes:
+            if s >= n:
+                return s
+        return None
+
+
+def parse_buckets(spec: Any, dims: Mapping[str, Sequence[int | str | None]]) -> list[BucketDim]:
+    """Check ``buckets=`` against the model's input dims (``{input: [int | dim_param | None]}``).
+
+    Raises:
+        CaptureError: not a non-empty mapping; a key that is no dim_param and no (input, axis) of the model, or names a
+            fixed dim; sizes not ascending positive ints; two keys for the same dim.
+    """
+    if not isinstance(spec, Mapping) or not spec:
+        raise CaptureError(f"buckets must be a non-empty mapping {{dim_param or (input, axis): [sizes]}}, got {spec!r}")
+    out: list[BucketDim] = []
+    seen: set[tuple[str, int]] = set()
+    for key, sizes in spec.items():
+        sites = _sites(key, dims)
+        sizes = _sizes(key, sizes)
+        if seen & set(sites):
+            raise CaptureError(f"buckets: {key!r} names a dim already bucketed by another key")
+        seen |= set(sites)
+        label = key if isinstance(key, str) else f"{key[0]}[{key[1]}]"
+        out.append(BucketDim(label, tuple(sites), sizes))
+    return out
+
+
+def _sites(key: Any, dims: Mapping[str, Sequence]) -> list[tuple[str, int]]:
+    if isinstance(key, str):
+        sites = [(name, ax) for name, ds in dims.items() for ax, d in enumerate(ds) if d == key]
+        if not sites:
+            named = sorted({d for ds in dims.values() for d in ds if isinstance(d, str)})
+            raise CaptureError(f"buckets: no input dim is named {key!r}; the model's dim_params are {named} (or "
+                               "key a dim as (input name, axis))")
+        return sites
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int)
+            and not isinstance(key[1], bool)):
+        raise CaptureError(f"buckets: a key is a dim_param (str) or (input name, axis), got {key!r}")
+    name, axis = key
+    if name not in dims:
+        raise CaptureError(f"buckets: {name!r} is not an input of the model ({list(dims)})")
+    ds = list(dims[name])
+    if not -len(ds) <= axis < len(ds):
+        raise CaptureError(f"buckets: input {name!r} has rank {len(ds)}, no axis {axis}")
+    axis %= len(ds)
+    d = ds[axis]
+    if isinstance(d, int):
+        raise CaptureError(f"buckets: axis {axis} of input {name!r} is fixed at {d} in the model; only dynamic dims "
+                           "can be bucketed")
+    if isinstance(d, str):  # every axis with the same dim_param must be padded alike
+        return [(n, a) for n, dd in dims.items() for a, x in enumerate(dd) if x == d]
+    return [(name, axis)]
+
+
+def _sizes(key: Any, sizes: Any) -> tuple[int, ...]:
+    try:
+        vals = list(sizes)
+    except TypeError:
+        raise CaptureError(f"buckets[{key!r}] must be a list of sizes, got {sizes!r}") from None
+    if not vals or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in vals):
+        raise CaptureError(f"buckets[{key!r}] must be positive ints, got {vals!r}")
+    if any(b <= a for a, b in zip(vals, vals[1:])):
+        raise CaptureError(f"buckets[{key!r}] must be strictly ascending, got {vals!r}")
+    return tuple(int(v) for v in vals)
+
+
+#: how an output axis relates to a bucketed dim: ("follow", label) or ("fn", label, size function)
+Relation = tuple
+
+
+def check_output_axes(spec: Any, output_names: Sequence[str], dims: Sequence[BucketDim]) -> dict[str, dict]:
+    """Normalise ``output_axes=``: ``{output: None}`` (never sliced) or ``{output: {axis: how}}`` where ``how`` is a
+    dim label (the axis follows that bucketed dim), a callable ``f(request size) -> length`` (of the only bucketed
+    dim), or ``(label, f)``. Returns ``{output: {axis: Relation}}`` (``{}`` for None). Raises :class:`CaptureError`."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise CaptureError(f"output_axes must be a mapping {{output: {{axis: dim or size function}} or None}}, "
+                           f"got {spec!r}")
+    labels = [d.label for d in dims]
+    out: dict[str, dict] = {}
+    for name, axes in spec.items():
+        if name not in output_names:
+            raise CaptureError(f"output_axes: {name!r} is not an output of the model ({list(output_names)})")
+        if axes is None:
+            out[name] = {}
+            continue
+        if not isinstance(axes, Mapping):
+            raise CaptureError(f"output_axes[{name!r}] must be None or {{axis: dim or size function}}, got {axes!r}")
+        rel = {}
+        for axis, how in axes.items():
+            if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+                raise CaptureError(f"output_axes[{name!r}]: axes are non-negative ints, got {axis!r}")
+            if isinstance(how, str) and how in labels:
+                rel[axis] = ("follow", how)
+            elif callable(how):
+                if len(labels) != 1:
+                    raise CaptureError(f"output_axes[{name!r}][{axis}]: with several bucketed dims give "
+                                       f"(dim, function), one of {labels}")
+                rel[axis] = ("fn", labels[0], how)
+            elif isinstance(how, tuple) and len(how) == 2 and how[0] in labels and callable(how[1]):
+                rel[axis] = ("fn", how[0], how[1])
+            else:
+                raise CaptureError(f"output_axes[{name!r}][{axis}] must be one of {labels}, a size function or "
+                                   f"(dim, size function), got {how!r}")
+        out[name] = rel
+    return out
+
+
+def output_relations(run: Callable[[Mapping[str, int]], dict[str, tuple[int, ...]]], dims: Sequence[BucketDim],
+                     probe_sizes: Mapping[str, tuple[int, int]], declared: Mapping[str, dict]) -> dict[str, dict]:
+    """Which output axes follow which bucketed dim, decided by running the model uncaptured.
+
+    ``run(sizes)`` runs the uncaptured session with each bucketed dim at ``sizes[label]`` and returns the output
+    shapes. A baseline run puts every dim at its first probe size; then each dim alone moves to its second. An
+    output axis follows a dim when its length equals the dim's size in both runs (and it changed); an axis that
+    changed in any other way makes the output unclear, which must be declared in ``output_axes=``. Declared
+    outputs are taken as declared.
+
+    Returns ``{output: {axis: Relation}}`` for every output. Raises :class:`CaptureError` naming the unclear
+    outputs and the declaration that resolves them.
+    """
+    base_sizes = {d.label: probe_sizes[d.label][0] for d in dims}
+    base = run(base_sizes)
+    rel: dict[str, dict] = {name: {} for name in base}
+    unclear: dict[str, list[str]] = {}
+    for d in dims:
+        moved = dict(base_sizes)
+        moved[d.label] = probe_sizes[d.label][1]
+        other = run(moved)
+        for name, shape in base.items():
+            if name in declared:
+                continue
+            shape2 = other[name]
+            if len(shape) != len(shape2):
+                unclear.setdefault(name, []).append(f"its rank changes with {d.label}")
+                continue
+            for ax, (a, b) in enumerate(zip(shape, shape2)):
+                if a == b:
+                    continue
+                if a == base_sizes[d.label] and b == moved[d.label]:
+                    rel[name][ax] = ("follow", d.label)
+                else:
+                    unclear.setdefault(name, []).append(
+                        f"axis {ax} is {a} at {d.label}={base_sizes[d.label]} and {b} at {d.label}={moved[d.label]}")
+    if unclear:
+        what = "; ".join(f"{n!r}: {', '.join(w)}" for n, w in unclear.items())
+        example = next(iter(unclear))
+        raise CaptureError(
+            f"buckets: cannot tell how output(s) {sorted(unclear)} relate to the bucketed dim(s) ({what}); slicing "
+            f"them would be a guess. Declare it, e.g. output_axes={{{example!r}: {{axis: lambda n: length}}}} (a "
+            f"size function of the request's size) or {{{example!r}: None}} (never sliced)."
+        )
+    rel.update(declared)
+    return rel
+
+
+def sliced_lengths(rel: Mapping[int, Relation], request: Mapping[str, int]) -> dict[int, int]:
+    """``{axis: length}`` of one output for a request's sizes (``{label: size}``)."""
+    out = {}
+    for axis, r in rel.items():
+        if r[0] == "follow":
+            out[axis] = request[r[1]]
+        else:
+            n = r[2](request[r[1]])
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise CaptureError(f"output_axes size function returned {n!r} for {r[1]}={request[r[1]]}; "
+                                   "expected a non-negative int")
+            out[axis] = int(n)
+    return out

@@ -1,0 +1,260 @@
+"""Batch buckets (issue 16): plain sess.run() on varying batch sizes replays captured graphs, padded and sliced."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortcapture
+from ortcapture import run_options_for
+from ortcapture.errors import CaptureError
+from tests import tiny
+
+SIZES = [3, 1, 4, 7, 2, 3, 8, 5, 1, 6]
+
+
+def cpu(model):
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+def close(got, want, rtol=1e-4):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-6)
+    assert float(np.abs(got - want).max(initial=0.0)) <= rtol * scale
+
+
+def test_mixed_sizes_equal_the_cpu_ep_and_replay(backend):
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={"batch": [1, 2, 4, 8]})
+    ref = cpu(model)
+    rng = np.random.default_rng(0)
+    fed = []
+    for n in SIZES:
+        x = rng.standard_normal((n, 4)).astype(np.float32)
+        fed.append((x, x.copy()))
+        got = sess.run(None, {"X": x})
+        want = ref.run(None, {"X": x})
+        assert [g.shape for g in got] == [(n, 3), (n, 3), (3, n)]  # each output sliced on its own batch axis
+        for g, w in zip(got, want):
+            close(g, w)
+    assert all(np.array_equal(x, saved) for x, saved in fed)  # the caller's arrays are never written
+    stats = sess.bucket_stats()
+    assert stats["replayed"] == len(SIZES) and stats["uncaptured"] == 0
+    assert stats["captured"] == 4 and sorted(stats["buckets"]) == ["batch=1", "batch=2", "batch=4", "batch=8"]
+    assert 0 < stats["padding_waste"] < 1
+    assert all(b["device_bytes"] > 0 for b in stats["buckets"].values())
+
+
+def test_output_names_and_run_with_ort_values(backend):
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={("X", 0): [2, 4]})
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    want = cpu(model).run(["feat", "scores"], {"X": x})
+    got = sess.run(["feat", "scores"], {"X": x})
+    for g, w in zip(got, want):
+        close(g, w)
+    vals = sess.run_with_ort_values(["probs"], {"X": ort.OrtValue.ortvalue_from_numpy(x)})
+    close(vals[0].numpy(), cpu(model).run(["probs"], {"X": x})[0])
+    assert sess.bucket_stats()["replayed"] == 2
+
+
+def test_oversize_runs_uncaptured_or_splits(backend):
+    model = tiny.bucket_model()
+    ref = cpu(model)
+    x = np.random.default_rng(1).standard_normal((11, 4)).astype(np.float32)
+    plain = backend.session(model, buckets={"batch": [2, 4]})
+    for g, w in zip(plain.run(None, {"X": x}), ref.run(None, {"X": x})):
+        close(g, w)
+    assert plain.bucket_stats()["oversize"] == 1 and plain.bucket_stats()["uncaptured"] == 1
+    split = backend.session(model, buckets={"batch": [2, 4]}, oversize="split")
+    split.run(None, {"X": x[:3]})  # decides the output axes
+    for g, w in zip(split.run(None, {"X": x}), ref.run(None, {"X": x})):
+        close(g, w)
+    st = split.bucket_stats()
+    assert st["split"] == 1 and st["uncaptured"] == 0 and st["replayed"] == 1 + 3  # 4 + 4 + 3 rows
+
+
+def test_an_output_whose_relation_is_unclear_is_refused_until_declared(backend):
+    model = tiny.batch_reshaped_model()
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    sess = backend.session(model, buckets={"batch": [2, 4]})
+    with pytest.raises(CaptureError, match=r"'Y'.*output_axes"):
+        sess.run(None, {"X": x})
+    declared = backend.session(model, buckets={"batch": [2, 4]}, output_axes={"Y": {0: lambda n: 2 * n}})
+    got = declared.run(None, {"X": x})[0]
+    np.testing.assert_array_equal(got, -x.reshape(-1, 2))
+    assert declared.bucket_stats()["replayed"] == 1
+
+
+def test_padding_that_changes_an_output_is_refused_naming_it(backend):
+    sess = backend.session(tiny.batch_pooled_model(), buckets={"batch": [4]})
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(CaptureError, match=r"\['Y'\]") as err:
+        sess.run(None, {"X": x})
+    assert getattr(err.value, "outputs", None) == ["Y"]
+    with pytest.raises(CaptureError, match=r"\['Y'\]"):  # remembered: not captured again
+        sess.run(None, {"X": x})
+    assert sess.bucket_stats()["refused"] == 1
+    exact = sess.run(None, {"X": x}, run_options_for(-1))[0]  # uncaptured on request
+    np.testing.assert_allclose(exact, np.ones((1, 4)))
+
+
+def test_explicit_graph_ids_are_refused_and_minus_one_runs_uncaptured(backend):
+    sess = backend.session(tiny.bucket_model(), buckets={"batch": [2]})
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(CaptureError, match="gpu_graph_id=-1"):
+        sess.run(None, {"X": x}, run_options_for(3))
+    sess.run(None, {"X": x}, run_options_for(-1))
+    assert sess.bucket_stats()["uncaptured"] == 1 and sess.bucket_stats()["captured"] == 0
+
+
+def test_four_threads_with_mixed_sizes(backend):
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={"batch": [1, 2, 4, 8]})
+    ref = cpu(model)
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(15):
+                x = rng.standard_normal((int(rng.integers(1, 9)), 4)).astype(np.float32)
+                for g, w in zip(sess.run(None, {"X": x}), ref.run(None, {"X": x})):
+                    close(g, w)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sess.bucket_stats()["replayed"] == 60
+
+
+def test_replay_thread_serves_other_threads(backend):
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={"batch": [2, 4]}, replay_thread=True)
+    x = np.ones((3, 4), np.float32)
+    out = []
+    t = threading.Thread(target=lambda: out.append(sess.run(None, {"X": x})))
+    t.start()
+    t.join()
+    for g, w in zip(out[0], cpu(model).run(None, {"X": x})):
+        close(g, w)
+    sess.run(None, {"X": x})
+    assert sess.bucket_stats()["buckets"]["batch=4"]["threads"] == 1  # every replay on the session's thread
+
+
+def test_warmup_captures_every_bucket_and_logs(backend, caplog):
+    sess = backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]})
+    with caplog.at_level(logging.INFO, logger="ortcapture"):
+        stats = sess.warmup()
+    assert stats["captured"] == 3 and stats["replayed"] == 3
+    assert sum("captured bucket" in r.getMessage() for r in caplog.records) == 3
+    sess.run(None, {"X": np.ones((2, 4), np.float32)})
+    assert sess.bucket_stats()["captured"] == 3
+
+
+def test_warmup_needs_examples_for_dims_that_are_not_bucketed(backend):
+    sess = backend.session(tiny.dynamic_model(), buckets={"batch": [1, 2]})
+    with pytest.raises(CaptureError, match="'n'"):
+        sess.warmup()
+    stats = sess.warmup({"X": np.ones((1, 5), np.float32)})
+    assert stats["captured"] == 2
+    got = sess.run(None, {"X": np.full((2, 5), 2.0, np.float32)})[0]
+    np.testing.assert_array_equal(got, np.full((2, 5), 6.0, np.float32))
+    sess.run(None, {"X": np.ones((2, 6), np.float32)})  # another n: its own graph
+    assert sess.bucket_stats()["captured"] == 3
+
+
+def test_a_bucket_on_a_non_leading_axis(backend):
+    model = tiny.batch_last_model()
+    sess = backend.session(model, buckets={("X", 1): [4, 8]})
+    rng = np.random.default_rng(3)
+    t = rng.standard_normal((4, 1)).astype(np.float32)
+    for n in (3, 6, 2):
+        x = rng.standard_normal((4, n)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"X": x, "T": t})[0], x * 2 + t, rtol=1e-6)
+    assert sess.bucket_stats()["replayed"] == 3
+
+
+def test_max_graphs(backend):
+    if backend.name == "cuda":
+        with pytest.raises(CaptureError, match="max_graphs"):
+            backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]}, max_graphs=2)
+        return
+    sess = backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]}, max_graphs=2)
+    for n in (1, 2, 4, 1):
+        sess.run(None, {"X": np.ones((n, 4), np.float32)})
+    st = sess.bucket_stats()
+    assert st["evicted"] == 2 and len(st["buckets"]) == 2 and st["replayed"] == 4
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"nope": [1]}, "no input dim is named 'nope'"),
+    ({("X", 1): [1]}, "fixed at 4"),
+    ({"batch": [4, 2]}, "ascending"),
+    ({"batch": [0, 2]}, "positive"),
+    ({("Z", 0): [1]}, "not an input"),
+    ([1, 2], "mapping"),
+])
+def test_bad_bucket_specs(backend, spec, match):
+    with pytest.raises(CaptureError, match=match):
+        backend.session(tiny.bucket_model(), buckets=spec)
+
+
+def test_buckets_need_capture(backend):
+    with pytest.raises(CaptureError, match="request graph capture"):
+        backend.session(tiny.bucket_model(), capture=False, buckets={"batch": [1]})
+    with pytest.raises(CaptureError, match="go with buckets"):
+        backend.session(tiny.bucket_model(), oversize="split")
+
+
+def test_the_reference_model_at_two_batch_sizes(backend, reference_model_path):
+    sess = backend.session(reference_model_path, buckets={"batch": [2, 4]})
+    ref = backend.plain(reference_model_path)
+    rng = np.random.default_rng(5)
+    for n in (1, 3, 2):
+        x = rng.random((n, 3, 160, 160), dtype=np.float32)
+        got = sess.run(None, {"images": x})[0]
+        want = ref.run(None, {"images": x})[0]
+        assert got.shape == want.shape == (n, 22, 525)
+        close(got, want, rtol=1e-2 if backend.name == "cuda" else 1e-3)
+    st = sess.bucket_stats()
+    assert st["replayed"] == 3 and st["captured"] == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("source", ["ortvalue", "torch"])
+def test_cuda_device_feeds_are_copied_on_the_device(backend, source, no_host_path):
+    if backend.name != "cuda":
+        pytest.skip("CUDA device feeds")
+    lead = backend.session(tiny.bucket_model(), buckets={"batch": [4, 8]})
+    last = backend.session(tiny.batch_last_model(), buckets={("X", 1): [4, 8]})
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal((n, 4)).astype(np.float32) for n in (3, 6, 2)]
+    ts = rng.standard_normal((4, 1)).astype(np.float32)
+    # capture first (host feeds are fine there), then forbid host round trips
+    lead.run(None, {"X": xs[0]})
+    last.run(None, {"X": xs[0].T.copy(), "T": ts})
+
+    def dev(a):
+        if source == "torch":
+            torch = pytest.importorskip("torch")
+            return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", 0)
+
+    want_lead = [cpu(tiny.bucket_model()).run(None, {"X": x}) for x in xs]
+    tdev = dev(ts)
+    no_host_path()
+    for x, want in zip(xs, want_lead):
+        for g, w in zip(lead.run(None, {"X": dev(x)}), want):
+            close(g, w, rtol=1e-2)
+        got = last.run(None, {"X": dev(x.T), "T": tdev})[0]
+        close(got, x.T * 2 + ts, rtol=1e-6)
