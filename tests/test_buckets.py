@@ -258,3 +258,28 @@ def test_cuda_device_feeds_are_copied_on_the_device(backend, source, no_host_pat
             close(g, w, rtol=1e-2)
         got = last.run(None, {"X": dev(x.T), "T": tdev})[0]
         close(got, x.T * 2 + ts, rtol=1e-6)
+
+
+def test_bench_stream_reports_every_arm(tmp_path):
+    from tests.conftest import webgpu_available
+
+    from ortcapture.cli import main
+
+    webgpu_available()
+    model = tmp_path / "bucket.onnx"
+    model.write_bytes(tiny.bucket_model())
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    rc = main(["bench", str(model), "--provider", "webgpu", "--stream", "1-5", "--buckets", "2,4", "--shape",
+               "X=1x4", "--requests", "12", "--single-requests", "4", "--passes", "2", "--json", str(out),
+               "--plot", str(png)])
+    assert rc == 0
+    import json
+
+    res = json.loads(out.read_text())
+    assert set(res["arms"]) == {"single", "per-size", "buckets"}
+    assert res["arms"]["buckets"]["requests_timed"] == 24 and res["arms"]["single"]["requests_timed"] == 8
+    st = res["bucket_stats"]
+    assert st["uncaptured"] == st["oversize"] and st["oversize"] > 0  # size 5 is beyond bucket 4
+    assert res["max_rel_diff_buckets_vs_per_size"] < 1e-5
+    assert png.stat().st_size > 1000
+    assert main(["bench", str(model), "--provider", "webgpu", "--stream", "3-1"]) == 2

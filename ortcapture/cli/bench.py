@@ -112,6 +112,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
                    help="SessionOptions.add_session_config_entry for every arm's session (repeatable), e.g. "
                         "session.intra_op.allow_spinning=0")
+    p.add_argument("--stream", metavar="LO-HI",
+                   help="instead: a seeded stream of requests with batch sizes uniform in LO-HI through plain run(): "
+                        "single plain session(s), one plain session per size, ortcapture buckets (ms per request)")
+    p.add_argument("--buckets", default="1,2,4,8", metavar="1,2,4,8", help="--stream: the bucket sizes")
+    p.add_argument("--requests", type=int, default=200, help="--stream: requests in the stream (default 200)")
+    p.add_argument("--single-requests", type=int, default=24,
+                   help="--stream: requests timed for the single-session arms, whose every batch-size change is "
+                        "slow (default 24)")
+    p.add_argument("--passes", type=int, default=5, help="--stream: timed passes after the warm pass (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="--stream: the stream's seed (default 0)")
     p.add_argument("--pin-thread", action="store_true",
                    help="each worker pins its calling thread (every arm runs in it) to the CPU it is on, once the "
                         "sessions exist (threads made before keep every CPU, later ones inherit the pin); Linux only")
@@ -555,6 +565,8 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+    if args.stream:
+        return _run_stream(args)
     batches, rounds = _check_args(args)
 
     from ortcapture import _specialize as shapes
@@ -671,6 +683,52 @@ def _run(args) -> int:
     if not ok:
         print("ortcapture bench: some arm's outputs disagree with the uncaptured run (see MISMATCH above)", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _run_stream(args) -> int:
+    from ortcapture.cli import bench_stream, pick_provider
+    from ortcapture.cli.demo import example_shapes
+    from ortcapture.errors import CaptureError, CaptureUnsupportedError
+
+    try:
+        lo, hi = bench_stream.parse_range(args.stream)
+        buckets = [int(b) for b in args.buckets.split(",")]
+    except ValueError as exc:
+        raise BenchError(f"--stream/--buckets: {exc}") from None
+    if buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
+    for flag in ("requests", "single_requests", "passes"):
+        if getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
+    args.single_requests = min(args.single_requests, args.requests)
+    if args.model is None:
+        from ortcapture.cli import models
+
+        try:
+            args.model = str(models.reference_model())
+        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
+            raise BenchError(f"no model given and the reference model is unavailable: {exc}") from None
+    try:
+        shp = example_shapes(args.model, 1, args.shape)
+        provider = pick_provider(args.provider)
+    except (CaptureError, CaptureUnsupportedError) as exc:
+        raise BenchError(str(exc)) from None
+    if len(shp) != 1:
+        raise BenchError(f"--stream feeds models with one input; this one has {list(shp)}")
+    (name, shape), = shp.items()
+    print(f"ortcapture bench --stream {lo}-{hi}: {args.model} on {provider}, input {name} [batch, "
+          f"{', '.join(map(str, shape[1:]))}], {args.requests} requests, buckets {buckets}, {args.passes} passes",
+          flush=True)
+    from ortcapture.cli.options import parse_provider_options
+
+    result = bench_stream.run_stream(
+        args.model, provider, name, tuple(shape[1:]), lo, hi, buckets=buckets, requests=args.requests,
+        single_requests=args.single_requests, passes=args.passes, seed=args.seed,
+        ep_options=parse_provider_options(args.provider_option) if args.provider_option else None,
+        progress=lambda d, t, what: print(f"  {what}: {d}/{t}", flush=True) if d == t else None)
+    bench_stream.write_outputs(result, args.json, args.plot)
+    print(bench_stream.summary(result))
+    return 0
 
 
 def _median(xs):

@@ -1,0 +1,156 @@
+"""``ortcapture bench --stream 1-8``: a seeded stream of requests with varying batch sizes (issue 16).
+
+Arms, alternated within one process (their order rotates every pass), after one untimed warm pass:
+
+* ``single``: one plain ``onnxruntime.InferenceSession`` with ORT's defaults (on CUDA ``cudnn_conv_algo_search``
+  EXHAUSTIVE: every batch-size change pays an algorithm search) — only the first ``--single-requests`` requests;
+* ``single-algo-default`` (CUDA): the same with ``cudnn_conv_algo_search=DEFAULT``, same request limit;
+* ``per-size``: one plain session per batch size (the careful user's workaround);
+* ``buckets``: ``ortcapture.InferenceSession(buckets={batch: [1, 2, 4, 8]})`` through plain ``sess.run()``.
+
+Each request: host feeds in, host outputs out (``run()``'s contract). Reported per arm: mean time per request
+(ms), p50/p90, requests/s; for buckets the padding waste, captures and the largest relative difference from the
+per-size sessions' outputs. JSON + PNG.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"1-8"`` -> (1, 8); raises ValueError."""
+    lo, sep, hi = str(text).partition("-")
+    lo, hi = int(lo), int(hi if sep else lo)
+    if lo < 1 or hi < lo:
+        raise ValueError(f"--stream wants LO-HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def stream_sizes(lo: int, hi: int, n: int, seed: int) -> list[int]:
+    """The seeded stream: ``n`` batch sizes uniform in [lo, hi]."""
+    return [int(x) for x in np.random.default_rng(seed).integers(lo, hi, size=n, endpoint=True)]
+
+
+def run_stream(model: str, provider: str, input_name: str, item_shape: tuple[int, ...], lo: int, hi: int, *,
+               buckets: list[int], requests: int = 200, single_requests: int = 24, passes: int = 5, seed: int = 0,
+               ep_options: dict | None = None, progress=None) -> dict:
+    """Run the stream benchmark in this process; returns the result dict (see the module docstring)."""
+    import onnxruntime as ort  # noqa: F401 - initialised before sessions
+
+    import ortcapture
+    from ortcapture._compat import OrtInferenceSession
+    from ortcapture.cli.bench import session_args
+
+    sizes = stream_sizes(lo, hi, requests, seed)
+    rng = np.random.default_rng(seed + 1)
+    feeds = [rng.random((n, *item_shape), dtype=np.float32) for n in sizes]
+    opts = dict(ep_options or {})
+
+    def plain(extra=None):
+        return OrtInferenceSession(model, **session_args(provider, False, {**opts, **(extra or {})}))
+
+    arms: dict[str, dict] = {}
+    arms["single"] = {"sess": plain(), "limit": single_requests}
+    if provider == "cuda":
+        arms["single-algo-default"] = {"sess": plain({"cudnn_conv_algo_search": "DEFAULT"}),
+                                       "limit": single_requests}
+    per_size = {n: plain() for n in sorted(set(sizes))}
+    arms["per-size"] = {"sess": per_size, "limit": requests}
+    t0 = time.perf_counter()
+    bucketed = ortcapture.InferenceSession(model, **session_args(provider, True, opts),
+                                           buckets={("%s" % input_name, 0): buckets})
+    arms["buckets"] = {"sess": bucketed, "limit": requests}
+    setup = {"buckets_session_s": time.perf_counter() - t0}
+
+    def call(arm, i):
+        s = arms[arm]["sess"]
+        x = feeds[i]
+        if isinstance(s, dict):
+            s = s[x.shape[0]]
+        return s.run(None, {input_name: x})
+
+    # warm pass: untimed; every arm sees its requests once (captures, algorithm searches, arenas)
+    t0 = time.perf_counter()
+    worst = 0.0
+    for i in range(requests):
+        want = call("per-size", i)
+        got = call("buckets", i)
+        for g, w in zip(got, want):
+            scale = max(float(np.abs(w).max(initial=0.0)), 1e-6)
+            worst = max(worst, float(np.abs(g.astype(np.float64) - w).max(initial=0.0)) / scale)
+        if progress:
+            progress(i + 1, requests, "warm pass")
+    for arm in arms:
+        if arm not in ("per-size", "buckets"):
+            for i in range(arms[arm]["limit"]):
+                call(arm, i)
+    setup["warm_pass_s"] = time.perf_counter() - t0
+
+    samples: dict[str, list[float]] = {a: [] for a in arms}
+    order = list(arms)
+    for p in range(passes):
+        rot = order[p % len(order):] + order[:p % len(order)]
+        for arm in rot:
+            for i in range(arms[arm]["limit"]):
+                t = time.perf_counter()
+                call(arm, i)
+                samples[arm].append(time.perf_counter() - t)
+        if progress:
+            progress(p + 1, passes, "timed passes")
+    result = {"model": model, "provider": provider, "stream": [lo, hi], "requests": requests, "seed": seed,
+              "passes": passes, "buckets": buckets, "single_requests": single_requests, "setup": setup,
+              "arms": {}, "max_rel_diff_buckets_vs_per_size": worst, "bucket_stats": bucketed.bucket_stats()}
+    for arm, xs in samples.items():
+        a = np.asarray(xs) * 1e3
+        result["arms"][arm] = {"requests_timed": len(xs), "mean_ms": float(a.mean()),
+                               "p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+                               "requests_per_s": float(1e3 / a.mean())}
+    b = result["arms"]["buckets"]["mean_ms"]
+    result["speedup_buckets_vs"] = {arm: r["mean_ms"] / b for arm, r in result["arms"].items() if arm != "buckets"}
+    return result
+
+
+def write_outputs(result: dict, json_path: str | None, png_path: str | None) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if png_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        arms = list(result["arms"])
+        means = [result["arms"][a]["mean_ms"] for a in arms]
+        p50 = [result["arms"][a]["p50_ms"] for a in arms]
+        p90 = [result["arms"][a]["p90_ms"] for a in arms]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        xs = np.arange(len(arms))
+        ax.bar(xs - 0.25, means, 0.25, label="mean")
+        ax.bar(xs, p50, 0.25, label="p50")
+        ax.bar(xs + 0.25, p90, 0.25, label="p90")
+        ax.set_xticks(xs, arms)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per request (log)")
+        lo, hi = result["stream"]
+        ax.set_title(f"batch stream {lo}-{hi}, {result['provider']}, buckets {result['buckets']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=110)
+        plt.close(fig)
+
+
+def summary(result: dict) -> str:
+    lines = [f"{'arm':22s} {'mean ms':>9s} {'p50':>8s} {'p90':>8s} {'req/s':>8s} {'buckets faster':>15s}"]
+    for arm, r in result["arms"].items():
+        sp = result["speedup_buckets_vs"].get(arm)
+        lines.append(f"{arm:22s} {r['mean_ms']:9.2f} {r['p50_ms']:8.2f} {r['p90_ms']:8.2f} "
+                     f"{r['requests_per_s']:8.1f} {'' if sp is None else f'{sp:.2f}x':>15s}")
+    st = result["bucket_stats"]
+    lines.append(f"buckets: captured {st['captured']}, replayed {st['replayed']}, uncaptured {st['uncaptured']}, "
+                 f"padding waste {st['padding_waste']:.1%}; max relative difference from per-size sessions "
+                 f"{result['max_rel_diff_buckets_vs_per_size']:.2e}")
+    return "\n".join(lines)
