@@ -197,3 +197,48 @@ def sliced_lengths(rel: Mapping[int, Relation], request: Mapping[str, int]) -> d
                                    "expected a non-negative int")
             out[axis] = int(n)
     return out
+
+
+def trt_profile_options(dims: Sequence[BucketDim], inputs: Mapping[str, Sequence[int | str | None]]) -> dict | None:
+    """TensorRT optimisation profiles covering the buckets: ``{"trt_profile_min_shapes": "X:1x4", ..._max_shapes,
+    ..._opt_shapes}`` (min at the smallest bucket, max and opt at the largest), or ``None`` when an input has a
+    dynamic dim that is not bucketed (its range is unknown: give the profiles yourself). Untested: no TensorRT
+    runtime on the test machines."""
+    lo, hi = {}, {}
+    for name, ds in inputs.items():
+        a, b = [], []
+        for ax, d in enumerate(ds):
+            dim = next((x for x in dims if (name, ax) in x.sites), None)
+            if dim is not None:
+                a.append(dim.sizes[0])
+                b.append(dim.sizes[-1])
+            elif isinstance(d, int):
+                a.append(d)
+                b.append(d)
+            else:
+                return None
+        lo[name], hi[name] = a, b
+
+    def fmt(shapes):
+        return ",".join(f"{n}:{'x'.join(map(str, s))}" for n, s in shapes.items())
+
+    return {"trt_profile_min_shapes": fmt(lo), "trt_profile_max_shapes": fmt(hi), "trt_profile_opt_shapes": fmt(hi)}
+
+
+def with_trt_profiles(providers, provider_options, profiles: Mapping[str, str]):
+    """``(providers, provider_options)`` with ``profiles`` added to the TensorRT EP's options where the caller set
+    none of them (the caller's lists are not changed)."""
+    if not providers:
+        return providers, provider_options
+    out, opts_out = [], None if provider_options is None else [dict(o) for o in provider_options]
+    for i, p in enumerate(providers):
+        name, opts = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (p, None)
+        if name == "TensorrtExecutionProvider":
+            target = opts if opts is not None else (opts_out[i] if opts_out is not None else None)
+            if target is None:
+                opts = {}
+                target = opts
+            if not any(k in target for k in profiles):
+                target.update(profiles)
+        out.append((name, opts) if opts is not None else name)
+    return out, opts_out

@@ -108,6 +108,8 @@ class InferenceSession(OrtInferenceSession):
         self._oc_args = (path_or_bytes, sess_options, providers, provider_options, dict(kwargs))
         requested = requested_capture(providers, provider_options, sess_options)
         _check_version(requested)
+        if buckets is not None and requested is not None and requested.ep.name == "TensorrtExecutionProvider":
+            providers, provider_options = _trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options)
         model = shapes.fix_input_shapes(path_or_bytes, static_shapes) if static_shapes else path_or_bytes
         static_sig = shapes.shape_signature(static_shapes) if static_shapes else None
         deferred = False
@@ -528,6 +530,17 @@ class InferenceSession(OrtInferenceSession):
                     )
                 sib = fam.siblings[sig]  # the sibling's state joined the family (CaptureState)
             return sib
+
+
+def _trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options):
+    """TensorRT: optimisation profiles covering the buckets (``ortcapture._buckets.trt_profile_options``)."""
+    from ortcapture import _buckets
+
+    dims = shapes.input_dims(shapes.load_model(path_or_bytes))
+    profiles = _buckets.trt_profile_options(_buckets.parse_buckets(buckets, dims), dims)
+    if profiles is None:
+        return providers, provider_options
+    return _buckets.with_trt_profiles(providers, provider_options, profiles)
 
 
 def _check_version(requested: CaptureInfo | None) -> None:

@@ -283,3 +283,20 @@ def test_bench_stream_reports_every_arm(tmp_path):
     assert res["max_rel_diff_buckets_vs_per_size"] < 1e-5
     assert png.stat().st_size > 1000
     assert main(["bench", str(model), "--provider", "webgpu", "--stream", "3-1"]) == 2
+
+
+def test_tensorrt_profiles_cover_the_buckets():
+    from ortcapture import _buckets
+
+    dims = {"X": ["batch", 4], "T": [4, 1]}
+    bd = _buckets.parse_buckets({"batch": [2, 4, 8]}, dims)
+    prof = _buckets.trt_profile_options(bd, dims)
+    assert prof == {"trt_profile_min_shapes": "X:2x4,T:4x1", "trt_profile_max_shapes": "X:8x4,T:4x1",
+                    "trt_profile_opt_shapes": "X:8x4,T:4x1"}
+    assert _buckets.trt_profile_options(bd, {"X": ["batch", "n"]}) is None
+    provs, _ = _buckets.with_trt_profiles([("TensorrtExecutionProvider", {"trt_cuda_graph_enable": "1"}), "CPU"],
+                                          None, prof)
+    assert provs[0][1]["trt_profile_max_shapes"] == "X:8x4,T:4x1" and provs[1] == "CPU"
+    mine = {"trt_profile_min_shapes": "X:1x4"}
+    provs, _ = _buckets.with_trt_profiles([("TensorrtExecutionProvider", dict(mine))], None, prof)
+    assert provs[0][1] == mine  # the caller's own profiles win
