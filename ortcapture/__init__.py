@@ -15,6 +15,7 @@ _EXPORTS = {
     "BindingError": "ortcapture.errors", "CaptureError": "ortcapture.errors",
     "CaptureUnsupportedError": "ortcapture.errors", "GraphReleasedError": "ortcapture.errors",
     "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
+    "CaptureAbortedError": "ortcapture.errors", "PointerLifetimeWarning": "ortcapture.errors",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
     "InferenceSession": "ortcapture.session", "run_options_for": "ortcapture.session",
     "IOBinding": "ortcapture._binding",

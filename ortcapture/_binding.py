@@ -32,6 +32,7 @@ class Bound:
     element_type: str | None  # e.g. "tensor(float)"; None when ORT decides
     address: int | None  # device pointer where one exists (CUDA/CPU); None for WebGPU handles
     value: Any = None  # the OrtValue (strong reference: keeps the buffer alive while pinned)
+    owner: Any = None  # a pointer binding's ``owner=`` (strong reference: the memory's owner, e.g. a torch tensor)
 
     @property
     def key(self) -> tuple:
@@ -46,6 +47,10 @@ class Bound:
                 return int(self.value.tensor_size_in_bytes())
             except Exception:  # noqa: BLE001 - older ORT without tensor_size_in_bytes
                 pass
+        if self.kind == "pointer" and self.shape is not None:  # the byte span the pointer binding declares
+            dtype = next((d for d, t in _NP_TO_ONNX.items() if t == self.element_type), None)
+            if dtype is not None:
+                return int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
         return 0
 
 
@@ -151,12 +156,17 @@ class IOBinding(OrtIOBinding):
         arr = np.asarray(arr_on_cpu)
         self._oc_inputs[name] = Bound("cpu", "cpu", 0, tuple(arr.shape), None, None, arr)
 
-    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr, *, owner=None):
+        """ORT's pointer binding (``buffer_ptr``: a device address, e.g. ``tensor.data_ptr()``), plus ``owner``: the
+        object that owns that memory (the torch tensor, cupy array, OrtValue ...). The binding, and the record of a
+        graph captured with it, hold ``owner`` so the memory outlives every replay; without it a pointer binding
+        under capture warns :class:`~ortcapture.errors.PointerLifetimeWarning` (replays of freed memory read
+        garbage, measured on CUDA: zeros)."""
         self._oc_reject_if_pinned("rebind inputs")
         super().bind_input(name, device_type, device_id, element_type, shape, buffer_ptr)
         self._oc_inputs[name] = Bound(
             "pointer", str(device_type).lower(), int(device_id), tuple(shape), onnx_type_of(element_type),
-            int(buffer_ptr), None,
+            int(buffer_ptr), None, owner,
         )
 
     def bind_ortvalue_input(self, name, ortvalue):
@@ -164,14 +174,16 @@ class IOBinding(OrtIOBinding):
         super().bind_ortvalue_input(name, ortvalue)
         self._oc_inputs[name] = describe_ortvalue(ortvalue)
 
-    def bind_output(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None):
+    def bind_output(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None, *,
+                    owner=None):
+        """ORT's ``bind_output``; with ``buffer_ptr``, ``owner`` is kept alive as for :meth:`bind_input`."""
         self._oc_reject_if_pinned("rebind outputs")
         super().bind_output(name, device_type, device_id, element_type, shape, buffer_ptr)
         if buffer_ptr is None:
             rec = Bound("allocate", str(device_type).lower(), int(device_id), None, None, None, None)
         else:
             rec = Bound("pointer", str(device_type).lower(), int(device_id), tuple(shape),
-                        onnx_type_of(element_type), int(buffer_ptr), None)
+                        onnx_type_of(element_type), int(buffer_ptr), None, owner)
         self._oc_outputs[name] = rec
 
     def bind_ortvalue_output(self, name, ortvalue):

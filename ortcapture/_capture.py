@@ -4,15 +4,18 @@ Kept apart from :mod:`ortcapture.session` so the rules for what may be captured 
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ortcapture import _compat as compat
 from ortcapture import transfer
 from ortcapture._binding import Bound, IOBinding
 from ortcapture._buffers import allocate
-from ortcapture._run import run_bound
+from ortcapture._run import run_bound, unsynchronised
+from ortcapture._sync import defer_sync
 from ortcapture._values import meta
-from ortcapture.errors import BindingError, CaptureError
+from ortcapture.errors import BindingError, CaptureAbortedError, CaptureError, PointerLifetimeWarning
 
 #: Byte written over every output before the verification replay; a buffer still all of it was not written.
 SENTINEL_BYTE = 0xA5
@@ -58,11 +61,26 @@ def validate_bindings(state, binding: IOBinding) -> list[tuple[str, str]]:
                     f"output {name!r} is bound without a buffer (ORT allocates per run); replay would keep writing "
                     "into the capture-time allocation. Bind a fixed buffer (sess.allocate(shape, dtype))."
                 )
+            if b.kind == "pointer" and info.device_type == "webgpu":
+                raise BindingError(
+                    f"{role} {name!r} is bound with a raw pointer (bind_input/bind_output with buffer_ptr): WebGPU "
+                    "buffers are WGPUBuffer handles, not addresses, and ORT's WebGPU kernels refuse them. Bind an "
+                    "OrtValue from sess.allocate(shape, dtype) (bind_ortvalue_input/bind_ortvalue_output)."
+                )
             if b.device != info.device_type or (info.device_type == "cuda" and b.device_id != info.device_id):
                 raise BindingError(
                     f"{role} {name!r} lives on {b.device}:{b.device_id}, but this session captures on "
                     f"{info.device_type}:{info.device_id} ({info.ep.name}). Copy it to a buffer from "
                     "sess.allocate() with ortcapture.update_inplace."
+                )
+    onames = list(outs)
+    for i, oname in enumerate(onames):
+        for other in onames[i + 1:]:
+            if _overlaps(outs[oname], outs[other]):
+                raise BindingError(
+                    f"outputs {oname!r} and {other!r} are bound to one buffer (or overlapping ones): every replay "
+                    "writes both into it, and reading one gives the other's values. Bind each output to its own "
+                    "buffer (sess.allocate(shape, dtype))."
                 )
     declared = []
     for oname, ob in outs.items():
@@ -96,20 +114,27 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
     """
     session = state.session
     declared = validate_bindings(state, binding)
+    _warn_pointer_lifetime(binding, graph_id)
     snapshots = _snapshot_state(state, binding, declared)
-    run_bound(session, binding, run_options)
+    run = _runner(state, binding, run_options)
+    try:
+        run()
+    except (ValueError, TypeError):  # refused by ORT's Python guards before the native run: nothing to undo
+        raise
+    except Exception as exc:  # noqa: BLE001 - ORT's Fail/RuntimeException/EPFail are not all RuntimeErrors
+        _abandon(state, graph_id, run_options, snapshots, exc)
     rec = state.registry.record(binding, graph_id, owner)
     try:
         if snapshots:
             transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
         sentinels = _fill_sentinels(binding, SENTINEL_BYTE)
-        run_bound(session, binding, run_options)  # internal: not counted
+        run()  # internal: not counted
         stale = [name for name, (buf, pattern) in sentinels.items()
                  if transfer.to_numpy(buf).tobytes() == pattern]
         if stale:  # a real result may equal the pattern: confirm with a second one, state kept at one step
             again = _snapshot_state(state, binding, declared)
             second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=stale)
-            run_bound(session, binding, run_options)
+            run()
             stale = [name for name, (buf, pattern) in second.items()
                      if transfer.to_numpy(buf).tobytes() == pattern]
             if again:
@@ -127,6 +152,62 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
             "(or drop them), or run this model without capture; `ortcapture doctor MODEL` lists such outputs."
         )
     return rec
+
+
+def _runner(state, binding: IOBinding, run_options):
+    """The capture's one ORT call, repeated: ``run_bound``, and with ``disable_synchronize_execution_providers=1``
+    the run is recorded so that the transfers between the calls wait for it (:func:`ortcapture._sync.settle`)."""
+    session = state.session
+    if not unsynchronised(run_options):
+        return lambda: run_bound(session, binding, run_options)
+    kind = state.info.device_type
+
+    def run():
+        run_bound(session, binding, run_options)
+        defer_sync(binding, kind)
+    return run
+
+
+def _warn_pointer_lifetime(binding: IOBinding, graph_id: int) -> None:
+    """One :class:`PointerLifetimeWarning` per raw-pointer binding given without ``owner=`` (the capture is the one
+    time it is seen: replays never warn)."""
+    for role, bound in (("input", binding.bound_inputs), ("output", binding.bound_outputs)):
+        for name, b in bound.items():
+            if b.kind == "pointer" and b.owner is None:
+                warnings.warn(
+                    f"gpu_graph_id={graph_id}: {role} {name!r} is bound to the raw device pointer 0x{b.address:x}; "
+                    "every replay reads/writes that address, so its memory must outlive the captured graph (a "
+                    "freed torch tensor is silently replayed as garbage). Pass the owner "
+                    f"(binding.bind_{role}(..., owner=tensor)) and ortcapture keeps it alive with the graph.",
+                    PointerLifetimeWarning, stacklevel=6,
+                )
+
+
+def _abandon(state, graph_id: int, run_options, snapshots, exc: BaseException):
+    """After a failed capturing run: undo what ORT's warm-up runs did to declared state, free ``graph_id`` in ORT
+    where ORT can (else retire it), and raise :class:`CaptureAbortedError` naming the aborted capture.
+
+    Measured on WebGPU (ORT 1.32, plugin 0.4.0): a capturing run aborted by ``RunOptions.terminate`` leaves an empty
+    graph under the id; every later run of the id "replays" it and never writes the outputs, until
+    ``release_captured_graph(id)``."""
+    terminate = bool(getattr(run_options, "terminate", False))
+    if snapshots:
+        try:
+            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+        except Exception:  # noqa: BLE001 - best effort; the capture error below is what the caller needs
+            pass
+    if state.info.releases_natively:
+        compat.OrtInferenceSession.release_captured_graph(state.session, graph_id)
+        after = f"ortcapture released gpu_graph_id={graph_id} in ORT; capturing it again works"
+    else:
+        state.registry.retire(graph_id)
+        after = (f"this onnxruntime cannot release a captured {state.info.ep.name} graph, so ortcapture retired "
+                 f"gpu_graph_id={graph_id}: capture under another id (e.g. {state.registry.free_id(graph_id)})")
+    why = "by RunOptions.terminate" if terminate else "by an error inside ORT"
+    raise CaptureAbortedError(
+        f"the capturing run of gpu_graph_id={graph_id} was aborted {why}: {exc}. ORT may keep what the aborted "
+        f"capture left under that id (WebGPU: an empty graph that never writes the outputs); {after}."
+    ) from exc
 
 
 def _snapshot_state(state, binding: IOBinding, declared) -> list:
@@ -157,7 +238,7 @@ def capture_in_this_thread(state, binding: IOBinding, run_options) -> None:
     """
     declared = validate_bindings(state, binding)
     snapshots = _snapshot_state(state, binding, declared)
-    run_bound(state.session, binding, run_options)
+    _runner(state, binding, run_options)()
     if snapshots:
         transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
 

@@ -116,6 +116,21 @@ def has_dlpack() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def dlpack_takes_bool_flag() -> bool:
+    """``OrtValue.from_dlpack(capsule, is_bool_tensor)`` (ORT <= 1.31) rather than ``from_dlpack(capsule)`` (1.32).
+
+    Those older converters refuse DLPack's own bool type (kDLBool: "Unsupported code 6", measured on 1.24.4, 1.27.0
+    and onnxruntime-gpu 1.31.1) and read a uint8 tensor as bool when the flag is set; 1.32 reads kDLBool itself.
+    Probed once on a one-byte CPU array (no device touched).
+    """
+    try:
+        C_OrtValue.from_dlpack(np.zeros(1, np.uint8).__dlpack__(), False)
+    except TypeError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
 def has_update_inplace_ortvalue() -> bool:
     """``OrtValue.update_inplace(OrtValue)`` (device-to-device, ORT >= 1.26) works.
 

@@ -139,6 +139,11 @@ class GraphRegistry:
                     self._retired.add(graph_id)
             return rec
 
+    def retire(self, graph_id: int) -> None:
+        """Retire ``graph_id`` without a record (a capturing run that failed where ORT cannot release the id)."""
+        with self._lock:
+            self._retired.add(graph_id)
+
     def reset(self) -> list[CapturedGraphRecord]:
         """Forget every graph and retired id (the C session that held them is gone); return the old records."""
         with self._lock:

@@ -23,6 +23,22 @@ def run_bound(session, binding, run_options) -> None:
     compat.ORT_RUN_WITH_IOBINDING(session, binding, run_options)
 
 
+#: ORT's run config key (``kOrtRunOptionsConfigDisableSynchronizeExecutionProviders``): "1" makes a run return before
+#: its device work is done
+DISABLE_SYNC_KEY = "disable_synchronize_execution_providers"
+
+
+def unsynchronised(run_options: ort.RunOptions | None) -> bool:
+    """Whether ``run_options`` set ``disable_synchronize_execution_providers=1`` (the run returns before the device
+    finished it)."""
+    if run_options is None:
+        return False
+    try:
+        return run_options.get_run_config_entry(DISABLE_SYNC_KEY).strip() == "1"
+    except RuntimeError:  # not set
+        return False
+
+
 def uncaptured_run_options() -> ort.RunOptions:
     """``RunOptions`` with ``gpu_graph_id=-1``: run without capture or replay."""
     return run_options_for(SKIP_GRAPH_ID)

@@ -1,10 +1,12 @@
-"""The only process-wide state of ortcapture: the CUDA capture gate and the WebGPU lock.
+"""The only process-wide state of ortcapture: the CUDA capture gate, the WebGPU lock, and unsettled runs.
 
 * :data:`CUDA_GATE`: a CUDA graph capture excludes every other ortcapture CUDA call (below).
 * :data:`WEBGPU_LOCK`: one re-entrant lock for all WebGPU work of the process (sessions, captured or not, and
   copies share ORT's WebGPU device and queue, which are not thread-safe; measured on ORT 1.32: two WebGPU
   sessions, or a ``copy_tensors`` beside a replay, from two threads end in SIGSEGV or "CommandEncoder is already
   finished").
+* :data:`UNSETTLED`: runs made with ``disable_synchronize_execution_providers=1``, settled before ortcapture's next
+  transfer (:func:`settle`, at the end of this module).
 
 Everything else ortcapture keeps lives in a session (:mod:`ortcapture._state`) or a graph. Caches that are
 process-wide but only memoise facts (the installed ORT's features in :mod:`ortcapture._compat`, peer access in
@@ -252,3 +254,41 @@ class CaptureGuard(SessionGuard):
 
 #: One lock for all WebGPU work of the process (see the module docstring). Re-entrant.
 WEBGPU_LOCK = threading.RLock()
+
+
+# -- runs that returned before their device work finished ----------------------------------------------------------
+# With the run option ``disable_synchronize_execution_providers=1`` ORT's run returns as soon as the work is queued
+# (CUDA: on ORT's own non-blocking stream). ortcapture's readers and writers (``transfer.to_numpy``,
+# ``update_inplace``, ``copy``; ``CapturedGraph.run``'s feeds and outputs) go through other streams or the host, so
+# they would race the replay (measured on the H200: 11 of 12 ``to_numpy`` reads right after such a replay saw an
+# unfinished one). Such runs are recorded here and settled — ORT's ``IOBinding.synchronize_outputs()``, which syncs
+# the EPs that produce the outputs — before ortcapture next touches any buffer. Strong references: a binding's
+# buffers stay alive until its pending work is known to be done.
+UNSETTLED: list = []  # [(IOBinding, "cuda" | "webgpu")]
+
+
+def defer_sync(binding, kind: str) -> None:
+    """Record that ``binding``'s last run may still be running on the device (``kind``: its EP's device kind). One
+    entry per binding (a loop of such runs read by other means never grows the list)."""
+    if not any(b is binding for b, _ in UNSETTLED):
+        UNSETTLED.append((binding, kind))
+
+
+def settle() -> None:
+    """Wait for every run recorded by :func:`defer_sync` (callers test ``if UNSETTLED:`` first: the hot path pays a
+    list truth test). An item leaves the list only after its synchronisation, so a concurrent caller that finds
+    it still listed synchronises too instead of reading early."""
+    for item in list(UNSETTLED):
+        binding, kind = item
+        if kind == "webgpu":
+            with WEBGPU_LOCK:
+                binding.synchronize_outputs()
+        elif kind == "cuda":
+            with CUDA_GATE.shared:  # a device sync must not happen while another thread captures
+                binding.synchronize_outputs()
+        else:
+            binding.synchronize_outputs()
+        try:
+            UNSETTLED.remove(item)
+        except ValueError:  # another thread settled it meanwhile
+            pass

@@ -32,3 +32,13 @@ class StaleOutputError(CaptureError):
 
 class PatchError(CaptureError):
     """Applying, checking or reverting a source patch failed (used by ``ortcapture patch``)."""
+
+
+class CaptureAbortedError(CaptureError, RuntimeError):
+    """A capturing ``run_with_iobinding`` failed inside ORT (e.g. ``RunOptions.terminate``). Also a ``RuntimeError``,
+    the type ORT raises for a failed run, so ``except RuntimeError`` written against ORT keeps working."""
+
+
+class PointerLifetimeWarning(UserWarning):
+    """A raw device pointer was bound under capture without ``owner=``: the memory must outlive the captured graph
+    (ortcapture cannot keep it alive, and a replay after it is freed reads or writes freed memory)."""

@@ -17,6 +17,7 @@ from ortcapture import transfer
 from ortcapture._binding import IOBinding
 from ortcapture._compat import OrtValue
 from ortcapture._run import run_options_for
+from ortcapture._sync import UNSETTLED, settle
 from ortcapture.errors import CaptureError, GraphReleasedError, StaleOutputError, TransferError
 
 
@@ -62,6 +63,8 @@ class ReplayOutput(OrtValue):
         """Zero-copy export; staleness is checked at export only — the consumer's tensor aliases the fixed buffer
         and shows the next replay's values (copy it, e.g. ``torch.from_dlpack(out).clone()``, to keep them)."""
         self._check()
+        if UNSETTLED:  # a run that returned before its device work finished (disable_synchronize_execution_providers)
+            settle()
         return super().__dlpack__(stream=stream)
 
 
@@ -94,7 +97,8 @@ class CapturedGraph:
     """A captured ``gpu_graph_id`` with its own fixed input/output buffers. Made by ``sess.capture(feeds)``.
 
     * ``inputs`` / ``outputs``: name -> fixed device OrtValue (inputs: shapes/dtypes of the example feeds;
-      outputs: as the model produced them for those feeds), in ``get_inputs()`` / ``get_outputs()`` order. The graph
+      outputs: as the model produced them for those feeds), in ``get_inputs()`` / ``get_outputs()`` order (an output
+      the model lists twice has one entry). The graph
       owns them: they are freed once it is released (or collected) and nothing else holds them.
     * ``run(feeds)``: copies each given feed into its buffer (exact shape and dtype; numpy, OrtValue or DLPack),
       replays, carries declared state, and returns the outputs as numpy arrays in ``get_outputs()`` order. Inputs
@@ -183,7 +187,9 @@ class CapturedGraph:
         else:
             with cs.capture_guard:
                 self._record = cs.capture(self._binding, self.graph_id, self._run_options, owner=self)
-        self._output_list = list(self.outputs.values())
+        # one entry per get_outputs() entry, as ORT returns them: a value listed twice as a graph output (ONNX allows
+        # [Y, Z, Y]) is one fixed buffer, returned at each of its positions
+        self._output_list = [self.outputs[m.name] for m in session.get_outputs()]
 
     # -- construction ---------------------------------------------------------------------------------------
     def _allocate_outputs(self, new_buffer) -> dict[str, OrtValue]:
@@ -194,12 +200,13 @@ class CapturedGraph:
         for name, buf in self.inputs.items():
             probe.bind_ortvalue_input(name, buf)
         kind, ordinal = _buffer_device(next(iter(self.inputs.values()), None), self._device)
-        for meta in session.get_outputs():
-            probe.bind_output(meta.name, kind, ordinal)
+        names = output_names(session)
+        for name in names:
+            probe.bind_output(name, kind, ordinal)
         with cs.guard:
             cs.run_uncaptured(probe)
-        outs = probe.get_outputs()
-        return {meta.name: new_buffer(v.shape(), transfer.np_dtype_of(v)) for meta, v in zip(session.get_outputs(), outs)}
+        outs = probe.get_outputs()  # one per bound name, in binding order
+        return {name: new_buffer(v.shape(), transfer.np_dtype_of(v)) for name, v in zip(names, outs)}
 
     def _check_state(self, state: Mapping[str, str]) -> dict[str, str]:
         targets = list(state.values())
@@ -230,7 +237,8 @@ class CapturedGraph:
             copy_outputs: True: new host numpy arrays; False: the fixed output buffers as :class:`ReplayOutput`.
 
         Returns:
-            One output per ``session.get_outputs()`` entry, in that order.
+            One output per ``session.get_outputs()`` entry, in that order, as ORT's ``run`` returns them (a value the
+            model lists twice as an output comes back at each position, as separate arrays).
 
         Raises:
             TransferError: an unknown input or a shape/dtype/device mismatch (before any buffer is touched).
@@ -372,6 +380,12 @@ class CapturedGraph:
         info = self._cs.info
         ep = info.ep.name if info is not None and self._captured else "not captured"
         return f"<CapturedGraph gpu_graph_id={self.graph_id} {ep} {state}>"
+
+
+def output_names(session) -> list[str]:
+    """The model's output names, each once, in ``get_outputs()`` order (ONNX lets a graph list one value as several
+    outputs, e.g. ``[Y, Z, Y]``; an IOBinding binds it once)."""
+    return list(dict.fromkeys(m.name for m in session.get_outputs()))
 
 
 def _buffer_device(first_input, device) -> tuple[str, int]:

@@ -28,9 +28,10 @@ from ortcapture._bucket_run import BucketRunner
 from ortcapture._compat import OrtInferenceSession
 from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
 from ortcapture._run import (  # noqa: F401 - run_options_for and friends are public here
-    GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for)
+    GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for,
+    unsynchronised)
 from ortcapture._state import CaptureState
-from ortcapture._sync import CUDA_GATE
+from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK, defer_sync
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
 
@@ -334,7 +335,23 @@ class InferenceSession(OrtInferenceSession):
                 ORT-allocated output, a buffer on another device, or an input and output sharing one buffer.
             GraphReleasedError: a retired id (CUDA/TensorRT release is a no-op in ORT).
             CaptureError: the calling thread's CUDA stream is inside a foreign capture (ORT PR #32081).
+            CaptureAbortedError: a capturing run failed inside ORT (e.g. ``RunOptions.terminate``); the id was
+                released in ORT (WebGPU, ORT >= 1.30: capture it again) or retired (CUDA/TensorRT).
+
+        With the run option ``disable_synchronize_execution_providers=1`` ORT returns before the device finished the
+        run, as ORT documents; ortcapture's own readers and writers (``to_numpy``, ``update_inplace``, ``copy``,
+        ``CapturedGraph.run``) then first wait for it (ORT's ``IOBinding.synchronize_outputs()``). ORT's own reads
+        (``OrtValue.numpy()``, ``copy_outputs_to_cpu()``) do not: synchronise before them yourself.
         """
+        result = self._oc_run_with_iobinding(iobinding, run_options)
+        if run_options is not None and unsynchronised(run_options):
+            st = self._oc_state
+            kind = "webgpu" if st.lock is WEBGPU_LOCK else "cuda" if st.gpu_guarded else None
+            if kind is not None:
+                defer_sync(iobinding, kind)
+        return result
+
+    def _oc_run_with_iobinding(self, iobinding, run_options):
         st = self._oc_state
         if st.info is None:
             if not st.deferred:

@@ -9,7 +9,9 @@ Backends, chosen by :mod:`ortcapture._compat`: ``OrtValue.update_inplace(OrtValu
 ``cudaMemcpy`` + ``cudaStreamSynchronize`` on the legacy default stream), ``onnxruntime.copy_tensors`` (WebGPU,
 batch copies), and a cuda-python ``cudaMemcpyAsync`` + stream sync for CUDA on ORT versions without the former.
 Ordering guarantee: every copy has completed on the device when the call returns, so a replay started afterwards
-reads the new values; DLPack sources are ordered after their producer's pending work.
+reads the new values; DLPack sources are ordered after their producer's pending work; and every transfer starts
+after the runs an ortcapture session made with ``disable_synchronize_execution_providers=1`` (ORT returns from those
+before the device finished them: :func:`ortcapture._sync.settle`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 
 from ortcapture import _compat as compat
 from ortcapture._compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
-from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK
+from ortcapture._sync import CUDA_GATE, UNSETTLED, WEBGPU_LOCK, settle
 from ortcapture._values import ONNX_TO_NP, STORAGE, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
@@ -239,18 +241,49 @@ def _revalidator(src: Any):
     return hit
 
 
-def _wrap_capsule(capsule, is_bool: bool):
-    """``OrtValue.from_dlpack``: ORT <= 1.31 takes ``(capsule, is_bool_tensor)``; 1.32 takes the capsule alone and
-    reads bool from the DLPack dtype. (A signature mismatch raises before the capsule is consumed.)"""
-    if _FROM_DLPACK_TAKES_BOOL[0]:
-        try:
-            return C_OrtValue.from_dlpack(capsule, is_bool)
-        except TypeError:
-            _FROM_DLPACK_TAKES_BOOL[0] = False
-    return C_OrtValue.from_dlpack(capsule)
+def _dlpack_value(src: Any, dev_id: int | None) -> OrtValue:
+    """``OrtValue.from_dlpack`` of a producer on CUDA device ``dev_id`` (``None``: a host producer), exported with
+    ``stream=1`` (the legacy default stream, on which ORT's device-to-device copy runs: the producer makes it wait
+    for its pending work, DLPack stream semantics).
+
+    Bool tensors: ORT <= 1.31's converter refuses DLPack's bool type with a bare ``RuntimeError`` ("Unsupported code
+    6"), so they are exported as a zero-copy uint8 view (bool and uint8 share one byte per element) with ORT's
+    ``is_bool_tensor`` flag, which makes the converter read them as bool (:func:`ortcapture._compat.
+    dlpack_takes_bool_flag`). Raises :class:`TransferError` for anything ORT's converter still refuses."""
+    is_bool = str(getattr(src, "dtype", "")).endswith("bool")
+    takes_flag = compat.dlpack_takes_bool_flag()
+    producer = _uint8_view(src) if is_bool and takes_flag else src
+    if dev_id is None:
+        capsule = producer.__dlpack__()
+    else:
+        from ortcapture._cudart import current_device
+
+        with current_device(int(dev_id)):  # the producer's device must be current to export with a stream
+            try:
+                capsule = producer.__dlpack__(stream=1)
+            except TypeError:
+                capsule = producer.__dlpack__()
+    try:
+        value = C_OrtValue.from_dlpack(capsule, is_bool) if takes_flag else C_OrtValue.from_dlpack(capsule)
+    except RuntimeError as exc:
+        raise TransferError(f"ORT's DLPack converter refused this {type(src).__name__} "
+                            f"({getattr(src, 'dtype', '?')}): {exc}".rstrip()) from exc
+    return OrtValue(value)
 
 
-_FROM_DLPACK_TAKES_BOOL = [True]
+def _uint8_view(src: Any) -> Any:
+    """A bool DLPack producer's bytes as a uint8 view of the same memory (torch, cupy, numpy: ``view(<lib>.uint8)``)."""
+    import sys
+
+    lib = sys.modules.get(type(src).__module__.split(".", 1)[0])
+    try:
+        return src.view(lib.uint8)
+    except Exception as exc:  # noqa: BLE001 - any producer without a same-size view
+        raise TransferError(
+            f"bool {type(src).__name__}: this onnxruntime's DLPack converter cannot take bool tensors and the source "
+            f"has no uint8 view ({exc}); convert it to uint8 and feed a bool OrtValue, or upgrade to onnxruntime "
+            ">= 1.32"
+        ) from exc
 
 
 def _cached_wrap(src: Any) -> OrtValue | None:
@@ -280,17 +313,7 @@ def _from_dlpack(src: Any) -> OrtValue | np.ndarray:
     if int(dev_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
         raise TransferError(f"DLPack device type {int(dev_type)} is not supported (CPU and CUDA are)")
     compat.require("OrtValue.from_dlpack", compat.has_dlpack(), "1.16")
-    is_bool = str(getattr(src, "dtype", "")).endswith("bool")
-    # stream=1: the legacy default stream, on which ORT's device-to-device copy runs; the producer makes it wait for
-    # its pending work (DLPack stream semantics), so the copy reads finished data.
-    from ortcapture._cudart import current_device
-
-    with current_device(int(dev_id)):  # the producer's device must be current to export with a stream
-        try:
-            capsule = src.__dlpack__(stream=1)
-        except TypeError:
-            capsule = src.__dlpack__()
-    value = OrtValue(_wrap_capsule(capsule, is_bool))
+    value = _dlpack_value(src, int(dev_id))
     address = _address(src)
     if address is not None:
         ident, table = id(src), _WRAPPED
@@ -330,6 +353,8 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
         CaptureUnsupportedError: the installed ORT lacks the needed copy path (device to device needs ORT >= 1.26
             or cuda-python).
     """
+    if UNSETTLED:  # a run returned before its device work finished (disable_synchronize_execution_providers=1)
+        settle()
     dm = _dst_meta(dst)
     if not isinstance(src, OrtValue):
         cached = _WRAPPED.get(id(src))  # a CUDA DLPack producer wrapped before (torch/cupy on the hot path)
@@ -411,6 +436,8 @@ def prepare(dst: OrtValue, src: Any, *, cast: bool = False):
 def commit(token) -> None:
     """Perform a copy validated by :func:`prepare`."""
     dst, dm, src, sm = token
+    if UNSETTLED:
+        settle()
     if isinstance(src, np.ndarray):
         _copy_host_to(dst, dm, src)
     elif sm is not None:
@@ -473,6 +500,8 @@ def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
             source is its destination, overlapping pairs, or one destination written twice.
         StaleOutputError: a source is a ``ReplayOutput`` overwritten by a later replay.
     """
+    if UNSETTLED:
+        settle()
     src, dst = list(src), list(dst)
     if len(src) != len(dst):
         raise TransferError(f"copy needs as many sources as destinations ({len(src)} != {len(dst)})")
@@ -519,6 +548,8 @@ def to_numpy(value: OrtValue) -> np.ndarray:
     """
     if getattr(value, "_check", None) is not None:  # a ReplayOutput: checked for staleness before and after
         return value.numpy()
+    if UNSETTLED:
+        settle()
     m = _dst_meta(value, "value")
     if m.dtype in STORAGE:
         return _storage_to_numpy(value, m)

@@ -185,3 +185,29 @@ def batch_last_model() -> bytes:
     two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
     return _model([helper.make_node("Mul", ["X", "two"], ["m"]), helper.make_node("Add", ["m", "T"], ["Y"])],
                   [vi("X", [4, "cols"]), vi("T", [4, 1])], [vi("Y", [4, "cols"])], [two])
+
+def repeated_output_model(order=("Y", "Z", "Y"), shape=(2, 4)) -> bytes:
+    """Y = X * 2, Z = X + 2, with graph outputs listed as ``order`` (one value may appear twice, as ONNX allows)."""
+    two = numpy_helper.from_array(np.full(shape, 2.0, np.float32), "two")
+    nodes = [helper.make_node("Mul", ["X", "two"], ["Y"]), helper.make_node("Add", ["X", "two"], ["Z"])]
+    return _model(nodes, [vi("X", shape)], [vi(n, shape) for n in order], [two])
+
+
+def two_output_model(shape=(2, 4)) -> bytes:
+    """Y = X * 2, Z = X + 2 (two outputs of one shape)."""
+    return repeated_output_model(("Y", "Z"), shape)
+
+
+def where_model(shape=(2, 4)) -> bytes:
+    """Y = Where(C, A, B): a bool input."""
+    return _model([helper.make_node("Where", ["C", "A", "B"], ["Y"])],
+                  [vi("C", shape, TensorProto.BOOL), vi("A", shape), vi("B", shape)], [vi("Y", shape)])
+
+
+def identity_chain_model(rows=64, n=128, depth=4) -> bytes:
+    """Y = X @ I @ I ... (``depth`` MatMuls with an n x n identity): Y == X exactly for small integer X (also under
+    TF32), and as much device work per run as ``rows``, ``n`` and ``depth`` ask for."""
+    eye = numpy_helper.from_array(np.eye(n, dtype=np.float32), "eye")
+    names = ["X", *[f"h{i}" for i in range(1, depth)], "Y"]
+    nodes = [helper.make_node("MatMul", [names[i], "eye"], [names[i + 1]]) for i in range(depth)]
+    return _model(nodes, [vi("X", [rows, n])], [vi("Y", [rows, n])], [eye])
