@@ -186,6 +186,7 @@ def batch_last_model() -> bytes:
     return _model([helper.make_node("Mul", ["X", "two"], ["m"]), helper.make_node("Add", ["m", "T"], ["Y"])],
                   [vi("X", [4, "cols"]), vi("T", [4, 1])], [vi("Y", [4, "cols"])], [two])
 
+
 def repeated_output_model(order=("Y", "Z", "Y"), shape=(2, 4)) -> bytes:
     """Y = X * 2, Z = X + 2, with graph outputs listed as ``order`` (one value may appear twice, as ONNX allows)."""
     two = numpy_helper.from_array(np.full(shape, 2.0, np.float32), "two")
