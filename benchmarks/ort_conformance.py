@@ -180,13 +180,15 @@ def prepare(work: Path, tests_dir: Path, files: list[str]) -> None:
 
 
 # -- running ------------------------------------------------------------------------------------------------------
-def run_mode(work: Path, files: list[str], install: str, splits: dict, timeout: float) -> dict:
+def run_mode(work: Path, files: list[str], install: str, splits: dict, timeout: float,
+             hide_eps: list[str] = ()) -> dict:
     """One pytest subprocess with ORT installed as ``install``. Returns ``{"rc", "meta", "collected", "results":
     {test id: {"outcome", "message"}}}``; outcomes: passed, failed, skipped, crashed (the process died in it)."""
     results_file = work / f"results-{install}.jsonl"
     results_file.unlink(missing_ok=True)
     env = dict(os.environ)
-    env["ORTCAPTURE_CONFORMANCE"] = json.dumps({"install": install, "results": str(results_file), "splits": splits})
+    env["ORTCAPTURE_CONFORMANCE"] = json.dumps({"install": install, "results": str(results_file), "splits": splits,
+                                                     "hide_eps": list(hide_eps)})
     env["PYTHONPATH"] = os.pathsep.join([str(work), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
                                                                     else []))
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
@@ -293,7 +295,7 @@ def counts(runs: dict[str, dict]) -> dict[str, dict[str, int]]:
 
 
 def compare(tests_dir: Path, files: list[str], installs: list[str], splits: dict, deviations: dict, *,
-            timeout: float = 600, keep: Path | None = None) -> dict:
+            timeout: float = 600, keep: Path | None = None, hide_eps: list[str] = ()) -> dict:
     """Prepare, run raw and each install mode, compare. Returns the report (see ``--json``)."""
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -304,7 +306,7 @@ def compare(tests_dir: Path, files: list[str], installs: list[str], splits: dict
         work = Path(ctx.name)
     try:
         prepare(work, tests_dir, files)
-        runs = {mode: run_mode(work, files, mode, splits, timeout) for mode in ["raw", *installs]}
+        runs = {mode: run_mode(work, files, mode, splits, timeout, hide_eps) for mode in ["raw", *installs]}
         rows, code = verdict(runs, deviations)
         logs = {mode: (work / f"pytest-{mode}.log").read_text() for mode in runs}
     finally:
@@ -340,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run a test method as one test per part (added to the built-in split)")
     ap.add_argument("--deviation", action="append", default=[], metavar="TEST_ID=REASON",
                     help="a further deliberate deviation (added to the README's list)")
+    ap.add_argument("--without-ep", action="append", default=[], metavar="EP",
+                    help="leave EP out of onnxruntime.get_available_providers() in every mode, e.g. "
+                         "TensorrtExecutionProvider where the wheel lists it but TensorRT is not installed")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
     ap.add_argument("--keep", type=Path, help="use (and keep) this working directory")
     ap.add_argument("--json", type=Path, help="write the report here")
@@ -358,13 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     deviations.update(_pairs(args.deviation, "deviation"))
     files = [f for f in args.files.split(",") if f]
 
-    report = compare(tests_dir, files, installs, splits, deviations, timeout=args.timeout, keep=args.keep)
+    report = compare(tests_dir, files, installs, splits, deviations, timeout=args.timeout, keep=args.keep,
+                     hide_eps=args.without_ep)
     modes = ["raw", *installs]
     for mode in modes:
         run = report["runs"][mode]
         meta = run["meta"]
         print(f"{mode:>5}: pytest rc={run['rc']}  session class {meta.get('session_class', '?')}  "
-              f"onnxruntime {meta.get('onnxruntime', '?')} {meta.get('providers', '')}  {report['counts'][mode]}")
+              f"onnxruntime {meta.get('onnxruntime', '?')} {meta.get('providers', '')}"
+              + (f" (hidden: {meta['hidden_eps']})" if meta.get("hidden_eps") else "") + f"  {report['counts'][mode]}")
     print(table(report["rows"], modes))
     print({OK: "OK: every test passing on raw ORT passes with ortcapture (listed deviations aside)",
            FAIL: "FAIL: a test passing on raw ORT does not pass with ortcapture",

@@ -7,6 +7,7 @@ Configuration: the environment variable ``ORTCAPTURE_CONFORMANCE`` (JSON) with
   drop-in, sessions keep the providers the tests name) or ``"class"`` (``onnxruntime.InferenceSession =
   ortcapture.InferenceSession``: the plain replacement that hit RecursionError before issue 24);
 * ``results``: a JSON-lines file this bootstrap appends to as tests run (a crash leaves what ran before it);
+* ``hide_eps``: EP names ``onnxruntime.get_available_providers()`` leaves out (all modes alike);
 * ``splits``: ``{"FILE::CLASS::METHOD": [part, ...]}``: the test method is replaced by one test per part, named
   ``METHOD__PART``; each runs the original method with the other parts' ``self.PART`` calls made no-ops, and skips
   when the method does not reach its part on this machine. The test file on disk is not changed.
@@ -65,6 +66,19 @@ def _onnx_mapping_shim() -> None:
     onnx.mapping = mod
 
 
+def _hide_eps(names: list[str]) -> None:
+    """``onnxruntime.get_available_providers()`` without ``names`` (``--without-ep``: e.g. a TensorRT EP the wheel
+    lists but cannot load, which sends ORT's CUDA-graph test down its TensorRT branch)."""
+    import onnxruntime
+
+    listed = onnxruntime.get_available_providers
+
+    def get_available_providers():
+        return [p for p in listed() if p not in names]
+
+    onnxruntime.get_available_providers = get_available_providers
+
+
 def _install(mode: str) -> None:
     import onnxruntime
 
@@ -80,7 +94,8 @@ def _install(mode: str) -> None:
         raise ValueError(f"unknown install mode {mode!r}")
     cls = onnxruntime.InferenceSession
     info = {"install": mode, "session_class": f"{cls.__module__}.{cls.__qualname__}",
-            "onnxruntime": onnxruntime.__version__, "providers": onnxruntime.get_available_providers()}
+            "onnxruntime": onnxruntime.__version__, "providers": onnxruntime.get_available_providers(),
+            "hidden_eps": CONFIG.get("hide_eps", [])}
     if mode != "raw":
         import ortcapture
 
@@ -111,6 +126,8 @@ def _counted_subtest(self, *args, **kwargs):
 
 unittest.TestCase.subTest = _counted_subtest
 _onnx_mapping_shim()
+if CONFIG.get("hide_eps"):
+    _hide_eps(CONFIG["hide_eps"])
 _install(CONFIG["install"])
 
 

@@ -157,6 +157,7 @@ def test_script_compares_raw_with_ortcapture(fake_dir, tmp_path, capsys):
     assert rep["runs"]["raw"]["meta"]["session_class"].startswith("onnxruntime.")
     assert rep["runs"]["patch"]["meta"]["session_class"] == "ortcapture.dropin.InferenceSession"
     assert rep["runs"]["class"]["meta"]["session_class"] == "ortcapture.session.InferenceSession"
+    assert "CPUExecutionProvider" in rep["runs"]["raw"]["meta"]["providers"]
     # the split: the original method is gone, one test per part; part_c is not reached on raw ORT
     assert f"{T}test_parts" not in rows
     assert [rows[f"{T}test_parts__part_{p}"]["raw"] for p in "abc"] == ["passed", "passed", "skipped"]
@@ -182,8 +183,12 @@ def test_script_compares_raw_with_ortcapture(fake_dir, tmp_path, capsys):
 def test_script_passes_when_only_listed_deviations_differ(fake_dir, tmp_path):
     code, rep = _main(fake_dir, tmp_path, "--install", "patch",
                       "--deviation", f"{T}test_parts__part_b=b", "--deviation", f"{T}test_installed_only_raw=i",
-                      "--deviation", f"{T}test_y_crash_when_installed=y", "--deviation", f"{T}test_z_after_crash=z")
+                      "--deviation", f"{T}test_y_crash_when_installed=y", "--deviation", f"{T}test_z_after_crash=z",
+                      "--without-ep", "CPUExecutionProvider")
     assert code == conf.OK and rep["ok"] is True
+    for mode in ("raw", "patch"):  # what ORT's tests see from onnxruntime.get_available_providers()
+        meta = rep["runs"][mode]["meta"]
+        assert meta["hidden_eps"] == ["CPUExecutionProvider"] and "CPUExecutionProvider" not in meta["providers"]
     assert rep["counts"]["raw"] == {"passed": 7, "failed": 1, "skipped": 2}
     assert rep["counts"]["patch"] == {"passed": 4, "failed": 3, "skipped": 1, "crashed": 1}
 
