@@ -198,8 +198,8 @@ def run_mode(work: Path, files: list[str], install: str, splits: dict, timeout: 
         proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
         rc, log = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
-        rc, log = "timeout", (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
-            else (exc.stdout or "")
+        out = exc.stdout or ""
+        rc, log = "timeout", out.decode(errors="replace") if isinstance(out, bytes) else out
     (work / f"pytest-{install}.log").write_text(log)
     return {"rc": rc, **parse_results(results_file)}
 
@@ -355,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--install: choose from {', '.join(INSTALLS)}")
     tests_dir = args.tests
     if args.fetch is not None:
-        fetch(args.fetch)
+        try:
+            fetch(args.fetch)
+        except OSError as exc:
+            print(f"ort_conformance: cannot fetch ORT's test files ({exc}); fetch them elsewhere and use --tests DIR",
+                  file=sys.stderr)
+            return HARNESS
         tests_dir = args.fetch
     splits = dict(SPLITS)
     splits.update({k: v.split(",") for k, v in _pairs(args.split, "split").items()})

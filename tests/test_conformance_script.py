@@ -210,6 +210,8 @@ def test_fetch_downloads_each_pinned_file(tmp_path):
     (src / "abc123" / "x_test.py").write_text("# upstream\n")
     got = conf.fetch(tmp_path / "dest", {"x_test.py": "abc123"}, url=(src.as_uri() + "/{commit}/{name}"))
     assert got == [tmp_path / "dest" / "x_test.py"] and got[0].read_text() == "# upstream\n"
+    with pytest.raises(OSError):  # what main() turns into exit 2 with "fetch them elsewhere"
+        conf.fetch(tmp_path / "dest", {"x_test.py": "nope"}, url=(src.as_uri() + "/{commit}/{name}"))
     assert set(conf.UPSTREAM) == {"onnxruntime_test_python_iobinding.py", "onnxruntime_test_python_cudagraph.py"}
     assert all(len(c) == 40 for c in conf.UPSTREAM.values())
 
