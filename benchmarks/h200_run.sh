@@ -35,5 +35,7 @@ has bench_nhwc_rb && step bench_nhwc_rb 300 $B --procs 5 --iters 300 --provider-
 has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/models/nudenet-3.4.2/320n.onnx" --provider cuda --json
 has profile && step profile 200 python3 benchmarks/profile_gpu.py --json "$OUT/profile_gpu.json"
 has bench_multi && step bench_multi 180 python3 benchmarks/bench_multi_gpu.py --iters 300 --json "$OUT/bench_multi_gpu.json"
+# ORT's own Python tests (carried in the git-ignored .ort_tests/): raw ORT vs ortcapture installed
+has conformance && step conformance 300 python3 benchmarks/ort_conformance.py --tests .ort_tests --json "$OUT/conformance.json"
 has demo_webgpu && step demo_webgpu 120 python3 -m ortcapture demo --provider webgpu --batch 1 --iters 100 --json "$OUT/demo_webgpu.json"
 exit 0
