@@ -43,9 +43,19 @@ class AutoCaptureSession(InferenceSession):
     _oc_defaults: dict = {"provider": None, "provider_options": None, "max_graphs": 8}
 
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
-        sess_options, providers, provider_options = _with_capture(
-            self._oc_defaults, sess_options, providers, provider_options)
-        super().__init__(path_or_bytes, sess_options, providers, provider_options, **kwargs)
+        caller = (sess_options, providers, provider_options)
+        args = _with_capture(self._oc_defaults, sess_options, providers, provider_options)
+        try:
+            super().__init__(path_or_bytes, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - whatever the capture request broke
+            if args == caller:
+                raise  # the caller asked for exactly this: ORT's (or ortcapture's) error is theirs
+            # ORT would have built the caller's session (e.g. onnxruntime-gpu lists TensorRT without its runtime
+            # and falls back): build that, without the capture switch, and say so once
+            warnings.warn(f"ortcapture: the session runs as the caller asked, without graph capture: switching "
+                          f"capture on failed ({type(exc).__name__}: {str(exc)[:300]})", RuntimeWarning,
+                          stacklevel=2)
+            super().__init__(path_or_bytes, *caller, **kwargs)
         self._oc_graphs_by_key: dict[tuple, Any] = {}  # feed key -> CapturedGraph, or None (run uncaptured)
         self._oc_auto_lock = threading.Lock()
         self._oc_warned: set[str] = set()

@@ -86,3 +86,17 @@ def test_patch_refuses_bad_arguments_and_double_patching(provider):
     with pytest.raises(ZeroDivisionError), ortcapture.patched(provider):
         1 / 0
     assert not ortcapture.dropin.is_patched()  # restored on an exception too
+
+
+def test_a_capture_switch_that_breaks_the_session_falls_back_to_the_callers_session(rng):
+    """Libraries pass providers=get_available_providers(); ORT falls back where an EP cannot be built (e.g. TensorRT
+    listed without its runtime). Switching capture on must not turn that into an exception ORT would not raise."""
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("needs an ORT without a working CUDA EP (the CUDA request then fails)")
+    model = tiny.add_model()
+    a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with ortcapture.patched(None):
+        with pytest.warns(RuntimeWarning, match="without graph capture"):
+            sess = ort.InferenceSession(model, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+        np.testing.assert_allclose(sess.run(None, {"A": a, "B": b})[0], a + b, rtol=1e-6)
+        assert not sess.capture_enabled
