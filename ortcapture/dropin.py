@@ -39,16 +39,17 @@ class AutoCaptureSession(InferenceSession):
     ``stats`` counts the plain runs: ``{"replayed", "captured", "uncaptured"}``.
     """
 
-    #: set on the subclass that patch_onnxruntime installs: {"provider", "provider_options", "max_graphs"}
-    _oc_defaults: dict = {"provider": None, "provider_options": None, "max_graphs": 8}
+    #: set on the subclass that patch_onnxruntime installs: {"provider", "provider_options", "max_graphs", "buckets"}
+    _oc_defaults: dict = {"provider": None, "provider_options": None, "max_graphs": 8, "buckets": None}
 
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
         caller = (sess_options, providers, provider_options)
         args = _with_capture(self._oc_defaults, sess_options, providers, provider_options)
+        buckets = _buckets_for(self._oc_defaults.get("buckets"), path_or_bytes)
         try:
-            super().__init__(path_or_bytes, *args, **kwargs)
+            super().__init__(path_or_bytes, *args, buckets=buckets, **kwargs)
         except Exception as exc:  # noqa: BLE001 - whatever the capture request broke
-            if args == caller:
+            if args == caller and buckets is None:
                 raise  # the caller asked for exactly this: ORT's (or ortcapture's) error is theirs
             # ORT would have built the caller's session (e.g. onnxruntime-gpu lists TensorRT without its runtime
             # and falls back): build that, without the capture switch, and say so once
@@ -66,6 +67,13 @@ class AutoCaptureSession(InferenceSession):
     def run(self, output_names, input_feed, run_options=None):
         """ORT's ``run``; served from a captured graph where it can be (see the module docstring). Returns what ORT
         returns: one numpy array per requested output. Raises what ORT raises."""
+        if self._oc_buckets is not None and not _explicit_graph_id(run_options):
+            try:
+                return super().run(output_names, input_feed, run_options)  # the bucket graphs
+            except CaptureError as exc:  # a refused bucket: ORT would have run it
+                self._oc_warn(f"bucket:{type(exc).__name__}", f"a bucket runs uncaptured: {exc}")
+                self.stats["uncaptured"] += 1
+                return super().run(output_names, input_feed, _uncaptured(run_options))
         if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
             return super().run(output_names, input_feed, run_options)
         feeds = {k: np.asarray(v) for k, v in input_feed.items()} if isinstance(input_feed, Mapping) else None
@@ -134,6 +142,23 @@ class AutoCaptureSession(InferenceSession):
             warnings.warn(f"ortcapture: {message}", RuntimeWarning, stacklevel=3)
 
 
+def _buckets_for(spec, path_or_bytes):
+    """The ``buckets=`` for a session of ``path_or_bytes``: ``spec`` is None, a dict keyed by model path (matched
+    by ``os.path.realpath``), or a callable ``f(path_or_bytes) -> buckets or None``."""
+    import os
+
+    if spec is None:
+        return None
+    if callable(spec):
+        return spec(path_or_bytes)
+    if isinstance(path_or_bytes, (str, os.PathLike)):
+        want = os.path.realpath(os.fspath(path_or_bytes))
+        for key, value in spec.items():
+            if os.path.realpath(os.fspath(key)) == want:
+                return value
+    return None
+
+
 def _select(session, outs: list, output_names) -> list:
     if not output_names:
         return outs
@@ -179,7 +204,7 @@ _ORIGINAL: list = []  # the onnxruntime.InferenceSession that patch_onnxruntime 
 
 
 def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[str, str] | None = None, *,
-                      max_graphs: int = 8) -> type:
+                      max_graphs: int = 8, buckets=None) -> type:
     """Install :class:`AutoCaptureSession` as ``onnxruntime.InferenceSession`` (see the module docstring).
 
     Args:
@@ -188,6 +213,9 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
             (leave such sessions as the caller made them).
         provider_options: further EP options for that provider, ``{key: str}`` (e.g. ``{"device_id": "1"}``).
         max_graphs: distinct input-shape sets captured per session; runs beyond it are uncaptured.
+        buckets: batch buckets for some models (``InferenceSession(buckets=...)``, docs/BUCKETS.md): a dict
+            ``{model path: buckets}`` or a callable ``f(path_or_bytes) -> buckets or None``. Their plain ``run()``
+            pads to the bucket; a bucket that cannot be served runs uncaptured with one warning.
 
     Returns:
         The installed class (a subclass of :class:`AutoCaptureSession` holding these defaults).
@@ -202,6 +230,8 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
 
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
         raise CaptureError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
+    if buckets is not None and not callable(buckets) and not isinstance(buckets, Mapping):
+        raise CaptureError(f"buckets must be a dict {{model path: buckets}} or a callable, got {buckets!r}")
     if provider not in (None, "auto", "cuda", "webgpu"):
         raise CaptureError(f"provider must be 'cuda', 'webgpu', 'auto' or None, got {provider!r}")
     options = check_provider_options(provider_options)
@@ -210,7 +240,8 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
             raise CaptureError("onnxruntime is already patched by ortcapture; call unpatch_onnxruntime() first")
         chosen = pick_provider("auto") if provider == "auto" else provider
         cls = type("InferenceSession", (AutoCaptureSession,), {
-            "_oc_defaults": {"provider": chosen, "provider_options": options, "max_graphs": max_graphs},
+            "_oc_defaults": {"provider": chosen, "provider_options": options, "max_graphs": max_graphs,
+                            "buckets": buckets},
             "__module__": __name__, "__doc__": AutoCaptureSession.__doc__})
         _ORIGINAL.append(ort.InferenceSession)
         ort.InferenceSession = cls
@@ -229,10 +260,10 @@ def unpatch_onnxruntime() -> None:
 
 @contextlib.contextmanager
 def patched(provider: str | None = "auto", provider_options: Mapping[str, str] | None = None, *,
-            max_graphs: int = 8) -> Iterator[type]:
+            max_graphs: int = 8, buckets=None) -> Iterator[type]:
     """``with ortcapture.patched(...) as cls:`` — :func:`patch_onnxruntime` for the block, restored on exit (also on
     an exception). Same arguments and exceptions."""
-    cls = patch_onnxruntime(provider, provider_options, max_graphs=max_graphs)
+    cls = patch_onnxruntime(provider, provider_options, max_graphs=max_graphs, buckets=buckets)
     try:
         yield cls
     finally:
