@@ -21,11 +21,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ortcapture import _compat as compat
+from ortcapture import _cudart
 from ortcapture import _verify
 from ortcapture._buckets import BucketDim, check_output_axes, output_relations, parse_buckets, sliced_lengths
 from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
 from ortcapture._specialize import host_read_inputs
+from ortcapture._sync import CUDA_GATE
 from ortcapture.errors import CaptureError
+from ortcapture.transfer import to_numpy, update_inplace
 
 log = logging.getLogger("ortcapture")
 
@@ -105,6 +108,8 @@ class BucketRunner:
         if self.device_type == "cuda":
             opts = session.get_provider_options().get("CUDAExecutionProvider", {})
             self._exact = str(opts.get("use_tf32", "1")) == "0"
+        #: CUDA with cuda-python: feeds and outputs copied region by region (see _cuda_fill)
+        self._direct = self.device_type == "cuda" and compat.cudart() is not None
         self._worker = ThreadPoolExecutor(1, "ortcapture-replay") if replay_thread else None
         self._worker_ident: int | None = None
 
@@ -297,6 +302,7 @@ class BucketRunner:
 
     # -- replay -----------------------------------------------------------------------------------------------
     def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str], count: bool = True) -> list:
+        direct = self._direct
         with entry.lock:
             tid = threading.get_ident()
             first_here = tid not in entry.threads and self.device_type == "cuda"
@@ -306,11 +312,26 @@ class BucketRunner:
                 axes = self._sites.get(name)
                 if not axes:
                     graph_feeds[name] = v
+                elif direct and len(axes) == 1:
+                    if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
+                        v = np.ascontiguousarray(v)
+                    if not self._cuda_fill(entry, name, v, axes[0][0]):
+                        if not isinstance(v, np.ndarray):  # a strided or foreign device tensor
+                            v = np.ascontiguousarray(_to_host(v))
+                        if not self._cuda_fill(entry, name, v, axes[0][0]):
+                            graph_feeds[name] = v  # the graph's copy names what does not match
                 elif isinstance(v, np.ndarray):
                     graph_feeds[name] = self._stage(entry, name, v, axes)
                 else:
-                    self._device_fill(entry, name, v, axes)
-            outs = entry.graph.run(graph_feeds)
+                    update_inplace(entry.graph.inputs[name], self._stage(entry, name, _to_host(v), axes))
+            if direct:
+                outs = entry.graph.run(graph_feeds, copy_outputs=False)
+                by_name = dict(zip(self.output_names, outs))
+                result = [self._cuda_read(by_name[n], self._rel[n], sizes) for n in names]
+            else:
+                outs = entry.graph.run(graph_feeds)
+                by_name = dict(zip(self.output_names, outs))
+                result = [self._slice(by_name[n], self._rel[n], sizes) for n in names]
             if first_here:
                 entry.threads.add(tid)
                 log.info("ortcapture: bucket %s captured for thread %s in %.3f s (CUDA graphs are per thread)",
@@ -320,8 +341,60 @@ class BucketRunner:
                 req = int(np.prod(list(sizes.values())))
                 entry.rows += req
                 entry.padded_rows += int(np.prod(list(entry.bucket.values()))) - req
-        by_name = dict(zip(self.output_names, outs))
-        return [self._slice(by_name[n], self._rel[n], sizes) for n in names]
+        return result
+
+    # CUDA: feeds go straight into the fixed buffer's leading region (host or device source, one strided
+    # cudaMemcpy2D), only the rows the previous request wrote beyond this one are zeroed on the device, and outputs
+    # come back as just the request's region. Measured on the H200 (YOLOv8n, batch 1-8 stream): this path against a
+    # host staging copy of the padded batch and a full readback: see the note of issue 16.
+    def _cuda_fill(self, entry: _Entry, name: str, v: Any, axis: int) -> bool:
+        """Copy ``v`` into ``name``'s fixed buffer's leading region along ``axis``; False (caller falls back) when
+        ``v`` is not a C-contiguous host array or CUDA tensor of the buffer's dtype and rank."""
+        buf = entry.graph.inputs[name]
+        full = tuple(buf.shape())
+        if isinstance(v, np.ndarray):
+            if not v.flags.c_contiguous or v.dtype != _np_dtype(buf) or v.ndim != len(full):
+                return False
+            src = v.ctypes.data
+        else:
+            src = _cuda_ptr(v)
+            if src is None or str(_dtype(v)) != str(_np_dtype(buf)) or len(_shape(v)) != len(full):
+                return False
+        shape = _shape(v)
+        item = np.dtype(_np_dtype(buf)).itemsize
+        inner = int(np.prod(full[axis + 1:])) * item
+        outer = int(np.prod(full[:axis]))
+        n = shape[axis]
+        width, pitch = n * inner, full[axis] * inner
+        last = entry.filled.get(name)
+        last_n = full[axis] if last is None else last[axis]
+        dst = buf.data_ptr()
+        with CUDA_GATE.shared:  # no CUDA call while another thread captures (ortcapture._sync)
+            if width:
+                _cudart.memcpy_2d(dst, pitch, src, width, width, outer)
+            if last_n > n:
+                _cudart.memset_2d(dst + width, pitch, (last_n - n) * inner, outer)
+        entry.filled[name] = shape
+        return True
+
+    def _cuda_read(self, out, rel: Mapping[int, tuple], sizes: dict) -> np.ndarray:
+        """The request's region of a fixed output buffer, as a new host array (one strided copy)."""
+        full = tuple(out.shape())
+        lengths = sliced_lengths(rel, sizes) if rel else {}
+        if len(lengths) > 1:
+            return self._slice(to_numpy(out), rel, sizes)
+        dtype = _np_dtype(out)
+        if not lengths:
+            return to_numpy(out)
+        (axis, n), = lengths.items()
+        shape = full[:axis] + (n,) + full[axis + 1:]
+        host = np.empty(shape, dtype)
+        inner = int(np.prod(full[axis + 1:])) * np.dtype(dtype).itemsize
+        width, pitch = n * inner, full[axis] * inner
+        if host.size:
+            with CUDA_GATE.shared:
+                _cudart.memcpy_2d(host.ctypes.data, width, out.data_ptr(), pitch, width, int(np.prod(full[:axis])))
+        return host
 
     def _stage(self, entry: _Entry, name: str, x: np.ndarray, axes) -> np.ndarray:
         stage = entry.staging[name]
@@ -341,31 +414,6 @@ class BucketRunner:
         stage[region] = x
         entry.filled[name] = x.shape
         return stage
-
-    def _device_fill(self, entry: _Entry, name: str, v: Any, axes) -> None:
-        """A CUDA feed copied device to device into the fixed buffer's leading region, the rest zeroed; other device
-        feeds (WebGPU) through a padded host copy."""
-        from ortcapture import _cudart
-        from ortcapture.transfer import update_inplace
-
-        buf = entry.graph.inputs[name]
-        shape = tuple(_shape(v))
-        if len(axes) != 1 or self.device_type != "cuda" or _cuda_ptr(v) is None or str(_dtype(v)) != str(
-                _np_dtype(buf)) or len(shape) != len(buf.shape()):
-            update_inplace(buf, self._stage(entry, name, _to_host(v), axes))
-            entry.filled.pop(name, None)
-            return
-        ax = axes[0][0]
-        full = tuple(buf.shape())
-        item = np.dtype(_np_dtype(buf)).itemsize
-        inner = int(np.prod(full[ax + 1:])) * item
-        outer = int(np.prod(full[:ax]))
-        width, pitch = shape[ax] * inner, full[ax] * inner
-        dst = buf.data_ptr()
-        _cudart.memcpy_2d_d2d(dst, pitch, _cuda_ptr(v), width, width, outer)
-        if pitch > width:
-            _cudart.memset_2d(dst + width, pitch, pitch - width, outer)
-        entry.filled.pop(name, None)
 
     def _slice(self, out: np.ndarray, rel: Mapping[int, tuple], sizes: dict) -> np.ndarray:
         if not rel:

@@ -115,9 +115,10 @@ def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         raise RuntimeError(f"cudaMemcpyAsync device-to-device copy failed: {err}")
 
 
-def memcpy_2d_d2d(dst_ptr: int, dpitch: int, src_ptr: int, spitch: int, width: int, height: int) -> None:
-    """Synchronous strided device copy: ``height`` rows of ``width`` bytes, rows ``spitch``/``dpitch`` bytes apart
-    (a bucket's leading region along a non-first axis). Raises :class:`RuntimeError` on failure."""
+def memcpy_2d(dst_ptr: int, dpitch: int, src_ptr: int, spitch: int, width: int, height: int) -> None:
+    """Synchronous strided copy between any of host (pageable or pinned) and device memory (``cudaMemcpyDefault``,
+    unified addressing): ``height`` rows of ``width`` bytes, rows ``spitch``/``dpitch`` bytes apart (a bucket's
+    leading region along its axis). Raises :class:`RuntimeError` on failure."""
     rt = compat.cudart()
     if rt is None:
         raise RuntimeError("cuda-python is not installed")
@@ -126,7 +127,7 @@ def memcpy_2d_d2d(dst_ptr: int, dpitch: int, src_ptr: int, spitch: int, width: i
     if _ok(err):
         (err,) = rt.cudaStreamSynchronize(0)
     if not _ok(err):
-        raise RuntimeError(f"cudaMemcpy2DAsync device-to-device copy failed: {err}")
+        raise RuntimeError(f"cudaMemcpy2DAsync failed: {err}")
 
 
 def memset_2d(ptr: int, pitch: int, width: int, height: int, value: int = 0) -> None:

@@ -112,7 +112,8 @@ def test_patched_with_buckets_pads_plain_runs(provider, rng, tmp_path):
         for n in (1, 3, 4, 2, 3):
             x = rng.random((n, 4), np.float32)
             for g, w in zip(sess.run(None, {"X": x}), ref.run(None, {"X": x})):
-                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+                np.testing.assert_allclose(g, w, rtol=1e-2 if provider == "cuda" else 1e-4,
+                                           atol=1e-3 if provider == "cuda" else 1e-6)  # TF32
             other.run(None, {"X": x})
         st = sess.bucket_stats()
         assert st["captured"] == 2 and st["replayed"] == 5
