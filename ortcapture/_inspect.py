@@ -41,6 +41,14 @@ def load_structure(path_or_bytes) -> onnx.ModelProto:
     return onnx.load(os.fspath(path_or_bytes), load_external_data=False)
 
 
+def try_load_structure(path_or_bytes) -> onnx.ModelProto | None:
+    """:func:`load_structure`, or ``None`` when onnx cannot read it (e.g. an ORT-format model ORT itself takes)."""
+    try:
+        return load_structure(path_or_bytes)
+    except Exception:  # noqa: BLE001 - DecodeError, OSError, ...: ORT gives its own error if the model is bad
+        return None
+
+
 def _is_default_domain(node) -> bool:
     return node.domain in ("", "ai.onnx")
 
@@ -115,8 +123,8 @@ def rewrite_view_outputs(path_or_bytes):
     """For WebGPU capture: the model with every view output (:func:`view_outputs`) computed by an in-graph
     ``Cast(to=its own type)`` after the view, as serialized bytes; ``path_or_bytes`` itself when there is none to
     rewrite. Output names, shapes, types and values are unchanged. External data is loaded into the bytes."""
-    model = load_structure(path_or_bytes)
-    views = view_outputs(model)
+    model = try_load_structure(path_or_bytes)
+    views = view_outputs(model) if model is not None else {}
     if not views:
         return path_or_bytes
     types = _elem_types(model, views)
@@ -210,10 +218,10 @@ def node_labels(nodes: Sequence[tuple[str, str]], limit: int = 12) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def refusal_message(ep_name: str, model, off_ep: Sequence[tuple[str, str]] | None,
+def refusal_message(ep_name: str, model: onnx.ModelProto | None, off_ep: Sequence[tuple[str, str]] | None,
                     static_shapes: Mapping[str, Sequence[int]] | None, device_type: str | None) -> str:
     """One message for a capture ORT refused: the I/O problems, the nodes off the EP, and ``doctor``."""
-    parts = io_problems(model, device_type)
+    parts = io_problems(model, device_type) if model is not None else []
     if off_ep:
         parts.append(f"node(s) placed off {ep_name}: {node_labels(off_ep)}")
     elif off_ep is None:

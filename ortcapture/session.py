@@ -84,8 +84,13 @@ class InferenceSession(OrtInferenceSession):
             the plugin EP with ``SessionOptions.add_provider_for_devices``), or the installed ORT cannot capture on
             the requested EP.
 
-    When ORT refuses capture for the model's dynamic shapes, the session is created without capture instead
-    (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling session to the example shapes.
+    When ORT refuses capture for the model's dynamic shapes (or inputs without shape information), the session is
+    created without capture instead (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling
+    session to the example shapes. When it refuses otherwise, :class:`CaptureUnsupportedError` names the nodes ORT
+    placed off the EP and the dtypes or non-tensor inputs/outputs it cannot take. On WebGPU, graph outputs that
+    are views (Reshape, Flatten, Squeeze, Unsqueeze, Identity) are computed inside the graph by an added ``Cast``
+    to their own type (ORT copies view outputs once at capture and never on replay); names, shapes, types and
+    values of the outputs are unchanged.
     All capture bookkeeping lives in one per-session object (:class:`ortcapture._state.CaptureState`).
     """
 
@@ -166,7 +171,7 @@ class InferenceSession(OrtInferenceSession):
             off = None
         finally:
             so.add_session_config_entry(_inspect.RECORD_ASSIGNMENT_KEY, "0")
-        return _inspect.refusal_message(requested.ep.name, _inspect.load_structure(model), off, static_shapes,
+        return _inspect.refusal_message(requested.ep.name, _inspect.try_load_structure(model), off, static_shapes,
                                         requested.device_type)
 
     def _oc_init_deferred(self, model, sess_options, providers, provider_options, kwargs, requested) -> None:
@@ -386,6 +391,9 @@ class InferenceSession(OrtInferenceSession):
         Raises:
             CaptureUnsupportedError: the new providers request capture but do not give it; the session is then left
                 as ORT made it, without capture (``capture_enabled`` False).
+
+        When ORT refuses capture for the model's dynamic dims, the session is made without capture and defers to
+        shape-specialised siblings (``capture_deferred``), as the constructor does.
         """
         sess_options = self._oc_args[1]
         requested = requested_capture(providers, provider_options, sess_options if not providers else None)
@@ -429,11 +437,15 @@ class InferenceSession(OrtInferenceSession):
         Args:
             example_feeds: ``{input name: value}`` for every model input (numpy arrays, OrtValues on any device,
                 DLPack tensors); their shapes and dtypes are the graph's, their values its initial inputs.
+                Overridable initializers (``get_overridable_initializers()``) fed here become inputs of the graph
+                too; those not fed keep the model's value.
             graph_id: the ``gpu_graph_id``; ``None`` picks the smallest free id >= 1.
             state: ``{output name: input name}`` pairs carried from one replay to the next on the device.
 
         Raises:
-            CaptureUnsupportedError: the session cannot capture (or not even with the example's shapes fixed).
+            CaptureUnsupportedError: the session cannot capture, or not even with the example's shapes fixed (the
+                message names the nodes ORT placed off the EP and dtypes or non-tensor inputs/outputs it cannot
+                take), or an input/output is not a numeric tensor (strings, sequences, maps, optional values).
             CaptureError: ``graph_id`` taken or invalid; a refused capture (see CapturedGraph).
             GraphReleasedError: ``graph_id`` was released on CUDA/TensorRT (retired).
             TransferError: feeds that do not match the model's inputs.
@@ -511,7 +523,9 @@ def _constant_outputs_of(path_or_bytes, static_sig):
     the first call (a capture) and kept."""
     @functools.cache
     def constant_outputs() -> frozenset:
-        model = _inspect.load_structure(path_or_bytes)
+        model = _inspect.try_load_structure(path_or_bytes)
+        if model is None:
+            return frozenset()
         if static_sig:
             model = _inspect.load_structure(shapes.fix_input_shapes(model.SerializeToString(), dict(static_sig)))
         return _inspect.constant_outputs(model)
