@@ -109,8 +109,10 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
     inputs, so the outputs end as the capture left them, and declared state advances exactly one step). An output
     the replay did not write is refused: measured on ORT 1.32 WebGPU, an output that is a view (Reshape, Flatten,
     Squeeze, Unsqueeze, Identity) of another tensor or a graph input is copied once at capture and never again, so
-    every later replay would silently return the capture-time value. Raises :class:`CaptureError` (the graph is
-    released) naming those outputs.
+    every later replay would silently return the capture-time value (ortcapture's WebGPU sessions compute view
+    outputs inside the graph, :mod:`ortcapture._inspect`; what is left is e.g. an input passed through). Outputs
+    that depend on no input (``state.constant_outputs()``) are left out: their capture-time value is right. Raises
+    :class:`CaptureError` (the graph is released) naming those outputs.
     """
     session = state.session
     declared = validate_bindings(state, binding)
@@ -127,7 +129,7 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
     try:
         if snapshots:
             transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
-        sentinels = _fill_sentinels(binding, SENTINEL_BYTE)
+        sentinels = _fill_sentinels(binding, SENTINEL_BYTE, skip=state.constant_outputs())
         run()  # internal: not counted
         stale = [name for name, (buf, pattern) in sentinels.items()
                  if transfer.to_numpy(buf).tobytes() == pattern]
@@ -243,12 +245,13 @@ def capture_in_this_thread(state, binding: IOBinding, run_options) -> None:
         transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
 
 
-def _fill_sentinels(binding: IOBinding, byte: int, only=None) -> dict:
-    """Overwrite every bound output OrtValue (or those named in ``only``) with ``byte``; return
+def _fill_sentinels(binding: IOBinding, byte: int, only=None, skip=()) -> dict:
+    """Overwrite every bound output OrtValue (or those named in ``only``) with ``byte``, except the constant outputs
+    named in ``skip`` (ORT folds them and never writes them again; their capture-time value is right); return
     name -> (buffer, the pattern's bytes)."""
     out = {}
     for name, b in binding.bound_outputs.items():
-        if only is not None and name not in only:
+        if (only is not None and name not in only) or name in skip:
             continue
         if b.value is None:
             continue  # raw-pointer outputs: not ours to fill

@@ -60,6 +60,19 @@ def dynamic_inputs(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:
     return {n: d for n, d in input_dims(model).items() if any(not isinstance(x, int) for x in d)}
 
 
+def shapeless_inputs(model: onnx.ModelProto) -> list[str]:
+    """Tensor graph inputs (initializers excluded) without any shape information (not even a rank): their
+    :func:`input_dims` entry is ``[]``, which does not mean a scalar."""
+    inits = {i.name for i in model.graph.initializer}
+    return [vi.name for vi in model.graph.input if vi.name not in inits and vi.type.HasField("tensor_type")
+            and not vi.type.tensor_type.HasField("shape")]
+
+
+def specializable_inputs(model: onnx.ModelProto) -> list[str]:
+    """Inputs whose shape :func:`fix_input_shapes` can fix: dynamic dims or no shape information at all."""
+    return list(dynamic_inputs(model)) + shapeless_inputs(model)
+
+
 def shape_signature(shapes: Mapping[str, Sequence[int]]) -> tuple:
     """Hashable, order-independent key for a ``{input name: shape}`` mapping."""
     return tuple(sorted((str(n), tuple(int(d) for d in s)) for n, s in shapes.items()))
@@ -77,6 +90,7 @@ def fix_input_shapes(path_or_bytes, static_shapes: Mapping[str, Sequence[int]]) 
         raise CaptureError(f"static_shapes must be a mapping {{input name: shape}}, got {type(static_shapes).__name__}")
     model = load_model(path_or_bytes)
     dims = input_dims(model)
+    shapeless = set(shapeless_inputs(model))
     for name, shape in static_shapes.items():
         if name not in dims:
             raise CaptureError(f"static_shapes names input {name!r}, but the model's inputs are {sorted(dims)}")
@@ -84,6 +98,10 @@ def fix_input_shapes(path_or_bytes, static_shapes: Mapping[str, Sequence[int]]) 
             shape = [operator.index(x) for x in shape]
         except TypeError:
             raise CaptureError(f"static_shapes[{name!r}] must be a sequence of ints, got {shape!r}") from None
+        if name in shapeless:  # no shape information: any rank
+            if any(x < 0 for x in shape):
+                raise CaptureError(f"input {name!r}: shape {shape} has a negative dim")
+            continue
         if len(shape) != len(dims[name]):
             raise CaptureError(f"input {name!r} has rank {len(dims[name])} ({dims[name]}), got shape {shape}")
         for want, have in zip(shape, dims[name]):
@@ -92,7 +110,12 @@ def fix_input_shapes(path_or_bytes, static_shapes: Mapping[str, Sequence[int]]) 
             if want < 0:
                 raise CaptureError(f"input {name!r}: shape {shape} has a negative dim")
     for vi in model.graph.input:
-        if vi.name in static_shapes:
+        if vi.name in shapeless and vi.name in static_shapes:
+            shape_proto = vi.type.tensor_type.shape
+            shape_proto.SetInParent()  # a scalar has a shape with no dims
+            for want in static_shapes[vi.name]:
+                shape_proto.dim.add().dim_value = int(want)
+        elif vi.name in static_shapes:
             for d, want in zip(vi.type.tensor_type.shape.dim, static_shapes[vi.name]):
                 d.Clear()
                 d.dim_value = int(want)

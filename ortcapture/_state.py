@@ -166,6 +166,8 @@ class CaptureState:
         # family-level: set on the family state only
         self.graphs = GraphPool()
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
+        #: ``() -> frozenset``: outputs whose value depends on no input (set by the session; ortcapture._inspect)
+        self.constant_outputs = frozenset
         if family is not None and info is not None and static_shapes is not None:
             family.siblings[static_shapes] = self  # a shape-specialised sibling joins its family
 

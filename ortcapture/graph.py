@@ -152,12 +152,16 @@ class CapturedGraph:
             raise CaptureError(f"state must be a mapping {{output name: input name}}, got {type(state).__name__}")
         metas = {m.name: m for m in session.get_inputs()}
         names = list(metas)
-        unknown = sorted(set(example_feeds) - set(names))
+        # overridable initializers (initializers also listed as graph inputs) are inputs when fed
+        overridable = {m.name: m for m in session.get_overridable_initializers() if m.name in example_feeds}
+        unknown = sorted(set(example_feeds) - set(names) - set(overridable))
         if unknown:
             raise TransferError(f"unknown input(s) {unknown}; the model's inputs are {names}")
         missing = [n for n in names if n not in example_feeds]
         if missing:
             raise TransferError(f"example feeds miss input(s) {missing}; capture needs a value for every input")
+        metas.update(overridable)
+        names += list(overridable)
         specs = {name: _source_spec(name, example_feeds[name]) for name in names}
         for name, (shape, dtype) in specs.items():
             _check_model_input(metas[name], shape, dtype)

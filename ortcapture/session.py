@@ -16,12 +16,14 @@ With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) hol
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Mapping, Sequence
 
 import onnxruntime as ort
 
 from ortcapture import _compat as compat
+from ortcapture import _inspect
 from ortcapture import _specialize as shapes
 from ortcapture._binding import IOBinding
 from ortcapture._bucket_run import BucketRunner
@@ -49,6 +51,21 @@ def _without_capture(providers, provider_options, requested: CaptureInfo):
             opts[requested.ep.option] = "0"
         out.append((name, opts or {}))
     return out
+
+
+def _build_without_capture(session, model, sess_options, providers, provider_options, kwargs, requested) -> None:
+    """ORT's constructor on ``session`` with the requested capture switched off (provider option, or the plugin EP's
+    session config entry, restored afterwards)."""
+    if providers:
+        OrtInferenceSession.__init__(session, model, sess_options,
+                                     _without_capture(providers, provider_options, requested), None, **kwargs)
+        return
+    key = f"ep.{requested.ep.name.lower()}.{requested.ep.option}"
+    sess_options.add_session_config_entry(key, "0")
+    try:
+        OrtInferenceSession.__init__(session, model, sess_options, providers, provider_options, **kwargs)
+    finally:
+        sess_options.add_session_config_entry(key, "1")
 
 
 _NULL = contextlib.nullcontext()
@@ -82,8 +99,13 @@ class InferenceSession(OrtInferenceSession):
             the requested EP.
         CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``, or buckets without capture.
 
-    When ORT refuses capture for the model's dynamic shapes, the session is created without capture instead
-    (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling session to the example shapes.
+    When ORT refuses capture for the model's dynamic shapes (or inputs without shape information), the session is
+    created without capture instead (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling
+    session to the example shapes. When it refuses otherwise, :class:`CaptureUnsupportedError` names the nodes ORT
+    placed off the EP and the dtypes or non-tensor inputs/outputs it cannot take. On WebGPU, graph outputs that
+    are views (Reshape, Flatten, Squeeze, Unsqueeze, Identity) are computed inside the graph by an added ``Cast``
+    to their own type (ORT copies view outputs once at capture and never on replay); names, shapes, types and
+    values of the outputs are unchanged.
     All capture bookkeeping lives in one per-session object (:class:`ortcapture._state.CaptureState`).
     """
 
@@ -112,6 +134,8 @@ class InferenceSession(OrtInferenceSession):
         if buckets is not None and requested is not None and requested.ep.name == "TensorrtExecutionProvider":
             providers, provider_options = _trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options)
         model = shapes.fix_input_shapes(path_or_bytes, static_shapes) if static_shapes else path_or_bytes
+        if requested is not None and requested.device_type == "webgpu":
+            model = _inspect.rewrite_view_outputs(model)  # view outputs computed inside the graph (_inspect)
         static_sig = shapes.shape_signature(static_shapes) if static_shapes else None
         deferred = False
         if requested is not None:
@@ -124,14 +148,13 @@ class InferenceSession(OrtInferenceSession):
             try:
                 self._oc_create(model, sess_options, providers, provider_options, kwargs, requested, static_sig)
             except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail/EPFail types, not RuntimeError
-                if requested is None or not shapes.is_capture_refusal(exc) or static_shapes:
+                if requested is None or not shapes.is_capture_refusal(exc):
                     raise
-                dynamic = shapes.dynamic_inputs(shapes.load_model(path_or_bytes))
-                if not dynamic:
+                if static_shapes or not shapes.specializable_inputs(_inspect.load_structure(path_or_bytes)):
+                    why = "" if static_shapes else " (it has no dynamic input dims to specialise)"
                     raise CaptureUnsupportedError(
-                        f"{requested.ep.name} refused graph capture for this model, which has no dynamic input "
-                        f"dims to specialise: {exc}. Run `ortcapture doctor MODEL` to see which nodes fall off "
-                        "the EP."
+                        self._oc_refusal_text(model, sess_options, providers, provider_options, kwargs, requested,
+                                              static_shapes) + f" ORT said{why}: {exc}"
                     ) from exc
                 self._oc_init_deferred(model, sess_options, providers, provider_options, kwargs, requested)
                 deferred = True
@@ -154,7 +177,7 @@ class InferenceSession(OrtInferenceSession):
         built again at the caller's log severity. Which sessions capture or defer does not change."""
         quiet = (requested is not None and requested.device_type == "webgpu" and static_sig is None
                  and sess_options is not None and sess_options.log_severity_level < 4
-                 and shapes.dynamic_inputs(shapes.load_model(model)))
+                 and shapes.specializable_inputs(_inspect.load_structure(model)))
         if quiet:
             level = sess_options.log_severity_level
             sess_options.log_severity_level = 4  # fatal only: hides ORT's refusal line
@@ -164,18 +187,27 @@ class InferenceSession(OrtInferenceSession):
                 sess_options.log_severity_level = level
         OrtInferenceSession.__init__(self, model, sess_options, providers, provider_options, **kwargs)
 
+    @staticmethod
+    def _oc_refusal_text(model, sess_options, providers, provider_options, kwargs, requested, static_shapes) -> str:
+        """Why ORT refused capture, for :class:`CaptureUnsupportedError`: the model's I/O types the EP cannot take
+        and the nodes ORT placed off the EP (an uncaptured session that records placement, made only here)."""
+        off = None
+        so = sess_options if sess_options is not None else ort.SessionOptions()
+        so.add_session_config_entry(_inspect.RECORD_ASSIGNMENT_KEY, "1")
+        try:
+            probe = compat.OrtInferenceSession.__new__(compat.OrtInferenceSession)
+            _build_without_capture(probe, model, so, providers, provider_options, kwargs, requested)
+            off = _inspect.assigned_off_ep(probe, requested.ep.name)
+        except Exception:  # noqa: BLE001 - the placement is a help for the message only
+            off = None
+        finally:
+            so.add_session_config_entry(_inspect.RECORD_ASSIGNMENT_KEY, "0")
+        return _inspect.refusal_message(requested.ep.name, _inspect.try_load_structure(model), off, static_shapes,
+                                        requested.device_type)
+
     def _oc_init_deferred(self, model, sess_options, providers, provider_options, kwargs, requested) -> None:
         """Create this session without capture; :meth:`capture` will specialise siblings that capture."""
-        if providers:
-            OrtInferenceSession.__init__(self, model, sess_options,
-                                         _without_capture(providers, provider_options, requested), None, **kwargs)
-            return
-        key = f"ep.{requested.ep.name.lower()}.{requested.ep.option}"
-        sess_options.add_session_config_entry(key, "0")
-        try:
-            OrtInferenceSession.__init__(self, model, sess_options, providers, provider_options, **kwargs)
-        finally:
-            sess_options.add_session_config_entry(key, "1")
+        _build_without_capture(self, model, sess_options, providers, provider_options, kwargs, requested)
 
     def _oc_setup(self, requested: CaptureInfo | None, deferred: bool, static_sig, family=None) -> None:
         _check_version(requested)
@@ -193,6 +225,7 @@ class InferenceSession(OrtInferenceSession):
                 f"{self.get_providers()} without capture: {why}."
             )
         self._oc_state = CaptureState(self, info, requested, deferred, static_sig, self._oc_lock, family)
+        self._oc_state.constant_outputs = _constant_outputs_of(self._oc_args[0], static_sig)
 
     # -- capture state ----------------------------------------------------------------------------------------
     @property
@@ -417,15 +450,18 @@ class InferenceSession(OrtInferenceSession):
         Raises:
             CaptureUnsupportedError: the new providers request capture but do not give it; the session is then left
                 as ORT made it, without capture (``capture_enabled`` False).
+
+        When ORT refuses capture for the model's dynamic dims, the session is made without capture and defers to
+        shape-specialised siblings (``capture_deferred``), as the constructor does.
         """
         sess_options = self._oc_args[1]
         requested = requested_capture(providers, provider_options, sess_options if not providers else None)
         st = self._oc_state
         with st.capture_guard:  # a new C session: no other CUDA work meanwhile
             st.reset()
-            super().set_providers(providers, provider_options)
+            deferred = self._oc_set_providers(providers, provider_options, requested)
             try:
-                self._oc_setup(requested, False, st.static_shapes)
+                self._oc_setup(requested, deferred, st.static_shapes)
                 if self._oc_buckets is not None:  # the graphs went with the old C session
                     self._oc_buckets.close()
                     self._oc_buckets = None
@@ -465,6 +501,26 @@ class InferenceSession(OrtInferenceSession):
             raise CaptureError("bucket_stats() needs a session made with buckets=")
         return self._oc_buckets.stats()
 
+    def _oc_set_providers(self, providers, provider_options, requested) -> bool:
+        """ORT's ``set_providers``; when ORT refuses capture for the model's dynamic dims, the session is made
+        without capture and defers to shape-specialised siblings, as the constructor does. True when deferred."""
+        path_or_bytes, sess_options, _, _, kwargs = self._oc_args
+        try:
+            OrtInferenceSession.set_providers(self, providers, provider_options)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail type
+            if (requested is None or not providers or not shapes.is_capture_refusal(exc)
+                    or self._oc_state.static_shapes
+                    or not shapes.specializable_inputs(_inspect.load_structure(path_or_bytes))):
+                raise
+            OrtInferenceSession.set_providers(self, _without_capture(providers, provider_options, requested), None)
+            self._oc_refusal = str(exc)
+            self._oc_args = (path_or_bytes, sess_options, providers, provider_options, kwargs)
+            return True
+        if providers:  # siblings are made with the session's current providers
+            self._oc_args = (path_or_bytes, sess_options, providers, provider_options, kwargs)
+        self._oc_refusal = None
+        return False
+
     # -- high level -------------------------------------------------------------------------------------------
     def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None, *,
                 state: Mapping[str, str] | None = None):
@@ -474,11 +530,15 @@ class InferenceSession(OrtInferenceSession):
         Args:
             example_feeds: ``{input name: value}`` for every model input (numpy arrays, OrtValues on any device,
                 DLPack tensors); their shapes and dtypes are the graph's, their values its initial inputs.
+                Overridable initializers (``get_overridable_initializers()``) fed here become inputs of the graph
+                too; those not fed keep the model's value.
             graph_id: the ``gpu_graph_id``; ``None`` picks the smallest free id >= 1.
             state: ``{output name: input name}`` pairs carried from one replay to the next on the device.
 
         Raises:
-            CaptureUnsupportedError: the session cannot capture (or not even with the example's shapes fixed).
+            CaptureUnsupportedError: the session cannot capture, or not even with the example's shapes fixed (the
+                message names the nodes ORT placed off the EP and dtypes or non-tensor inputs/outputs it cannot
+                take), or an input/output is not a numeric tensor (strings, sequences, maps, optional values).
             CaptureError: ``graph_id`` taken or invalid; a refused capture (see CapturedGraph).
             GraphReleasedError: ``graph_id`` was released on CUDA/TensorRT (retired).
             TransferError: feeds that do not match the model's inputs.
@@ -490,6 +550,7 @@ class InferenceSession(OrtInferenceSession):
 
         fam = self._oc_state
         fam.release_collected()
+        _check_tensor_io(self)
         target = self._oc_specialized_for(example_feeds) if fam.deferred else fam
         if target.info is None:
             self._oc_require_capture("capture()")
@@ -533,7 +594,8 @@ class InferenceSession(OrtInferenceSession):
         return CapturedGraph(st, example_feeds, SKIP_GRAPH_ID, capture=False, device=where)
 
     def _oc_specialized_for(self, feeds: Mapping[str, Any]) -> CaptureState:
-        sig = shapes.shape_signature(shapes.feed_shapes(feeds))
+        inputs = {m.name for m in self.get_inputs()}  # overridable initializers keep their shapes
+        sig = shapes.shape_signature({n: s for n, s in shapes.feed_shapes(feeds).items() if n in inputs})
         fam = self._oc_state
         with fam.capture_guard:
             sib = fam.siblings.get(sig)
@@ -558,6 +620,36 @@ def _trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options):
     if profiles is None:
         return providers, provider_options
     return _buckets.with_trt_profiles(providers, provider_options, profiles)
+
+
+def _constant_outputs_of(path_or_bytes, static_sig):
+    """``() -> frozenset``: the model's constant outputs (:func:`ortcapture._inspect.constant_outputs`), computed at
+    the first call (a capture) and kept."""
+    @functools.cache
+    def constant_outputs() -> frozenset:
+        model = _inspect.try_load_structure(path_or_bytes)
+        if model is None:
+            return frozenset()
+        if static_sig:
+            model = _inspect.load_structure(shapes.fix_input_shapes(model.SerializeToString(), dict(static_sig)))
+        return _inspect.constant_outputs(model)
+
+    return constant_outputs
+
+
+def _check_tensor_io(session) -> None:
+    """Raise :class:`CaptureUnsupportedError` naming the inputs/outputs that are not numeric tensors (strings,
+    sequences, maps such as ``ZipMap``'s, optional values): no fixed device buffer can hold them."""
+    from ortcapture.transfer import ONNX_TO_NP
+
+    bad = [f"{role} {m.name!r} is {m.type}" for role, metas in (("input", session.get_inputs()),
+                                                                 ("output", session.get_outputs()))
+           for m in metas if m.type not in ONNX_TO_NP]
+    if bad:
+        raise CaptureUnsupportedError(
+            f"capture() needs every input and output to be a numeric tensor held in a fixed device buffer: "
+            f"{'; '.join(bad)}. Run that part of the model outside the captured graph (`ortcapture doctor MODEL`)."
+        )
 
 
 def _check_version(requested: CaptureInfo | None) -> None:

@@ -215,14 +215,17 @@ def test_doctor_help_documents_exit_codes():
 
 
 def test_doctor_constant_output_on_webgpu(webgpu, tmp_path):
-    """A Constant-only model: ORT folds the output into a constant that no replay writes. The refusal says so, not
-    that it is a view, and does not tell the user to run doctor."""
+    """A Constant-only model: ORT folds the output into a constant that no replay writes; its value never changes,
+    so ortcapture keeps it (issue 17): capturable, and the finding says why, not that it is a view."""
     rc, out, err = ortcapture("doctor", _save(tmp_path, "const", constant_model()), "--provider", "webgpu")
-    assert rc == 1 and "Traceback" not in out + err, out + err
-    assert "depends on no input" in out and "drop output 'Y'" in out
-    assert "ortcapture doctor" not in out.replace("ortcapture doctor: ", "") and " view " not in out
+    assert "Traceback" not in out + err, out + err
+    if "refused graph capture (session creation)" in out:  # onnxruntime 1.27: a graph with no node left is refused
+        assert rc == 1
+    else:
+        assert rc == 0, out
+    assert "depends on no input" in out and "keeps the capture-time value" in out and " view " not in out
     rc, out, err = ortcapture("doctor", _save(tmp_path, "const", constant_model()), "--provider", "none")
-    assert rc == 3 and "[warning] constant_output" in out  # statically a warning: the capture attempt decides
+    assert rc == 3 and "[info] constant_output" in out
 
 
 # -- demo on WebGPU ---------------------------------------------------------------------------------------------

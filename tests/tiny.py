@@ -6,11 +6,12 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 
-def _model(nodes, inputs, outputs, initializers=(), opset=17) -> bytes:
+def _model(nodes, inputs, outputs, initializers=(), opset=17, check=True) -> bytes:
     graph = helper.make_graph(nodes, "tiny", inputs, outputs, list(initializers))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
-    onnx.checker.check_model(model)
+    if check:
+        onnx.checker.check_model(model)
     return model.SerializeToString()
 
 
@@ -212,3 +213,124 @@ def identity_chain_model(rows=64, n=128, depth=4) -> bytes:
     names = ["X", *[f"h{i}" for i in range(1, depth)], "Y"]
     nodes = [helper.make_node("MatMul", [names[i], "eye"], [names[i + 1]]) for i in range(depth)]
     return _model(nodes, [vi("X", [rows, n])], [vi("Y", [rows, n])], [eye])
+
+
+def recurrent_view_model(n=8, dynamic=False) -> bytes:
+    """A recurrent step whose outputs are views (issue 17): s = tanh(state_in * 0.9 + x + zeros(Shape)); outputs
+    ``y = Unsqueeze(ReduceSum(s, axis 1), 1)`` [b, 1], ``state_out = Reshape(s, Shape(state_in))`` [b, n] and
+    ``flat = Flatten(Identity(s))`` [b, n]. Dims [1, n], or ["batch", n] with ``dynamic`` (its shape subgraph
+    then falls to the CPU EP, so WebGPU capture is deferred to shape-specialised siblings)."""
+    b = "batch" if dynamic else 1
+    ints = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    a = numpy_helper.from_array(np.array(0.9, np.float32), "a")
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"], name="shape"),
+        helper.make_node("Gather", ["shp", "zero"], ["b"], name="gather_batch", axis=0),
+        helper.make_node("Unsqueeze", ["b", "axis0"], ["b1"], name="unsqueeze_batch"),
+        helper.make_node("Concat", ["b1", "one"], ["cshape"], name="concat_shape", axis=0),
+        helper.make_node("ConstantOfShape", ["cshape"], ["c"], name="zeros",
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
+        helper.make_node("Mul", ["state_in", "a"], ["m"], name="decay"),
+        helper.make_node("Add", ["m", "x"], ["p"], name="add_x"),
+        helper.make_node("Add", ["p", "c"], ["q"], name="add_zeros"),
+        helper.make_node("Tanh", ["q"], ["s"], name="tanh"),
+        helper.make_node("ReduceSum", ["s", "axis1"], ["r"], name="sum", keepdims=0),
+        helper.make_node("Unsqueeze", ["r", "axis1"], ["y"], name="unsqueeze_y"),
+        helper.make_node("Shape", ["state_in"], ["sshape"], name="state_shape"),
+        helper.make_node("Reshape", ["s", "sshape"], ["state_out"], name="reshape_state"),
+        helper.make_node("Identity", ["s"], ["si"], name="identity_s"),
+        helper.make_node("Flatten", ["si"], ["flat"], name="flatten", axis=1),
+    ]
+    return _model(nodes, [vi("x", [b, n]), vi("state_in", [b, n])],
+                  [vi("y", [b, 1]), vi("state_out", [b, n]), vi("flat", [b, n])],
+                  [a, ints("zero", 0), ints("axis0", [0]), ints("one", [1]), ints("axis1", [1])])
+
+
+def constant_outputs_model() -> bytes:
+    """Y = Relu(X) and outputs that depend on no input value (issue 17): the initializer ``W0`` itself,
+    ``K = Reshape(W0, [4])``, ``C`` from a Constant node and ``S = Shape(X)`` of the static input X [2, 4]."""
+    w0 = numpy_helper.from_array(np.array([[1.5, -2.0], [3.0, 4.25]], np.float32), "W0")
+    s4 = numpy_helper.from_array(np.array([4], np.int64), "s4")
+    nodes = [
+        helper.make_node("Relu", ["X"], ["Y"], name="relu"),
+        helper.make_node("Reshape", ["W0", "s4"], ["K"], name="reshape_w"),
+        helper.make_node("Constant", [], ["C"], name="const",
+                         value=helper.make_tensor("cv", TensorProto.INT32, [3], [7, 8, 9])),
+        helper.make_node("Shape", ["X"], ["S"], name="shape_x"),
+    ]
+    return _model(nodes, [vi("X", [2, 4])],
+                  [vi("Y", [2, 4]), vi("W0", [2, 2]), vi("K", [4]), vi("C", [3], TensorProto.INT32),
+                   vi("S", [2], TensorProto.INT64)], [w0, s4])
+
+
+def overridable_model() -> bytes:
+    """Y = X * W + B with W an overridable initializer (an initializer also listed as a graph input) and B not."""
+    w = numpy_helper.from_array(np.full((2, 4), 2.0, np.float32), "W")
+    b = numpy_helper.from_array(np.full((2, 4), 0.5, np.float32), "B")
+    nodes = [helper.make_node("Mul", ["X", "W"], ["m"]), helper.make_node("Add", ["m", "B"], ["Y"])]
+    return _model(nodes, [vi("X", [2, 4]), vi("W", [2, 4])], [vi("Y", [2, 4])], [w, b])
+
+
+def shapeless_model() -> bytes:
+    """Y = X + ConstantOfShape(Shape(X)) with X declared without any shape (not even a rank): ORT places the shape
+    computation on the CPU EP, so WebGPU refuses capture until the shape is fixed."""
+    nodes = [
+        helper.make_node("Shape", ["X"], ["shp"], name="shape"),
+        helper.make_node("ConstantOfShape", ["shp"], ["c"], name="ones",
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+        helper.make_node("Add", ["X", "c"], ["Y"], name="add"),
+    ]
+    x = helper.make_value_info("X", helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    y = helper.make_value_info("Y", helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    return _model(nodes, [x], [y], check=False)  # onnx's checker wants a shape; ORT takes the model
+
+
+def round_model(dims=("batch", 4)) -> bytes:
+    """Y = Round(X * X): Round has no WebGPU kernel, so capture is refused whatever the dims."""
+    nodes = [helper.make_node("Mul", ["X", "X"], ["sq"], name="square"),
+             helper.make_node("Round", ["sq"], ["Y"], name="round_it")]
+    return _model(nodes, [vi("X", list(dims))], [vi("Y", list(dims))])
+
+
+def dtype_model(elem, dims=(2, 4)) -> bytes:
+    """Y = X + X in element type ``elem``."""
+    return _model([helper.make_node("Add", ["X", "X"], ["Y"], name="add")], [vi("X", list(dims), elem)],
+                  [vi("Y", list(dims), elem)])
+
+
+def zipmap_model() -> bytes:
+    """Y = Softmax(X) [1, 3] and Z = ZipMap(Y): a sequence of maps, as classifiers exported by skl2onnx end."""
+    nodes = [helper.make_node("Softmax", ["X"], ["Y"], name="softmax", axis=1),
+             helper.make_node("ZipMap", ["Y"], ["Z"], name="zipmap", domain="ai.onnx.ml",
+                              classlabels_int64s=[0, 1, 2])]
+    z = helper.make_value_info("Z", helper.make_sequence_type_proto(
+        helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, []))))
+    graph = helper.make_graph(nodes, "zipmap", [vi("X", [1, 3])], [vi("Y", [1, 3]), z])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def sequence_model() -> bytes:
+    """Y = Relu(X) and Q = SequenceConstruct(X, Y): a sequence output."""
+    nodes = [helper.make_node("Relu", ["X"], ["Y"], name="relu"),
+             helper.make_node("SequenceConstruct", ["X", "Y"], ["Q"], name="seq")]
+    q = helper.make_value_info("Q", helper.make_sequence_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, [2, 4])))
+    return _model(nodes, [vi("X", [2, 4])], [vi("Y", [2, 4]), q])
+
+
+def optional_input_model() -> bytes:
+    """Y = Relu(OptionalGetElement(O)) with O an optional(tensor(float)) input."""
+    o = helper.make_value_info("O", helper.make_optional_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, [2, 4])))
+    nodes = [helper.make_node("OptionalGetElement", ["O"], ["x"], name="get"),
+             helper.make_node("Relu", ["x"], ["Y"], name="relu")]
+    return _model(nodes, [o], [vi("Y", [2, 4])], opset=18)
+
+
+def string_model() -> bytes:
+    """Y = Identity(S) for a string input S [n] (dynamic)."""
+    return _model([helper.make_node("Identity", ["S"], ["Y"], name="copy")], [vi("S", ["n"], TensorProto.STRING)],
+                  [vi("Y", ["n"], TensorProto.STRING)])

@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from ortcapture._inspect import RECORD_ASSIGNMENT_KEY  # the one definition, in the core
 from ortcapture.cli.doctor_static import DoctorError, Finding, _fmt_shape, dims_fix
 
-#: Session config key that makes ORT record which EP each node went to (read by get_provider_graph_assignment_info).
-RECORD_ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
 #: Models larger than this are not re-serialized by ORT to list Memcpy nodes (protobuf's 2 GiB limit, time).
 _OPTIMIZED_MODEL_LIMIT = 1 << 30
 

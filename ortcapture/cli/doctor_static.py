@@ -192,6 +192,13 @@ def check_aliasing(model) -> list[Finding]:
         aliased.add(vo.name)
         how = ("is the graph input of the same name" if not chain
                else f"is input {name!r} through {' > '.join(_node_label(n) for n in reversed(chain))}")
+        if chain:  # a view output: ortcapture computes it inside the graph on WebGPU (ortcapture._inspect)
+            out.append(Finding(
+                "alias", "info",
+                f"output {vo.name!r} {how}: raw ORT's WebGPU replay keeps its capture-time value (onnxruntime 1.32); "
+                "ortcapture's WebGPU sessions compute it inside the graph (a Cast to its own type), so replays "
+                "write it", None, {"output": vo.name, "input": name, "via": [n.name for n in chain]}))
+            continue
         out.append(Finding(
             "alias", "error",
             f"output {vo.name!r} {how}: no kernel writes it, so a captured replay may never refresh it (measured on "
@@ -228,13 +235,12 @@ def check_view_outputs(model) -> list[Finding]:
         if node is None or node.op_type not in VIEW_OPS or node.domain not in ("", "ai.onnx"):
             continue
         out.append(Finding(
-            "view_output", "warning",
+            "view_output", "info",
             f"output {vo.name!r} comes straight from {_node_label(node)}, whose result can be a view of its input: "
-            "the copy into the bound output buffer is not part of the capture (measured on WebGPU, onnxruntime "
-            "1.32: every replay returns the capture-time value; the capture attempt checks your EP)",
-            f"end the graph with a compute op: export without the trailing {node.op_type} on {vo.name!r} and "
-            "reshape the output in the caller (free for numpy/DLPack)",
-            {"output": vo.name, "op_type": node.op_type, "node": node.name}))
+            "in raw ORT the copy into the bound output buffer is not part of the capture (measured on WebGPU, "
+            "onnxruntime 1.32: every replay returns the capture-time value); ortcapture's WebGPU sessions compute "
+            "it inside the graph (a Cast to its own type after the view), so replays write it",
+            None, {"output": vo.name, "op_type": node.op_type, "node": node.name}))
     return out
 
 
@@ -253,12 +259,10 @@ def check_constant_outputs(model) -> list[Finding]:
         if vo.name in live:
             continue
         out.append(Finding(
-            "constant_output", "warning",
+            "constant_output", "info",
             f"output {vo.name!r} depends on no input (it is computed from constants only): ORT folds it into a "
-            "constant, so no kernel writes it on a replay (measured on WebGPU, onnxruntime 1.32: the capture is "
-            "refused, ortcapture cannot tell a constant from a stale output)",
-            f"drop output {vo.name!r} from the graph and keep its value (from one uncaptured run) in the caller",
-            {"output": vo.name}))
+            "constant that no replay writes; its value never changes, so ortcapture keeps the capture-time value",
+            None, {"output": vo.name}))
     return out
 
 
