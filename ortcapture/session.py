@@ -215,7 +215,10 @@ class InferenceSession(OrtInferenceSession):
 
     # -- buffers ----------------------------------------------------------------------------------------------
     def allocate(self, shape: Sequence[int], dtype) -> compat.OrtValue:
-        """A fixed, uninitialised device OrtValue for the raw IOBinding path, kept alive by this session.
+        """A fixed, uninitialised device OrtValue for the raw IOBinding path.
+
+        The session tracks it but does not keep it alive: it lives while you, an IOBinding it is bound to, or a
+        captured ``gpu_graph_id`` that pinned it (until released) hold it.
 
         Args:
             shape: concrete ints >= 0.

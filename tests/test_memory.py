@@ -1,0 +1,81 @@
+"""Memory that must not only grow (issue 18): raw-path buffers, compaction, WebGPU replay loops.
+
+WebGPU runs on the software adapter (device memory is host memory there, so RSS shows it); CUDA parts carry
+``@pytest.mark.cuda`` (device memory from cudaMemGetInfo through ortcapture._cudart).
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import ortcapture
+from ortcapture.session import run_options_for
+from tests import tiny
+
+MiB = 1 << 20
+
+
+def rss() -> int:
+    """Resident set size of this process in bytes (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- item 1: the raw IOBinding path's buffers ----------------------------------------------------------------
+def _raw_cycle(sess, gid, shape, x):
+    """allocate -> bind -> capture -> replay -> release; returns the replay's output."""
+    xb, yb = sess.allocate(shape, np.float32), sess.allocate(shape, np.float32)
+    ortcapture.update_inplace(xb, x)
+    binding = sess.io_binding()
+    binding.bind_ortvalue_input("X", xb)
+    binding.bind_ortvalue_output("Y", yb)
+    ro = run_options_for(gid)
+    sess.run_with_iobinding(binding, ro)  # capture
+    sess.run_with_iobinding(binding, ro)  # replay
+    out = ortcapture.to_numpy(yb)
+    sess.release_captured_graph(gid)
+    return out
+
+
+def test_raw_path_buffers_are_freed_after_release(backend):
+    shape = (512, 1024)  # 2 MiB float32, as in the issue's measurement
+    sess = backend.session(tiny.affine_model(shape))
+    x = np.linspace(-1, 1, 512 * 1024, dtype=np.float32).reshape(shape)
+    pool = sess._oc_state.pool
+    before = None
+    for cycle in range(25):
+        gid = cycle + 1  # CUDA/TensorRT retire released ids
+        np.testing.assert_allclose(_raw_cycle(sess, gid, shape, x), x * 2 + 1, rtol=1e-6)
+        gc.collect()
+        assert len(pool) == 0, f"cycle {cycle}: {len(pool)} buffers still alive after release"
+        if cycle == 4:
+            before = rss()
+    if backend.name == "webgpu":  # device memory is host memory on the software adapter: 25 x 4 MiB before
+        assert rss() - before < 24 * MiB, (rss() - before) / MiB
+
+
+def test_pinned_raw_buffers_outlive_the_callers_references(backend):
+    shape = (2, 4)
+    sess = backend.session(tiny.affine_model(shape))
+    binding = sess.io_binding()
+    xb = sess.allocate(shape, np.float32)
+    ortcapture.update_inplace(xb, np.ones(shape, np.float32))
+    binding.bind_ortvalue_input("X", xb)
+    binding.bind_ortvalue_output("Y", sess.allocate(shape, np.float32))
+    ro = run_options_for(1)
+    sess.run_with_iobinding(binding, ro)
+    del xb
+    gc.collect()
+    assert len(sess._oc_state.pool) == 2  # the captured id pins both
+    xb = binding.bound_inputs["X"].value
+    ortcapture.update_inplace(xb, np.full(shape, 3, np.float32))
+    sess.run_with_iobinding(binding, ro)
+    np.testing.assert_array_equal(ortcapture.to_numpy(binding.bound_outputs["Y"].value), np.full(shape, 7))
+    del xb
+    sess.release_captured_graph(1)
+    del binding
+    gc.collect()
+    assert len(sess._oc_state.pool) == 0
