@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 
 from ortcapture import _compat as compat
 from ortcapture._buffers import BufferPool, allocate
+from ortcapture._compact import DeviceLedger
 from ortcapture._providers import CUDA_EPS, CaptureInfo
 from ortcapture._registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
 from ortcapture._run import run_bound, uncaptured_run_options
@@ -177,6 +178,10 @@ class CaptureState:
         # family-level: set on the family state only
         self.graphs = GraphPool()
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
+        #: the family's graph device memory and compaction threshold (:mod:`ortcapture._compact`), shared by members
+        self.ledger = family.ledger if family is not None else DeviceLedger()
+        #: ``() -> None``: rebuild this member's C session (same model, options, providers); set by the session
+        self.rebuild_session = None
         if family is not None and info is not None and static_shapes is not None:
             family.siblings[static_shapes] = self  # a shape-specialised sibling joins its family
 
@@ -247,7 +252,8 @@ class CaptureState:
         (:func:`ortcapture._capture.capture_bindings`). The caller holds :attr:`capture_guard`."""
         from ortcapture._capture import capture_bindings
 
-        rec = capture_bindings(self, binding, graph_id, run_options, owner)
+        with self.ledger.measure(graph_id, self.info):
+            rec = capture_bindings(self, binding, graph_id, run_options, owner)
         self._thread_add(graph_id)
         return rec
 
@@ -289,7 +295,8 @@ class CaptureState:
                 return False
             if self.registry.check(binding, graph_id) is None:  # pinned binding only
                 return False
-            capture_in_this_thread(self, binding, run_options)
+            with self.ledger.measure(graph_id, self.info):
+                capture_in_this_thread(self, binding, run_options)
             self._thread_add(graph_id)
             return True
 
@@ -309,6 +316,8 @@ class CaptureState:
         are retired instead), and detach the CapturedGraph that owned it."""
         with self.guard:
             rec = self.registry.release(graph_id) if self.registry is not None else None
+            if rec is not None:
+                self.ledger.released(graph_id, freed=self.info.releases_natively)
             if compat.has_release_captured_graph():
                 compat.OrtInferenceSession.release_captured_graph(self.session, graph_id)
             graph = self.family.graphs.pop(graph_id)
@@ -329,6 +338,14 @@ class CaptureState:
         for g in self.graphs.clear():
             g.detach()
         self.siblings.clear()
+
+    def rebuilt(self) -> None:
+        """This member's C session was rebuilt (``InferenceSession.compact``): every graph it held and every retired
+        id is gone, and no thread has a CUDA graph of it yet. The caller holds :attr:`capture_guard`."""
+        self.registry = GraphRegistry(self.info)
+        self._tls = threading.local()
+        if self.pool is not None:
+            self.pool.clear()
 
     def describe(self) -> dict[int, dict]:
         """``gpu_graph_id`` -> what it pinned (see ``InferenceSession.captured_graphs``), family-wide."""

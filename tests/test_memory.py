@@ -100,3 +100,89 @@ def test_replay_loop_without_readback_keeps_rss_flat(backend):
     # measured on the software adapter before the queue drain: +155 MiB (5.3 KB a replay)
     assert peak < 8 * MiB, f"RSS grew {peak / MiB:.1f} MiB over 30,000 replays"
     np.testing.assert_allclose(graph.run()[0], np.full((64, 64), 4.0), rtol=1e-6)  # s -> 2x, results intact
+
+
+# -- item 2: compaction -----------------------------------------------------------------------------------------
+def _recurrent(backend):
+    sess = backend.session(tiny.recurrent_model(8))
+    x0, s0 = np.full((1, 8), 0.1, np.float32), np.zeros((1, 8), np.float32)
+    graph = sess.capture({"x": x0, "state_in": s0}, state={"state_out": "state_in"})
+    return sess, graph
+
+
+def test_compact_keeps_state_outputs_and_ids(backend):
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((12, 1, 8)).astype(np.float32)
+    sess, graph = _recurrent(backend)
+    _, ref = _recurrent(backend)
+    for k in range(5):
+        np.testing.assert_allclose(graph.run({"x": xs[k]})[0], ref.run({"x": xs[k]})[0], rtol=1e-5, atol=1e-6)
+    stale = graph.run({"x": xs[5]}, copy_outputs=False)
+    ref.run({"x": xs[5]})
+    before = [ortcapture.to_numpy(v) for v in graph.outputs.values()]
+    gid, replays = graph.graph_id, graph.replays
+    sess.compact()
+    assert sess.graph_memory["compactions"] == 1
+    assert graph.graph_id == gid and not graph.released and graph.replays == replays
+    assert list(sess.captured_graphs) == [gid]
+    for b, v in zip(before, graph.outputs.values()):  # outputs as they were
+        np.testing.assert_array_equal(ortcapture.to_numpy(v), b)
+    with pytest.raises(ortcapture.StaleOutputError):
+        stale[0].numpy()
+    for k in range(6, 12):  # state carried on exactly as without the compaction
+        np.testing.assert_allclose(graph.run({"x": xs[k]})[0], ref.run({"x": xs[k]})[0], rtol=1e-5, atol=1e-6)
+    graph.reset_state()
+    ref.reset_state()
+    np.testing.assert_allclose(graph.run({"x": xs[0]})[0], ref.run({"x": xs[0]})[0], rtol=1e-5, atol=1e-6)
+    graph.release()
+    sess.compact()  # nothing live: still fine
+    assert sess.captured_graphs == {}
+
+
+def test_compact_refuses_while_raw_path_graphs_exist(backend):
+    sess, graph = _recurrent(backend)
+    shape = (1, 8)
+    binding = sess.io_binding()
+    for name in ("x", "state_in"):
+        buf = sess.allocate(shape, np.float32)
+        ortcapture.update_inplace(buf, np.zeros(shape, np.float32))
+        binding.bind_ortvalue_input(name, buf)
+    for name in ("y", "state_out"):
+        binding.bind_ortvalue_output(name, sess.allocate(shape, np.float32))
+    sess.run_with_iobinding(binding, run_options_for(7))
+    sess.compact_threshold = 0
+    with pytest.raises(ortcapture.CaptureError, match=r"raw IOBinding graph\(s\) \[7\]"):
+        sess.compact()
+    sess._oc_state.ledger.retired = 1  # past the threshold: the automatic one must not run either
+    graph.run()
+    graph2 = sess.capture({"x": np.ones(shape, np.float32), "state_in": np.zeros(shape, np.float32)})
+    assert sess.graph_memory["compactions"] == 0
+    sess.run_with_iobinding(binding, run_options_for(7))  # the raw graph still replays
+    sess.release_captured_graph(7)
+    del binding, buf
+    gc.collect()
+    sess.compact_threshold = None
+    sess.compact()
+    assert sess.graph_memory["compactions"] == 1
+    np.testing.assert_allclose(graph2.run()[1], np.tanh(np.ones(shape)), rtol=1e-5)
+
+
+def test_compact_threshold_is_checked(backend):
+    sess, _ = _recurrent(backend)
+    assert sess.compact_threshold == 256 * MiB
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(ortcapture.CaptureError, match="compact_threshold"):
+            sess.compact_threshold = bad
+
+
+def test_compact_rebuilds_shape_specialised_siblings(backend):
+    sess = backend.session(tiny.shape_subgraph_model())
+    if not sess.capture_deferred:
+        pytest.skip(f"{backend} captures this model without shape specialisation")  # CUDA: shape nodes on CPU
+    graphs = {b: sess.capture({"X": np.full((b, 4), b, np.float32)}) for b in (1, 2)}
+    sibs = list(sess._oc_state.siblings.values())
+    old = [s.session._sess for s in sibs]
+    sess.compact()
+    assert all(s.session._sess is not o for s, o in zip(sibs, old))
+    for b, g in graphs.items():
+        np.testing.assert_array_equal(g.run({"X": np.full((b, 4), 2 * b, np.float32)})[0], np.full((b, 4), 2 * b + 1))
