@@ -186,3 +186,43 @@ def test_compact_rebuilds_shape_specialised_siblings(backend):
     assert all(s.session._sess is not o for s, o in zip(sibs, old))
     for b, g in graphs.items():
         np.testing.assert_array_equal(g.run({"X": np.full((b, 4), 2 * b, np.float32)})[0], np.full((b, 4), 2 * b + 1))
+
+
+# -- item 4: the soak tool --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode,count", [("replay", 5000), ("cycles", 200)])
+def test_bench_soak_writes_json_and_png(backend, tmp_path, capsys, mode, count):
+    import json
+
+    from ortcapture.cli import main
+
+    out_json, out_png = tmp_path / "soak.json", tmp_path / "soak.png"
+    rc = main(["bench", "small", "--provider", backend.name, "--soak", "60", "--soak-count", str(count),
+               "--soak-mode", mode, "--soak-sample", "0.2", "--warmup-replays", "500", "--json", str(out_json),
+               "--plot", str(out_png)])
+    assert rc == 0, capsys.readouterr()
+    result = json.loads(out_json.read_text())
+    s = result["summary"]
+    assert result["mode"] == mode and s["count"] == count and len(result["samples"]) >= 2
+    from ortcapture import _compat as compat
+
+    assert s["rate_per_s"] > 0
+    if mode == "replay" or backend.name == "webgpu":  # CUDA cycles: retired graphs' host side until a compaction
+        assert s["rss_bytes"]["peak_above_start"] < 16 * MiB
+    assert (s["device_bytes"] is None) == (backend.name == "webgpu" or not compat.has_cuda_python())
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "compactions" in capsys.readouterr().out
+
+
+def test_soak_cycles_keep_rss_flat_on_webgpu(backend):
+    """WebGPU frees a released graph in ORT (>= 1.30): capture -> run -> release cycles need no compaction."""
+    from ortcapture import _compat as compat
+    from ortcapture.cli.soak import small_model, soak
+
+    if backend.name != "webgpu" or not compat.has_release_captured_graph():
+        pytest.skip("WebGPU with ORT's release_captured_graph (ORT >= 1.30)")
+    sess = backend.session(small_model(64))
+    feeds = {"state": np.zeros((64, 64), np.float32), "x": np.ones((64, 64), np.float32)}
+    soak(sess, feeds, mode="cycles", count=200, state={"state_out": "state"})  # warm-up
+    result = soak(sess, feeds, mode="cycles", count=1500, state={"state_out": "state"}, sample_s=0.0)
+    assert result["summary"]["rss_bytes"]["peak_above_start"] < 8 * MiB
+    assert result["summary"]["compactions"] == 0
