@@ -13,9 +13,9 @@ next run (``CaptureState.ensure_thread``).
 :class:`DeviceLedger` (one per session family) measures each graph's device memory as the change of
 ``cudaMemGetInfo``'s free bytes around its capture (and around each per-thread capture), adds it to the retired
 total when the graph is released on an EP that cannot free it, and :func:`maybe_compact` compacts automatically once
-the retired total passes :attr:`DeviceLedger.threshold` bytes. Without cuda-python nothing is measured and only an
-explicit ``compact()`` compacts. WebGPU frees released graphs in ORT (ORT >= 1.30), so there is nothing retired to
-measure and automatic compaction never runs; an explicit ``compact()`` still rebuilds (the graphs' buffers move to
+the retired total passes :attr:`DeviceLedger.threshold` bytes. Where nothing is measured (no cuda-python; WebGPU
+before ORT 1.30, which cannot release either) a retired graph counts the bytes of the buffers it pinned. WebGPU frees
+released graphs in ORT >= 1.30, so nothing is retired there and automatic compaction never runs; an explicit ``compact()`` still rebuilds (the graphs' buffers move to
 the new C session's allocator: a WebGPU OrtValue from ``create_ortvalue_from_shape_and_type`` retains and may only
 be bound through its own C session).
 
@@ -65,12 +65,15 @@ class DeviceLedger:
                 with self._lock:
                     self._live[graph_id] = self._live.get(graph_id, 0) + max(0, before[0] - after[0])
 
-    def released(self, graph_id: int, freed: bool) -> None:
-        """``graph_id`` was released; unless the EP ``freed`` it, its bytes count as retired."""
+    def released(self, graph_id: int, freed: bool, pinned_bytes: int = 0) -> None:
+        """``graph_id`` was released; unless the EP ``freed`` it, its bytes count as retired: as measured around its
+        capture, else (nothing measured: not CUDA, or no cuda-python) the ``pinned_bytes`` of its bound buffers, which
+        the unfreed graph keeps alive (measured on ORT 1.27 WebGPU, no release there: ~4 MiB per cycle with two
+        2 MiB buffers)."""
         with self._lock:
-            nbytes = self._live.pop(graph_id, 0)
+            nbytes = self._live.pop(graph_id, None)
             if not freed:
-                self.retired += nbytes
+                self.retired += pinned_bytes if nbytes is None else nbytes
 
     def forget(self, graph_ids) -> None:
         with self._lock:

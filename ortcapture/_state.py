@@ -317,7 +317,7 @@ class CaptureState:
         with self.guard:
             rec = self.registry.release(graph_id) if self.registry is not None else None
             if rec is not None:
-                self.ledger.released(graph_id, freed=self.info.releases_natively)
+                self.ledger.released(graph_id, freed=self.info.releases_natively, pinned_bytes=rec.nbytes)
             if compat.has_release_captured_graph():
                 compat.OrtInferenceSession.release_captured_graph(self.session, graph_id)
             graph = self.family.graphs.pop(graph_id)

@@ -53,7 +53,9 @@ def test_raw_path_buffers_are_freed_after_release(backend):
         assert len(pool) == 0, f"cycle {cycle}: {len(pool)} buffers still alive after release"
         if cycle == 4:
             before = rss()
-    if backend.name == "webgpu":  # device memory is host memory on the software adapter: 25 x 4 MiB before
+    # device memory is host memory on the software adapter: 25 x 4 MiB before; ORT < 1.30 cannot release a WebGPU
+    # graph at all (it keeps its buffers: compaction's job)
+    if backend.name == "webgpu" and sess.capture_info.releases_natively:
         assert rss() - before < 24 * MiB, (rss() - before) / MiB
 
 
@@ -226,3 +228,20 @@ def test_soak_cycles_keep_rss_flat_on_webgpu(backend):
     result = soak(sess, feeds, mode="cycles", count=1500, state={"state_out": "state"}, sample_s=0.0)
     assert result["summary"]["rss_bytes"]["peak_above_start"] < 8 * MiB
     assert result["summary"]["compactions"] == 0
+
+
+def test_automatic_compaction_where_webgpu_cannot_release(backend):
+    """ORT < 1.30 has no WebGPU release (ids retired, buffers kept by the graph): retired graphs count their pinned
+    bytes, and automatic compaction bounds memory (RSS on the software adapter)."""
+    from ortcapture.cli.soak import small_model, soak
+
+    sess = backend.session(small_model(256))  # 256 KiB buffers: 768 KiB pinned per graph
+    if backend.name != "webgpu" or sess.capture_info.releases_natively:
+        pytest.skip("WebGPU before ORT 1.30 (no release_captured_graph)")
+    sess.compact_threshold = 8 * MiB
+    feeds = {"state": np.zeros((256, 256), np.float32), "x": np.ones((256, 256), np.float32)}
+    soak(sess, feeds, mode="cycles", count=30, state={"state_out": "state"})  # warm-up
+    result = soak(sess, feeds, mode="cycles", count=200, state={"state_out": "state"}, sample_s=0.0)
+    s = result["summary"]
+    assert s["compactions"] >= 10
+    assert s["rss_bytes"]["peak_above_start"] < 8 * MiB + 32 * MiB

@@ -37,7 +37,9 @@ def small_model(n: int = 64) -> bytes:
          helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, n])],
         [helper.make_tensor_value_info("state_out", TensorProto.FLOAT, [n, n])],
         [helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # what every supported onnxruntime (>= 1.24.4) reads; newer onnx writes a newer one
+    return model.SerializeToString()
 
 
 def rss() -> int:
