@@ -365,8 +365,8 @@ class CapturedGraph:
                 for key, bufs in (("inputs", self.inputs), ("outputs", self.outputs),
                                   ("initial_state", self._initial_state)):
                     for name, old in list(bufs.items()):
-                        bufs[name] = new = cs.new_buffer(old.shape(), transfer.np_dtype_of(old))
-                        transfer.update_inplace(new, saved[key][name])
+                        bufs[name] = cs.new_buffer(old.shape(), transfer.np_dtype_of(old))
+                    transfer.copy_feeds(bufs, saved[key])
             self._binding = IOBinding(cs.session)
             for name, buf in self.inputs.items():
                 self._binding.bind_ortvalue_input(name, buf)
@@ -378,8 +378,7 @@ class CapturedGraph:
             replays = self._record.replays if self._record is not None else 0
             self._record = cs.capture(self._binding, self.graph_id, self._run_options, owner=self)
             self._record.replays = replays
-            for name, buf in self.outputs.items():
-                transfer.update_inplace(buf, saved["outputs"][name])
+            transfer.copy_feeds(self.outputs, saved["outputs"])
         finally:
             self._generation += 1
 

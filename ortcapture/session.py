@@ -10,8 +10,8 @@ With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) hol
 * ``run_with_iobinding`` pins the IOBinding per ``gpu_graph_id`` (:mod:`ortcapture._registry`), refuses CPU-bound,
   ORT-allocated, foreign-device and input/output-aliased bindings, and serialises runs (ORT does not support
   concurrent ``Run`` under capture and does not enforce it);
-* ``release_captured_graph`` retires CUDA/TensorRT ids (ORT's release is a no-op there) and ``set_providers``
-  forgets every graph.
+* ``release_captured_graph`` retires CUDA/TensorRT ids (ORT's release is a no-op there; :meth:`InferenceSession.compact`
+  frees them by rebuilding the C session) and ``set_providers`` forgets every graph.
 """
 from __future__ import annotations
 
