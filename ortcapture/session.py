@@ -401,11 +401,15 @@ class InferenceSession(OrtInferenceSession):
         released graphs' device memory passes :attr:`compact_threshold` (CUDA, measured with cuda-python).
 
         Raises:
+            CaptureUnsupportedError: the session does not capture.
             CaptureError: raw IOBinding graphs are captured (their IOBinding belongs to the old C session; release
                 them first), or on WebGPU, buffers from :meth:`allocate` are alive; or a graph failed to capture
                 again (that graph is released; the rest are compacted).
         """
-        _compact.compact(self._oc_state.family)
+        st = self._oc_state
+        if st.info is None and not st.deferred:
+            self._oc_require_capture("compact()")
+        _compact.compact(st.family)
 
     @property
     def compact_threshold(self) -> int | None:

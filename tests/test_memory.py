@@ -245,3 +245,9 @@ def test_automatic_compaction_where_webgpu_cannot_release(backend):
     s = result["summary"]
     assert s["compactions"] >= 10
     assert s["rss_bytes"]["peak_above_start"] < 8 * MiB + 32 * MiB
+
+
+def test_compact_needs_a_capturing_session(backend):
+    sess = backend.session(tiny.add_model(), capture=False)
+    with pytest.raises(ortcapture.CaptureUnsupportedError, match="compact"):
+        sess.compact()
