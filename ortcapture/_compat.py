@@ -184,3 +184,13 @@ def torch_raw_stream_getter(torch):
     """torch's ``torch._C._cuda_getCurrentRawStream(device) -> int`` (the current CUDA stream's handle, much cheaper
     than ``torch.cuda.current_stream()``), or ``None`` where this torch lacks it."""
     return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def rebuild_c_session(session: OrtInferenceSession, providers, provider_options) -> None:
+    """Replace ``session``'s C session with a new one built from the same model, ``SessionOptions`` and the given
+    providers — ORT's own re-creation (``_reset_session``, what ``set_providers`` calls). Graphs captured by the
+    old C session die with it. ORT >= 1.30's own WebGPU pins (``_captured_graph_bindings``) are released first
+    through ORT's method, not through a subclass's override."""
+    for graph_id in sorted(getattr(session, "_captured_graph_bindings", {}) or {}):
+        OrtInferenceSession.release_captured_graph(session, graph_id)
+    OrtInferenceSession._reset_session(session, providers, provider_options)

@@ -101,6 +101,17 @@ def stream_is_capturing(stream: int = 0) -> bool:
     return int(status) != 0
 
 
+def mem_get_info(device: int) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of CUDA ``device`` (``cudaMemGetInfo``: device-wide, every process and allocator
+    counted), or ``None`` without cuda-python or on failure."""
+    rt = compat.cudart()
+    if rt is None:
+        return None
+    with current_device(device):
+        err, free, total = rt.cudaMemGetInfo()
+    return (int(free), int(total)) if _ok(err) else None
+
+
 def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     """Synchronous device-to-device (or peer) copy of ``nbytes`` bytes; raises :class:`RuntimeError` on failure."""
     rt = compat.cudart()

@@ -24,11 +24,21 @@ from typing import Any, Iterator, Sequence
 
 from ortcapture import _compat as compat
 from ortcapture._buffers import BufferPool, allocate
+from ortcapture._compact import DeviceLedger
 from ortcapture._providers import CUDA_EPS, CaptureInfo
 from ortcapture._registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
 from ortcapture._run import run_bound, uncaptured_run_options
 from ortcapture._sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
 from ortcapture.errors import CaptureError
+
+#: WebGPU: replays of one graph between two queue drains (a host readback of its smallest output). ORT's WebGPU
+#: ``run_with_iobinding`` returns before the GPU finishes, and nothing bounds the queue: measured on the software
+#: adapter (ORT 1.32, plugin 0.4.0), 30,000 ``run(copy_outputs=False)`` replays of a 64x64 recurrent Add/Mul with
+#: no readback grew host RSS by 155 MiB (5.3 KB a replay: submitted, not yet executed work);
+#: ``IOBinding.synchronize_outputs()`` does not wait for it; a readback every 256 replays keeps the backlog under
+#: ~1.5 MiB (flat RSS).
+WEBGPU_DRAIN_EVERY = 256
+
 
 class GraphPool:
     """The live :class:`~ortcapture.graph.CapturedGraph` s of one session family, by ``gpu_graph_id`` and by key.
@@ -152,6 +162,8 @@ class CaptureState:
         self.capture_guard = CaptureGuard(self.lock, cuda)
         # ORT's CUDA/TensorRT EPs keep captured graphs per thread (CUDAExecutionProvider::PerThreadContext)
         self.per_thread = info is not None and info.device_type == "cuda"
+        #: replays between two WebGPU queue drains (0: never; see WEBGPU_DRAIN_EVERY)
+        self.drain_every = WEBGPU_DRAIN_EVERY if info is not None and info.device_type == "webgpu" else 0
         self._tls = threading.local()
         #: ``probe() -> bool``: is the calling thread's CUDA stream being captured by someone else (ORT PR #32081)?
         self.capture_probe = None
@@ -168,6 +180,10 @@ class CaptureState:
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
         #: ``() -> frozenset``: outputs whose value depends on no input (set by the session; ortcapture._inspect)
         self.constant_outputs = frozenset
+        #: the family's graph device memory and compaction threshold (:mod:`ortcapture._compact`), shared by members
+        self.ledger = family.ledger if family is not None else DeviceLedger()
+        #: ``() -> None``: rebuild this member's C session (same model, options, providers); set by the session
+        self.rebuild_session = None
         if family is not None and info is not None and static_shapes is not None:
             family.siblings[static_shapes] = self  # a shape-specialised sibling joins its family
 
@@ -238,7 +254,8 @@ class CaptureState:
         (:func:`ortcapture._capture.capture_bindings`). The caller holds :attr:`capture_guard`."""
         from ortcapture._capture import capture_bindings
 
-        rec = capture_bindings(self, binding, graph_id, run_options, owner)
+        with self.ledger.measure(graph_id, self.info):
+            rec = capture_bindings(self, binding, graph_id, run_options, owner)
         self._thread_add(graph_id)
         return rec
 
@@ -247,6 +264,8 @@ class CaptureState:
         foreign capture and has called :meth:`ensure_thread`."""
         run_bound(self.session, binding, run_options)
         record.replays += 1
+        if self.drain_every and not record.replays % self.drain_every:
+            _drain(record)
 
     # ORT's CUDA/TensorRT EPs keep captured graphs per thread: a captured id run from a new thread would re-run the
     # warm-ups (state advances) and capture again, racing other threads' CUDA work.
@@ -278,7 +297,8 @@ class CaptureState:
                 return False
             if self.registry.check(binding, graph_id) is None:  # pinned binding only
                 return False
-            capture_in_this_thread(self, binding, run_options)
+            with self.ledger.measure(graph_id, self.info):
+                capture_in_this_thread(self, binding, run_options)
             self._thread_add(graph_id)
             return True
 
@@ -298,6 +318,8 @@ class CaptureState:
         are retired instead), and detach the CapturedGraph that owned it."""
         with self.guard:
             rec = self.registry.release(graph_id) if self.registry is not None else None
+            if rec is not None:
+                self.ledger.released(graph_id, freed=self.info.releases_natively, pinned_bytes=rec.nbytes)
             if compat.has_release_captured_graph():
                 compat.OrtInferenceSession.release_captured_graph(self.session, graph_id)
             graph = self.family.graphs.pop(graph_id)
@@ -319,6 +341,14 @@ class CaptureState:
             g.detach()
         self.siblings.clear()
 
+    def rebuilt(self) -> None:
+        """This member's C session was rebuilt (``InferenceSession.compact``): every graph it held and every retired
+        id is gone, and no thread has a CUDA graph of it yet. The caller holds :attr:`capture_guard`."""
+        self.registry = GraphRegistry(self.info)
+        self._tls = threading.local()
+        if self.pool is not None:
+            self.pool.clear()
+
     def describe(self) -> dict[int, dict]:
         """``gpu_graph_id`` -> what it pinned (see ``InferenceSession.captured_graphs``), family-wide."""
         out = {}
@@ -333,3 +363,12 @@ class CaptureState:
                 d["static_shapes"] = dict(st.static_shapes) if st.static_shapes else None
                 out[gid] = d
         return out
+
+
+def _drain(record: CapturedGraphRecord) -> None:
+    """Wait for the WebGPU queue: read back the record's smallest pinned output (see WEBGPU_DRAIN_EVERY)."""
+    from ortcapture import transfer
+
+    values = [b for b in record.outputs.values() if b.value is not None]
+    if values:
+        transfer.to_numpy(min(values, key=lambda b: b.nbytes).value)

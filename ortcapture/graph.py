@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ortcapture import _compact
 from ortcapture import _compat as compat
 from ortcapture import transfer
 from ortcapture._binding import IOBinding
@@ -258,32 +259,35 @@ class CapturedGraph:
         probe = cs.capture_probe
         if probe is not None and probe():  # before any copy: CUDA calls inside a foreign capture break it
             cs.check_foreign_capture()  # raises CaptureError (ORT PR #32081)
-        if self._captured and not cs.thread_has(self.graph_id):
-            with cs.capture_guard:  # the thread's capture rewrites the outputs: earlier ReplayOutputs go stale
+        while True:  # again when a compaction (another thread) dropped this thread's CUDA graph meanwhile
+            if self._captured and not cs.thread_has(self.graph_id):
+                with cs.capture_guard:  # the thread's capture rewrites the outputs: earlier ReplayOutputs go stale
+                    self._generation += 1
+                    try:
+                        cs.ensure_thread(self._binding, self.graph_id, self._run_options)
+                    finally:
+                        self._generation += 1
+            with cs.guard:
+                if self._released:
+                    self._raise_released()
+                if self._captured and not cs.thread_has(self.graph_id):
+                    continue
+                if feeds is not None:
+                    transfer.copy_feeds(self.inputs, feeds)
+                # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a
+                # read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and
+                # after). Feeds were copied above, before it turned odd: this graph's own previous outputs may be fed back.
                 self._generation += 1
                 try:
-                    cs.ensure_thread(self._binding, self.graph_id, self._run_options)
+                    cs.replay(self._binding, self._run_options, self._record)
+                    if self._state:
+                        transfer.copy(self._state_src, self._state_dst)
+                    if copy_outputs:
+                        return [transfer.to_numpy(v) for v in self._output_list]
+                    gen = self._generation + 1  # its value once this returns
+                    return [ReplayOutput(v, self, gen) for v in self._output_list]
                 finally:
                     self._generation += 1
-        with cs.guard:
-            if self._released:
-                self._raise_released()
-            if feeds is not None:
-                transfer.copy_feeds(self.inputs, feeds)
-            # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a
-            # read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and
-            # after). Feeds were copied above, before it turned odd: this graph's own previous outputs may be fed back.
-            self._generation += 1
-            try:
-                cs.replay(self._binding, self._run_options, self._record)
-                if self._state:
-                    transfer.copy(self._state_src, self._state_dst)
-                if copy_outputs:
-                    return [transfer.to_numpy(v) for v in self._output_list]
-                gen = self._generation + 1  # its value once this returns
-                return [ReplayOutput(v, self, gen) for v in self._output_list]
-            finally:
-                self._generation += 1
 
     def replay(self) -> None:
         """Replay the graph on its fixed buffers as they are now (no feeds copied, outputs left in :attr:`outputs`,
@@ -349,6 +353,46 @@ class CapturedGraph:
             if self._captured:
                 self._cs.release(self.graph_id)  # ends in detach()
             self.detach()
+        if self._captured:
+            _compact.maybe_compact(self._cs.family)  # outside the guard: it takes the capture guard
+
+    # -- compaction (InferenceSession.compact, ortcapture._compact) ----------------------------------------------
+    def snapshot(self, everything: bool = False) -> dict:
+        """Host copies of the outputs (and with ``everything``, of the inputs and initial state too), taken before the
+        C session is rebuilt: ``{"outputs"|"inputs"|"initial_state": {name: numpy array}}``."""
+        groups = {"outputs": self.outputs}
+        if everything:
+            groups.update(inputs=self.inputs, initial_state=self._initial_state)
+        return {k: {n: transfer.to_numpy(v) for n, v in d.items()} for k, d in groups.items()}
+
+    def recapture(self, saved: dict, move: bool = False) -> None:
+        """Capture this graph again on its session's rebuilt C session, side-effect free: a new IOBinding of the same
+        buffers (``move``: new buffers from the new C session's allocator, filled from ``saved``), the capture, then
+        the outputs restored from ``saved`` (:meth:`snapshot`). :class:`ReplayOutput` s handed out before go stale.
+        The caller holds the capture guard."""
+        cs = self._cs
+        self._generation += 1
+        try:
+            if move:
+                for key, bufs in (("inputs", self.inputs), ("outputs", self.outputs),
+                                  ("initial_state", self._initial_state)):
+                    for name, old in list(bufs.items()):
+                        bufs[name] = cs.new_buffer(old.shape(), transfer.np_dtype_of(old))
+                    transfer.copy_feeds(bufs, saved[key])
+            self._binding = IOBinding(cs.session)
+            for name, buf in self.inputs.items():
+                self._binding.bind_ortvalue_input(name, buf)
+            for name, buf in self.outputs.items():
+                self._binding.bind_ortvalue_output(name, buf)
+            self._state_src = [self.outputs[o] for o in self._state]
+            self._state_dst = [self.inputs[i] for i in self._state.values()]
+            self._output_list = list(self.outputs.values())
+            replays = self._record.replays if self._record is not None else 0
+            self._record = cs.capture(self._binding, self.graph_id, self._run_options, owner=self)
+            self._record.replays = replays
+            transfer.copy_feeds(self.outputs, saved["outputs"])
+        finally:
+            self._generation += 1
 
     def detach(self) -> None:
         """Called by the session when the graph is gone (:meth:`release`, ``release_captured_graph``,

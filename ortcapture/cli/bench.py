@@ -125,6 +125,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-thread", action="store_true",
                    help="each worker pins its calling thread (every arm runs in it) to the CPU it is on, once the "
                         "sessions exist (threads made before keep every CPU, later ones inherit the pin); Linux only")
+    soak = p.add_argument_group("soak (ortcapture.cli.soak): memory over time instead of latency")
+    soak.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                      help="run one loop for SECONDS, sampling replays/s, host RSS and device memory (MODEL: a file, "
+                           "'reference' or 'small' (default: a 64x64 recurrent Add/Mul); --json/--plot write them)")
+    soak.add_argument("--soak-mode", choices=["replay", "cycles"], default="replay",
+                      help="replay: CapturedGraph.run(copy_outputs=False) in a loop (default); cycles: capture -> "
+                           "run -> release in a loop, automatic compaction only")
+    soak.add_argument("--soak-count", type=int, default=None, metavar="N",
+                      help="stop after N replays/cycles (also a soak without --soak)")
+    soak.add_argument("--soak-sample", type=float, default=1.0, metavar="S", help="seconds between samples (1)")
+    soak.add_argument("--warmup-replays", type=int, default=1000, metavar="N",
+                      help="replay mode: replays before the start sample (1000)")
+    soak.add_argument("--compact-threshold", type=int, default=None, metavar="BYTES",
+                      help="the session's compact_threshold (default 256 MiB; negative: automatic compaction off)")
 
 
 #: session config keys ORT reads as booleans ("0"/"1"); anything else there is a typo ORT would not report
@@ -554,6 +568,10 @@ def _run_worker(cmd: list[str], on_progress) -> tuple[dict | None, str]:
 
 
 def run(args) -> int:
+    if getattr(args, "soak", None) is not None or getattr(args, "soak_count", None) is not None:
+        from ortcapture.cli import soak
+
+        return soak.run(args)
     try:
         return _run(args)
     except BenchError as exc:
