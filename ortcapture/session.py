@@ -89,8 +89,8 @@ class InferenceSession(OrtInferenceSession):
             (chunks of the largest bucket).
         verify: the check of every new bucket graph against the uncaptured run of the unpadded feeds:
             ``True``/``"full"`` (example and a varied input set), ``"example"``, ``False`` (see ortcapture._verify).
-        max_graphs: at most this many bucket graphs (least recently used evicted on WebGPU; on CUDA at least one per
-            bucket, further keys run uncaptured, since ORT never frees a CUDA graph).
+        max_graphs: at most this many bucket graphs, the least recently used released first (WebGPU frees it at
+            once; ORT keeps a released CUDA graph's memory until the automatic :meth:`compact` rebuilds the session).
         replay_thread: one session-owned thread captures and replays for every caller (CUDA graphs are per thread).
 
     Raises:

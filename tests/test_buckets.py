@@ -186,16 +186,18 @@ def test_a_bucket_on_a_non_leading_axis(backend):
     assert sess.bucket_stats()["replayed"] == 3
 
 
-def test_max_graphs(backend):
-    if backend.name == "cuda":
-        with pytest.raises(CaptureError, match="max_graphs"):
-            backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]}, max_graphs=2)
-        return
-    sess = backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]}, max_graphs=2)
-    for n in (1, 2, 4, 1):
-        sess.run(None, {"X": np.ones((n, 4), np.float32)})
+def test_max_graphs_evicts_the_least_recently_used(backend):
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={"batch": [1, 2, 4]}, max_graphs=2)
+    ref = cpu(model)
+    for n in (1, 2, 4, 1, 3, 2):
+        x = np.full((n, 4), 0.5, np.float32) * n
+        for g, w in zip(sess.run(None, {"X": x}), ref.run(None, {"X": x})):
+            close(g, w, TOL[backend.name])
     st = sess.bucket_stats()
-    assert st["evicted"] == 2 and len(st["buckets"]) == 2 and st["replayed"] == 4
+    assert st["evicted"] == 3 and sorted(st["buckets"]) == ["batch=2", "batch=4"] and st["replayed"] == 6
+    with pytest.raises(CaptureError, match="max_graphs"):
+        backend.session(model, buckets={"batch": [1]}, max_graphs=0)
 
 
 @pytest.mark.parametrize("spec, match", [
