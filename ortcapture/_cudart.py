@@ -126,32 +126,24 @@ def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         raise RuntimeError(f"cudaMemcpyAsync device-to-device copy failed: {err}")
 
 
-def memcpy_2d(dst_ptr: int, dpitch: int, src_ptr: int, spitch: int, width: int, height: int) -> None:
-    """Synchronous strided copy between any of host (pageable or pinned) and device memory (``cudaMemcpyDefault``,
-    unified addressing): ``height`` rows of ``width`` bytes, rows ``spitch``/``dpitch`` bytes apart (a bucket's
-    leading region along its axis). Raises :class:`RuntimeError` on failure."""
+def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height: int, zero_bytes: int,
+                     spitch: int | None = None) -> None:
+    """:func:`memcpy_2d` of ``height`` rows of ``width`` bytes (source rows ``spitch``, default ``width``, bytes
+    apart), then zero ``zero_bytes`` after each destination row's copied part, then one wait. Raises
+    :class:`RuntimeError` on failure."""
     rt = compat.cudart()
     if rt is None:
         raise RuntimeError("cuda-python is not installed")
-    (err,) = rt.cudaMemcpy2DAsync(dst_ptr, dpitch, src_ptr, spitch, width, height,
-                                  rt.cudaMemcpyKind.cudaMemcpyDefault, 0)
+    err = 0
+    if width and height:
+        (err,) = rt.cudaMemcpy2DAsync(dst_ptr, dpitch, src_ptr, width if spitch is None else spitch, width, height,
+                                      rt.cudaMemcpyKind.cudaMemcpyDefault, 0)
+    if _ok(err) and zero_bytes and height:
+        (err,) = rt.cudaMemset2DAsync(dst_ptr + width, dpitch, 0, zero_bytes, height, 0)
     if _ok(err):
         (err,) = rt.cudaStreamSynchronize(0)
     if not _ok(err):
-        raise RuntimeError(f"cudaMemcpy2DAsync failed: {err}")
-
-
-def memset_2d(ptr: int, pitch: int, width: int, height: int, value: int = 0) -> None:
-    """Synchronous strided fill of ``height`` rows of ``width`` bytes, ``pitch`` bytes apart, with byte ``value``
-    (zeroes a bucket's padding). Raises :class:`RuntimeError` on failure."""
-    rt = compat.cudart()
-    if rt is None:
-        raise RuntimeError("cuda-python is not installed")
-    (err,) = rt.cudaMemset2DAsync(ptr, pitch, value, width, height, 0)
-    if _ok(err):
-        (err,) = rt.cudaStreamSynchronize(0)
-    if not _ok(err):
-        raise RuntimeError(f"cudaMemset2DAsync failed: {err}")
+        raise RuntimeError(f"cudaMemcpy2DAsync/cudaMemset2DAsync failed: {err}")
 
 
 def make_capture_probe():
