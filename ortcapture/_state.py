@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 from ortcapture import _compat as compat
 from ortcapture._buffers import BufferPool, allocate
 from ortcapture._providers import CUDA_EPS, CaptureInfo
+from ortcapture._reference import check_frozen
 from ortcapture._registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
 from ortcapture._run import run_bound, uncaptured_run_options
 from ortcapture._sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
@@ -243,6 +244,8 @@ class CaptureState:
     def replay(self, binding, run_options, record: CapturedGraphRecord) -> None:
         """The hot path: replay a pinned, validated graph. The caller holds :attr:`guard`, has checked for a
         foreign capture and has called :meth:`ensure_thread`."""
+        if record.frozen:  # host-read inputs bound with bind_cpu_input: capture-time constants
+            check_frozen(record.frozen, {n: record.inputs[n].value for n in record.frozen})
         run_bound(self.session, binding, run_options)
         record.replays += 1
 
