@@ -33,12 +33,13 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
         cache: a dict owned by the family's session: holds the CPU EP reference session once built.
     """
     info, fam = cs.info, cs.family
+    ro = uncaptured_run_options()  # gpu_graph_id=-1: never a replay, nor a bucket graph (buckets=)
     if info.device_type == "cuda":
-        session, ro = cs.session, uncaptured_run_options()
+        session = cs.session
         return (lambda feeds: session.run(None, feeds, ro)), None
     if fam is not cs and fam.deferred:
         base = fam.session
-        return (lambda feeds: base.run(None, feeds)), DEFAULT_RTOL
+        return (lambda feeds: base.run(None, feeds, ro)), DEFAULT_RTOL
     ref = cache.get("cpu")
     if ref is None:
         import onnxruntime as ort

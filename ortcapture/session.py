@@ -29,7 +29,7 @@ from ortcapture._bucket_run import BucketRunner
 from ortcapture._compat import OrtInferenceSession
 from ortcapture import transfer
 from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
-from ortcapture._reference import host_read_inputs, reference_runner, verify_graph
+from ortcapture._reference import reference_runner, verify_graph
 from ortcapture._run import (  # noqa: F401 - run_options_for and friends are public here
     GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for,
     unsynchronised)
@@ -528,7 +528,7 @@ class InferenceSession(OrtInferenceSession):
             graph = CapturedGraph(target, example_feeds, gid, state=state)
             fam.graphs.add(graph, graph.shape_key)
         level = self._oc_verify if verify is None else level_of(verify)
-        host = host_read_inputs(target.session)
+        host = shapes.host_read_inputs(target.session)
         try:
             if host:
                 graph.freeze_inputs({n: transfer.to_numpy(graph.inputs[n]) for n in host})

@@ -248,7 +248,7 @@ def test_host_read_input_is_a_checked_constant(backend, rng):
     sess = backend.session(reshape_model())
     if not hasattr(sess, "get_input_memory_infos"):
         pytest.skip("this onnxruntime has no get_input_memory_infos")
-    from ortcapture._reference import host_read_inputs
+    from ortcapture._specialize import host_read_inputs
 
     assert host_read_inputs(sess) == {"shp"}
     x = rng.standard_normal((2, 4)).astype(np.float32)
