@@ -49,7 +49,8 @@ def validate_bindings(state, binding: IOBinding) -> list[tuple[str, str]]:
                 f"output {node_arg.name!r} is not bound; ORT would allocate it per run, and replay would write into the "
                 "buffer allocated at capture. Bind a fixed buffer (sess.allocate(shape, dtype))."
             )
-    host = host_read_inputs(session)
+    # inputs in host memory are "host-read" only next to a device EP (a CPU-only session has nothing else)
+    host = host_read_inputs(session) if session.get_providers()[:1] != ["CPUExecutionProvider"] else frozenset()
     checked = getattr(binding, "host_values_checked", False)  # a CapturedGraph checks their values per run
     for role, bound in (("input", ins), ("output", outs)):
         for name, b in bound.items():

@@ -432,7 +432,8 @@ def _buffer_device(first_input, device) -> tuple[str, int]:
 class _NotCaptured:
     """The registry record's stand-in for a graph built with ``_without_capture``: it only counts runs."""
 
-    __slots__ = ("replays",)
+    __slots__ = ("replays", "frozen")
 
     def __init__(self) -> None:
         self.replays = 0
+        self.frozen: dict = {}  # as CapturedGraphRecord.frozen: nothing bound with bind_cpu_input

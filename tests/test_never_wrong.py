@@ -376,3 +376,11 @@ def test_doctor_int64_probe_beyond_int32(webgpu, capsys, tmp_path):
     found = [f for f in report["findings"] if f["kind"] == "int64_as_int32"]
     assert found and found[0]["severity"] == "warning" and found[0]["fix"], report["findings"]
     assert "['X']" in found[0]["message"] and not found[0]["details"].get("overruled_by_capture")
+
+
+def test_doctor_reports_host_read_inputs(webgpu, capsys, tmp_path):
+    m = _model([helper.make_node("Clip", ["X", "lo"], ["Y"])], [vi("X", [4]), vi("lo", [])], [vi("Y", [4])])
+    code, report = _doctor(capsys, tmp_path, "clip", m)
+    found = [f for f in report["findings"] if f["kind"] == "host_read_input"]
+    assert found and found[0]["details"]["inputs"] == ["lo"] and found[0]["fix"], report["findings"]
+    assert code == 0 and report["capture"]["outcome"] == "captured", report["capture"]

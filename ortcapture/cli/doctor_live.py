@@ -357,6 +357,16 @@ WRONG_RESULT_KINDS = {
 }
 
 
+def _host_read(session, feeds: Mapping) -> list[str]:
+    """The inputs of ``feeds`` that ORT reads in host memory (``get_input_memory_infos``)."""
+    from ortcapture._specialize import host_read_inputs
+
+    try:
+        return sorted(host_read_inputs(session) & set(feeds))
+    except Exception:  # noqa: BLE001 - a session that cannot tell
+        return []
+
+
 def int64_probe(model_path: str, model, provider: str, feeds: Mapping, ep_options=None) -> Finding | None:
     """Feed the int64 inputs values beyond the int32 range (``2**32 + v``) to an uncaptured run of a
     capture-enabled session and of a session without capture; a difference is the ``int64_as_int32`` kind.
@@ -593,6 +603,9 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
                 _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy, ep_options)
             except Exception:  # noqa: BLE001 - the capture attempt reports what ORT says
                 fixed_placement = None
+        host = _host_read(plain, feeds0)
+        for n in host:  # capture-time constants: the replay is judged on the values it was captured with
+            feeds1[n] = feeds0[n]
         say("reference: two uncaptured runs")
         try:
             want = plain.run(None, feeds1)
@@ -617,6 +630,11 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
     if refusals and capture.get("deferred") and not capture.get("direct_refusal"):
         capture["direct_refusal"] = refusals[0]
     findings = _placement_findings(model, ep, example, placement, fixed_placement, capture)
+    if host:
+        text, fix = WRONG_RESULT_KINDS["host_read_input"]
+        findings.append(Finding("host_read_input", "warning", f"input(s) {host}: {text}; a replay keeps the value "
+                                "of the capture (ortcapture refuses another value in CapturedGraph.run)", fix,
+                                {"inputs": host}))
     if not stable[0]:
         findings.append(_unstable_finding(ep, stable, ep_options))
     findings += _log_findings(log.records)
