@@ -69,13 +69,17 @@ def _np_dtype(value) -> np.dtype:
 class BucketRunner:
     """The bucket machinery of one session (see the module docstring); built by ``InferenceSession(buckets=...)``."""
 
-    def __init__(self, session, st, plain, buckets: Mapping, *, output_axes=None, oversize: str = "uncaptured",
+    def __init__(self, session, st, plain, buckets: Mapping, *, reference=None, output_axes=None, oversize: str = "uncaptured",
                  verify: Any = True, max_graphs: int | None = None, replay_thread: bool = False):
         if st.info is None and not st.deferred:
             raise CaptureError("buckets= needs a session whose providers request graph capture (CUDA "
                                "enable_cuda_graph=1, TensorRT trt_cuda_graph_enable=1, or WebGPU enableGraphCapture=1)")
         self._s = session
         self._plain_run = plain  # the session's run without buckets: (names, feeds, run_options, ort_values)
+        #: ``() -> (feeds -> outputs) or None``: the verification's reference where the session's own uncaptured run
+        #: is not one (a capture-enabled WebGPU session runs int64 as 32-bit even uncaptured; issue 15)
+        self._reference_factory = reference
+        self._reference = None
         metas = session.get_inputs()
         self.input_names = [m.name for m in metas]
         self.output_names = [o.name for o in session.get_outputs()]
@@ -238,7 +242,7 @@ class BucketRunner:
             t0 = time.perf_counter()
             padded = {n: np.array(v, copy=True) for n, v in self._resized(feeds, bucket).items()}  # ours: staging
             try:
-                graph = self._s.capture(padded)
+                graph = self._s.capture(padded, verify=False)  # checked below, padded against unpadded
             except CaptureError as exc:
                 self._entries[key] = _Refused(exc)
                 raise
@@ -289,8 +293,10 @@ class BucketRunner:
         def replay(fs):
             return self._replay(entry, fs, self._request_sizes(fs), self.output_names, count=False)
 
-        def reference(fs):
-            return self._plain_run(None, fs, uncaptured(None), False)
+        if self._reference is None:
+            made = self._reference_factory() if self._reference_factory is not None else None
+            self._reference = made or (lambda fs: self._plain_run(None, fs, uncaptured(None), False))
+        reference = self._reference
 
         _verify.verify(replay, reference, host, self.output_names, level=self.level,
                        rtol=None if exact else _verify.DEFAULT_RTOL, keep=sorted(self._host_read),

@@ -13,6 +13,7 @@ from ortcapture import transfer
 from ortcapture._binding import Bound, IOBinding
 from ortcapture._buffers import allocate
 from ortcapture._run import run_bound, unsynchronised
+from ortcapture._specialize import host_read_inputs
 from ortcapture._sync import defer_sync
 from ortcapture._values import meta
 from ortcapture.errors import BindingError, CaptureAbortedError, CaptureError, PointerLifetimeWarning
@@ -48,8 +49,22 @@ def validate_bindings(state, binding: IOBinding) -> list[tuple[str, str]]:
                 f"output {node_arg.name!r} is not bound; ORT would allocate it per run, and replay would write into the "
                 "buffer allocated at capture. Bind a fixed buffer (sess.allocate(shape, dtype))."
             )
+    # inputs in host memory are "host-read" only next to a device EP (a CPU-only session has nothing else)
+    host = host_read_inputs(session) if session.get_providers()[:1] != ["CPUExecutionProvider"] else frozenset()
+    checked = getattr(binding, "host_values_checked", False)  # a CapturedGraph checks their values per run
     for role, bound in (("input", ins), ("output", outs)):
         for name, b in bound.items():
+            if role == "input" and name in host:
+                if b.kind == "cpu" or checked:
+                    continue  # bind_cpu_input: ORT copies it at bind time, so it cannot change while pinned
+                raise BindingError(
+                    f"input {name!r} is read by ORT in host memory (get_input_memory_infos(): a Reshape shape, "
+                    "Slice starts, Clip bounds, ...): its value at capture is a constant of the captured graph, and "
+                    f"a buffer ({b.device}) suggests it can change — replays would silently keep the capture-time "
+                    "value. Bind it with bind_cpu_input (ORT copies it once; capture another gpu_graph_id per "
+                    "value). ORT's WebGPU EP accepts only device buffers under capture: use sess.capture(feeds) "
+                    "there, which checks the value on every run."
+                )
             if b.kind == "cpu":
                 raise BindingError(
                     f"input {name!r} is bound with bind_cpu_input: ORT copies it once at capture and replay reads "
@@ -111,8 +126,12 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
     Squeeze, Unsqueeze, Identity) of another tensor or a graph input is copied once at capture and never again, so
     every later replay would silently return the capture-time value (ortcapture's WebGPU sessions compute view
     outputs inside the graph, :mod:`ortcapture._inspect`; what is left is e.g. an input passed through). Outputs
-    that depend on no input (``state.constant_outputs()``) are left out: their capture-time value is right. Raises
-    :class:`CaptureError` (the graph is released) naming those outputs.
+    that depend on no input (``state.constant_outputs()``) are left out: their capture-time value is right. An output
+    the replay writes only in part is refused too (issue 15: ``ScatterND`` on a graph-input or ``state=`` ``data``
+    replays the scatter but not the copy of ``data``; the rest keeps the capture-time fill). Element-wise: an element
+    that held each of two patterns after a replay was written by neither. Raises :class:`CaptureError` (the graph is
+    released) naming those outputs; its ``kind`` is ``"unwritten_output"`` or ``"partly_written_output"``,
+    ``outputs`` the names.
     """
     session = state.session
     declared = validate_bindings(state, binding)
@@ -126,19 +145,29 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
     except Exception as exc:  # noqa: BLE001 - ORT's Fail/RuntimeException/EPFail are not all RuntimeErrors
         _abandon(state, graph_id, run_options, snapshots, exc)
     rec = state.registry.record(binding, graph_id, owner)
+    host = host_read_inputs(session)
+    # bind_cpu_input may wrap the caller's array without a copy: a later in-place change would be read by an
+    # uncaptured run but not by a replay (the host read happened at capture), so the values are checked per replay
+    rec.frozen = {n: np.array(b.value, copy=True) for n, b in binding.bound_inputs.items()
+                  if n in host and b.kind == "cpu" and b.value is not None}
     try:
         if snapshots:
             transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
         sentinels = _fill_sentinels(binding, SENTINEL_BYTE, skip=state.constant_outputs())
         run()  # internal: not counted
-        stale = [name for name, (buf, pattern) in sentinels.items()
-                 if transfer.to_numpy(buf).tobytes() == pattern]
-        if stale:  # a real result may equal the pattern: confirm with a second one, state kept at one step
+        first = {name: _sentinel_mask(buf, pattern) for name, (buf, pattern) in sentinels.items()}
+        suspect = [name for name, mask in first.items() if mask.any()]
+        stale, partial = [], []
+        if suspect:  # a real result may equal the pattern: confirm with a second one, state kept at one step
             again = _snapshot_state(state, binding, declared)
-            second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=stale)
+            second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=suspect)
             run()
-            stale = [name for name, (buf, pattern) in second.items()
-                     if transfer.to_numpy(buf).tobytes() == pattern]
+            for name, (buf, pattern) in second.items():
+                both = first[name] & _sentinel_mask(buf, pattern)  # held both patterns: written by no replay
+                if both.all():
+                    stale.append(name)
+                elif both.any():
+                    partial.append(name)
             if again:
                 transfer.copy([t for t, _ in again], [b for _, b in again])
     except BaseException:
@@ -146,13 +175,27 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
         raise
     if stale:
         state.release(graph_id)
-        raise CaptureError(
+        err = CaptureError(
             f"output(s) {stale} of gpu_graph_id={graph_id} are not written by the captured graph's replay: "
             f"{state.info.ep.name} copied them once at capture (an output that is a view — Reshape, "
             "Flatten, Squeeze, Unsqueeze, Identity — of another tensor or of a graph input), so every replay "
             "would return the capture-time value. The graph was released. Make those outputs real computations "
             "(or drop them), or run this model without capture; `ortcapture doctor MODEL` lists such outputs."
         )
+        err.kind, err.outputs = "unwritten_output", stale
+        raise err
+    if partial:
+        state.release(graph_id)
+        err = CaptureError(
+            f"output(s) {partial} of gpu_graph_id={graph_id} are written only in part by the captured graph's "
+            f"replay: some elements keep whatever the buffer held before ({state.info.ep.name} did the rest once, "
+            "at capture — e.g. ScatterND/ScatterElements whose `data` is a graph input or a state= input: the "
+            "kernel's copy of `data` into the output is not replayed). The graph was released. Compute the "
+            "unwritten part inside the graph from an op that is replayed (e.g. Where(mask, updates, data) instead "
+            "of ScatterND), or run this model without capture."
+        )
+        err.kind, err.outputs = "partly_written_output", partial
+        raise err
     return rec
 
 
@@ -248,7 +291,8 @@ def capture_in_this_thread(state, binding: IOBinding, run_options) -> None:
 def _fill_sentinels(binding: IOBinding, byte: int, only=None, skip=()) -> dict:
     """Overwrite every bound output OrtValue (or those named in ``only``) with ``byte``, except the constant outputs
     named in ``skip`` (ORT folds them and never writes them again; their capture-time value is right); return
-    name -> (buffer, the pattern's bytes)."""
+    name -> (buffer, the pattern array). int64 outputs get the int32 pattern sign-extended (in the range the
+    WebGPU EP keeps of an int64, and accepted by the int64 range check of :mod:`ortcapture.transfer`)."""
     out = {}
     for name, b in binding.bound_outputs.items():
         if (only is not None and name not in only) or name in skip:
@@ -258,7 +302,19 @@ def _fill_sentinels(binding: IOBinding, byte: int, only=None, skip=()) -> dict:
         m = meta(b.value)
         if m.dtype is None or m.nbytes == 0:
             continue
-        pattern = np.full(m.nbytes, byte, np.uint8).view(m.dtype).reshape(m.shape)
+        if np.dtype(m.dtype) == np.int64:
+            pattern = np.full(m.shape, np.full(1, byte, np.uint8).repeat(4).view(np.int32)[0], np.int64)
+        else:
+            pattern = np.full(m.nbytes, byte, np.uint8).view(m.dtype).reshape(m.shape)
         transfer.update_inplace(b.value, pattern)
-        out[name] = (b.value, pattern.tobytes())
+        out[name] = (b.value, pattern)
     return out
+
+
+def _sentinel_mask(buf, pattern: np.ndarray) -> np.ndarray:
+    """Per element (flattened): True where ``buf`` still holds ``pattern``'s bytes."""
+    got = transfer.to_numpy(buf)
+    item = pattern.dtype.itemsize
+    a = np.ascontiguousarray(got).view(np.uint8).reshape(-1, item)
+    b = np.ascontiguousarray(pattern).view(np.uint8).reshape(-1, item)
+    return np.all(a == b, axis=1)

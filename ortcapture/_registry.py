@@ -36,6 +36,8 @@ class CapturedGraphRecord:
     outputs: dict[str, Bound]
     replays: int = 0
     owner: "weakref.ReferenceType | None" = field(default=None, repr=False)  # weakref to the CapturedGraph that made it
+    #: host-read inputs bound with bind_cpu_input -> their values at capture (checked before each replay)
+    frozen: dict = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:

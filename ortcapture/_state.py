@@ -26,6 +26,7 @@ from ortcapture import _compat as compat
 from ortcapture._buffers import BufferPool, allocate
 from ortcapture._compact import DeviceLedger
 from ortcapture._providers import CUDA_EPS, CaptureInfo
+from ortcapture._reference import check_frozen
 from ortcapture._registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
 from ortcapture._run import run_bound, uncaptured_run_options
 from ortcapture._sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
@@ -262,6 +263,8 @@ class CaptureState:
     def replay(self, binding, run_options, record: CapturedGraphRecord) -> None:
         """The hot path: replay a pinned, validated graph. The caller holds :attr:`guard`, has checked for a
         foreign capture and has called :meth:`ensure_thread`."""
+        if record.frozen:  # host-read inputs bound with bind_cpu_input: capture-time constants
+            check_frozen(record.frozen, {n: record.inputs[n].value for n in record.frozen})
         run_bound(self.session, binding, run_options)
         record.replays += 1
         if self.drain_every and not record.replays % self.drain_every:

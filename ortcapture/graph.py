@@ -17,6 +17,7 @@ from ortcapture import _compat as compat
 from ortcapture import transfer
 from ortcapture._binding import IOBinding
 from ortcapture._compat import OrtValue
+from ortcapture._reference import check_frozen
 from ortcapture._run import run_options_for
 from ortcapture._sync import UNSETTLED, settle
 from ortcapture.errors import CaptureError, GraphReleasedError, StaleOutputError, TransferError
@@ -127,6 +128,10 @@ class CapturedGraph:
         self._generation = 0
         self._captured = bool(capture)
         self._record = None
+        self._frozen: dict = {}  # host-read inputs -> their capture-time values (freeze_inputs)
+        #: the capture-time verification's ``ortcapture._verify.Report`` (level, input sets, not varied, max error
+        #: per output, seconds); ``None`` before it ran
+        self.verification = None
         where = self._device = device if device is not None else capture_state.device
         session = capture_state.session
         if capture:
@@ -175,6 +180,7 @@ class CapturedGraph:
         self.outputs = self._allocate_outputs(new_buffer)
         self._state = self._check_state(state or {})
         self._binding = IOBinding(session)
+        self._binding.host_values_checked = True  # host-read inputs: values checked by run() (freeze_inputs)
         for name, buf in self.inputs.items():
             self._binding.bind_ortvalue_input(name, buf)
         for name, buf in self.outputs.items():
@@ -251,7 +257,9 @@ class CapturedGraph:
             StaleOutputError: a feed that is a ``copy_outputs=False`` output of another graph replayed meanwhile
                 (in another thread) while it was being copied; with several feeds, the ones copied before it are
                 then already in the fixed inputs, so feed every input again on the next call.
-            CaptureError: the calling thread's CUDA stream is inside a foreign capture (ORT PR #32081).
+            CaptureError: the calling thread's CUDA stream is inside a foreign capture (ORT PR #32081); or a
+                host-read input (``get_input_memory_infos()``: Reshape shape, Slice starts, Clip bounds, ...)
+                fed a value other than the capture's (a replay would silently keep the capture-time value).
         """
         # The replay hot path: straight-line code, few calls. On the H200 hosts each Python frame here costs ~1-2 µs
         # right after a replay's wait for the GPU, several times its cost back to back.
@@ -273,6 +281,8 @@ class CapturedGraph:
                 if self._captured and not cs.thread_has(self.graph_id):
                     continue
                 if feeds is not None:
+                    if self._frozen:
+                        check_frozen(self._frozen, feeds)
                     transfer.copy_feeds(self.inputs, feeds)
                 # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a
                 # read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and
@@ -322,6 +332,21 @@ class CapturedGraph:
             rest = [n for n in self._initial_state if n not in values]
             transfer.copy([self._initial_state[n] for n in rest], [self.inputs[n] for n in rest])
 
+    @property
+    def state_inputs(self) -> list[str]:
+        """The inputs carried with ``state=`` (in declaration order)."""
+        return list(self._state.values()) if hasattr(self, "_state") else []
+
+    @property
+    def frozen_inputs(self) -> dict:
+        """``{input name: numpy value}`` of the inputs ORT reads in host memory: capture-time constants, checked
+        on every :meth:`run` that feeds them (set by ``InferenceSession.capture``)."""
+        return dict(self._frozen)
+
+    def freeze_inputs(self, values: Mapping[str, Any]) -> None:
+        """Record host-read inputs' capture-time values (``InferenceSession.capture`` calls this)."""
+        self._frozen = {n: np.array(v, copy=True) for n, v in values.items()}
+
     # -- lifetime -------------------------------------------------------------------------------------------
     @property
     def session(self):
@@ -343,6 +368,11 @@ class CapturedGraph:
     def replays(self) -> int:
         """Replays of the captured graph so far (the capturing call itself not counted)."""
         return self._record.replays if self._record is not None else 0
+
+    def uncount_replays(self, n: int) -> None:
+        """Take ``n`` internal replays (capture-time verification) out of :attr:`replays`."""
+        if self._record is not None:
+            self._record.replays -= n
 
     def release(self) -> None:
         """Release the captured graph (idempotent, thread-safe). CUDA/TensorRT: the ``gpu_graph_id`` is retired.
@@ -450,7 +480,8 @@ def _buffer_device(first_input, device) -> tuple[str, int]:
 class _NotCaptured:
     """The registry record's stand-in for a graph built with ``_without_capture``: it only counts runs."""
 
-    __slots__ = ("replays",)
+    __slots__ = ("replays", "frozen")
 
     def __init__(self) -> None:
         self.replays = 0
+        self.frozen: dict = {}  # as CapturedGraphRecord.frozen: nothing bound with bind_cpu_input

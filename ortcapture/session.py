@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -29,12 +30,15 @@ from ortcapture import _specialize as shapes
 from ortcapture._binding import IOBinding
 from ortcapture._bucket_run import BucketRunner
 from ortcapture._compat import OrtInferenceSession
+from ortcapture import transfer
 from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
+from ortcapture._reference import reference_runner, verify_graph
 from ortcapture._run import (  # noqa: F401 - run_options_for and friends are public here
     GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for,
     unsynchronised)
 from ortcapture._state import CaptureState
 from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK, defer_sync
+from ortcapture._verify import level_of
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
 
@@ -87,18 +91,27 @@ class InferenceSession(OrtInferenceSession):
             cannot be measured (otherwise decided by running the model uncaptured at two sizes).
         oversize: ``"uncaptured"`` (default: a request beyond the largest bucket runs uncaptured) or ``"split"``
             (chunks of the largest bucket).
-        verify: the check of every new bucket graph against the uncaptured run of the unpadded feeds:
-            ``True``/``"full"`` (example and a varied input set), ``"example"``, ``False`` (see ortcapture._verify).
+        verify: ``True``/``"full"`` (default: example and a varied input set), ``"example"``, ``False``/``"off"``
+            (see ortcapture._verify): the default of :meth:`capture`'s ``verify=``, and the check of every new
+            bucket graph against the uncaptured run of the unpadded feeds.
         max_graphs: at most this many bucket graphs, the least recently used released first (WebGPU frees it at
             once; ORT keeps a released CUDA graph's memory until the automatic :meth:`compact` rebuilds the session).
         replay_thread: one session-owned thread captures and replays for every caller (CUDA graphs are per thread).
+        allow_int64_as_int32: WebGPU only. ORT's WebGPU EP runs int64 tensors as 32-bit in a session with
+            ``enableGraphCapture=1`` (captured and ``gpu_graph_id=-1`` runs alike; measured, onnxruntime 1.32 +
+            WebGPU plugin 0.4.0), so a model with nodes that *produce* int64 from int64 arithmetic (Add, Sub, Mul,
+            CumSum, ReduceSum, Range, ... on values that are not shape arithmetic; see
+            :mod:`ortcapture._model_checks`) is refused, naming them. ``True`` accepts it: you promise every
+            int64 value stays within int32. int64 host feeds for WebGPU buffers are range-checked either way.
 
     Raises:
         CaptureUnsupportedError: capture was requested but the session ended up without a capturing EP (measured:
             on ORT 1.30, ``providers=[("WebGpuExecutionProvider", ...)]`` silently yields a CPU-only session; add
             the plugin EP with ``SessionOptions.add_provider_for_devices``), or the installed ORT cannot capture on
-            the requested EP.
-        CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``, or buckets without capture.
+            the requested EP; or, on WebGPU, the model produces int64 from int64 arithmetic (``kind`` is
+            ``"int64_as_int32"``, ``nodes`` names them) and ``allow_int64_as_int32`` is not set.
+        CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``/``verify``, or buckets without
+            capture.
 
     When ORT refuses capture for the model's dynamic shapes (or inputs without shape information), the session is
     created without capture instead (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling
@@ -124,9 +137,13 @@ class InferenceSession(OrtInferenceSession):
         verify: Any = True,
         max_graphs: int | None = None,
         replay_thread: bool = False,
+        allow_int64_as_int32: bool = False,
         _oc_family: CaptureState | None = None,
         **kwargs,
     ) -> None:
+        self._oc_verify = level_of(verify)
+        self._oc_allow_int64 = bool(allow_int64_as_int32)
+        self._oc_ref_cache: dict = {}  # the WebGPU verification's CPU EP reference session (ortcapture._reference)
         self._oc_lock = threading.RLock()
         self._oc_refusal: str | None = None
         self._oc_args = (path_or_bytes, sess_options, providers, provider_options, dict(kwargs))
@@ -139,6 +156,8 @@ class InferenceSession(OrtInferenceSession):
         if requested is not None and requested.device_type == "webgpu":
             model = _inspect.rewrite_view_outputs(model)  # view outputs computed inside the graph (_inspect)
         static_sig = shapes.shape_signature(static_shapes) if static_shapes else None
+        if requested is not None and requested.device_type == "webgpu" and not self._oc_allow_int64:
+            _refuse_int64_arithmetic(model)
         deferred = False
         if requested is not None:
             # ORT silently falls back to the CPU EP when a session fails to build; under capture that fallback
@@ -166,7 +185,8 @@ class InferenceSession(OrtInferenceSession):
                                     max_graphs=max_graphs, replay_thread=replay_thread)
         self._oc_buckets = None
         if buckets is not None:
-            self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, buckets, **self._oc_bucket_args)
+            self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, buckets,
+                                            reference=self._oc_bucket_reference, **self._oc_bucket_args)
         elif output_axes is not None or oversize != "uncaptured" or max_graphs is not None or replay_thread:
             raise CaptureError("output_axes=, oversize=, max_graphs= and replay_thread= go with buckets=")
         self._oc_buckets_spec = buckets
@@ -479,11 +499,20 @@ class InferenceSession(OrtInferenceSession):
                     self._oc_buckets.close()
                     self._oc_buckets = None
                     self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, self._oc_buckets_spec,
-                                                    **self._oc_bucket_args)
+                                                    reference=self._oc_bucket_reference, **self._oc_bucket_args)
             except Exception:
                 # the C session was already replaced: describe what it really is (no capture), then report
                 self._oc_setup(None, False, st.static_shapes)
                 raise
+
+    def _oc_bucket_reference(self):
+        """The buckets' verification reference where this session's uncaptured run is not one: a capture-enabled
+        WebGPU session (``ortcapture._reference``); ``None`` (the session's own ``gpu_graph_id=-1`` run) on CUDA and
+        for a shape-deferred session (its base session has no capture)."""
+        st = self._oc_state
+        if st.info is None or st.info.device_type == "cuda":
+            return None
+        return reference_runner(st, self._oc_args[0], self._oc_ref_cache)[0]
 
     # -- buckets ----------------------------------------------------------------------------------------------
     def warmup(self, example_feeds: Mapping[str, Any] | None = None) -> dict:
@@ -584,7 +613,7 @@ class InferenceSession(OrtInferenceSession):
 
     # -- high level -------------------------------------------------------------------------------------------
     def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None, *,
-                state: Mapping[str, str] | None = None):
+                state: Mapping[str, str] | None = None, verify: Any = None):
         """Capture a graph for ``example_feeds``' shapes and dtypes and return a
         :class:`~ortcapture.graph.CapturedGraph` (see there).
 
@@ -595,8 +624,17 @@ class InferenceSession(OrtInferenceSession):
                 too; those not fed keep the model's value.
             graph_id: the ``gpu_graph_id``; ``None`` picks the smallest free id >= 1.
             state: ``{output name: input name}`` pairs carried from one replay to the next on the device.
+            verify: ``True``/``"full"``, ``"example"``, ``False``/``"off"``; ``None``: the session's ``verify=``.
+                After capture the replay of the example (and at ``"full"`` of a varied input set, host-read inputs
+                kept) is compared with a reference run: CUDA/TensorRT the same session with ``gpu_graph_id=-1``,
+                exactly; WebGPU the shape-deferred base session or a CPU EP session (built once per session),
+                within ``ortcapture._verify.DEFAULT_RTOL`` relative to each output's max. The example is then
+                restored exactly into the inputs, the ``state=`` inputs and the outputs. Cost: two replays and two
+                reference runs at ``"full"`` (see benchmarks/bench_verify.py).
 
         Raises:
+            VerificationError: (a ``CaptureError``) the replay differs from the reference (outputs named; for the
+                varied set the copy-only kernels feeding them, ``nodes``); the graph is released.
             CaptureUnsupportedError: the session cannot capture, or not even with the example's shapes fixed (the
                 message names the nodes ORT placed off the EP and dtypes or non-tensor inputs/outputs it cannot
                 take), or an input/output is not a numeric tensor (strings, sequences, maps, optional values).
@@ -622,7 +660,19 @@ class InferenceSession(OrtInferenceSession):
             fam.check_free(gid)
             graph = CapturedGraph(target, example_feeds, gid, state=state)
             fam.graphs.add(graph, graph.shape_key)
-            return graph
+        level = self._oc_verify if verify is None else level_of(verify)
+        host = shapes.host_read_inputs(target.session)
+        try:
+            if host:
+                graph.freeze_inputs({n: transfer.to_numpy(graph.inputs[n]) for n in host})
+            if level != "off":
+                reference, rtol = reference_runner(target, self._oc_args[0], self._oc_ref_cache)
+                graph.verification = verify_graph(graph, level, reference, rtol, keep=host,
+                                                  model_source=self._oc_args[0])
+        except BaseException:
+            graph.release()
+            raise
+        return graph
 
     def uncaptured_graph(self, example_feeds: Mapping[str, Any], device: str | None = None):
         """The same fixed buffers, IOBinding and :meth:`~ortcapture.graph.CapturedGraph.run` as :meth:`capture`, run
@@ -664,7 +714,8 @@ class InferenceSession(OrtInferenceSession):
             if sib is None:
                 path_or_bytes, sess_options, providers, provider_options, kwargs = self._oc_args
                 sess = InferenceSession(path_or_bytes, sess_options, providers, provider_options,
-                                        static_shapes=dict(sig), _oc_family=fam, **kwargs)
+                                        static_shapes=dict(sig), allow_int64_as_int32=self._oc_allow_int64,
+                                        _oc_family=fam, **kwargs)
                 if sess.capture_info is None:
                     raise CaptureUnsupportedError(
                         f"even with input shapes fixed to {dict(sig)}, {fam.requested.ep.name} does not capture"
@@ -712,6 +763,28 @@ def _check_tensor_io(session) -> None:
             f"capture() needs every input and output to be a numeric tensor held in a fixed device buffer: "
             f"{'; '.join(bad)}. Run that part of the model outside the captured graph (`ortcapture doctor MODEL`)."
         )
+
+
+def _refuse_int64_arithmetic(model) -> None:
+    """Raise :class:`CaptureUnsupportedError` when WebGPU nodes would produce int64 from int64 arithmetic (see the
+    class docstring's ``allow_int64_as_int32``)."""
+    from ortcapture._model_checks import int64_arithmetic_nodes
+
+    import onnx
+
+    # the graph only: external weights are not needed (nor loaded) for the analysis
+    proto = onnx.load(os.fspath(model), load_external_data=False) if isinstance(model, (str, os.PathLike)) \
+        else shapes.load_model(model)
+    nodes = int64_arithmetic_nodes(proto)
+    if nodes:
+        more = f" ... ({len(nodes) - 12} more)" if len(nodes) > 12 else ""
+        err = CaptureUnsupportedError(
+            f"node(s) {', '.join(nodes[:12])}{more} produce int64 from int64 arithmetic: ORT's WebGPU EP runs int64 "
+            "as 32-bit under enableGraphCapture=1 (captured and uncaptured runs; e.g. 3000000000 - 1 gives "
+            "-1294967297), and a range check of the inputs cannot catch an intermediate that overflows. Compute "
+            "them in int32/float, or pass allow_int64_as_int32=True if every int64 value stays within int32.")
+        err.kind, err.nodes = "int64_as_int32", nodes
+        raise err
 
 
 def _check_version(requested: CaptureInfo | None) -> None:

@@ -573,7 +573,26 @@ def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
             _check_match(dm, tuple(src.shape), src.dtype, "numpy source")
         src = src.astype(dm.dtype)
     _check_match(dm, tuple(src.shape), src.dtype, "numpy source")
+    if dm.kind == "webgpu" and src.dtype == np.int64 and src.size:
+        _check_int32_range(src)
     return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
+
+
+#: int64 values a WebGPU buffer holds right: ORT's WebGPU EP runs int64 as 32-bit under enableGraphCapture
+INT32_RANGE = (-(2**31), 2**31 - 1)
+
+
+def _check_int32_range(src: np.ndarray) -> None:
+    """Refuse int64 host data for a WebGPU buffer with values outside int32 (issue 15: with enableGraphCapture=1
+    the WebGPU EP keeps the low 32 bits, in captured and uncaptured runs alike; measured on onnxruntime 1.32 +
+    WebGPU plugin 0.4.0)."""
+    lo, hi = int(src.min()), int(src.max())
+    if lo < INT32_RANGE[0] or hi > INT32_RANGE[1]:
+        bad = lo if lo < INT32_RANGE[0] else hi
+        raise TransferError(
+            f"int64 value {bad} is outside the int32 range: ORT's WebGPU EP under graph capture "
+            "(enableGraphCapture=1) runs int64 tensors as 32-bit and would silently use the low 32 bits. Keep "
+            "int64 inputs within [-2**31, 2**31) on WebGPU, or run without capture.")
 
 
 _ORTVALUE = OrtValue  # the hot path takes exact OrtValues only (a ReplayOutput must be checked for staleness)

@@ -60,7 +60,7 @@ def test_feeds_are_copied_by_one_function(backend, rng, monkeypatch):
     monkeypatch.setattr(transfer, "copy_feeds", spy)
     sess = backend.session(tiny.add_model())
     a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
-    with sess.capture({"A": a, "B": b}) as g:
+    with sess.capture({"A": a, "B": b}, verify=False) as g:  # verify= copies its input sets the same way
         g.run({"A": b})
         np.testing.assert_array_equal(g.run({"A": a, "B": a})[0], 2 * a)
     assert calls == [["A", "B"], ["A"], ["A", "B"]]

@@ -48,10 +48,16 @@ none):
 * **stable reference** — two uncaptured runs with the same feeds must agree, or no replay can be judged against
   them (random ops; or an EP option computing wrong results — measured, onnxruntime-gpu 1.31.1 on an H200: CUDA
   ``fuse_conv_bias=1`` gets the reference model right on the first run and wrong on every later one).
+* **int64 beyond int32** (WebGPU) — int64 inputs fed ``2**32 + v`` to a capture-enabled session (uncaptured run)
+  and to one without capture: ORT's WebGPU EP runs int64 as 32-bit under ``enableGraphCapture=1``, so a difference
+  is reported (``int64_as_int32``; ortcapture refuses such feeds, and int64 arithmetic nodes at construction).
 * **a real capture** — ``ortcapture.InferenceSession(MODEL, <capture on>).capture(feeds)`` with random feeds of
   the given (or derived) shapes, one replay with other random feeds, compared with an uncaptured run. Outcome:
   captured directly, captured via shape specialization, refused (with ORT's reason), or replay mismatch. A
-  successful capture with a matching replay overrules static findings (downgraded, their fixes dropped).
+  successful capture with a matching replay overrules static findings (downgraded, their fixes dropped). The
+  capture verifies itself (``verify="full"``: the example and a varied input set against a reference run), and a
+  refusal is reported by its kind, with the fix: ``int64_as_int32`` (nodes named), ``partly_written_output``
+  (outputs named), ``copy_only_kernel`` (nodes named), ``varied``/``example`` (outputs named).
 
 Verdict and exit code (:data:`EXIT_CODES`): 0 capturable (a real capture and replay succeeded), 1 not capturable
 (the capture attempt failed, or a static check found a blocker), 2 error (model unreadable, bad ``--shape`` or
@@ -182,7 +188,7 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         if capture["outcome"] in ("captured", "captured_specialized"):
             for f in findings:
                 # a real capture and a matching replay outrank a static rule
-                if (f.severity == "error" or f.kind == "view_output") and f.kind != "ep_results":
+                if (f.severity == "error" or f.kind == "view_output") and f.kind not in ("ep_results", "int64_as_int32"):
                     f.severity = "warning" if f.severity == "error" else "info"
                     f.details["overruled_by_capture"] = True
                     f.message += " (yet the capture attempt succeeded and its replay matched: ORT copes here)"

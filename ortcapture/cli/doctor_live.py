@@ -274,7 +274,8 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
             model_path, **_session_args(provider, True, {RECORD_ASSIGNMENT_KEY: "1"}, None, ep_options))
     except Exception as exc:  # noqa: BLE001 - ORT's Fail/EPFail and ortcapture's errors alike
         res.update(outcome="refused", stage="session creation", reason=_ort_reason(exc),
-                   error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0)
+                   error=f"{type(exc).__name__}: {_ort_reason(exc)}", seconds=time.perf_counter() - t0,
+                   **_error_kind(exc))
         return res
     res["deferred"] = sess.capture_deferred
     if sess.capture_refusal:
@@ -285,7 +286,7 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
         res.update(outcome="refused", stage="capture" + (" on a shape-specialised session" if sess.capture_deferred
                                                           else ""),
                    reason=_ort_reason(exc), error=f"{type(exc).__name__}: {_ort_reason(exc)}",
-                   seconds=time.perf_counter() - t0)
+                   seconds=time.perf_counter() - t0, **_error_kind(exc))
         return res
     try:
         if sess.capture_deferred:
@@ -312,6 +313,93 @@ def attempt_capture(model_path: str, provider: str, feeds0: Mapping, feeds1: Map
     if res["seconds"] is None:
         res["seconds"] = time.perf_counter() - t0
     return res
+
+
+def _error_kind(exc: BaseException) -> dict:
+    """What kind of silently-wrong result ortcapture refused (issue 15): ``kind`` (``int64_as_int32``,
+    ``unwritten_output``, ``partly_written_output``, ``copy_only_kernel``, ``varied``, ``example``,
+    ``host_read_input``) with the ``nodes``/``outputs``/``inputs`` it names; empty for other errors."""
+    kind = getattr(exc, "kind", None)
+    if kind is None:
+        return {}
+    return {"kind": kind, "nodes": list(getattr(exc, "nodes", []) or []),
+            "outputs": list(getattr(exc, "outputs", []) or []), "inputs": list(getattr(exc, "inputs", []) or [])}
+
+
+#: issue 15's kinds: (what it is, the fix)
+WRONG_RESULT_KINDS = {
+    "int64_as_int32": (
+        "node(s) on WebGpuExecutionProvider produce int64 from int64 arithmetic, and ORT's WebGPU EP runs int64 as "
+        "32-bit under enableGraphCapture=1 (captured and uncaptured runs): values beyond int32 wrap",
+        "compute those nodes in int32 or float (or keep them on the host), or pass "
+        "InferenceSession(..., allow_int64_as_int32=True) if every int64 value stays within int32"),
+    "partly_written_output": (
+        "the replay writes output(s) only in part (e.g. ScatterND/ScatterElements on a graph-input or state= "
+        "`data`: the kernel's copy of `data` is not replayed, the rest keeps the capture-time fill)",
+        "compute the whole output in replayed ops (e.g. Where(mask, updates, data) instead of ScatterND on an "
+        "input), or run this model without capture"),
+    "copy_only_kernel": (
+        "copy-only kernel(s) feed other nodes (a single-input Max/Min/Sum/Mean, ScatterND on input data): their "
+        "copy is not replayed, so a replay keeps the capture-time values — found with a varied input set",
+        "drop the copy-only node (a single-input Max/Min is the identity) or make it compute; or run this model "
+        "without capture"),
+    "varied": (
+        "a replay on a varied input set differs from the reference run: the replay kept values from the capture",
+        "look for inputs read on the host, copy-only kernels or outputs written in part; or run without capture"),
+    "example": (
+        "the replay of the example inputs differs from the reference run",
+        "check the EP's results uncaptured first (ep_results), then report the capture difference"),
+    "host_read_input": (
+        "an input ORT reads in host memory (get_input_memory_infos(): Reshape shape, Slice starts, Clip bounds, "
+        "...) is a constant of the captured graph",
+        "capture one graph per value of that input (ortcapture.patched() does), or make it an initializer"),
+}
+
+
+def _host_read(session, feeds: Mapping) -> list[str]:
+    """The inputs of ``feeds`` that ORT reads in host memory (``get_input_memory_infos``)."""
+    from ortcapture._specialize import host_read_inputs
+
+    try:
+        return sorted(host_read_inputs(session) & set(feeds))
+    except Exception:  # noqa: BLE001 - a session that cannot tell
+        return []
+
+
+def int64_probe(model_path: str, model, provider: str, feeds: Mapping, ep_options=None) -> Finding | None:
+    """Feed the int64 inputs values beyond the int32 range (``2**32 + v``) to an uncaptured run of a
+    capture-enabled session and of a session without capture; a difference is the ``int64_as_int32`` kind.
+    ``None`` when the model has no int64 input or the probe cannot run (e.g. the values are indices)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from ortcapture._model_checks import int64_inputs
+    from ortcapture._run import uncaptured_run_options
+
+    names = [n for n in int64_inputs(model) if n in feeds]
+    if provider != "webgpu" or not names:
+        return None
+    big = dict(feeds)
+    for n in names:
+        big[n] = np.asarray(feeds[n], np.int64) + np.int64(2**32)
+    try:
+        plain = ort.InferenceSession(model_path, **_session_args(provider, False, (), None, ep_options))
+        want = plain.run(None, big)
+        cap = ort.InferenceSession(model_path, **_session_args(provider, True, (), None, ep_options))
+        got = cap.run(None, big, uncaptured_run_options())
+    except Exception:  # noqa: BLE001 - values out of range for the model (indices), or capture refused
+        return None
+    ok, worst, what = _compare(got, want, 0.0)
+    if ok:
+        return Finding("int64_probe", "info", f"int64 input(s) {names} probed with values beyond the int32 range: "
+                       "the capture-enabled session agrees with a session without capture")
+    text, fix = WRONG_RESULT_KINDS["int64_as_int32"]
+    return Finding("int64_as_int32", "warning",
+                   f"int64 input(s) {names} fed values beyond the int32 range (2**32 + v): the capture-enabled "
+                   f"{_EP_NAMES[provider]} session differs from one without capture "
+                   f"({what or f'max abs diff {worst:.3g}'}): ORT's WebGPU EP runs int64 as 32-bit under capture",
+                   "keep int64 inputs within int32 on WebGPU (ortcapture refuses feeds beyond it); " + fix,
+                   {"inputs": names})
 
 
 _CPU_PREFERRED = re.compile(r"Force fallback to CPU execution for node (\S+)")
@@ -442,6 +530,14 @@ def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[
             f"captured via shape specialization on {ep} (dims fixed to {fixed}); one replay matches the "
             f"uncaptured run (max abs diff {capture['max_abs_diff']:.3g})"
             + (f". ORT refused the model as given: {why}" if why else ""), dims_fix(model, example))
+    kind = capture.get("kind")
+    if outcome == "refused" and kind in WRONG_RESULT_KINDS and kind != "host_read_input":
+        text, fix = WRONG_RESULT_KINDS[kind]
+        named = capture.get("nodes") or capture.get("outputs") or []
+        return Finding(kind, "error", f"{ep}: {text}" + (f": {', '.join(map(str, named))}" if named else "")
+                       + f" ({capture['reason']})", fix,
+                       {"error": capture.get("error"), "nodes": capture.get("nodes"),
+                        "outputs": capture.get("outputs")})
     stale = _STALE_OUTPUTS.search(capture.get("reason") or "") if outcome == "refused" else None
     if stale:
         import ast
@@ -506,6 +602,9 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
                 _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy, ep_options)
             except Exception:  # noqa: BLE001 - the capture attempt reports what ORT says
                 fixed_placement = None
+        host = _host_read(plain, feeds0)
+        for n in host:  # capture-time constants: the replay is judged on the values it was captured with
+            feeds1[n] = feeds0[n]
         say("reference: two uncaptured runs")
         try:
             want = plain.run(None, feeds1)
@@ -518,9 +617,11 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
         except Exception:  # noqa: BLE001 - a second run that fails: the capture attempt reports what ORT says
             stable = (True, 0.0, None)
         del plain
-        say(f"capture: one capture and one replay on {ep} (a big model's first capture can take a while)")
+        say(f"capture: one capture, its verification and one replay on {ep} (a big model's first capture can "
+            "take a while)")
         log.set_phase(_PHASE_CAPTURE)
         capture = attempt_capture(model_path, provider, feeds0, feeds1, want, tol, ep_options)
+        probe = int64_probe(model_path, model, provider, feeds1, ep_options)
     # ORT logs its refusal before raising: a more precise reason than the wrapped exception
     refusals = [m for sev, _, m, ph in log.records if ph == _PHASE_CAPTURE and sev >= 3 and "graph capture" in m]
     if refusals and capture["outcome"] == "refused":
@@ -528,8 +629,15 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
     if refusals and capture.get("deferred") and not capture.get("direct_refusal"):
         capture["direct_refusal"] = refusals[0]
     findings = _placement_findings(model, ep, example, placement, fixed_placement, capture)
+    if host:
+        text, fix = WRONG_RESULT_KINDS["host_read_input"]
+        findings.append(Finding("host_read_input", "warning", f"input(s) {host}: {text}; a replay keeps the value "
+                                "of the capture (ortcapture refuses another value in CapturedGraph.run)", fix,
+                                {"inputs": host}))
     if not stable[0]:
         findings.append(_unstable_finding(ep, stable, ep_options))
     findings += _log_findings(log.records)
+    if probe is not None and not (probe.kind == "int64_as_int32" and capture.get("kind") == "int64_as_int32"):
+        findings.append(probe)
     findings.append(_capture_finding(model, ep, example, capture, list(static) + findings))
     return findings, capture
