@@ -38,6 +38,8 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
     ro = uncaptured_run_options()  # gpu_graph_id=-1: never a replay, nor a bucket graph (buckets=)
     if info.device_type == "cuda":
         session = cs.session
+        if _has_storage_dtype(session):  # bfloat16: ORT's numpy bridge cannot take or give it
+            return (lambda feeds: _run_with_ort_values(cs, feeds, ro)), None
         return (lambda feeds: session.run(None, feeds, ro)), None
     if fam is not cs and fam.deferred:
         base = fam.session
@@ -63,6 +65,24 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
         session = cs.session
         return (lambda feeds: session.run(None, feeds, ro)), DEFAULT_RTOL
     return (lambda feeds: ref.run(None, feeds)), DEFAULT_RTOL
+
+
+def _has_storage_dtype(session) -> bool:
+    """Whether an input or output has a dtype ORT's numpy bridge refuses (bfloat16: ortcapture._values.STORAGE)."""
+    return any(m.type == "tensor(bfloat16)" for m in (*session.get_inputs(), *session.get_outputs()))
+
+
+def _run_with_ort_values(cs, feeds: dict, ro) -> list:
+    """The uncaptured run with feeds as device OrtValues and outputs read by :func:`ortcapture.transfer.to_numpy`
+    (measured on onnxruntime-gpu 1.31.1: ``run(numpy bfloat16)`` raises "Numpy_type 256 can't be converted to
+    MLDataType")."""
+    vals = {}
+    for name, x in feeds.items():
+        x = np.asarray(x)
+        buf = cs.new_buffer(x.shape, x.dtype)
+        transfer.update_inplace(buf, x)
+        vals[name] = buf
+    return [transfer.to_numpy(v) for v in cs.session.run_with_ort_values(None, vals, ro)]
 
 
 def verify_graph(graph, level: str, reference: Callable[[dict], list], rtol: float | None,

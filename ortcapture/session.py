@@ -506,11 +506,11 @@ class InferenceSession(OrtInferenceSession):
                 raise
 
     def _oc_bucket_reference(self):
-        """The buckets' verification reference where this session's uncaptured run is not one: a capture-enabled
-        WebGPU session (``ortcapture._reference``); ``None`` (the session's own ``gpu_graph_id=-1`` run) on CUDA and
-        for a shape-deferred session (its base session has no capture)."""
+        """The buckets' verification reference (``ortcapture._reference``: CUDA the session's own ``gpu_graph_id=-1``
+        run, bfloat16 through OrtValues; a capture-enabled WebGPU session a capture-less reference); ``None`` (the
+        plain uncaptured run) for a shape-deferred session, whose base session has no capture."""
         st = self._oc_state
-        if st.info is None or st.info.device_type == "cuda":
+        if st.info is None:
             return None
         return reference_runner(st, self._oc_args[0], self._oc_ref_cache)[0]
 
