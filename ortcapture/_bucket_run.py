@@ -29,7 +29,7 @@ from ortcapture._buckets import BucketDim, check_output_axes, output_relations, 
 from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
 from ortcapture._specialize import host_read_inputs
 from ortcapture._sync import CUDA_GATE
-from ortcapture.errors import CaptureError
+from ortcapture.errors import CaptureAbortedError, CaptureError
 from ortcapture.transfer import to_numpy, update_inplace
 
 log = logging.getLogger("ortcapture")
@@ -269,12 +269,13 @@ class BucketRunner:
             padded = {n: np.array(v, copy=True) for n, v in self._resized(feeds, bucket).items()}  # ours: staging
             try:
                 graph = self._s.capture(padded, verify=False)  # checked below, padded against unpadded
-            except CaptureError as exc:
-                self._entries[key] = _Refused(exc)
-                raise
-            except Exception as exc:  # noqa: BLE001 - ORT's own types: the feeds were valid, their padding is not
-                err = self._padding_failed(exc, label)
+            except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
+                if not (isinstance(exc, CaptureError) or _from_ort(exc)):
+                    raise
+                err = self._padding_failed(exc, label) if _from_ort(exc) else exc
                 self._entries[key] = _Refused(err)
+                if err is exc:
+                    raise
                 raise err from exc
             entry = _Entry(graph, dict(bucket), padded, label)
             entry.filled = {n: _shape(feeds[n]) for n in self._sites}  # the example's region, zeroed on a shrink
@@ -315,9 +316,9 @@ class BucketRunner:
         def run(sizes):
             try:
                 outs = self._plain_run(None, self._resized(feeds, sizes), uncaptured(None), False)
-            except CaptureError:
-                raise
             except Exception as exc:  # noqa: BLE001 - ORT's own types: the feeds were valid, resized they are not
+                if not _from_ort(exc):
+                    raise
                 raise self._padding_failed(exc, ", ".join(f"{k}={v}" for k, v in sizes.items())) from exc
             return {n: tuple(o.shape) for n, o in zip(self.output_names, outs)}
 
@@ -572,6 +573,13 @@ class BucketRunner:
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
               "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
               "tensor(bool)": np.bool_}
+
+
+def _from_ort(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure inside ORT: its own exception types, the plain ``RuntimeError`` its Python
+    ``run_with_iobinding`` raises ("Error in execution: ..."), or a capture ORT aborted."""
+    return (isinstance(exc, CaptureAbortedError) or type(exc) is RuntimeError
+            or type(exc).__module__.startswith("onnxruntime"))
 
 
 def _shape(v) -> tuple:
