@@ -297,3 +297,27 @@ def test_cuda_buckets_on_a_second_device_from_a_fresh_thread(backend):
     assert not errors, errors
     for got, want in out:
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# -- drop-in ----------------------------------------------------------------------------------------------------------
+def test_patched_buckets_warn_only_when_a_bucket_is_refused(backend, tmp_path):
+    """Under ``patched(buckets=...)`` the verification's CPU reference and the caller's own CPU session of a
+    bucketed model are ORT sessions: no "without graph capture" warning, no buckets on them."""
+    import warnings
+
+    import ortcapture
+
+    path = tmp_path / "bucket.onnx"
+    path.write_bytes(tiny.bucket_model())
+    x = np.random.default_rng(8).standard_normal((3, 4)).astype(np.float32)
+    want = cpu(tiny.bucket_model()).run(None, {"X": x})
+    with ortcapture.patched(backend.name, buckets={str(path): {"batch": [4]}}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # any RuntimeWarning fails the test
+            sess = ort.InferenceSession(str(path))
+            for g, w in zip(sess.run(None, {"X": x}), want):
+                close(g, w, TOL[backend.name])
+            mine = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            for g, w in zip(mine.run(None, {"X": x}), want):
+                close(g, w, 1e-6)
+        assert sess.bucket_stats()["replayed"] == 1 and mine._oc_buckets is None
