@@ -29,7 +29,8 @@ class InputSpec:
     def problem(self, shape: Sequence[int], dtype: Any) -> str | None:
         """Why a value of ``shape`` and ``dtype`` (numpy dtype, or a framework's dtype name) is not a feed ORT takes
         for this input; ``None`` when it is."""
-        if self.dtype is not None and str(dtype).replace("torch.", "") != str(self.dtype):
+        if (self.dtype is not None and not (isinstance(dtype, np.dtype) and dtype == self.dtype)
+                and str(dtype).replace("torch.", "") != str(self.dtype)):
             return f"input {self.name!r} is {self.dtype} in the model, the feed is {dtype}"
         if len(shape) != len(self.dims):
             return f"input {self.name!r} has rank {len(self.dims)} in the model, the feed has shape {tuple(shape)}"
