@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ortcapture import _bucket_feeds
 from ortcapture import _compat as compat
 from ortcapture import _cudart
 from ortcapture import _verify
@@ -28,7 +29,7 @@ from ortcapture._buckets import BucketDim, check_output_axes, output_relations, 
 from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
 from ortcapture._specialize import host_read_inputs
 from ortcapture._sync import CUDA_GATE
-from ortcapture.errors import CaptureError
+from ortcapture.errors import CaptureAbortedError, CaptureError
 from ortcapture.transfer import to_numpy, update_inplace
 
 log = logging.getLogger("ortcapture")
@@ -47,6 +48,7 @@ class _Entry:
         self.filled: dict[str, tuple] = {}
         self.layouts: dict[str, tuple] = {}  # see BucketRunner._layout
         self.lock = threading.Lock()
+        self.evicted = False  # released by max_graphs: a thread that looked it up before looks again
         self.threads: set[int] = set()
         self.replayed = 0
         self.rows = 0
@@ -83,6 +85,7 @@ class BucketRunner:
         metas = session.get_inputs()
         self.input_names = [m.name for m in metas]
         self.output_names = [o.name for o in session.get_outputs()]
+        self._specs = _bucket_feeds.specs(session)  # what ORT's plain run takes per input
         self.dims: list[BucketDim] = parse_buckets(buckets, {m.name: list(m.shape) for m in metas})
         self._declared = check_output_axes(output_axes, self.output_names, self.dims)
         if oversize not in OVERSIZE:
@@ -104,6 +107,7 @@ class BucketRunner:
         self._entries: OrderedDict = OrderedDict()
         self._lock = threading.RLock()
         self._counts = {"replayed": 0, "uncaptured": 0, "captured": 0, "oversize": 0, "split": 0, "evicted": 0}
+        self._rows = self._padded_rows = 0  # request rows and padded rows of every counted replay (padding_waste)
         self._exact = False
         if self.device_type == "cuda":
             opts = session.get_provider_options().get("CUDAExecutionProvider", {})
@@ -123,6 +127,9 @@ class BucketRunner:
                 return self._plain(output_names, input_feed, run_options, ort_values)
             raise CaptureError("a session with buckets= picks its own gpu_graph_ids; run_options may only set "
                                "gpu_graph_id=-1 (run uncaptured)")
+        if run_options is not None and getattr(run_options, "terminate", False):
+            # a replay would ignore it: the uncaptured run raises ORT's "Exiting due to terminate flag"
+            return self._plain(output_names, input_feed, run_options, ort_values)
         if self._worker is not None and threading.get_ident() != self._worker_ident:
             return self._worker.submit(self._run_here, output_names, input_feed, run_options, ort_values).result()
         return self._run_here(output_names, input_feed, run_options, ort_values)
@@ -146,10 +153,13 @@ class BucketRunner:
                 if outs is not None:
                     return _wrap(outs, ort_values)
             return self._plain(output_names, input_feed, run_options, ort_values)
-        entry = self._entry(feeds, sizes, bucket)
-        if entry is None:
-            return self._plain(output_names, input_feed, run_options, ort_values)
-        outs = self._replay(entry, feeds, sizes, names)
+        while True:  # again when another thread evicted the graph (max_graphs) between the look-up and the replay
+            entry = self._entry(feeds, sizes, bucket)
+            if entry is None:
+                return self._plain(output_names, input_feed, run_options, ort_values)
+            outs = self._replay(entry, feeds, sizes, names)
+            if outs is not None:
+                break
         with self._lock:
             self._counts["replayed"] += 1
         return _wrap(outs, ort_values)
@@ -162,17 +172,33 @@ class BucketRunner:
     # -- feeds ------------------------------------------------------------------------------------------------
     def _host_feeds(self, input_feed, ort_values: bool) -> dict | None:
         """``{input: value}`` with host values as numpy arrays and device values (CUDA OrtValues, DLPack) kept;
-        ``None`` when the feeds are not every input exactly once (the uncaptured run then says what ORT says)."""
+        ``None`` when the feeds are not ones ORT's plain run takes (see :meth:`_feed_problem`; the uncaptured run
+        then says what ORT says)."""
+        out = self._convert_feeds(input_feed)
+        return out if isinstance(out, dict) else None
+
+    def _convert_feeds(self, input_feed) -> dict | str:
+        """:meth:`_host_feeds`, or why not (a sentence): not every input exactly once, or a feed of another element
+        type, rank or fixed dim than the model's input (:mod:`ortcapture._bucket_feeds`)."""
         if not isinstance(input_feed, Mapping) or set(input_feed) != set(self.input_names):
-            return None
+            return f"feeds must give every input exactly once ({self.input_names})"
         out = {}
         for name, v in input_feed.items():
+            spec = self._specs[name]
             if isinstance(v, compat.OrtValue):
-                out[name] = v.numpy() if v.device_name().lower() == "cpu" else v
+                v = v.numpy() if v.device_name().lower() == "cpu" else v
             elif hasattr(v, "__dlpack_device__") and not isinstance(v, np.ndarray):
-                out[name] = np.from_dlpack(v) if int(v.__dlpack_device__()[0]) == 1 else v
-            else:
-                out[name] = np.asarray(v)
+                v = np.from_dlpack(v) if int(v.__dlpack_device__()[0]) == 1 else v
+            elif isinstance(v, list):  # ORT converts lists to the input's element type
+                v = _bucket_feeds.from_list(spec, v)
+                if v is None:
+                    return f"input {name!r}: a list ORT cannot convert to {spec.dtype}"
+            elif not isinstance(v, np.ndarray):  # scalars, tuples, ...: ORT's own message
+                return f"input {name!r}: a {type(v).__name__}, not an array"
+            problem = spec.problem(_shape(v), _dtype(v))
+            if problem is not None:
+                return problem
+            out[name] = v
         return out
 
     def _output_names(self, output_names) -> list[str] | None:
@@ -243,9 +269,14 @@ class BucketRunner:
             padded = {n: np.array(v, copy=True) for n, v in self._resized(feeds, bucket).items()}  # ours: staging
             try:
                 graph = self._s.capture(padded, verify=False)  # checked below, padded against unpadded
-            except CaptureError as exc:
-                self._entries[key] = _Refused(exc)
-                raise
+            except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
+                if not (isinstance(exc, CaptureError) or _from_ort(exc)):
+                    raise
+                err = self._padding_failed(exc, label) if _from_ort(exc) else exc
+                self._entries[key] = _Refused(err)
+                if err is exc:
+                    raise
+                raise err from exc
             entry = _Entry(graph, dict(bucket), padded, label)
             entry.filled = {n: _shape(feeds[n]) for n in self._sites}  # the example's region, zeroed on a shrink
             entry.threads.add(threading.get_ident())
@@ -268,7 +299,9 @@ class BucketRunner:
         for key, e in self._entries.items():
             if isinstance(e, _Entry):
                 del self._entries[key]
-                e.graph.release()
+                with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
+                    e.evicted = True
+                    e.graph.release()
                 self._counts["evicted"] += 1
                 log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
                 return
@@ -281,10 +314,25 @@ class BucketRunner:
             probes[d.label] = (first, others[0] if others else first + 1)
 
         def run(sizes):
-            outs = self._plain_run(None, self._resized(feeds, sizes), uncaptured(None), False)
+            try:
+                outs = self._plain_run(None, self._resized(feeds, sizes), uncaptured(None), False)
+            except Exception as exc:  # noqa: BLE001 - ORT's own types: the feeds were valid, resized they are not
+                if not _from_ort(exc):
+                    raise
+                raise self._padding_failed(exc, ", ".join(f"{k}={v}" for k, v in sizes.items())) from exc
             return {n: tuple(o.shape) for n, o in zip(self.output_names, outs)}
 
         return output_relations(run, self.dims, probes, self._declared)
+
+    def _padding_failed(self, exc: Exception, label: str) -> CaptureError:
+        """The error for a model that ORT runs on the request's feeds but not on them padded (or cut) to ``label``:
+        typically an input ORT reads on the host that encodes the batch size (a Reshape shape ``[n, -1]``)."""
+        host = sorted(self._host_read)
+        hint = (f" The inputs ORT reads on the host ({host}) keep their values when the bucketed dims are padded; one "
+                "that encodes the batch size (e.g. a Reshape shape [n, ...]) cannot be bucketed." if host else "")
+        return CaptureError(f"buckets: the model fails on the feeds padded or cut to {label} (ORT: "
+                            f"{str(exc).strip()[:300]}).{hint} Run such requests with gpu_graph_id=-1 or use the "
+                            "session without buckets=.")
 
     def _verify(self, entry: _Entry, feeds: dict, sizes: dict) -> None:
         exact = self._exact and all(entry.bucket[k] == v for k, v in sizes.items())
@@ -303,9 +351,14 @@ class BucketRunner:
                        what=f"bucket {entry.label} (padded replay vs the uncaptured run of the unpadded feeds)")
 
     # -- replay -----------------------------------------------------------------------------------------------
-    def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str], count: bool = True) -> list:
+    def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str],
+                count: bool = True) -> list | None:
+        """The request's outputs from ``entry``'s graph (new arrays, one per name, never views of each other or of
+        ortcapture's buffers); ``None`` when the graph was evicted meanwhile (look it up again)."""
         direct = self._direct
         with entry.lock:
+            if entry.evicted:
+                return None
             tid = threading.get_ident()
             first_here = tid not in entry.threads and self.device_type == "cuda"
             t0 = time.perf_counter()
@@ -333,7 +386,10 @@ class BucketRunner:
             else:
                 outs = entry.graph.run(graph_feeds)
                 by_name = dict(zip(self.output_names, outs))
-                result = [self._slice(by_name[n], self._rel[n], sizes) for n in names]
+                result = [self._slice(by_name[n], self._rel[n], sizes, n) for n in names]
+            if len(set(names)) < len(names):  # a name asked for twice: separate arrays, as ORT returns them
+                seen: set[str] = set()
+                result = [r.copy() if n in seen or seen.add(n) else r for n, r in zip(names, result)]
             if first_here:
                 entry.threads.add(tid)
                 log.info("ortcapture: bucket %s captured for thread %s in %.3f s (CUDA graphs are per thread)",
@@ -341,8 +397,13 @@ class BucketRunner:
             if count:
                 entry.replayed += 1
                 req = math.prod(sizes.values())
+                pad = math.prod(entry.bucket.values()) - req
                 entry.rows += req
-                entry.padded_rows += math.prod(entry.bucket.values()) - req
+                entry.padded_rows += pad
+        if count:  # the session's totals outlive evicted graphs (never under entry.lock: _evict locks the other way)
+            with self._lock:
+                self._rows += req
+                self._padded_rows += pad
         return result
 
     # CUDA: feeds go straight into the fixed buffer's leading region (host or device source, one strided
@@ -350,21 +411,22 @@ class BucketRunner:
     # come back as just the request's region. Measured on the H200 (YOLOv8n, batch 1-8 stream): this path against a
     # host staging copy of the padded batch and a full readback: see the note of issue 16.
     def _layout(self, entry: _Entry, name: str, buf, axis: int) -> tuple:
-        """(buffer, shape, dtype, bytes per step of ``axis``, rows before it, device pointer) of a fixed buffer,
-        computed once per buffer object (compaction may hand the graph new buffers)."""
+        """(buffer, shape, dtype, bytes per step of ``axis``, rows before it, device pointer, CUDA device) of a fixed
+        buffer, computed once per buffer object (compaction may hand the graph new buffers)."""
         lay = entry.layouts.get(name)
         if lay is None or lay[0] is not buf:
             full = tuple(buf.shape())
             dtype = _np_dtype(buf)
             inner = math.prod(full[axis + 1:]) * np.dtype(dtype).itemsize
-            lay = entry.layouts[name] = (buf, full, dtype, inner, math.prod(full[:axis]), buf.data_ptr())
+            dev = int(buf.device_id()) if buf.device_name().lower() == "cuda" else None
+            lay = entry.layouts[name] = (buf, full, dtype, inner, math.prod(full[:axis]), buf.data_ptr(), dev)
         return lay
 
     def _cuda_fill(self, entry: _Entry, name: str, v: Any, axis: int) -> bool:
         """Copy ``v`` into ``name``'s fixed buffer's leading region along ``axis``, zeroing only the rows the previous
         request wrote beyond it; False (the caller falls back) when ``v`` is not a C-contiguous host array or CUDA
         tensor of the buffer's dtype and rank."""
-        _, full, dtype, inner, outer, dst = self._layout(entry, name, entry.graph.inputs[name], axis)
+        _, full, dtype, inner, outer, dst, dev = self._layout(entry, name, entry.graph.inputs[name], axis)
         if isinstance(v, np.ndarray):
             if not v.flags.c_contiguous or v.dtype != dtype or v.ndim != len(full):
                 return False
@@ -379,22 +441,24 @@ class BucketRunner:
         last = entry.filled.get(name)
         last_n = full[axis] if last is None else last[axis]
         with CUDA_GATE.shared:  # no CUDA call while another thread captures (ortcapture._sync)
-            _cudart.copy_and_zero_2d(dst, pitch, src, width, outer, (last_n - n) * inner if last_n > n else 0)
+            _cudart.copy_and_zero_2d(dst, pitch, src, width, outer, (last_n - n) * inner if last_n > n else 0,
+                                     device=dev)
         entry.filled[name] = shape
         return True
 
     def _cuda_read(self, entry: _Entry, name: str, out, rel: Mapping[int, tuple], sizes: dict) -> np.ndarray:
         """The request's region of a fixed output buffer, as a new host array (one strided copy)."""
-        lengths = sliced_lengths(rel, sizes) if rel else {}
-        if len(lengths) != 1:
-            return self._slice(to_numpy(out), rel, sizes) if lengths else to_numpy(out)
-        (axis, n), = lengths.items()
         buf = entry.graph.outputs.get(name, out)  # the fixed buffer (the ReplayOutput wrapper is new each replay)
-        _, full, dtype, inner, outer, src = self._layout(entry, "->" + name, buf, axis)
+        lengths = sliced_lengths(rel, sizes, _shape(buf), name) if rel else {}  # never beyond the buffer
+        if len(lengths) != 1:
+            return self._slice(to_numpy(out), rel, sizes, name) if lengths else to_numpy(out)
+        (axis, n), = lengths.items()
+        _, full, dtype, inner, outer, src, dev = self._layout(entry, "->" + name, buf, axis)
         host = np.empty(full[:axis] + (n,) + full[axis + 1:], dtype)
         if host.size:
             with CUDA_GATE.shared:
-                _cudart.copy_and_zero_2d(host.ctypes.data, n * inner, src, n * inner, outer, 0, spitch=full[axis] * inner)
+                _cudart.copy_and_zero_2d(host.ctypes.data, n * inner, src, n * inner, outer, 0,
+                                         spitch=full[axis] * inner, device=dev)
         return host
 
     def _stage(self, entry: _Entry, name: str, x: np.ndarray, axes) -> np.ndarray:
@@ -416,22 +480,24 @@ class BucketRunner:
         entry.filled[name] = x.shape
         return stage
 
-    def _slice(self, out: np.ndarray, rel: Mapping[int, tuple], sizes: dict) -> np.ndarray:
+    def _slice(self, out: np.ndarray, rel: Mapping[int, tuple], sizes: dict, name: str = "output") -> np.ndarray:
         if not rel:
             return out
-        lengths = sliced_lengths(rel, sizes)
+        lengths = sliced_lengths(rel, sizes, out.shape, name)
         region = tuple(slice(0, lengths[ax]) if ax in lengths else slice(None) for ax in range(out.ndim))
         y = out[region]
         return y if y.flags.c_contiguous else np.ascontiguousarray(y)
 
     def _split(self, feeds: dict, sizes: dict, names: Sequence[str]) -> list | None:
         """Oversize along one bucketed dim: chunks of the largest bucket, outputs joined along the following axes;
-        ``None`` (run uncaptured) when an output's relation is not a plain follow on one axis."""
+        ``None`` (run uncaptured) unless every requested output follows the dim on exactly one axis. An output
+        without such an axis (a reduction over the batch, a constant, ``output_axes={name: None}``) has no rows to
+        join: the first chunk's value would be a silently wrong answer for the whole batch."""
         if len(self.dims) != 1 or self._rel is None:
             return None
         d = self.dims[0]
         rels = {n: self._rel[n] for n in names}
-        if any(len(r) > 1 or any(x[0] != "follow" for x in r.values()) for r in rels.values()):
+        if any(len(r) != 1 or any(x[0] != "follow" for x in r.values()) for r in rels.values()):
             return None
         step, total = d.sizes[-1], sizes[d.label]
         parts = []
@@ -443,18 +509,17 @@ class BucketRunner:
                     x = np.take(x, np.arange(start, min(start + step, total)), axis=axis)
                 chunk[name] = x
             csizes = {d.label: min(step, total - start)}
-            entry = self._entry(chunk, csizes, {d.label: d.bucket_for(csizes[d.label])})
-            if entry is None:
-                return None
-            parts.append(self._replay(entry, chunk, csizes, names))
+            part = None
+            while part is None:  # None: evicted by another thread meanwhile (max_graphs), look it up again
+                entry = self._entry(chunk, csizes, {d.label: d.bucket_for(csizes[d.label])})
+                if entry is None:
+                    return None
+                part = self._replay(entry, chunk, csizes, names)
+            parts.append(part)
         with self._lock:
             self._counts["split"] += 1
             self._counts["replayed"] += len(parts)
-        out = []
-        for i, n in enumerate(names):
-            axis = next(iter(rels[n]), None)
-            out.append(parts[0][i] if axis is None else np.concatenate([p[i] for p in parts], axis=axis))
-        return out
+        return [np.concatenate([p[i] for p in parts], axis=next(iter(rels[n]))) for i, n in enumerate(names)]
 
     # -- public helpers ---------------------------------------------------------------------------------------
     def warmup(self, example_feeds: Mapping[str, Any] | None = None) -> dict:
@@ -462,9 +527,9 @@ class BucketRunner:
         ``InferenceSession.warmup``."""
         if example_feeds is None:
             example_feeds = self._zeros_example()
-        feeds = self._host_feeds(example_feeds, False)
-        if feeds is None:
-            raise CaptureError(f"warmup: example feeds must give every input once ({self.input_names})")
+        feeds = self._convert_feeds(example_feeds)
+        if not isinstance(feeds, dict):
+            raise CaptureError(f"warmup: {feeds}")
         for combo in itertools.product(*[d.sizes for d in self.dims]):
             sizes = {d.label: s for d, s in zip(self.dims, combo)}
             resized = self._resized(feeds, sizes)
@@ -484,21 +549,19 @@ class BucketRunner:
                     raise CaptureError(
                         f"warmup: input {m.name!r} axis {ax} ({d!r}) is dynamic and not bucketed; pass example feeds "
                         "(warmup(feeds)) so its size is known")
-            out[m.name] = np.zeros(shape, _ORT_TYPES.get(m.type, np.float32))
+            out[m.name] = np.zeros(shape, self._specs[m.name].dtype or _ORT_TYPES.get(m.type, np.float32))
         return out
 
     def stats(self) -> dict:
         """See ``InferenceSession.bucket_stats``."""
         with self._lock:
             per = {}
-            rows = padded = 0
             for e in self._entries.values():
                 if isinstance(e, _Entry):
                     per[e.label] = {"replayed": e.replayed, "device_bytes": e.device_bytes,
                                     "padding_waste": e.padded_rows / max(e.rows + e.padded_rows, 1),
                                     "threads": len(e.threads), "gpu_graph_id": e.graph.graph_id}
-                    rows += e.rows
-                    padded += e.padded_rows
+            rows, padded = self._rows, self._padded_rows  # every replay, evicted graphs' too
             return {**self._counts, "padding_waste": padded / max(rows + padded, 1), "buckets": per,
                     "refused": sum(1 for e in self._entries.values() if isinstance(e, _Refused))}
 
@@ -510,6 +573,13 @@ class BucketRunner:
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
               "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
               "tensor(bool)": np.bool_}
+
+
+def _from_ort(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure inside ORT: its own exception types, the plain ``RuntimeError`` its Python
+    ``run_with_iobinding`` raises ("Error in execution: ..."), or a capture ORT aborted."""
+    return (isinstance(exc, CaptureAbortedError) or type(exc) is RuntimeError
+            or type(exc).__module__.startswith("onnxruntime"))
 
 
 def _shape(v) -> tuple:

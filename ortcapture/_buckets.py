@@ -184,8 +184,12 @@ def output_relations(run: Callable[[Mapping[str, int]], dict[str, tuple[int, ...
     return rel
 
 
-def sliced_lengths(rel: Mapping[int, Relation], request: Mapping[str, int]) -> dict[int, int]:
-    """``{axis: length}`` of one output for a request's sizes (``{label: size}``)."""
+def sliced_lengths(rel: Mapping[int, Relation], request: Mapping[str, int], shape: Sequence[int] | None = None,
+                   name: str = "output") -> dict[int, int]:
+    """``{axis: length}`` of one output for a request's sizes (``{label: size}``). With ``shape`` (the bucket graph's
+    output shape) a length beyond it raises :class:`CaptureError`: the relation decided at two probe sizes (or
+    declared) does not hold at this bucket, and a slice would be silently short (numpy) or read past the buffer
+    (a device copy)."""
     out = {}
     for axis, r in rel.items():
         if r[0] == "follow":
@@ -196,6 +200,15 @@ def sliced_lengths(rel: Mapping[int, Relation], request: Mapping[str, int]) -> d
                 raise CaptureError(f"output_axes size function returned {n!r} for {r[1]}={request[r[1]]}; "
                                    "expected a non-negative int")
             out[axis] = int(n)
+    if shape is not None:
+        for axis, n in out.items():
+            if axis >= len(shape) or n > shape[axis]:
+                have = f"length {shape[axis]}" if axis < len(shape) else "no such axis"
+                raise CaptureError(
+                    f"buckets: output {name!r} (shape {tuple(shape)} in the bucket's graph) has {have} along axis "
+                    f"{axis}, where the request needs {n}: it does not follow the bucketed dim the way it was "
+                    f"decided or declared; declare it, e.g. output_axes={{{name!r}: {{{axis}: lambda n: length}}}} or "
+                    f"{{{name!r}: None}}.")
     return out
 
 

@@ -126,22 +126,40 @@ def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         raise RuntimeError(f"cudaMemcpyAsync device-to-device copy failed: {err}")
 
 
+#: cudaMemcpy2D / cudaMemset2D refuse pitches beyond the device's cudaDevAttrMaxPitch (2**31 - 1 on NVIDIA GPUs up to
+#: the H200): such copies go row by row with 1-D calls
+MAX_PITCH = 2**31 - 1
+
+
 def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height: int, zero_bytes: int,
-                     spitch: int | None = None) -> None:
+                     spitch: int | None = None, device: int | None = None) -> None:
     """:func:`memcpy_2d` of ``height`` rows of ``width`` bytes (source rows ``spitch``, default ``width``, bytes
-    apart), then zero ``zero_bytes`` after each destination row's copied part, then one wait. Raises
-    :class:`RuntimeError` on failure."""
+    apart), then zero ``zero_bytes`` after each destination row's copied part, then one wait. One row (``height``
+    1, e.g. a batch on axis 0) uses 1-D ``cudaMemcpyAsync``/``cudaMemsetAsync`` (no pitch limit); pitches beyond
+    :data:`MAX_PITCH` go row by row. ``device``: the CUDA device made current for the calls (the buffer's; a
+    thread's current device is otherwise whatever it last used). Raises :class:`RuntimeError` on failure."""
     rt = compat.cudart()
     if rt is None:
         raise RuntimeError("cuda-python is not installed")
-    err = 0
-    if width and height:
-        (err,) = rt.cudaMemcpy2DAsync(dst_ptr, dpitch, src_ptr, width if spitch is None else spitch, width, height,
-                                      rt.cudaMemcpyKind.cudaMemcpyDefault, 0)
-    if _ok(err) and zero_bytes and height:
-        (err,) = rt.cudaMemset2DAsync(dst_ptr + width, dpitch, 0, zero_bytes, height, 0)
-    if _ok(err):
-        (err,) = rt.cudaStreamSynchronize(0)
+    spitch = width if spitch is None else spitch
+    kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+    with current_device(device) if device is not None else contextlib.nullcontext():
+        err = 0
+        if not height:
+            return
+        if height == 1 or max(dpitch, spitch) > MAX_PITCH:
+            for row in range(height):
+                if width and _ok(err):
+                    (err,) = rt.cudaMemcpyAsync(dst_ptr + row * dpitch, src_ptr + row * spitch, width, kind, 0)
+                if zero_bytes and _ok(err):
+                    (err,) = rt.cudaMemsetAsync(dst_ptr + row * dpitch + width, 0, zero_bytes, 0)
+        else:
+            if width:
+                (err,) = rt.cudaMemcpy2DAsync(dst_ptr, dpitch, src_ptr, spitch, width, height, kind, 0)
+            if _ok(err) and zero_bytes:
+                (err,) = rt.cudaMemset2DAsync(dst_ptr + width, dpitch, 0, zero_bytes, height, 0)
+        if _ok(err):
+            (err,) = rt.cudaStreamSynchronize(0)
     if not _ok(err):
         raise RuntimeError(f"cudaMemcpy2DAsync/cudaMemset2DAsync failed: {err}")
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ortcapture import _compat as compat
 from ortcapture import transfer
 from ortcapture._run import uncaptured_run_options
 from ortcapture._verify import DEFAULT_RTOL, Report, VerificationError, verify
@@ -54,8 +55,8 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
         so.log_severity_level = 3
         model = load_model(model_source).SerializeToString() if not isinstance(model_source, (str, bytes)) \
             else model_source
-        try:
-            ref = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        try:  # ORT's own class: under ortcapture.patched() onnxruntime.InferenceSession is the drop-in (buckets=...)
+            ref = compat.OrtInferenceSession(model, so, providers=["CPUExecutionProvider"])
         except Exception:  # noqa: BLE001 - no CPU kernel for some node (e.g. bf16): the next best reference
             ref = False
         cache["cpu"] = ref

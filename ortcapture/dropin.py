@@ -47,6 +47,8 @@ class AutoCaptureSession(InferenceSession):
         caller = (sess_options, providers, provider_options)
         args = _with_capture(self._oc_defaults, sess_options, providers, provider_options)
         buckets = _buckets_for(self._oc_defaults.get("buckets"), path_or_bytes)
+        if buckets is not None and not _requests_capture(args):
+            buckets = None  # e.g. the caller's own CPU session of a bucketed model: ORT's session, no warning
         try:
             super().__init__(path_or_bytes, *args, buckets=buckets, **kwargs)
         except Exception as exc:  # noqa: BLE001 - whatever the capture request broke
@@ -194,6 +196,14 @@ def _with_capture(defaults: dict, sess_options, providers, provider_options):
         return sess_options, providers, provider_options
     args = session_args(defaults["provider"], True, sess_options, ep_options=defaults.get("provider_options"))
     return args["sess_options"], args.get("providers"), None
+
+
+def _requests_capture(args) -> bool:
+    """Whether session arguments ``(sess_options, providers, provider_options)`` request graph capture."""
+    from ortcapture._providers import requested_capture
+
+    sess_options, providers, provider_options = args
+    return requested_capture(providers, provider_options, sess_options) is not None
 
 
 def _has_plugin_ep(sess_options) -> bool:
