@@ -127,10 +127,10 @@ def memcpy_d2d(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
 
 
 def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height: int, zero_bytes: int,
-                     spitch: int | None = None) -> None:
+                     spitch: int | None = None, fill: int = 0) -> None:
     """:func:`memcpy_2d` of ``height`` rows of ``width`` bytes (source rows ``spitch``, default ``width``, bytes
-    apart), then zero ``zero_bytes`` after each destination row's copied part, then one wait. Raises
-    :class:`RuntimeError` on failure."""
+    apart), then set ``zero_bytes`` after each destination row's copied part to the byte ``fill`` (default 0), then
+    one wait. Raises :class:`RuntimeError` on failure."""
     rt = compat.cudart()
     if rt is None:
         raise RuntimeError("cuda-python is not installed")
@@ -139,7 +139,7 @@ def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height
         (err,) = rt.cudaMemcpy2DAsync(dst_ptr, dpitch, src_ptr, width if spitch is None else spitch, width, height,
                                       rt.cudaMemcpyKind.cudaMemcpyDefault, 0)
     if _ok(err) and zero_bytes and height:
-        (err,) = rt.cudaMemset2DAsync(dst_ptr + width, dpitch, 0, zero_bytes, height, 0)
+        (err,) = rt.cudaMemset2DAsync(dst_ptr + width, dpitch, fill, zero_bytes, height, 0)
     if _ok(err):
         (err,) = rt.cudaStreamSynchronize(0)
     if not _ok(err):

@@ -1,0 +1,201 @@
+"""Sequence buckets (issue 23): padded sequence dims with pad values and masks, padding neutrality, state inputs."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortcapture
+from ortcapture.errors import CaptureError
+from tests import tiny
+
+#: against the CPU EP: CUDA's MatMul runs in TF32 by default (~1e-3 relative), WebGPU in float32
+TOL = {"cuda": 1e-2, "webgpu": 1e-4}
+VOCAB = 64
+
+
+def cpu(model):
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+def close(got, want, rtol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-6)
+    assert float(np.abs(got - want).max(initial=0.0)) <= rtol * scale
+
+
+def text_batch(rng, batch, seq, pad_tail=True):
+    """ids in [1, VOCAB) and a mask of ones; with ``pad_tail`` each row but the first ends in 0-3 masked steps (the
+    caller's own padding inside the request, as tokenizers produce)."""
+    ids = rng.integers(1, VOCAB, (batch, seq), dtype=np.int64)
+    mask = np.ones((batch, seq), np.int64)
+    if pad_tail:
+        for r in range(1, batch):
+            k = int(rng.integers(0, min(4, seq - 1)))
+            if k:
+                mask[r, -k:] = 0
+                ids[r, -k:] = 0
+    return {"ids": ids, "attention_mask": mask}
+
+
+def test_masked_attention_mixed_lengths_equal_the_cpu_ep(backend):
+    model = tiny.masked_attention_model()
+    sess = backend.session(model, buckets={"seq": [8, 16, 32]}, pad_values={"attention_mask": 0, "ids": 0})
+    ref = cpu(model)
+    rng = np.random.default_rng(0)
+    for seq in (5, 13, 8, 27, 16, 9, 3):
+        feeds = text_batch(rng, 2, seq)
+        saved = {k: v.copy() for k, v in feeds.items()}
+        got = sess.run(None, feeds)
+        want = ref.run(None, feeds)
+        assert [g.shape for g in got] == [(2, seq, 32), (2, 32)]  # hidden sliced back on seq; pooled has no seq
+        for g, w in zip(got, want):
+            close(g, w, TOL[backend.name])
+        assert all(np.array_equal(feeds[k], saved[k]) for k in feeds)
+    st = sess.bucket_stats()
+    assert st["replayed"] == 7 and st["uncaptured"] == 0 and st["captured"] == 3
+    assert sorted(st["buckets"]) == ["seq=16", "seq=32", "seq=8"] and 0 < st["padding_waste"] < 1
+
+
+def test_the_verification_pads_with_pad_values(backend):
+    """Padding the mask with 1 unmasks the padded keys: the same model, refused, outputs named."""
+    model = tiny.masked_attention_model()
+    sess = backend.session(model, buckets={"seq": [16]}, pad_values={"attention_mask": 1})
+    feeds = text_batch(np.random.default_rng(1), 2, 11, pad_tail=False)
+    with pytest.raises(CaptureError, match=r"\['hidden', 'pooled'\]") as err:
+        sess.run(None, feeds)
+    assert err.value.outputs == ["hidden", "pooled"]
+    ok = backend.session(model, buckets={"seq": [16]})  # default 0: neutral
+    close(ok.run(None, feeds)[1], cpu(model).run(None, feeds)[1], TOL[backend.name])
+
+
+def test_probes_and_staging_pad_with_pad_values(backend):
+    """Every run the session makes on padded feeds (output-axis probes, capture, replays) holds the pad value in
+    the padded region, and a shrinking request re-pads what the previous one wrote."""
+    model = tiny.masked_attention_model()
+    sess = backend.session(model, buckets={"seq": [8, 16]}, pad_values={"ids": VOCAB - 1})
+    runner = sess._oc_buckets
+    seen = []
+    plain = runner._plain_run
+
+    def spy(names, feeds, opts, ort_values):
+        seen.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        return plain(names, feeds, opts, ort_values)
+
+    runner._plain_run = spy
+    rng = np.random.default_rng(2)
+    for seq in (6, 3, 12, 7):
+        feeds = text_batch(rng, 1, seq, pad_tail=False)
+        close(sess.run(None, feeds)[0], cpu(model).run(None, feeds)[0], TOL[backend.name])
+    probes = [f for f in seen if f["ids"].shape[1] > 6 and f["ids"].shape[1] in (8, 16)]
+    assert probes, "the output-axis probes ran on padded feeds"
+    assert all((f["ids"][:, 6:] == VOCAB - 1).all() and (f["attention_mask"][:, 6:] == 0).all() for f in probes)
+    for entry in runner._entries.values():  # host staging: the tail beyond the last request holds the pad value
+        last = entry.filled.get("ids")
+        if last is not None and "ids" in entry.staging:
+            assert (entry.staging["ids"][:, last[1]:] == VOCAB - 1).all()
+
+
+def test_padding_that_changes_results_is_refused_naming_the_outputs(backend):
+    sess = backend.session(tiny.time_mean_model(), buckets={"seq": [8]})
+    x = np.random.default_rng(3).standard_normal((2, 5, 4)).astype(np.float32)
+    with pytest.raises(CaptureError, match=r"\['Y'\]") as err:
+        sess.run(None, {"X": x})
+    assert err.value.outputs == ["Y"]  # Z = 2X follows seq and pads neutrally
+    with pytest.raises(CaptureError, match=r"\['Y'\]"):
+        sess.run(None, {"X": x})
+    assert sess.bucket_stats()["refused"] == 1
+    uncaptured = sess.run(None, {"X": x}, ortcapture.run_options_for(-1))[0]  # still served uncaptured on request
+    np.testing.assert_allclose(uncaptured, x.mean(axis=1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_causal_convolutions_pad_safely_and_centred_ones_do_not(backend, causal):
+    model = tiny.conv1d_model(causal=causal)
+    sess = backend.session(model, buckets={"seq": [16]})
+    x = np.random.default_rng(5).standard_normal((2, 3, 11)).astype(np.float32)
+    if causal:
+        close(sess.run(None, {"X": x})[0], cpu(model).run(None, {"X": x})[0], TOL[backend.name])
+        assert sess.bucket_stats()["replayed"] == 1
+    else:  # the last step's window reaches into the padding
+        with pytest.raises(CaptureError, match=r"\['Y'\]"):
+            sess.run(None, {"X": x})
+
+
+def test_batch_and_sequence_buckets_together(backend):
+    model = tiny.masked_attention_model()
+    sess = backend.session(model, buckets={"batch": [1, 2, 4], "seq": [8, 16]})
+    ref = cpu(model)
+    rng = np.random.default_rng(6)
+    requests = [(1, 5), (3, 12), (2, 8), (4, 16), (3, 7), (1, 14), (2, 3)]
+    for batch, seq in requests:
+        feeds = text_batch(rng, batch, seq)
+        got = sess.run(None, feeds)
+        assert [g.shape for g in got] == [(batch, seq, 32), (batch, 32)]
+        for g, w in zip(got, ref.run(None, feeds)):
+            close(g, w, TOL[backend.name])
+    st = sess.bucket_stats()
+    assert st["replayed"] == len(requests) and st["uncaptured"] == 0
+    assert sorted(st["buckets"]) == sorted({"batch=1, seq=8", "batch=4, seq=16", "batch=2, seq=8",
+                                            "batch=1, seq=16", "batch=4, seq=8"})
+    assert sess.run(None, text_batch(rng, 2, 20))[0].shape == (2, 20, 32)  # seq beyond 16: uncaptured
+    assert sess.bucket_stats()["oversize"] == 1
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"nope": 0}, "not an input"),
+    ({"ids": 1.5}, "does not fit"),
+    ({"ids": [0]}, "scalar"),
+    ([0], "mapping"),
+])
+def test_bad_pad_values(backend, spec, match):
+    with pytest.raises(CaptureError, match=match):
+        backend.session(tiny.masked_attention_model(), buckets={"seq": [8]}, pad_values=spec)
+
+
+def test_pad_values_for_an_input_without_a_bucketed_dim_or_without_buckets(backend):
+    with pytest.raises(CaptureError, match="'T' carries no bucketed dim"):
+        backend.session(tiny.batch_last_model(), buckets={("X", 1): [4]}, pad_values={"T": 1.0})
+    with pytest.raises(CaptureError, match="go with buckets"):
+        backend.session(tiny.masked_attention_model(), pad_values={"ids": 0})
+
+
+def test_a_state_input_whose_unnamed_axis_follows_the_bucket_is_refused_then_keyed(backend):
+    model = tiny.batch_state_model()
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    h = rng.standard_normal((1, 3, 4)).astype(np.float32)
+    refused = backend.session(model, buckets={"batch": [2, 4]})
+    with pytest.raises(CaptureError, match=r"input 'h' axis 1 \(length 3, as batch\).*\('batch', \('h', 1\)\)"):
+        refused.run(None, {"x": x, "h": h})
+    sess = backend.session(model, buckets={("batch", ("h", 1)): [2, 4]})
+    ref = cpu(model)
+    for n in (3, 1, 4, 2):  # the state is fed every call, padded and sliced like the batch
+        xs = rng.standard_normal((n, 4)).astype(np.float32)
+        hs = rng.standard_normal((1, n, 4)).astype(np.float32)
+        got = sess.run(None, {"x": xs, "h": hs})
+        assert [g.shape for g in got] == [(1, n, 4), (1, n, 4)]
+        for g, w in zip(got, ref.run(None, {"x": xs, "h": hs})):
+            close(g, w, TOL[backend.name])
+    st = sess.bucket_stats()
+    assert st["replayed"] == 4 and sorted(st["buckets"]) == ["batch+h[1]=2", "batch+h[1]=4"]
+
+
+def test_group_keys_are_checked():
+    from ortcapture import _buckets
+
+    dims = {"x": ["batch", 4], "h": [1, None, 4]}
+    (d,) = _buckets.parse_buckets({("batch", ("h", 1)): [2]}, dims)
+    assert d.label == "batch+h[1]" and d.sites == (("x", 0), ("h", 1))
+    with pytest.raises(CaptureError, match="a tuple of these"):
+        _buckets.parse_buckets({(("h", 1), 7): [2]}, dims)
+    with pytest.raises(CaptureError, match="already bucketed"):
+        _buckets.parse_buckets({"batch": [2], (("h", 1), ("x", 0)): [2]}, dims)
+
+
+def test_pad_value_bytes():
+    from ortcapture._bucket_run import _repeated_byte
+
+    assert _repeated_byte(np.int64(0)) == 0 and _repeated_byte(np.int64(-1)) == 0xFF
+    assert _repeated_byte(np.float32(-1e9)) is None and _repeated_byte(np.bool_(True)) == 1
