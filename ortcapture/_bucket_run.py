@@ -338,7 +338,9 @@ class BucketRunner:
 
         _verify.verify(replay, reference, host, self.output_names, level=self.level,
                        rtol=None if exact else _verify.DEFAULT_RTOL, keep=sorted(self._host_read),
-                       what=f"bucket {entry.label} (padded replay vs the uncaptured run of the unpadded feeds)")
+                       what=f"bucket {entry.label} (padded replay vs the uncaptured run of the unpadded feeds; where "
+                            "padding changes outputs the model is not padding-neutral for this dim: see "
+                            "docs/BUCKETS.md, pad_values=)")
 
     # -- replay -----------------------------------------------------------------------------------------------
     def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str], count: bool = True) -> list:

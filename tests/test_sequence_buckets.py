@@ -199,3 +199,43 @@ def test_pad_value_bytes():
 
     assert _repeated_byte(np.int64(0)) == 0 and _repeated_byte(np.int64(-1)) == 0xFF
     assert _repeated_byte(np.float32(-1e9)) is None and _repeated_byte(np.bool_(True)) == 1
+
+
+@pytest.fixture(scope="module")
+def recognizer_path() -> str:
+    from ortcapture.cli import models
+
+    try:
+        return str(models.sequence_model())
+    except RuntimeError as exc:  # no network here: the pinned wheel cannot be fetched
+        pytest.skip(f"sequence model unavailable: {exc}")
+
+
+def test_a_real_text_recognizer_whose_output_length_follows_the_width(backend, recognizer_path):
+    """PP-OCRv4's recognizer (rapidocr-onnxruntime 1.4.4): x [batch, 3, 48, W] -> [batch, W // 8, 6625]. The width
+    relation must be declared; padding the width is not neutral (global mixing over the steps) and is refused;
+    batch padding at a bucket width is served."""
+    from ortcapture.cli.models import sequence_steps
+
+    batch, out = "p2o.DynamicDimension.0", "softmax_11.tmp_0"
+    rng = np.random.default_rng(10)
+
+    def crop(n, w):
+        return ((rng.random((n, 3, 48, w), dtype=np.float32) - 0.5) / 0.5).astype(np.float32)
+
+    undeclared = backend.session(recognizer_path, buckets={("x", 3): [64, 128]})
+    with pytest.raises(CaptureError, match=r"'softmax_11.tmp_0'.*axis 1 is 16 at x\[3\]=128 and 8 at x\[3\]=64"):
+        undeclared.run(None, {"x": crop(1, 100)})
+    sess = backend.session(recognizer_path, buckets={batch: [1, 2, 4], ("x", 3): [64, 128]},
+                           output_axes={out: {0: batch, 1: ("x[3]", sequence_steps)}})
+    with pytest.raises(CaptureError, match=r"\['softmax_11.tmp_0'\]") as err:
+        sess.run(None, {"x": crop(1, 100)})  # width 100 padded to 128
+    assert err.value.outputs == [out]
+    ref = cpu(recognizer_path)
+    for n, w in ((3, 128), (1, 64)):
+        x = crop(n, w)
+        got = sess.run(None, {"x": x})[0]
+        assert got.shape == (n, w // 8, 6625)
+        close(got, ref.run(None, {"x": x})[0], TOL[backend.name])
+    st = sess.bucket_stats()
+    assert st["replayed"] == 2 and st["captured"] == 2 and st["refused"] == 1
