@@ -239,3 +239,25 @@ def test_a_real_text_recognizer_whose_output_length_follows_the_width(backend, r
         close(got, ref.run(None, {"x": x})[0], TOL[backend.name])
     st = sess.bucket_stats()
     assert st["replayed"] == 2 and st["captured"] == 2 and st["refused"] == 1
+
+
+def test_bench_stream_sequence_mode(tmp_path):
+    import json
+
+    from ortcapture.cli import main
+    from tests.conftest import webgpu_available
+
+    webgpu_available()
+    out = tmp_path / "seq.json"
+    rc = main(["bench", "attention", "--provider", "webgpu", "--stream", "3-20", "--axis", "ids:1", "--buckets",
+               "8,16", "--shape", "ids=2x8", "--shape", "attention_mask=2x8", "--pad-value", "attention_mask=0",
+               "--requests", "10", "--single-requests", "4", "--passes", "2", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["arms"]) == {"single", "per-bucket", "buckets"} and res["bucket_key"] == "seq"
+    assert res["arms"]["buckets"]["requests_timed"] == 20 and res["arms"]["single"]["requests_timed"] == 8
+    assert res["max_rel_diff_buckets_vs_single"] < 1e-4 and res["pad_values"] == {"attention_mask": 0.0}
+    st = res["bucket_stats"]
+    assert st["captured"] >= 1 and st["uncaptured"] == st["oversize"]  # sizes above 16 run uncaptured
+    assert main(["bench", "attention", "--provider", "webgpu", "--stream", "3-20", "--axis", "ids:5"]) == 2
+    assert main(["bench", "attention", "--provider", "webgpu", "--stream", "3-20", "--axis", "nope:1"]) == 2
