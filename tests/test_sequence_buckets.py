@@ -261,3 +261,34 @@ def test_bench_stream_sequence_mode(tmp_path):
     assert st["captured"] >= 1 and st["uncaptured"] == st["oversize"]  # sizes above 16 run uncaptured
     assert main(["bench", "attention", "--provider", "webgpu", "--stream", "3-20", "--axis", "ids:5"]) == 2
     assert main(["bench", "attention", "--provider", "webgpu", "--stream", "3-20", "--axis", "nope:1"]) == 2
+
+
+def test_the_fixed_buffers_hold_the_pad_values_after_a_shrinking_request(backend):
+    """ids padded with -1 (one repeated byte: cudaMemset2D on CUDA's direct path), a float input with -1e9 (bytes
+    differ: the host staging path on CUDA too); after a longer request a shorter one re-pads the tail. On CUDA the
+    feeds are also CUDA OrtValues (copied on the device)."""
+    from ortcapture.transfer import to_numpy
+
+    attn = tiny.masked_attention_model()
+    conv = tiny.conv1d_model(causal=True)
+    s_attn = backend.session(attn, buckets={"seq": [16]}, pad_values={"ids": -1, "attention_mask": 0})
+    s_conv = backend.session(conv, buckets={"seq": [16]}, pad_values={"X": -1e9})
+    rng = np.random.default_rng(11)
+    sources = ["host"] + (["cuda"] if backend.name == "cuda" else [])
+    for source in sources:
+        for seq in (12, 5, 9):
+            feeds = text_batch(rng, 2, seq, pad_tail=False)
+            x = rng.standard_normal((2, 3, seq)).astype(np.float32)
+            want_a, want_c = cpu(attn).run(None, feeds), cpu(conv).run(None, {"X": x})[0]
+            if source == "cuda":
+                feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for k, v in feeds.items()}
+                x = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+            for g, w in zip(s_attn.run(None, feeds), want_a):
+                close(g, w, TOL[backend.name])
+            close(s_conv.run(None, {"X": x})[0], want_c, TOL[backend.name])
+            (e_attn,) = s_attn._oc_buckets._entries.values()
+            (e_conv,) = s_conv._oc_buckets._entries.values()
+            ids, mask = to_numpy(e_attn.graph.inputs["ids"]), to_numpy(e_attn.graph.inputs["attention_mask"])
+            assert (ids[:, seq:] == -1).all() and (mask[:, seq:] == 0).all()
+            assert (to_numpy(e_conv.graph.inputs["X"])[..., seq:] == np.float32(-1e9)).all()
+    assert s_attn.bucket_stats()["replayed"] == 3 * len(sources)
