@@ -25,7 +25,8 @@ from ortcapture import _bucket_feeds
 from ortcapture import _compat as compat
 from ortcapture import _cudart
 from ortcapture import _verify
-from ortcapture._buckets import BucketDim, check_output_axes, output_relations, parse_buckets, sliced_lengths
+from ortcapture._buckets import (BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets,
+                                 sliced_lengths)
 from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
 from ortcapture._specialize import host_read_inputs
 from ortcapture._sync import CUDA_GATE
@@ -72,7 +73,8 @@ class BucketRunner:
     """The bucket machinery of one session (see the module docstring); built by ``InferenceSession(buckets=...)``."""
 
     def __init__(self, session, st, plain, buckets: Mapping, *, reference=None, output_axes=None, oversize: str = "uncaptured",
-                 verify: Any = True, max_graphs: int | None = None, replay_thread: bool = False):
+                 verify: Any = True, max_graphs: int | None = None, replay_thread: bool = False,
+                 pad_values: Mapping[str, Any] | None = None):
         if st.info is None and not st.deferred:
             raise CaptureError("buckets= needs a session whose providers request graph capture (CUDA "
                                "enable_cuda_graph=1, TensorRT trt_cuda_graph_enable=1, or WebGPU enableGraphCapture=1)")
@@ -88,6 +90,10 @@ class BucketRunner:
         self._specs = _bucket_feeds.specs(session)  # what ORT's plain run takes per input
         self.dims: list[BucketDim] = parse_buckets(buckets, {m.name: list(m.shape) for m in metas})
         self._declared = check_output_axes(output_axes, self.output_names, self.dims)
+        #: {input: numpy scalar} padded rows hold (default 0); inputs whose pad value is no repeated byte are padded
+        #: through the host staging array even on the CUDA direct path (cudaMemset2D sets bytes)
+        self._pad = check_pad_values(pad_values, {m.name: _input_dtype(m.type) for m in metas}, self.dims)
+        self._pad_byte = {n: _repeated_byte(v) for n, v in self._pad.items()}
         if oversize not in OVERSIZE:
             raise CaptureError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
         self.oversize = oversize
@@ -233,7 +239,8 @@ class BucketRunner:
         return tuple(bucket[d.label] for d in self.dims), tuple(parts)
 
     def _resized(self, feeds: dict, sizes: Mapping[str, int]) -> dict:
-        """Host copies of ``feeds`` padded with zeros (or cut) along the bucketed axes to ``sizes``."""
+        """Host copies of ``feeds`` padded with their pad value (``pad_values=``, default 0) or cut along the
+        bucketed axes to ``sizes``."""
         out = {}
         for name, v in feeds.items():
             x = v if isinstance(v, np.ndarray) else _to_host(v)
@@ -244,7 +251,7 @@ class BucketRunner:
                 elif want > n:
                     pad = [(0, 0)] * x.ndim
                     pad[axis] = (0, want - n)
-                    x = np.pad(x, pad)
+                    x = np.pad(x, pad, constant_values=self._pad.get(name, 0))
             out[name] = np.ascontiguousarray(x)
         return out
 
@@ -319,7 +326,7 @@ class BucketRunner:
             except Exception as exc:  # noqa: BLE001 - ORT's own types: the feeds were valid, resized they are not
                 if not _from_ort(exc):
                     raise
-                raise self._padding_failed(exc, ", ".join(f"{k}={v}" for k, v in sizes.items())) from exc
+                raise CaptureError(self._probe_failure(feeds, sizes, exc) + self._host_read_hint()) from exc
             return {n: tuple(o.shape) for n, o in zip(self.output_names, outs)}
 
         return output_relations(run, self.dims, probes, self._declared)
@@ -327,12 +334,42 @@ class BucketRunner:
     def _padding_failed(self, exc: Exception, label: str) -> CaptureError:
         """The error for a model that ORT runs on the request's feeds but not on them padded (or cut) to ``label``:
         typically an input ORT reads on the host that encodes the batch size (a Reshape shape ``[n, -1]``)."""
-        host = sorted(self._host_read)
-        hint = (f" The inputs ORT reads on the host ({host}) keep their values when the bucketed dims are padded; one "
-                "that encodes the batch size (e.g. a Reshape shape [n, ...]) cannot be bucketed." if host else "")
         return CaptureError(f"buckets: the model fails on the feeds padded or cut to {label} (ORT: "
-                            f"{str(exc).strip()[:300]}).{hint} Run such requests with gpu_graph_id=-1 or use the "
-                            "session without buckets=.")
+                            f"{str(exc).strip()[:300]}).{self._host_read_hint()} Run such requests with "
+                            "gpu_graph_id=-1 or use the session without buckets=.")
+
+    def _host_read_hint(self) -> str:
+        host = sorted(self._host_read)
+        return (f" The inputs ORT reads on the host ({host}) keep their values when the bucketed dims are padded; one "
+                "that encodes the batch size (e.g. a Reshape shape [n, ...]) cannot be bucketed." if host else "")
+
+    def _probe_failure(self, feeds: dict, sizes: Mapping[str, int], exc: Exception) -> str:
+        """Why an uncaptured run on feeds resized along the bucketed axes failed: most often an input (a recurrent
+        state, a cache) whose shape follows a bucketed dim on an axis the buckets do not name, so it was not
+        padded alongside. Names such axes: dynamic, not bucketed, as long as a bucketed dim in the request."""
+        request = self._request_sizes(feeds) or {}
+        hints = []  # (input, axis, length, dim)
+        for m in self._s.get_inputs():
+            bucketed = {a for a, _ in self._sites.get(m.name, ())}
+            shape = _shape(feeds[m.name])
+            for ax, d in enumerate(m.shape):
+                if isinstance(d, int) or ax in bucketed or ax >= len(shape):
+                    continue
+                hints += [(m.name, ax, n, label) for label, n in request.items() if shape[ax] == n]
+        text = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        msg = (f"buckets: the uncaptured run with the feeds padded or cut to {text} along the bucketed axes failed "
+               f"({str(exc).strip()[:300]}). An input whose shape follows a bucketed dim on an axis the buckets do "
+               "not name (e.g. a recurrent state fed every call) cannot be padded alongside; ")
+        if hints:
+            name, ax, _, label = hints[0]
+            dim = next(d for d in self.dims if d.label == label)
+            part = label if "[" not in label and "+" not in label else dim.sites[0]
+            msg += ("candidates: " + "; ".join(f"input {n!r} axis {a} (length {k}, as {lb})" for n, a, k, lb in hints)
+                    + f". Name it in the same key, e.g. buckets={{({part!r}, ({name!r}, {ax})): [...]}} (a key may "
+                    "be a tuple of dim_params and (input, axis) pairs).")
+        else:
+            msg += "name such an axis in the same bucket key (a tuple of dim_params and (input, axis) pairs)."
+        return msg
 
     def _verify(self, entry: _Entry, feeds: dict, sizes: dict) -> None:
         exact = self._exact and all(entry.bucket[k] == v for k, v in sizes.items())
@@ -348,7 +385,9 @@ class BucketRunner:
 
         _verify.verify(replay, reference, host, self.output_names, level=self.level,
                        rtol=None if exact else _verify.DEFAULT_RTOL, keep=sorted(self._host_read),
-                       what=f"bucket {entry.label} (padded replay vs the uncaptured run of the unpadded feeds)")
+                       what=f"bucket {entry.label} (padded replay vs the uncaptured run of the unpadded feeds; where "
+                            "padding changes outputs the model is not padding-neutral for this dim: see "
+                            "docs/BUCKETS.md, pad_values=)")
 
     # -- replay -----------------------------------------------------------------------------------------------
     def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str],
@@ -367,7 +406,7 @@ class BucketRunner:
                 axes = self._sites.get(name)
                 if not axes:
                     graph_feeds[name] = v
-                elif direct and len(axes) == 1:
+                elif direct and len(axes) == 1 and self._pad_byte.get(name, 0) is not None:
                     if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
                         v = np.ascontiguousarray(v)
                     if not self._cuda_fill(entry, name, v, axes[0][0]):
@@ -424,8 +463,8 @@ class BucketRunner:
 
     def _cuda_fill(self, entry: _Entry, name: str, v: Any, axis: int) -> bool:
         """Copy ``v`` into ``name``'s fixed buffer's leading region along ``axis``, zeroing only the rows the previous
-        request wrote beyond it; False (the caller falls back) when ``v`` is not a C-contiguous host array or CUDA
-        tensor of the buffer's dtype and rank."""
+        request wrote beyond it (set to the pad value's repeated byte); False (the caller falls back) when ``v`` is
+        not a C-contiguous host array or CUDA tensor of the buffer's dtype and rank."""
         _, full, dtype, inner, outer, dst, dev = self._layout(entry, name, entry.graph.inputs[name], axis)
         if isinstance(v, np.ndarray):
             if not v.flags.c_contiguous or v.dtype != dtype or v.ndim != len(full):
@@ -442,7 +481,7 @@ class BucketRunner:
         last_n = full[axis] if last is None else last[axis]
         with CUDA_GATE.shared:  # no CUDA call while another thread captures (ortcapture._sync)
             _cudart.copy_and_zero_2d(dst, pitch, src, width, outer, (last_n - n) * inner if last_n > n else 0,
-                                     device=dev)
+                                     device=dev, fill=self._pad_byte.get(name, 0) or 0)
         entry.filled[name] = shape
         return True
 
@@ -463,8 +502,9 @@ class BucketRunner:
 
     def _stage(self, entry: _Entry, name: str, x: np.ndarray, axes) -> np.ndarray:
         stage = entry.staging[name]
+        pad = self._pad.get(name, 0)
         if x.dtype != stage.dtype or x.ndim != stage.ndim:
-            stage = entry.staging[name] = np.zeros(stage.shape, x.dtype)  # the graph's copy then says what is wrong
+            stage = entry.staging[name] = np.full(stage.shape, pad, x.dtype)  # the graph's copy says what is wrong
         region = tuple(slice(0, x.shape[ax]) for ax in range(x.ndim))
         last = entry.filled.get(name)
         if last is not None and last != x.shape:
@@ -473,9 +513,9 @@ class BucketRunner:
                 if last[ax] > x.shape[ax]:
                     tail = [slice(None)] * x.ndim
                     tail[ax] = slice(x.shape[ax], last[ax])
-                    stage[tuple(tail)] = 0
+                    stage[tuple(tail)] = pad
             else:
-                stage.fill(0)
+                stage.fill(pad)
         stage[region] = x
         entry.filled[name] = x.shape
         return stage
@@ -580,6 +620,24 @@ def _from_ort(exc: BaseException) -> bool:
     ``run_with_iobinding`` raises ("Error in execution: ..."), or a capture ORT aborted."""
     return (isinstance(exc, CaptureAbortedError) or type(exc) is RuntimeError
             or type(exc).__module__.startswith("onnxruntime"))
+
+
+def _input_dtype(ort_type: str):
+    """numpy dtype of an ORT input type string (``"tensor(float)"``), ``None`` for non-numeric ones."""
+    if ort_type in _ORT_TYPES:
+        return np.dtype(_ORT_TYPES[ort_type])
+    try:
+        dt = np.dtype(ort_type[len("tensor("):-1])
+    except TypeError:
+        return None
+    return dt if ort_type.startswith("tensor(") and dt.kind in "biuf" else None
+
+
+def _repeated_byte(value) -> int | None:
+    """The byte ``value`` repeats (0 for 0, 0xFF for int -1), or ``None`` when its bytes differ (most non-zero
+    floats): then only a host copy can pad with it."""
+    b = np.asarray(value).tobytes()
+    return b[0] if b == b[:1] * len(b) else None
 
 
 def _shape(v) -> tuple:

@@ -1,8 +1,10 @@
 """Bucket specifications: which input dims are bucketed, and which output axes follow them (issue 16).
 
 ``buckets={"batch": [1, 2, 4, 8]}`` names a dim by its ``dim_param`` (every input axis with that name is padded), or
-``{("images", 0): [...]}`` by input and axis (with every other input axis that shares its ``dim_param``). Sizes are
-ascending positive ints. Which output axes to slice back is decided from the model's behaviour, not its names
+``{("images", 0): [...]}`` by input and axis (with every other input axis that shares its ``dim_param``), or by a
+tuple of such parts naming one dim that the model spells differently in different inputs (``{(("ids", 1),
+("state", 2)): [...]}``: an unnamed axis of a state input that follows the sequence). Sizes are ascending positive
+ints. ``pad_values=`` gives the value padded rows hold per input (:func:`check_pad_values`). Which output axes to slice back is decided from the model's behaviour, not its names
 (:func:`output_relations`): real models name the batch dim differently in outputs, or leave it unnamed.
 """
 from __future__ import annotations
@@ -44,14 +46,30 @@ def parse_buckets(spec: Any, dims: Mapping[str, Sequence[int | str | None]]) -> 
     out: list[BucketDim] = []
     seen: set[tuple[str, int]] = set()
     for key, sizes in spec.items():
-        sites = _sites(key, dims)
+        parts = _parts(key)
+        sites = list(dict.fromkeys(s for part in parts for s in _sites(part, dims)))
         sizes = _sizes(key, sizes)
         if seen & set(sites):
             raise CaptureError(f"buckets: {key!r} names a dim already bucketed by another key")
         seen |= set(sites)
-        label = key if isinstance(key, str) else f"{key[0]}[{key[1]}]"
+        label = "+".join(p if isinstance(p, str) else f"{p[0]}[{p[1]}]" for p in parts)
         out.append(BucketDim(label, tuple(sites), sizes))
     return out
+
+
+def _is_site(key: Any) -> bool:
+    return (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int)
+            and not isinstance(key[1], bool))
+
+
+def _parts(key: Any) -> list:
+    """A key's parts: ``[dim_param]``, ``[(input, axis)]``, or a group key's items (each a dim_param or a site)."""
+    if isinstance(key, str) or _is_site(key):
+        return [key]
+    if isinstance(key, tuple) and key and all(isinstance(p, str) or _is_site(p) for p in key):
+        return list(key)
+    raise CaptureError(f"buckets: a key is a dim_param (str), (input name, axis), or a tuple of these naming one "
+                       f"dim, got {key!r}")
 
 
 def _sites(key: Any, dims: Mapping[str, Sequence]) -> list[tuple[str, int]]:
@@ -62,9 +80,6 @@ def _sites(key: Any, dims: Mapping[str, Sequence]) -> list[tuple[str, int]]:
             raise CaptureError(f"buckets: no input dim is named {key!r}; the model's dim_params are {named} (or "
                                "key a dim as (input name, axis))")
         return sites
-    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int)
-            and not isinstance(key[1], bool)):
-        raise CaptureError(f"buckets: a key is a dim_param (str) or (input name, axis), got {key!r}")
     name, axis = key
     if name not in dims:
         raise CaptureError(f"buckets: {name!r} is not an input of the model ({list(dims)})")
@@ -91,6 +106,43 @@ def _sizes(key: Any, sizes: Any) -> tuple[int, ...]:
     if any(b <= a for a, b in zip(vals, vals[1:])):
         raise CaptureError(f"buckets[{key!r}] must be strictly ascending, got {vals!r}")
     return tuple(int(v) for v in vals)
+
+
+def check_pad_values(spec: Any, input_types: Mapping[str, np.dtype | None],
+                     dims: Sequence[BucketDim]) -> dict[str, Any]:
+    """Normalise ``pad_values=`` (``{input: scalar}``) to ``{input: numpy scalar of the input's dtype}``.
+
+    ``input_types`` maps every model input to its numpy dtype (``None``: a type numpy cannot hold, e.g. string).
+    Raises :class:`CaptureError`: not a mapping; an input the model lacks or that carries no bucketed dim (its pad
+    value would never be used); a value that is not a scalar or does not survive the cast to the input's dtype
+    (``1.5`` for int64, ``-1`` for uint8, ``300`` for int8, a float for bool, ``1e39`` for float32; floats round).
+    """
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise CaptureError(f"pad_values must be a mapping {{input name: scalar}}, got {spec!r}")
+    padded = {name for d in dims for name, _ in d.sites}
+    out: dict[str, Any] = {}
+    for name, value in spec.items():
+        if name not in input_types:
+            raise CaptureError(f"pad_values: {name!r} is not an input of the model ({list(input_types)})")
+        if name not in padded:
+            raise CaptureError(f"pad_values: input {name!r} carries no bucketed dim, so it is never padded")
+        dtype = input_types[name]
+        arr = np.asarray(value)
+        if arr.ndim != 0 or arr.dtype.kind not in "biuf" or dtype is None:
+            raise CaptureError(f"pad_values[{name!r}] must be a real scalar for a numeric input, got {value!r}")
+        with np.errstate(all="ignore"):
+            cast = arr.astype(dtype)
+        if np.dtype(dtype).kind == "f":  # rounding is fine (0.1 in float32); overflow to inf is not
+            same = bool(np.isfinite(cast)) or not bool(np.isfinite(arr))
+        else:  # ints and bool: exactly, and bool never from a float
+            same = (not np.isnan(arr.astype(np.float64)) and float(cast) == float(arr)
+                    and not (np.dtype(dtype) == np.bool_ and arr.dtype.kind == "f"))
+        if not same:
+            raise CaptureError(f"pad_values[{name!r}] = {value!r} does not fit the input's dtype {np.dtype(dtype)}")
+        out[name] = cast[()]
+    return out
 
 
 #: how an output axis relates to a bucketed dim: ("follow", label) or ("fn", label, size function)

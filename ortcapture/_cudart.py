@@ -132,12 +132,14 @@ MAX_PITCH = 2**31 - 1
 
 
 def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height: int, zero_bytes: int,
-                     spitch: int | None = None, device: int | None = None) -> None:
-    """:func:`memcpy_2d` of ``height`` rows of ``width`` bytes (source rows ``spitch``, default ``width``, bytes
-    apart), then zero ``zero_bytes`` after each destination row's copied part, then one wait. One row (``height``
-    1, e.g. a batch on axis 0) uses 1-D ``cudaMemcpyAsync``/``cudaMemsetAsync`` (no pitch limit); pitches beyond
-    :data:`MAX_PITCH` go row by row. ``device``: the CUDA device made current for the calls (the buffer's; a
-    thread's current device is otherwise whatever it last used). Raises :class:`RuntimeError` on failure."""
+                     spitch: int | None = None, device: int | None = None, fill: int = 0) -> None:
+    """Synchronous strided copy between any of host (pageable or pinned) and device memory (``cudaMemcpyDefault``,
+    unified addressing): ``height`` rows of ``width`` bytes, destination rows ``dpitch`` and source rows ``spitch``
+    (default ``width``) bytes apart; then ``zero_bytes`` after each destination row's copied part set to the byte
+    ``fill`` (default 0: a bucket's padding); then one wait. One row (``height`` 1, e.g. a batch on axis 0) uses
+    1-D ``cudaMemcpyAsync``/``cudaMemsetAsync`` (no pitch limit); pitches beyond :data:`MAX_PITCH` go row by row.
+    ``device``: the CUDA device made current for the calls (the buffer's; a thread's current device is otherwise
+    whatever it last used). Raises :class:`RuntimeError` on failure."""
     rt = compat.cudart()
     if rt is None:
         raise RuntimeError("cuda-python is not installed")
@@ -152,12 +154,12 @@ def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height
                 if width and _ok(err):
                     (err,) = rt.cudaMemcpyAsync(dst_ptr + row * dpitch, src_ptr + row * spitch, width, kind, 0)
                 if zero_bytes and _ok(err):
-                    (err,) = rt.cudaMemsetAsync(dst_ptr + row * dpitch + width, 0, zero_bytes, 0)
+                    (err,) = rt.cudaMemsetAsync(dst_ptr + row * dpitch + width, fill, zero_bytes, 0)
         else:
             if width:
                 (err,) = rt.cudaMemcpy2DAsync(dst_ptr, dpitch, src_ptr, spitch, width, height, kind, 0)
             if _ok(err) and zero_bytes:
-                (err,) = rt.cudaMemset2DAsync(dst_ptr + width, dpitch, 0, zero_bytes, height, 0)
+                (err,) = rt.cudaMemset2DAsync(dst_ptr + width, dpitch, fill, zero_bytes, height, 0)
         if _ok(err):
             (err,) = rt.cudaStreamSynchronize(0)
     if not _ok(err):

@@ -86,7 +86,12 @@ class InferenceSession(OrtInferenceSession):
             dims in the model), so the raw IOBinding path can capture models with dynamic dims.
         buckets: ``{dim_param or (input name, axis): [ascending sizes]}`` — plain :meth:`run` (and
             ``run_with_ort_values``) then replays captured graphs: the smallest bucket >= the request's dim, feeds
-            padded with zeros, outputs sliced back (see docs/BUCKETS.md). Needs capture requested.
+            padded with zeros (or ``pad_values``), outputs sliced back (see docs/BUCKETS.md). Needs capture
+            requested. Plain runs carry no device state: a recurrent state or cache is an ordinary input, fed every
+            call and padded like any input carrying a bucketed dim.
+        pad_values: ``{input name: scalar}`` — what padded rows of that input hold (default 0), e.g. the pad token
+            id, or 0 for an ``attention_mask``; cast to the input's dtype (a value that does not fit is refused).
+            The output-axis probes and the verification replay pad with it too.
         output_axes: ``{output: {axis: dim or size function} or None}`` for outputs whose relation to a bucketed dim
             cannot be measured (otherwise decided by running the model uncaptured at two sizes).
         oversize: ``"uncaptured"`` (default: a request beyond the largest bucket runs uncaptured) or ``"split"``
@@ -110,8 +115,8 @@ class InferenceSession(OrtInferenceSession):
             the plugin EP with ``SessionOptions.add_provider_for_devices``), or the installed ORT cannot capture on
             the requested EP; or, on WebGPU, the model produces int64 from int64 arithmetic (``kind`` is
             ``"int64_as_int32"``, ``nodes`` names them) and ``allow_int64_as_int32`` is not set.
-        CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``/``verify``, or buckets without
-            capture.
+        CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``/``verify``/``pad_values``, or
+            buckets without capture.
 
     When ORT refuses capture for the model's dynamic shapes (or inputs without shape information), the session is
     created without capture instead (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling
@@ -137,6 +142,7 @@ class InferenceSession(OrtInferenceSession):
         verify: Any = True,
         max_graphs: int | None = None,
         replay_thread: bool = False,
+        pad_values: Mapping[str, Any] | None = None,
         allow_int64_as_int32: bool = False,
         _oc_family: CaptureState | None = None,
         **kwargs,
@@ -182,13 +188,14 @@ class InferenceSession(OrtInferenceSession):
                 self._oc_refusal = str(exc)
         self._oc_setup(requested, deferred, static_sig, _oc_family)
         self._oc_bucket_args = dict(output_axes=output_axes, oversize=oversize, verify=verify,
-                                    max_graphs=max_graphs, replay_thread=replay_thread)
+                                    max_graphs=max_graphs, replay_thread=replay_thread, pad_values=pad_values)
         self._oc_buckets = None
         if buckets is not None:
             self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, buckets,
                                             reference=self._oc_bucket_reference, **self._oc_bucket_args)
-        elif output_axes is not None or oversize != "uncaptured" or max_graphs is not None or replay_thread:
-            raise CaptureError("output_axes=, oversize=, max_graphs= and replay_thread= go with buckets=")
+        elif (output_axes is not None or oversize != "uncaptured" or max_graphs is not None or replay_thread
+              or pad_values is not None):
+            raise CaptureError("output_axes=, oversize=, max_graphs=, replay_thread= and pad_values= go with buckets=")
         self._oc_buckets_spec = buckets
 
     # -- construction helpers -------------------------------------------------------------------------------

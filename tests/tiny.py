@@ -334,3 +334,47 @@ def string_model() -> bytes:
     """Y = Identity(S) for a string input S [n] (dynamic)."""
     return _model([helper.make_node("Identity", ["S"], ["Y"], name="copy")], [vi("S", ["n"], TensorProto.STRING)],
                   [vi("Y", ["n"], TensorProto.STRING)])
+
+
+def masked_attention_model() -> bytes:
+    """ids, attention_mask int64 [batch, seq] -> hidden [batch, seq, 32], pooled [batch, 32]: masked self-attention
+    (ortcapture.cli.models.masked_attention_model; padding with mask 0 is neutral)."""
+    from ortcapture.cli.models import masked_attention_model as build
+
+    return build()
+
+
+def time_mean_model(d=4) -> bytes:
+    """X [batch, seq, d] -> Y = ReduceMean over seq [batch, d] (no mask: padding changes it), Z = X * 2."""
+    ax = numpy_helper.from_array(np.array([1], np.int64), "ax")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    nodes = [helper.make_node("ReduceMean", ["X", "ax"], ["Y"], keepdims=0),
+             helper.make_node("Mul", ["X", "two"], ["Z"])]
+    return _model(nodes, [vi("X", ["batch", "seq", d])], [vi("Y", ["batch", d]), vi("Z", ["batch", "seq", d])],
+                  [ax, two], opset=18)
+
+
+def conv1d_model(causal=True, ch=3, k=3) -> bytes:
+    """X [batch, ch, seq] -> Y = Conv1d(Tanh(Conv1d(X) + b)) [batch, ch, seq]; ``causal``: each conv padded k-1 on
+    the left only (padding on the right is neutral), else k//2 on both sides (a single such conv sees zeros at its
+    edge either way; the second one sees the first one's output on padded steps: not neutral)."""
+    rng = np.random.default_rng(7)
+    w1 = numpy_helper.from_array(rng.standard_normal((ch, ch, k)).astype(np.float32), "W1")
+    b1 = numpy_helper.from_array(rng.standard_normal((ch,)).astype(np.float32), "B1")
+    w2 = numpy_helper.from_array(rng.standard_normal((ch, ch, k)).astype(np.float32), "W2")
+    pads = [k - 1, 0] if causal else [k // 2, k // 2]
+    nodes = [helper.make_node("Conv", ["X", "W1", "B1"], ["c1"], pads=pads),
+             helper.make_node("Tanh", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "W2"], ["Y"], pads=pads)]
+    return _model(nodes, [vi("X", ["batch", ch, "seq"])], [vi("Y", ["batch", ch, "seq"])], [w1, b1, w2])
+
+
+def batch_state_model(d=4) -> bytes:
+    """x [batch, d], h [1, ?, d] (a recurrent state whose batch axis is unnamed) -> h_out = tanh(0.5 h + x)
+    [1, ?, d], y = 2 h_out [1, ?, d]."""
+    half = numpy_helper.from_array(np.array(0.5, np.float32), "half")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    nodes = [helper.make_node("Mul", ["h", "half"], ["hh"]), helper.make_node("Add", ["hh", "x"], ["s"]),
+             helper.make_node("Tanh", ["s"], ["h_out"]), helper.make_node("Mul", ["h_out", "two"], ["y"])]
+    return _model(nodes, [vi("x", ["batch", d]), vi("h", [1, None, d])],
+                  [vi("y", [1, None, d]), vi("h_out", [1, None, d])], [half, two])

@@ -116,6 +116,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: a seeded stream of requests with batch sizes uniform in LO-HI through plain run(): "
                         "single plain session(s), one plain session per size, ortcapture buckets (ms per request)")
     p.add_argument("--buckets", default="1,2,4,8", metavar="1,2,4,8", help="--stream: the bucket sizes")
+    p.add_argument("--axis", metavar="INPUT:AXIS",
+                   help="--stream: stream a sequence dim instead of the batch, e.g. ids:1 (every input axis sharing "
+                        "its dim_param varies with it; other dims from --shape; int inputs are ones, float random). "
+                        "Arms: single plain session (unpadded, the reference), plain sessions per bucket fed "
+                        "hand-padded requests, ortcapture buckets. MODEL 'attention' is a built-in masked-attention "
+                        "encoder (ids, attention_mask [batch, seq])")
+    p.add_argument("--pad-value", action="append", default=[], metavar="NAME=VALUE",
+                   help="--stream --axis: pad_values= for the buckets (and the hand-padded arm), repeatable")
     p.add_argument("--requests", type=int, default=200, help="--stream: requests in the stream (default 200)")
     p.add_argument("--single-requests", type=int, default=24,
                    help="--stream: requests timed for the single-session arms, whose every batch-size change is "
@@ -705,6 +713,8 @@ def _run(args) -> int:
 
 def _run_stream(args) -> int:
     from ortcapture.cli import bench_stream, pick_provider
+    if args.axis or args.pad_value:
+        return _run_sequence_stream(args)
     from ortcapture.cli.demo import example_shapes
     from ortcapture.errors import CaptureError, CaptureUnsupportedError
 
@@ -744,6 +754,59 @@ def _run_stream(args) -> int:
         single_requests=args.single_requests, passes=args.passes, seed=args.seed,
         ep_options=parse_provider_options(args.provider_option) if args.provider_option else None,
         progress=lambda d, t, what: print(f"  {what}: {d}/{t}", flush=True) if d == t else None)
+    bench_stream.write_outputs(result, args.json, args.plot)
+    print(bench_stream.summary(result))
+    return 0
+
+
+def _run_sequence_stream(args) -> int:
+    """``--stream LO-HI --axis INPUT:AXIS``: ortcapture.cli.bench_seq."""
+    from ortcapture.cli import bench_seq, bench_stream, models, pick_provider
+    from ortcapture.cli.demo import example_shapes
+    from ortcapture.cli.options import parse_provider_options
+    from ortcapture.errors import CaptureError, CaptureUnsupportedError
+
+    if not args.axis:
+        raise BenchError("--pad-value goes with --stream and --axis")
+    if args.model in (None, "attention"):
+        path = models.cache_dir() / "models" / "masked_attention.onnx"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = models.masked_attention_model()
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+        args.model = str(path)
+        if not args.shape:
+            args.shape = ["ids=4x16", "attention_mask=4x16"]
+    try:
+        lo, hi = bench_stream.parse_range(args.stream)
+        buckets = [int(b) for b in args.buckets.split(",")]
+        axis = bench_seq.parse_axis(args.axis)
+        pads = bench_seq.parse_pad_values(args.pad_value)
+        bench_seq.stream_sites(args.model, axis)
+    except ValueError as exc:
+        raise BenchError(f"--stream/--buckets/--axis/--pad-value: {exc}") from None
+    if buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
+    for flag in ("requests", "single_requests", "passes"):
+        if getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
+    args.single_requests = min(args.single_requests, args.requests)
+    try:
+        shp = example_shapes(args.model, 1, args.shape)
+        provider = pick_provider(args.provider)
+    except (CaptureError, CaptureUnsupportedError) as exc:
+        raise BenchError(str(exc)) from None
+    print(f"ortcapture bench --stream {lo}-{hi} --axis {args.axis}: {args.model} on {provider}, inputs "
+          f"{ {n: list(s) for n, s in shp.items()} }, {args.requests} requests, buckets {buckets}, {args.passes} "
+          "passes", flush=True)
+    try:
+        result = bench_seq.run_sequence_stream(
+            args.model, provider, shp, axis, lo, hi, buckets=buckets, pad_values=pads, requests=args.requests,
+            single_requests=args.single_requests, passes=args.passes, seed=args.seed,
+            ep_options=parse_provider_options(args.provider_option) if args.provider_option else None,
+            progress=lambda d, t, what: print(f"  {what}: {d}/{t}", flush=True) if d == t else None)
+    except CaptureError as exc:  # bad pad values, a bucket refused (padding not neutral)
+        raise BenchError(str(exc)) from None
     bench_stream.write_outputs(result, args.json, args.plot)
     print(bench_stream.summary(result))
     return 0

@@ -1,0 +1,161 @@
+"""``ortcapture bench --stream 16-128 --axis ids:1``: a seeded stream of requests whose *sequence* dim varies (issue 23).
+
+The streamed axis is ``--axis INPUT:AXIS``; every input axis that shares its dim_param (``ids`` and
+``attention_mask`` both ``[batch, seq]``) varies with it, and the bucket key is that dim_param (else
+``(INPUT, AXIS)``). Other dims come from ``--shape`` (as ``ortcapture demo``). Float inputs are random, integer
+inputs ones (token ids 1, masks 1). ``--pad-value NAME=V`` sets ``pad_values=``. ``--model attention`` is a built-in
+synthetic masked-attention encoder (:func:`ortcapture.cli.models.masked_attention_model`, padding-neutral).
+
+Arms, alternated within one process (their order rotates every pass), after one untimed warm pass:
+
+* ``single``: one plain ``onnxruntime.InferenceSession`` fed the unpadded requests (ORT's defaults) — only the first
+  ``--single-requests`` requests; its outputs are the reference the buckets arm is compared with;
+* ``single-algo-default`` (CUDA): the same with ``cudnn_conv_algo_search=DEFAULT``;
+* ``per-bucket``: one plain session per bucket size fed the request padded by hand (numpy, with the pad values;
+  outputs not sliced) — the careful user's workaround for a sequence dim with many sizes;
+* ``buckets``: ``ortcapture.InferenceSession(buckets=..., pad_values=...)`` through plain ``sess.run()``.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ortcapture.cli.bench_stream import stream_sizes, time_arms
+
+
+def parse_axis(text: str) -> tuple[str, int]:
+    """``"ids:1"`` -> ("ids", 1); raises ValueError."""
+    name, sep, axis = str(text).rpartition(":")
+    if not sep or not name:
+        raise ValueError(f"--axis wants INPUT:AXIS, got {text!r}")
+    return name, int(axis)
+
+
+def parse_pad_values(items: list[str]) -> dict[str, float]:
+    """``["ids=0", "attention_mask=0"]`` -> {name: number}; raises ValueError."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--pad-value wants NAME=VALUE, got {item!r}")
+        out[name] = float(value) if any(c in value for c in ".eEn") else int(value)
+    return out
+
+
+def stream_sites(model: str, axis: tuple[str, int]) -> tuple[object, list[tuple[str, int]]]:
+    """The bucket key for ``axis`` (its dim_param, else the (input, axis) pair) and every (input, axis) it pads.
+    Raises ValueError for an unknown input, an axis out of range, or a fixed dim."""
+    from ortcapture import _specialize as shapes
+
+    dims = shapes.input_dims(shapes.load_model(model))
+    name, ax = axis
+    if name not in dims:
+        raise ValueError(f"--axis: {name!r} is not an input of the model ({list(dims)})")
+    if not -len(dims[name]) <= ax < len(dims[name]):
+        raise ValueError(f"--axis: input {name!r} has rank {len(dims[name])}, no axis {ax}")
+    ax %= len(dims[name])
+    d = dims[name][ax]
+    if isinstance(d, int):
+        raise ValueError(f"--axis: axis {ax} of {name!r} is fixed at {d} in the model")
+    if isinstance(d, str):
+        return d, [(n, a) for n, ds in dims.items() for a, x in enumerate(ds) if x == d]
+    return (name, ax), [(name, ax)]
+
+
+def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, ...]], axis: tuple[str, int],
+                        lo: int, hi: int, *, buckets: list[int], pad_values: dict | None = None,
+                        requests: int = 200, single_requests: int = 24, passes: int = 5, seed: int = 0,
+                        ep_options: dict | None = None, progress=None) -> dict:
+    """Run the sequence stream benchmark in this process; returns the result dict (see the module docstring).
+    ``shapes``: every input's base shape (the streamed axes are replaced per request)."""
+    import onnxruntime as ort  # noqa: F401 - initialised before sessions
+
+    import ortcapture
+    from ortcapture._bucket_run import _input_dtype
+    from ortcapture._compat import OrtInferenceSession
+    from ortcapture.cli.bench import session_args
+
+    key, sites = stream_sites(model, axis)
+    pads = dict(pad_values or {})
+    opts = dict(ep_options or {})
+
+    def plain(extra=None):
+        return OrtInferenceSession(model, **session_args(provider, False, {**opts, **(extra or {})}))
+
+    arms: dict[str, dict] = {"single": {"sess": plain(), "limit": single_requests}}
+    types = {m.name: _input_dtype(m.type) or np.float32 for m in arms["single"]["sess"].get_inputs()}
+    sizes = stream_sizes(lo, hi, requests, seed)
+    rng = np.random.default_rng(seed + 1)
+
+    def feeds_at(n: int) -> dict:
+        out = {}
+        for name, shape in shapes.items():
+            shp = list(shape)
+            for site, ax in sites:
+                if site == name:
+                    shp[ax] = n
+            dt = np.dtype(types[name])
+            out[name] = rng.random(shp, dtype=np.float32).astype(dt) if dt.kind == "f" else np.ones(shp, dt)
+        return out
+
+    feeds = [feeds_at(n) for n in sizes]
+
+    def padded(f: dict, to: int) -> dict:
+        out = {}
+        for name, x in f.items():
+            for site, ax in sites:
+                if site == name and x.shape[ax] < to:
+                    width = [(0, 0)] * x.ndim
+                    width[ax] = (0, to - x.shape[ax])
+                    x = np.pad(x, width, constant_values=pads.get(name, 0))
+            out[name] = x
+        return out
+
+    if provider == "cuda":
+        arms["single-algo-default"] = {"sess": plain({"cudnn_conv_algo_search": "DEFAULT"}), "limit": single_requests}
+    arms["per-bucket"] = {"sess": {b: plain() for b in buckets}, "limit": requests}
+    t0 = time.perf_counter()
+    bucketed = ortcapture.InferenceSession(model, **session_args(provider, True, opts), buckets={key: buckets},
+                                           pad_values=pads or None)
+    arms["buckets"] = {"sess": bucketed, "limit": requests}
+    setup = {"buckets_session_s": time.perf_counter() - t0}
+    bucket_of = {n: next((b for b in buckets if b >= n), None) for n in set(sizes)}
+    hand_padded = [padded(f, bucket_of[n] or n) for f, n in zip(feeds, sizes)]
+
+    def call(arm, i):
+        s = arms[arm]["sess"]
+        if isinstance(s, dict):
+            b = bucket_of[sizes[i]]
+            return (s[b] if b is not None else arms["single"]["sess"]).run(None, hand_padded[i])
+        return s.run(None, feeds[i])
+
+    t0 = time.perf_counter()
+    worst = 0.0
+    for i in range(requests):
+        got = call("buckets", i)
+        if i < single_requests:
+            for g, w in zip(got, call("single", i)):
+                scale = max(float(np.abs(w).max(initial=0.0)), 1e-6)
+                worst = max(worst, float(np.abs(g.astype(np.float64) - w).max(initial=0.0)) / scale)
+        if progress:
+            progress(i + 1, requests, "warm pass")
+    for arm in arms:
+        if arm not in ("single", "buckets"):
+            for i in range(arms[arm]["limit"]):
+                call(arm, i)
+    setup["warm_pass_s"] = time.perf_counter() - t0
+
+    samples = time_arms(arms, call, passes, progress)
+    result = {"model": model, "provider": provider, "stream": [lo, hi], "axis": list(axis), "bucket_key": str(key),
+              "pad_values": {k: float(v) for k, v in pads.items()}, "requests": requests, "seed": seed,
+              "passes": passes, "buckets": buckets, "single_requests": single_requests, "setup": setup, "arms": {},
+              "max_rel_diff_buckets_vs_single": worst, "bucket_stats": bucketed.bucket_stats()}
+    for arm, xs in samples.items():
+        a = np.asarray(xs) * 1e3
+        result["arms"][arm] = {"requests_timed": len(xs), "mean_ms": float(a.mean()),
+                               "p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+                               "requests_per_s": float(1e3 / a.mean())}
+    b = result["arms"]["buckets"]["mean_ms"]
+    result["speedup_buckets_vs"] = {arm: r["mean_ms"] / b for arm, r in result["arms"].items() if arm != "buckets"}
+    return result
