@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
@@ -77,7 +78,8 @@ class BucketRunner:
                  pad_values: Mapping[str, Any] | None = None):
         if st.info is None and not st.deferred:
             raise CaptureError("buckets= needs a session whose providers request graph capture (CUDA "
-                               "enable_cuda_graph=1, TensorRT trt_cuda_graph_enable=1, or WebGPU enableGraphCapture=1)")
+                               "enable_cuda_graph=1, TensorRT trt_cuda_graph_enable=1, or WebGPU enableGraphCapture=1: "
+                               "ortcapture.webgpu.session_options(capture=True))")
         self._s = session
         self._plain_run = plain  # the session's run without buckets: (names, feeds, run_options, ort_values)
         #: ``() -> (feeds -> outputs) or None``: the verification's reference where the session's own uncaptured run
@@ -122,6 +124,7 @@ class BucketRunner:
         self._direct = self.device_type == "cuda" and compat.cudart() is not None
         self._worker = ThreadPoolExecutor(1, "ortcapture-replay") if replay_thread else None
         self._worker_ident: int | None = None
+        self._warned_oversize = False
 
     # -- the plain-run entry points ---------------------------------------------------------------------------
     def run(self, output_names, input_feed, run_options=None, *, ort_values: bool = False):
@@ -129,8 +132,8 @@ class BucketRunner:
         output. Raises :class:`CaptureError` for an explicit ``gpu_graph_id`` other than -1, or a bucket whose
         capture or verification failed; otherwise what ORT raises for the uncaptured run."""
         if explicit_graph_id(run_options):
-            if graph_id_of(run_options) == SKIP_GRAPH_ID:
-                return self._plain(output_names, input_feed, run_options, ort_values)
+            if graph_id_of(run_options) == SKIP_GRAPH_ID:  # the caller's choice: not counted
+                return self._plain(output_names, input_feed, run_options, ort_values, count=False)
             raise CaptureError("a session with buckets= picks its own gpu_graph_ids; run_options may only set "
                                "gpu_graph_id=-1 (run uncaptured)")
         if run_options is not None and getattr(run_options, "terminate", False):
@@ -140,7 +143,7 @@ class BucketRunner:
             return self._worker.submit(self._run_here, output_names, input_feed, run_options, ort_values).result()
         return self._run_here(output_names, input_feed, run_options, ort_values)
 
-    def _run_here(self, output_names, input_feed, run_options, ort_values):
+    def _run_here(self, output_names, input_feed, run_options, ort_values, count: bool = True):
         if self._worker is not None:
             self._worker_ident = threading.get_ident()
         feeds = self._host_feeds(input_feed, ort_values)
@@ -158,21 +161,36 @@ class BucketRunner:
                 outs = self._split(feeds, sizes, names)
                 if outs is not None:
                     return _wrap(outs, ort_values)
+            self._warn_oversize(sizes)
             return self._plain(output_names, input_feed, run_options, ort_values)
         while True:  # again when another thread evicted the graph (max_graphs) between the look-up and the replay
             entry = self._entry(feeds, sizes, bucket)
             if entry is None:
                 return self._plain(output_names, input_feed, run_options, ort_values)
-            outs = self._replay(entry, feeds, sizes, names)
+            outs = self._replay(entry, feeds, sizes, names, count=count)
             if outs is not None:
                 break
-        with self._lock:
-            self._counts["replayed"] += 1
+        if count:
+            with self._lock:
+                self._counts["replayed"] += 1
         return _wrap(outs, ort_values)
 
-    def _plain(self, output_names, input_feed, run_options, ort_values):
+    def _warn_oversize(self, sizes: Mapping[str, int]) -> None:
+        """One ``RuntimeWarning`` per session for requests beyond the largest bucket (they run uncaptured, on CUDA
+        with every batch-size change's cost: ~0.6 s a call for YOLOv8n with ORT's default cuDNN search)."""
         with self._lock:
-            self._counts["uncaptured"] += 1
+            if self._warned_oversize:
+                return
+            self._warned_oversize = True
+        largest = {d.label: d.sizes[-1] for d in self.dims}
+        warnings.warn(f"ortcapture: a request of {dict(sizes)} is beyond the largest bucket(s) {largest}: it runs "
+                      "uncaptured (counted as 'oversize' in bucket_stats()); add a larger bucket or pass "
+                      "oversize='split'. Warned once per session.", RuntimeWarning, stacklevel=4)
+
+    def _plain(self, output_names, input_feed, run_options, ort_values, count: bool = True):
+        if count:
+            with self._lock:
+                self._counts["uncaptured"] += 1
         return self._plain_run(output_names, input_feed, uncaptured(run_options), ort_values)
 
     # -- feeds ------------------------------------------------------------------------------------------------
@@ -573,7 +591,10 @@ class BucketRunner:
         for combo in itertools.product(*[d.sizes for d in self.dims]):
             sizes = {d.label: s for d, s in zip(self.dims, combo)}
             resized = self._resized(feeds, sizes)
-            self._run_here(None, resized, None, False) if self._worker is None else self.run(None, resized)
+            if self._worker is None:
+                self._run_here(None, resized, None, False, False)
+            else:  # the session's replay thread captures for itself
+                self._worker.submit(self._run_here, None, resized, None, False, False).result()
         return self.stats()
 
     def _zeros_example(self) -> dict:
@@ -595,12 +616,20 @@ class BucketRunner:
     def stats(self) -> dict:
         """See ``InferenceSession.bucket_stats``."""
         with self._lock:
-            per = {}
+            per: dict[str, dict] = {}  # a bucket may hold several graphs: one per value of the non-bucketed dims
             for e in self._entries.values():
                 if isinstance(e, _Entry):
-                    per[e.label] = {"replayed": e.replayed, "device_bytes": e.device_bytes,
-                                    "padding_waste": e.padded_rows / max(e.rows + e.padded_rows, 1),
-                                    "threads": len(e.threads), "gpu_graph_id": e.graph.graph_id}
+                    b = per.setdefault(e.label, {"replayed": 0, "device_bytes": 0, "rows": 0, "padded_rows": 0,
+                                                 "threads": 0, "gpu_graph_ids": []})
+                    b["replayed"] += e.replayed
+                    b["device_bytes"] += e.device_bytes
+                    b["rows"] += e.rows
+                    b["padded_rows"] += e.padded_rows
+                    b["threads"] = max(b["threads"], len(e.threads))
+                    b["gpu_graph_ids"].append(e.graph.graph_id)
+            for b in per.values():
+                rows, padded_rows = b.pop("rows"), b.pop("padded_rows")
+                b["padding_waste"] = padded_rows / max(rows + padded_rows, 1)
             rows, padded = self._rows, self._padded_rows  # every replay, evicted graphs' too
             return {**self._counts, "padding_waste": padded / max(rows + padded, 1), "buckets": per,
                     "refused": sum(1 for e in self._entries.values() if isinstance(e, _Refused))}

@@ -97,6 +97,8 @@ def _sites(key: Any, dims: Mapping[str, Sequence]) -> list[tuple[str, int]]:
 
 
 def _sizes(key: Any, sizes: Any) -> tuple[int, ...]:
+    if isinstance(sizes, (str, bytes)):
+        raise CaptureError(f"buckets[{key!r}] must be a list of ints such as [1, 2, 4, 8], got the string {sizes!r}")
     try:
         vals = list(sizes)
     except TypeError:

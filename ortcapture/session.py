@@ -542,10 +542,14 @@ class InferenceSession(OrtInferenceSession):
         return self._oc_buckets.warmup(example_feeds)
 
     def bucket_stats(self) -> dict:
-        """Counts of plain runs with ``buckets=``: ``replayed``, ``uncaptured``, ``captured``, ``oversize``,
-        ``split``, ``evicted``, ``refused``; ``padding_waste`` (padded rows / rows replayed, 0..1) and ``buckets``:
-        ``{"batch=4": {"replayed", "device_bytes" (the graph's fixed input+output buffers, bytes),
-        "padding_waste", "threads", "gpu_graph_id"}}``. Raises :class:`CaptureError` without ``buckets=``."""
+        """Counts of plain runs with ``buckets=``: ``replayed`` (served by a captured graph; ``warmup()``'s own
+        replays not counted), ``uncaptured`` (runs ortcapture could not serve captured: oversize, feeds ORT refuses;
+        an explicit ``gpu_graph_id=-1`` is the caller's choice and not counted), ``captured`` (graphs captured and
+        verified), ``oversize``, ``split``, ``evicted``, ``refused`` (buckets whose capture or verification
+        failed); ``padding_waste`` (padded rows / rows replayed, 0..1) and ``buckets``: ``{"batch=4": {"replayed",
+        "device_bytes" (fixed input+output buffers, bytes), "padding_waste", "threads", "gpu_graph_ids"}}`` — a
+        bucket holds one graph per value of the other dynamic dims (e.g. image sizes), summed here. Raises
+        :class:`CaptureError` without ``buckets=``."""
         if self._oc_buckets is None:
             raise CaptureError("bucket_stats() needs a session made with buckets=")
         return self._oc_buckets.stats()

@@ -1,4 +1,4 @@
-"""The ``ortcapture`` command: ``demo``, ``bench``, ``doctor``, ``patch``.
+"""The ``ortcapture`` command: ``demo``, ``bench``, ``doctor``, ``patch``, ``selftest``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up. No subcommand module imports onnxruntime at import time, so ``--help`` always works; ``patch``
@@ -25,7 +25,7 @@ WITHOUT_ORT = {"patch"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ortcapture", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ortcapture", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

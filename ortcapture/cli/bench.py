@@ -593,6 +593,11 @@ def run(args) -> int:
 def _run(args) -> int:
     if args.stream:
         return _run_stream(args)
+    stream_only = [flag for flag, default in (("buckets", "1,2,4,8"), ("requests", 200), ("single_requests", 24),
+                                              ("passes", 5), ("seed", 0), ("axis", None), ("pad_value", []))
+                   if hasattr(args, flag) and getattr(args, flag) not in (default, None, [])]
+    if stream_only:
+        raise BenchError(f"--{', --'.join(f.replace('_', '-') for f in stream_only)} go with --stream")
     batches, rounds = _check_args(args)
 
     from ortcapture import _specialize as shapes
@@ -634,7 +639,7 @@ def _run(args) -> int:
 
     capture = bool(args.graph_capture)
     print(f"ortcapture bench: {args.model} on {provider} (onnxruntime {ort.__version__}), graph capture "
-          f"{'on' if capture else 'OFF'}; {len(jobs)} batch size(s) x {args.procs} processes x {args.iters} calls "
+          f"{'on' if capture else 'OFF'}; {len(jobs)} batch size(s) x {args.procs} process(es) x {args.iters} calls "
           f"per arm in {rounds} round-robin blocks; each call ends with "
           f"{'the outputs read back' if args.sync == 'readback' else 'cudaDeviceSynchronize() (outputs on the GPU)'}"
           + (f"; EP options {args.ep_options}" if args.ep_options else "")
@@ -745,7 +750,7 @@ def _run_stream(args) -> int:
         raise BenchError(f"--stream feeds models with one input; this one has {list(shp)}")
     (name, shape), = shp.items()
     print(f"ortcapture bench --stream {lo}-{hi}: {args.model} on {provider}, input {name} [batch, "
-          f"{', '.join(map(str, shape[1:]))}], {args.requests} requests, buckets {buckets}, {args.passes} passes",
+          f"{', '.join(map(str, shape[1:]))}], {args.requests} requests, buckets {buckets}, {args.passes} pass(es)",
           flush=True)
     from ortcapture.cli.options import parse_provider_options
 
@@ -798,7 +803,7 @@ def _run_sequence_stream(args) -> int:
         raise BenchError(str(exc)) from None
     print(f"ortcapture bench --stream {lo}-{hi} --axis {args.axis}: {args.model} on {provider}, inputs "
           f"{ {n: list(s) for n, s in shp.items()} }, {args.requests} requests, buckets {buckets}, {args.passes} "
-          "passes", flush=True)
+          "pass(es)", flush=True)
     try:
         result = bench_seq.run_sequence_stream(
             args.model, provider, shp, axis, lo, hi, buckets=buckets, pad_values=pads, requests=args.requests,

@@ -70,7 +70,7 @@ def _label(arm: str, capture: bool) -> str:
 
 def _print_batch(entry: dict, procs: int, iters: int, capture: bool) -> None:
     shapes_ = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in entry["shapes"].items())
-    print(f"\nbatch {entry['batch']} ({shapes_}): {procs} processes x {iters} calls per arm, graph capture "
+    print(f"\nbatch {entry['batch']} ({shapes_}): {procs} process(es) x {iters} calls per arm, graph capture "
           f"{'on' if capture else 'OFF'}")
     stats = entry["stats"]
     base, iob = stats["plain"]["p50_us"], stats["iobinding"]["p50_us"]
