@@ -31,6 +31,7 @@ from ortcapture._buckets import (BucketDim, check_output_axes, check_pad_values,
 from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
 from ortcapture._specialize import host_read_inputs
 from ortcapture._sync import CUDA_GATE
+from ortcapture._values import device_id_of
 from ortcapture.errors import CaptureAbortedError, CaptureError
 from ortcapture.transfer import to_numpy, update_inplace
 
@@ -475,7 +476,7 @@ class BucketRunner:
             full = tuple(buf.shape())
             dtype = _np_dtype(buf)
             inner = math.prod(full[axis + 1:]) * np.dtype(dtype).itemsize
-            dev = int(buf.device_id()) if buf.device_name().lower() == "cuda" else None
+            dev = device_id_of(buf) if buf.device_name().lower() == "cuda" else None
             lay = entry.layouts[name] = (buf, full, dtype, inner, math.prod(full[:axis]), buf.data_ptr(), dev)
         return lay
 
