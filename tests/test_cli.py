@@ -273,3 +273,9 @@ def test_one_line_reduces_child_tracebacks_and_ort_prefixes():
     assert one_line(probe) == "WebGPU is not usable here: no WebGPU EP device"
     ort_err = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions\n index: 1 Got: 0\n Please fix"
     assert one_line(ort_err) == "Got invalid dimensions index: 1 Got: 0 Please fix"
+
+
+def test_doctor_without_a_model_examines_the_reference_model():
+    rc, out, err = ortcapture("doctor", "--provider", "none")
+    assert rc == 3, (out, err)  # unknown: no capture attempted with --provider none
+    assert "320n.onnx" in out + err

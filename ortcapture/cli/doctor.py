@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.formatter_class = _argparse.RawDescriptionHelpFormatter
     p.epilog = "exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in EXIT_CODES.items())
-    p.add_argument("model", help="ONNX model file")
+    p.add_argument("model", nargs="?", help="ONNX model file (default: the reference YOLOv8n, as in `demo`)")
     p.add_argument("--provider", choices=["auto", "cuda", "webgpu", "none"], default="auto",
                    help="EP for the placement checks and the capture attempt (none: static checks only)")
     p.add_argument("--shape", action="append", default=[], metavar="NAME=1x3x320x320",
@@ -268,6 +268,14 @@ def run(args) -> int:
     code (:data:`EXIT_CODES`): 0 capturable, 1 not capturable, 2 error, 3 unknown (no capture attempted)."""
     progress = None if args.json else (lambda msg: print(f"ortcapture doctor: {msg} ...", file=sys.stderr,
                                                          flush=True))
+    if args.model is None:
+        from ortcapture.cli import models
+
+        try:
+            args.model = str(models.reference_model())
+        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
+            print(f"ortcapture doctor: no model given and the reference model is unavailable: {exc}", file=sys.stderr)
+            return EXIT_ERROR
     try:
         report = diagnose(args.model, args.provider, args.shape, progress, getattr(args, "provider_option", ()))
     except Exception as exc:  # noqa: BLE001 - DoctorError (the request) or anything unexpected: exit 2
