@@ -46,11 +46,12 @@ class AutoCaptureSession(InferenceSession):
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
         caller = (sess_options, providers, provider_options)
         args = _with_capture(self._oc_defaults, sess_options, providers, provider_options)
-        buckets = _buckets_for(self._oc_defaults.get("buckets"), path_or_bytes)
-        if buckets is not None and not _requests_capture(args):
-            buckets = None  # e.g. the caller's own CPU session of a bucketed model: ORT's session, no warning
+        bucket_kwargs = _bucket_kwargs(_buckets_for(self._oc_defaults.get("buckets"), path_or_bytes))
+        if bucket_kwargs and not _requests_capture(args):
+            bucket_kwargs = {}  # e.g. the caller's own CPU session of a bucketed model: ORT's session, no warning
+        buckets = bucket_kwargs.get("buckets")
         try:
-            super().__init__(path_or_bytes, *args, buckets=buckets, **kwargs)
+            super().__init__(path_or_bytes, *args, **bucket_kwargs, **kwargs)
         except Exception as exc:  # noqa: BLE001 - whatever the capture request broke
             if args == caller and buckets is None:
                 raise  # the caller asked for exactly this: ORT's (or ortcapture's) error is theirs
@@ -148,6 +149,25 @@ class AutoCaptureSession(InferenceSession):
             warnings.warn(f"ortcapture: {message}", RuntimeWarning, stacklevel=3)
 
 
+#: the session keywords a ``patched(buckets=...)`` entry may give besides the buckets themselves
+_BUCKET_KEYWORDS = frozenset({"buckets", "pad_values", "output_axes", "oversize", "max_graphs", "replay_thread"})
+
+
+def _bucket_kwargs(value) -> dict:
+    """A ``patched(buckets=...)`` entry as session keywords: ``{"batch": [...]}`` (the buckets) or
+    ``{"buckets": {...}, "pad_values": {...}, "output_axes": {...}, ...}`` (with the other bucket keywords).
+    Raises :class:`CaptureError` for unknown keywords in the second form."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping) and isinstance(value.get("buckets"), Mapping):
+        unknown = sorted(set(value) - _BUCKET_KEYWORDS)
+        if unknown:
+            raise CaptureError(f"patched(buckets=...): unknown keyword(s) {unknown}; an entry gives "
+                               f"{sorted(_BUCKET_KEYWORDS)}")
+        return dict(value)
+    return {"buckets": value}
+
+
 def _buckets_for(spec, path_or_bytes):
     """The ``buckets=`` for a session of ``path_or_bytes``: ``spec`` is None, a dict keyed by model path (matched
     by ``os.path.realpath``), or a callable ``f(path_or_bytes) -> buckets or None``."""
@@ -228,7 +248,9 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
         provider_options: further EP options for that provider, ``{key: str}`` (e.g. ``{"device_id": "1"}``).
         max_graphs: distinct input-shape sets captured per session; runs beyond it are uncaptured.
         buckets: batch buckets for some models (``InferenceSession(buckets=...)``, docs/BUCKETS.md): a dict
-            ``{model path: buckets}`` or a callable ``f(path_or_bytes) -> buckets or None``. Their plain ``run()``
+            ``{model path: buckets}`` or a callable ``f(path_or_bytes) -> buckets or None``; an entry may also be
+            ``{"buckets": ..., "pad_values": ..., "output_axes": ..., "oversize": ..., "max_graphs": ...,
+            "replay_thread": ...}`` (the session's bucket keywords). Their plain ``run()``
             pads to the bucket; a bucket that cannot be served runs uncaptured with one warning.
 
     Returns:
@@ -246,6 +268,8 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
         raise CaptureError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
     if buckets is not None and not callable(buckets) and not isinstance(buckets, Mapping):
         raise CaptureError(f"buckets must be a dict {{model path: buckets}} or a callable, got {buckets!r}")
+    for entry in (buckets.values() if isinstance(buckets, Mapping) else ()):
+        _bucket_kwargs(entry)  # unknown keywords named now, not at a library's session creation
     if provider not in (None, "auto", "cuda", "webgpu"):
         raise CaptureError(f"provider must be 'cuda', 'webgpu', 'auto' or None, got {provider!r}")
     options = check_provider_options(provider_options)

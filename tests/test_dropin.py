@@ -126,3 +126,31 @@ def test_patched_with_buckets_pads_plain_runs(provider, rng, tmp_path):
         with pytest.warns(RuntimeWarning, match="uncaptured"):
             y = sess.run(None, {"X": x})[0]  # the padded bucket differs: ORT's answer, with a warning
         np.testing.assert_allclose(y, np.ones((1, 4)))
+
+
+def test_patched_bucket_entries_take_the_other_bucket_keywords(provider, tmp_path):
+    """An entry may carry pad_values= (and the other bucket keywords): padding a max over the batch with a very
+    negative value is neutral, with zeros it is not (refused, run uncaptured with a warning)."""
+    from onnx import helper as oh
+
+    model = oh.make_model(oh.make_graph([oh.make_node("ReduceMax", ["X"], ["Y"], axes=[0], keepdims=1)], "g",
+                                        [tiny.vi("X", ["batch", 4])], [tiny.vi("Y", [1, 4])]),
+                          opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "max.onnx"
+    path.write_bytes(model.SerializeToString())
+    x = -np.arange(1, 13, dtype=np.float32).reshape(3, 4)
+    entry = {"buckets": {"batch": [4]}, "pad_values": {"X": -1e30}}
+    with ortcapture.patched(provider, buckets={str(path): entry}):
+        sess = ort.InferenceSession(str(path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            np.testing.assert_array_equal(sess.run(None, {"X": x})[0], x.max(axis=0, keepdims=True))
+        assert sess.bucket_stats()["replayed"] == 1
+    with ortcapture.patched(provider, buckets={str(path): {"batch": [4]}}):
+        sess = ort.InferenceSession(str(path))
+        with pytest.warns(RuntimeWarning, match="uncaptured"):
+            np.testing.assert_array_equal(sess.run(None, {"X": x})[0], x.max(axis=0, keepdims=True))
+    with pytest.raises(ortcapture.CaptureError, match="unknown keyword"):
+        ortcapture.patch_onnxruntime(provider, buckets={str(path): {"buckets": {"batch": [4]}, "pad": 1}})
+    assert not ortcapture.dropin.is_patched()
