@@ -285,7 +285,11 @@ class BucketRunner:
                     raise entry.error
                 return entry
             if self._rel is None:
-                self._rel = self._decide_relations(feeds, bucket)
+                try:
+                    self._rel = self._decide_relations(feeds, bucket)
+                except CaptureError as exc:  # remembered for this key: the same request does not probe again
+                    self._entries[key] = _Refused(exc)
+                    raise
             if self.max_graphs is not None and self._live() >= self.max_graphs:
                 # WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
                 # (sess.compact_threshold) rebuilds the C session

@@ -92,6 +92,12 @@ def test_an_output_whose_relation_is_unclear_is_refused_until_declared(backend):
     sess = backend.session(model, buckets={"batch": [2, 4]})
     with pytest.raises(CaptureError, match=r"'Y'.*output_axes"):
         sess.run(None, {"X": x})
+    calls = []
+    real = sess._oc_buckets._decide_relations
+    sess._oc_buckets._decide_relations = lambda *a: calls.append(a) or real(*a)
+    with pytest.raises(CaptureError, match=r"'Y'.*output_axes"):  # remembered: no second probe for the same key
+        sess.run(None, {"X": x})
+    assert calls == [] and sess.bucket_stats()["refused"] == 1
     declared = backend.session(model, buckets={"batch": [2, 4]}, output_axes={"Y": {0: lambda n: 2 * n}})
     got = declared.run(None, {"X": x})[0]
     np.testing.assert_array_equal(got, -x.reshape(-1, 2))
