@@ -176,6 +176,12 @@ class BucketRunner:
                 self._counts["replayed"] += 1
         return _wrap(outs, ort_values)
 
+    def note_uncaptured(self) -> None:
+        """Count a request the caller ran uncaptured in this runner's place (the drop-in's fallback for a refused
+        bucket): ``bucket_stats()["uncaptured"]``."""
+        with self._lock:
+            self._counts["uncaptured"] += 1
+
     def _warn_oversize(self, sizes: Mapping[str, int]) -> None:
         """One ``RuntimeWarning`` per session for requests beyond the largest bucket (they run uncaptured, on CUDA
         with every batch-size change's cost: ~0.6 s a call for YOLOv8n with ORT's default cuDNN search)."""
@@ -395,7 +401,10 @@ class BucketRunner:
         return msg
 
     def _verify(self, entry: _Entry, feeds: dict, sizes: dict) -> None:
-        exact = self._exact and all(entry.bucket[k] == v for k, v in sizes.items())
+        """Check ``entry``'s graph on the request that captured it and, where that request filled the bucket, also
+        on the most padded request the bucket serves (each dim cut to one more than the bucket below): a request
+        that needs no padding cannot show that padding changes an output (a mean over the batch), and ``warmup()``
+        captures every bucket with such requests. Raises :class:`VerificationError` naming the outputs."""
         host = {n: (v if isinstance(v, np.ndarray) else _to_host(v)) for n, v in feeds.items()}
 
         def replay(fs):
@@ -405,12 +414,30 @@ class BucketRunner:
             made = self._reference_factory() if self._reference_factory is not None else None
             self._reference = made or (lambda fs: self._plain_run(None, fs, uncaptured(None), False))
         reference = self._reference
+        checks = [(host, sizes)]
+        worst = self._most_padded(entry.bucket, sizes)
+        if worst != sizes:
+            checks.append((self._resized(host, worst), worst))
+        for fs, fsizes in checks:
+            padded = {k: f"{v}->{entry.bucket[k]}" for k, v in fsizes.items() if v != entry.bucket[k]}
+            exact = self._exact and not padded
+            _verify.verify(replay, reference, fs, self.output_names, level=self.level,
+                           rtol=None if exact else _verify.DEFAULT_RTOL, keep=sorted(self._host_read),
+                           what=f"bucket {entry.label} (the replay of a request padded {padded or 'not at all'} vs "
+                                "the uncaptured run of the unpadded request; where padding changes outputs the model "
+                                "is not padding-neutral for this dim: mask the padded positions, choose neutral "
+                                "pad_values=, or drop this bucket — see docs/BUCKETS.md; verify=False would return "
+                                "those outputs wrong)")
 
-        _verify.verify(replay, reference, host, self.output_names, level=self.level,
-                       rtol=None if exact else _verify.DEFAULT_RTOL, keep=sorted(self._host_read),
-                       what=f"bucket {entry.label} (padded replay vs the uncaptured run of the unpadded feeds; where "
-                            "padding changes outputs the model is not padding-neutral for this dim: see "
-                            "docs/BUCKETS.md, pad_values=)")
+    def _most_padded(self, bucket: Mapping[str, int], sizes: Mapping[str, int]) -> dict[str, int]:
+        """Per bucketed dim, the smallest request size ``bucket`` serves (one more than the next smaller bucket, or
+        1), never above the request's own."""
+        out = {}
+        for d in self.dims:
+            b = bucket[d.label]
+            below = [s for s in d.sizes if s < b]
+            out[d.label] = min(sizes[d.label], (below[-1] + 1) if below else 1)
+        return out
 
     # -- replay -----------------------------------------------------------------------------------------------
     def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str],
@@ -556,14 +583,11 @@ class BucketRunner:
         ``None`` (run uncaptured) unless every requested output follows the dim on exactly one axis. An output
         without such an axis (a reduction over the batch, a constant, ``output_axes={name: None}``) has no rows to
         join: the first chunk's value would be a silently wrong answer for the whole batch."""
-        if len(self.dims) != 1 or self._rel is None:
+        if len(self.dims) != 1:
             return None
         d = self.dims[0]
-        rels = {n: self._rel[n] for n in names}
-        if any(len(r) != 1 or any(x[0] != "follow" for x in r.values()) for r in rels.values()):
-            return None
         step, total = d.sizes[-1], sizes[d.label]
-        parts = []
+        chunks = []
         for start in range(0, total, step):
             chunk = {}
             for name, v in feeds.items():
@@ -571,7 +595,14 @@ class BucketRunner:
                 for axis, _ in self._sites.get(name, ()):
                     x = np.take(x, np.arange(start, min(start + step, total)), axis=axis)
                 chunk[name] = x
-            csizes = {d.label: min(step, total - start)}
+            chunks.append((chunk, {d.label: min(step, total - start)}))
+        if self._rel is None:  # the first request of the session: the largest bucket decides the output axes
+            self._entry(chunks[0][0], chunks[0][1], {d.label: d.sizes[-1]})
+        rels = {n: self._rel[n] for n in names}
+        if any(len(r) != 1 or any(x[0] != "follow" for x in r.values()) for r in rels.values()):
+            return None
+        parts = []
+        for chunk, csizes in chunks:
             part = None
             while part is None:  # None: evicted by another thread meanwhile (max_graphs), look it up again
                 entry = self._entry(chunk, csizes, {d.label: d.bucket_for(csizes[d.label])})

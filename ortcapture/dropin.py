@@ -48,7 +48,11 @@ class AutoCaptureSession(InferenceSession):
         args = _with_capture(self._oc_defaults, sess_options, providers, provider_options)
         bucket_kwargs = _bucket_kwargs(_buckets_for(self._oc_defaults.get("buckets"), path_or_bytes))
         if bucket_kwargs and not _requests_capture(args):
-            bucket_kwargs = {}  # e.g. the caller's own CPU session of a bucketed model: ORT's session, no warning
+            # e.g. a library that names providers=["CPUExecutionProvider"] itself: ORT's session as asked
+            warnings.warn(f"ortcapture: the buckets given for this model are not applied: its session was created "
+                          f"with providers {args[1]!r}, which do not capture (patched()'s provider applies only "
+                          "when the caller names none)", RuntimeWarning, stacklevel=2)
+            bucket_kwargs = {}
         buckets = bucket_kwargs.get("buckets")
         try:
             super().__init__(path_or_bytes, *args, **bucket_kwargs, **kwargs)
@@ -77,6 +81,7 @@ class AutoCaptureSession(InferenceSession):
             except CaptureError as exc:  # a refused bucket: ORT would have run it
                 self._oc_warn(f"bucket:{type(exc).__name__}", f"a bucket runs uncaptured: {exc}")
                 self.stats["uncaptured"] += 1
+                self._oc_buckets.note_uncaptured()
                 return super().run(output_names, input_feed, _uncaptured(run_options))
         if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
             return super().run(output_names, input_feed, run_options)

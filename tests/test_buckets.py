@@ -318,3 +318,30 @@ def test_tensorrt_profiles_cover_the_buckets():
     mine = {"trt_profile_min_shapes": "X:1x4"}
     provs, _ = _buckets.with_trt_profiles([("TensorrtExecutionProvider", dict(mine))], None, prof)
     assert provs[0][1] == mine  # the caller's own profiles win
+
+
+def test_a_bucket_captured_by_a_request_that_fills_it_is_checked_with_padding_too(backend):
+    """A request of exactly the bucket's size pads nothing; the bucket also serves smaller requests, so its check
+    includes the most padded one it serves (warmup captures with exact sizes only)."""
+    x = np.random.default_rng(2).standard_normal((4, 4)).astype(np.float32)
+    sess = backend.session(tiny.batch_pooled_model(), buckets={"batch": [2, 4]})
+    with pytest.raises(CaptureError, match=r"\['Y'\]") as err:
+        sess.run(None, {"X": x})  # bucket 4 also serves 3 rows: padded 3 -> 4 changes the mean
+    assert "3->4" in str(err.value)
+    with pytest.raises(CaptureError, match=r"\['Y'\]"):
+        backend.session(tiny.batch_pooled_model(), buckets={"batch": [2, 4]}).warmup()
+    exact = backend.session(tiny.batch_pooled_model(), buckets={"batch": [1, 2]})  # every size its own bucket:
+    np.testing.assert_allclose(exact.run(None, {"X": x[:2]})[0], x[:2].mean(axis=0, keepdims=True), rtol=1e-5)
+    assert exact.bucket_stats()["replayed"] == 1  # nothing is ever padded, so nothing to refuse
+    neutral = backend.session(tiny.bucket_model(), buckets={"batch": [2, 4]})
+    assert neutral.warmup()["captured"] == 2  # row-wise models pass the padded check
+
+
+def test_split_works_on_the_first_request_of_a_session(backend):
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={"batch": [1, 2]}, oversize="split")
+    x = np.random.default_rng(4).standard_normal((5, 4)).astype(np.float32)
+    for g, w in zip(sess.run(None, {"X": x}), cpu(model).run(None, {"X": x})):
+        close(g, w, TOL[backend.name])
+    st = sess.bucket_stats()
+    assert st["split"] == 1 and st["uncaptured"] == 0

@@ -151,6 +151,12 @@ def test_patched_bucket_entries_take_the_other_bucket_keywords(provider, tmp_pat
         sess = ort.InferenceSession(str(path))
         with pytest.warns(RuntimeWarning, match="uncaptured"):
             np.testing.assert_array_equal(sess.run(None, {"X": x})[0], x.max(axis=0, keepdims=True))
+        sess.run(None, {"X": x})
+        st = sess.bucket_stats()
+        assert st["refused"] == 1 and st["uncaptured"] == 2 and st["replayed"] == 0  # every request counted
+        with pytest.warns(RuntimeWarning, match="not applied"):  # a library that names CPU itself
+            cpu_sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(cpu_sess.run(None, {"X": x})[0], x.max(axis=0, keepdims=True))
     with pytest.raises(ortcapture.CaptureError, match="unknown keyword"):
         ortcapture.patch_onnxruntime(provider, buckets={str(path): {"buckets": {"batch": [4]}, "pad": 1}})
     assert not ortcapture.dropin.is_patched()

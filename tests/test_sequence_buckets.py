@@ -231,14 +231,18 @@ def test_a_real_text_recognizer_whose_output_length_follows_the_width(backend, r
     with pytest.raises(CaptureError, match=r"\['softmax_11.tmp_0'\]") as err:
         sess.run(None, {"x": crop(1, 100)})  # width 100 padded to 128
     assert err.value.outputs == [out]
+    with pytest.raises(CaptureError, match=r"\['softmax_11.tmp_0'\]"):  # a full-width request: the bucket still
+        sess.run(None, {"x": crop(3, 128)})  # serves widths 65-127, whose padding is not neutral: refused too
+    # batch buckets only: each width is its own graph (a non-bucketed dim joins the key), batch padding is neutral
+    by_batch = backend.session(recognizer_path, buckets={batch: [1, 2, 4]}, output_axes={out: {0: batch}})
     ref = cpu(recognizer_path)
-    for n, w in ((3, 128), (1, 64)):
+    for n, w in ((3, 128), (1, 64), (2, 128)):
         x = crop(n, w)
-        got = sess.run(None, {"x": x})[0]
+        got = by_batch.run(None, {"x": x})[0]
         assert got.shape == (n, w // 8, 6625)
         close(got, ref.run(None, {"x": x})[0], TOL[backend.name])
-    st = sess.bucket_stats()
-    assert st["replayed"] == 2 and st["captured"] == 2 and st["refused"] == 1
+    st = by_batch.bucket_stats()
+    assert st["replayed"] == 3 and st["captured"] == 3 and st["refused"] == 0
 
 
 def test_bench_stream_sequence_mode(tmp_path):
