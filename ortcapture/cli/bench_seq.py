@@ -72,7 +72,7 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
     import onnxruntime as ort  # noqa: F401 - initialised before sessions
 
     import ortcapture
-    from ortcapture._bucket_run import _input_dtype
+    from ortcapture._bucket_values import input_dtype
     from ortcapture._compat import OrtInferenceSession
     from ortcapture.cli.bench import session_args
 
@@ -84,7 +84,7 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
         return OrtInferenceSession(model, **session_args(provider, False, {**opts, **(extra or {})}))
 
     arms: dict[str, dict] = {"single": {"sess": plain(), "limit": single_requests}}
-    types = {m.name: _input_dtype(m.type) or np.float32 for m in arms["single"]["sess"].get_inputs()}
+    types = {m.name: input_dtype(m.type) or np.float32 for m in arms["single"]["sess"].get_inputs()}
     sizes = stream_sizes(lo, hi, requests, seed)
     rng = np.random.default_rng(seed + 1)
 
