@@ -133,20 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-thread", action="store_true",
                    help="each worker pins its calling thread (every arm runs in it) to the CPU it is on, once the "
                         "sessions exist (threads made before keep every CPU, later ones inherit the pin); Linux only")
-    soak = p.add_argument_group("soak (ortcapture.cli.soak): memory over time instead of latency")
-    soak.add_argument("--soak", type=float, default=None, metavar="SECONDS",
-                      help="run one loop for SECONDS, sampling replays/s, host RSS and device memory (MODEL: a file, "
-                           "'reference' or 'small' (default: a 64x64 recurrent Add/Mul); --json/--plot write them)")
-    soak.add_argument("--soak-mode", choices=["replay", "cycles"], default="replay",
-                      help="replay: CapturedGraph.run(copy_outputs=False) in a loop (default); cycles: capture -> "
-                           "run -> release in a loop, automatic compaction only")
-    soak.add_argument("--soak-count", type=int, default=None, metavar="N",
-                      help="stop after N replays/cycles (also a soak without --soak)")
-    soak.add_argument("--soak-sample", type=float, default=1.0, metavar="S", help="seconds between samples (1)")
-    soak.add_argument("--warmup-replays", type=int, default=1000, metavar="N",
-                      help="replay mode: replays before the start sample (1000)")
-    soak.add_argument("--compact-threshold", type=int, default=None, metavar="BYTES",
-                      help="the session's compact_threshold (default 256 MiB; negative: automatic compaction off)")
+    from ortcapture.cli import soak
+
+    soak.add_arguments(p)
 
 
 #: session config keys ORT reads as booleans ("0"/"1"); anything else there is a typo ORT would not report
@@ -592,7 +581,9 @@ def run(args) -> int:
 
 def _run(args) -> int:
     if args.stream:
-        return _run_stream(args)
+        from ortcapture.cli import bench_stream
+
+        return bench_stream.run_command(args)
     stream_only = [flag for flag, default in (("buckets", "1,2,4,8"), ("requests", 200), ("single_requests", 24),
                                               ("passes", 5), ("seed", 0), ("axis", None), ("pad_value", []))
                    if hasattr(args, flag) and getattr(args, flag) not in (default, None, [])]
@@ -714,107 +705,6 @@ def _run(args) -> int:
     if not ok:
         print("ortcapture bench: some arm's outputs disagree with the uncaptured run (see MISMATCH above)", file=sys.stderr)
     return 0 if ok else 1
-
-
-def _run_stream(args) -> int:
-    from ortcapture.cli import bench_stream, pick_provider
-    if args.axis or args.pad_value:
-        return _run_sequence_stream(args)
-    from ortcapture.cli.demo import example_shapes
-    from ortcapture.errors import CaptureError, CaptureUnsupportedError
-
-    try:
-        lo, hi = bench_stream.parse_range(args.stream)
-        buckets = [int(b) for b in args.buckets.split(",")]
-    except ValueError as exc:
-        raise BenchError(f"--stream/--buckets: {exc}") from None
-    if buckets != sorted(set(buckets)) or buckets[0] < 1:
-        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
-    for flag in ("requests", "single_requests", "passes"):
-        if getattr(args, flag) < 1:
-            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
-    args.single_requests = min(args.single_requests, args.requests)
-    if args.model is None:
-        from ortcapture.cli import models
-
-        try:
-            args.model = str(models.reference_model())
-        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
-            raise BenchError(f"no model given and the reference model is unavailable: {exc}") from None
-    try:
-        shp = example_shapes(args.model, 1, args.shape)
-        provider = pick_provider(args.provider)
-    except (CaptureError, CaptureUnsupportedError) as exc:
-        raise BenchError(str(exc)) from None
-    if len(shp) != 1:
-        raise BenchError(f"--stream feeds models with one input; this one has {list(shp)}")
-    (name, shape), = shp.items()
-    print(f"ortcapture bench --stream {lo}-{hi}: {args.model} on {provider}, input {name} [batch, "
-          f"{', '.join(map(str, shape[1:]))}], {args.requests} requests, buckets {buckets}, {args.passes} pass(es)",
-          flush=True)
-    from ortcapture.cli.options import parse_provider_options
-
-    result = bench_stream.run_stream(
-        args.model, provider, name, tuple(shape[1:]), lo, hi, buckets=buckets, requests=args.requests,
-        single_requests=args.single_requests, passes=args.passes, seed=args.seed,
-        ep_options=parse_provider_options(args.provider_option) if args.provider_option else None,
-        progress=lambda d, t, what: print(f"  {what}: {d}/{t}", flush=True) if d == t else None)
-    bench_stream.write_outputs(result, args.json, args.plot)
-    print(bench_stream.summary(result))
-    return 0
-
-
-def _run_sequence_stream(args) -> int:
-    """``--stream LO-HI --axis INPUT:AXIS``: ortcapture.cli.bench_seq."""
-    from ortcapture.cli import bench_seq, bench_stream, models, pick_provider
-    from ortcapture.cli.demo import example_shapes
-    from ortcapture.cli.options import parse_provider_options
-    from ortcapture.errors import CaptureError, CaptureUnsupportedError
-
-    if not args.axis:
-        raise BenchError("--pad-value goes with --stream and --axis")
-    if args.model in (None, "attention"):
-        path = models.cache_dir() / "models" / "masked_attention.onnx"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = models.masked_attention_model()
-        if not path.exists() or path.read_bytes() != data:
-            path.write_bytes(data)
-        args.model = str(path)
-        if not args.shape:
-            args.shape = ["ids=4x16", "attention_mask=4x16"]
-    try:
-        lo, hi = bench_stream.parse_range(args.stream)
-        buckets = [int(b) for b in args.buckets.split(",")]
-        axis = bench_seq.parse_axis(args.axis)
-        pads = bench_seq.parse_pad_values(args.pad_value)
-        bench_seq.stream_sites(args.model, axis)
-    except ValueError as exc:
-        raise BenchError(f"--stream/--buckets/--axis/--pad-value: {exc}") from None
-    if buckets != sorted(set(buckets)) or buckets[0] < 1:
-        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
-    for flag in ("requests", "single_requests", "passes"):
-        if getattr(args, flag) < 1:
-            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
-    args.single_requests = min(args.single_requests, args.requests)
-    try:
-        shp = example_shapes(args.model, 1, args.shape)
-        provider = pick_provider(args.provider)
-    except (CaptureError, CaptureUnsupportedError) as exc:
-        raise BenchError(str(exc)) from None
-    print(f"ortcapture bench --stream {lo}-{hi} --axis {args.axis}: {args.model} on {provider}, inputs "
-          f"{ {n: list(s) for n, s in shp.items()} }, {args.requests} requests, buckets {buckets}, {args.passes} "
-          "pass(es)", flush=True)
-    try:
-        result = bench_seq.run_sequence_stream(
-            args.model, provider, shp, axis, lo, hi, buckets=buckets, pad_values=pads, requests=args.requests,
-            single_requests=args.single_requests, passes=args.passes, seed=args.seed,
-            ep_options=parse_provider_options(args.provider_option) if args.provider_option else None,
-            progress=lambda d, t, what: print(f"  {what}: {d}/{t}", flush=True) if d == t else None)
-    except CaptureError as exc:  # bad pad values, a bucket refused (padding not neutral)
-        raise BenchError(str(exc)) from None
-    bench_stream.write_outputs(result, args.json, args.plot)
-    print(bench_stream.summary(result))
-    return 0
 
 
 def _median(xs):
