@@ -24,16 +24,15 @@ import numpy as np
 
 from ortcapture import _bucket_feeds
 from ortcapture import _compat as compat
-from ortcapture import _cudart
 from ortcapture import _verify
-from ortcapture._buckets import (BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets,
-                                 sliced_lengths)
+from ortcapture._bucket_copy import cuda_fill, cuda_read, fill_staging, slice_output
+from ortcapture._bucket_values import (ORT_TYPES, dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
+                                       wrap_outputs)
+from ortcapture._buckets import BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets
 from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
 from ortcapture._specialize import host_read_inputs
-from ortcapture._sync import CUDA_GATE
-from ortcapture._values import device_id_of
 from ortcapture.errors import CaptureAbortedError, CaptureError
-from ortcapture.transfer import to_numpy, update_inplace
+from ortcapture.transfer import update_inplace
 
 log = logging.getLogger("ortcapture")
 
@@ -49,26 +48,20 @@ class _Entry:
         self.staging = staging
         self.label = label
         self.filled: dict[str, tuple] = {}
-        self.layouts: dict[str, tuple] = {}  # see BucketRunner._layout
+        self.layouts: dict[str, tuple] = {}  # see ortcapture._bucket_copy.layout
         self.lock = threading.Lock()
         self.evicted = False  # released by max_graphs: a thread that looked it up before looks again
         self.threads: set[int] = set()
         self.replayed = 0
         self.rows = 0
         self.padded_rows = 0
-        self.device_bytes = sum(int(np.prod(v.shape())) * np.dtype(_np_dtype(v)).itemsize
+        self.device_bytes = sum(int(np.prod(v.shape())) * np.dtype(np_dtype(v)).itemsize
                                 for v in itertools.chain(graph.inputs.values(), graph.outputs.values()))
 
 
 class _Refused:
     def __init__(self, error: Exception):
         self.error = error
-
-
-def _np_dtype(value) -> np.dtype:
-    from ortcapture.transfer import np_dtype_of
-
-    return np_dtype_of(value)
 
 
 class BucketRunner:
@@ -95,8 +88,8 @@ class BucketRunner:
         self._declared = check_output_axes(output_axes, self.output_names, self.dims)
         #: {input: numpy scalar} padded rows hold (default 0); inputs whose pad value is no repeated byte are padded
         #: through the host staging array even on the CUDA direct path (cudaMemset2D sets bytes)
-        self._pad = check_pad_values(pad_values, {m.name: _input_dtype(m.type) for m in metas}, self.dims)
-        self._pad_byte = {n: _repeated_byte(v) for n, v in self._pad.items()}
+        self._pad = check_pad_values(pad_values, {m.name: input_dtype(m.type) for m in metas}, self.dims)
+        self._pad_byte = {n: repeated_byte(v) for n, v in self._pad.items()}
         if oversize not in OVERSIZE:
             raise CaptureError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
         self.oversize = oversize
@@ -121,7 +114,7 @@ class BucketRunner:
         if self.device_type == "cuda":
             opts = session.get_provider_options().get("CUDAExecutionProvider", {})
             self._exact = str(opts.get("use_tf32", "1")) == "0"
-        #: CUDA with cuda-python: feeds and outputs copied region by region (see _cuda_fill)
+        #: CUDA with cuda-python: feeds and outputs copied region by region (see _bucket_copy.cuda_fill)
         self._direct = self.device_type == "cuda" and compat.cudart() is not None
         self._worker = ThreadPoolExecutor(1, "ortcapture-replay") if replay_thread else None
         self._worker_ident: int | None = None
@@ -161,7 +154,7 @@ class BucketRunner:
             if self.oversize == "split":
                 outs = self._split(feeds, sizes, names)
                 if outs is not None:
-                    return _wrap(outs, ort_values)
+                    return wrap_outputs(outs, ort_values)
             self._warn_oversize(sizes)
             return self._plain(output_names, input_feed, run_options, ort_values)
         while True:  # again when another thread evicted the graph (max_graphs) between the look-up and the replay
@@ -174,7 +167,7 @@ class BucketRunner:
         if count:
             with self._lock:
                 self._counts["replayed"] += 1
-        return _wrap(outs, ort_values)
+        return wrap_outputs(outs, ort_values)
 
     def note_uncaptured(self) -> None:
         """Count a request the caller ran uncaptured in this runner's place (the drop-in's fallback for a refused
@@ -226,7 +219,7 @@ class BucketRunner:
                     return f"input {name!r}: a list ORT cannot convert to {spec.dtype}"
             elif not isinstance(v, np.ndarray):  # scalars, tuples, ...: ORT's own message
                 return f"input {name!r}: a {type(v).__name__}, not an array"
-            problem = spec.problem(_shape(v), _dtype(v))
+            problem = spec.problem(shape_of(v), dtype_of(v))
             if problem is not None:
                 return problem
             out[name] = v
@@ -243,7 +236,7 @@ class BucketRunner:
         for d in self.dims:
             vals = set()
             for name, axis in d.sites:
-                shape = _shape(feeds[name])
+                shape = shape_of(feeds[name])
                 if axis >= len(shape):
                     return None
                 vals.add(int(shape[axis]))
@@ -256,11 +249,11 @@ class BucketRunner:
         parts = []
         for name in self.input_names:
             v = feeds[name]
-            shape = list(_shape(v))
+            shape = list(shape_of(v))
             for axis, _ in self._sites.get(name, ()):
                 shape[axis] = -1
             host = v.tobytes() if name in self._host_read and isinstance(v, np.ndarray) else None
-            parts.append((name, tuple(shape), str(_dtype(v)), host))
+            parts.append((name, tuple(shape), str(dtype_of(v)), host))
         return tuple(bucket[d.label] for d in self.dims), tuple(parts)
 
     def _resized(self, feeds: dict, sizes: Mapping[str, int]) -> dict:
@@ -268,7 +261,7 @@ class BucketRunner:
         bucketed axes to ``sizes``."""
         out = {}
         for name, v in feeds.items():
-            x = v if isinstance(v, np.ndarray) else _to_host(v)
+            x = v if isinstance(v, np.ndarray) else to_host(v)
             for axis, label in self._sites.get(name, ()):
                 n, want = x.shape[axis], sizes[label]
                 if want < n:
@@ -314,7 +307,7 @@ class BucketRunner:
                     raise
                 raise err from exc
             entry = _Entry(graph, dict(bucket), padded, label)
-            entry.filled = {n: _shape(feeds[n]) for n in self._sites}  # the example's region, zeroed on a shrink
+            entry.filled = {n: shape_of(feeds[n]) for n in self._sites}  # the example's region, zeroed on a shrink
             entry.threads.add(threading.get_ident())
             try:
                 self._verify(entry, feeds, sizes)
@@ -380,7 +373,7 @@ class BucketRunner:
         hints = []  # (input, axis, length, dim)
         for m in self._s.get_inputs():
             bucketed = {a for a, _ in self._sites.get(m.name, ())}
-            shape = _shape(feeds[m.name])
+            shape = shape_of(feeds[m.name])
             for ax, d in enumerate(m.shape):
                 if isinstance(d, int) or ax in bucketed or ax >= len(shape):
                     continue
@@ -405,7 +398,7 @@ class BucketRunner:
         on the most padded request the bucket serves (each dim cut to one more than the bucket below): a request
         that needs no padding cannot show that padding changes an output (a mean over the batch), and ``warmup()``
         captures every bucket with such requests. Raises :class:`VerificationError` naming the outputs."""
-        host = {n: (v if isinstance(v, np.ndarray) else _to_host(v)) for n, v in feeds.items()}
+        host = {n: (v if isinstance(v, np.ndarray) else to_host(v)) for n, v in feeds.items()}
 
         def replay(fs):
             return self._replay(entry, fs, self._request_sizes(fs), self.output_names, count=False)
@@ -459,23 +452,23 @@ class BucketRunner:
                 elif direct and len(axes) == 1 and self._pad_byte.get(name, 0) is not None:
                     if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
                         v = np.ascontiguousarray(v)
-                    if not self._cuda_fill(entry, name, v, axes[0][0]):
+                    if not cuda_fill(entry, name, v, axes[0][0], self._pad_byte):
                         if not isinstance(v, np.ndarray):  # a strided or foreign device tensor
-                            v = np.ascontiguousarray(_to_host(v))
-                        if not self._cuda_fill(entry, name, v, axes[0][0]):
+                            v = np.ascontiguousarray(to_host(v))
+                        if not cuda_fill(entry, name, v, axes[0][0], self._pad_byte):
                             graph_feeds[name] = v  # the graph's copy names what does not match
                 elif isinstance(v, np.ndarray):
-                    graph_feeds[name] = self._stage(entry, name, v, axes)
+                    graph_feeds[name] = fill_staging(entry, name, v, axes, self._pad)
                 else:
-                    update_inplace(entry.graph.inputs[name], self._stage(entry, name, _to_host(v), axes))
+                    update_inplace(entry.graph.inputs[name], fill_staging(entry, name, to_host(v), axes, self._pad))
             if direct:
                 outs = entry.graph.run(graph_feeds, copy_outputs=False)
                 by_name = dict(zip(self.output_names, outs))
-                result = [self._cuda_read(entry, n, by_name[n], self._rel[n], sizes) for n in names]
+                result = [cuda_read(entry, n, by_name[n], self._rel[n], sizes) for n in names]
             else:
                 outs = entry.graph.run(graph_feeds)
                 by_name = dict(zip(self.output_names, outs))
-                result = [self._slice(by_name[n], self._rel[n], sizes, n) for n in names]
+                result = [slice_output(by_name[n], self._rel[n], sizes, n) for n in names]
             if len(set(names)) < len(names):  # a name asked for twice: separate arrays, as ORT returns them
                 seen: set[str] = set()
                 result = [r.copy() if n in seen or seen.add(n) else r for n, r in zip(names, result)]
@@ -494,90 +487,6 @@ class BucketRunner:
                 self._rows += req
                 self._padded_rows += pad
         return result
-
-    # CUDA: feeds go straight into the fixed buffer's leading region (host or device source, one strided
-    # cudaMemcpy2D), only the rows the previous request wrote beyond this one are zeroed on the device, and outputs
-    # come back as just the request's region. Measured on the H200 (YOLOv8n, batch 1-8 stream): this path against a
-    # host staging copy of the padded batch and a full readback: see the note of issue 16.
-    def _layout(self, entry: _Entry, name: str, buf, axis: int) -> tuple:
-        """(buffer, shape, dtype, bytes per step of ``axis``, rows before it, device pointer, CUDA device) of a fixed
-        buffer, computed once per buffer object (compaction may hand the graph new buffers)."""
-        lay = entry.layouts.get(name)
-        if lay is None or lay[0] is not buf:
-            full = tuple(buf.shape())
-            dtype = _np_dtype(buf)
-            inner = math.prod(full[axis + 1:]) * np.dtype(dtype).itemsize
-            dev = device_id_of(buf) if buf.device_name().lower() == "cuda" else None
-            lay = entry.layouts[name] = (buf, full, dtype, inner, math.prod(full[:axis]), buf.data_ptr(), dev)
-        return lay
-
-    def _cuda_fill(self, entry: _Entry, name: str, v: Any, axis: int) -> bool:
-        """Copy ``v`` into ``name``'s fixed buffer's leading region along ``axis``, zeroing only the rows the previous
-        request wrote beyond it (set to the pad value's repeated byte); False (the caller falls back) when ``v`` is
-        not a C-contiguous host array or CUDA tensor of the buffer's dtype and rank."""
-        _, full, dtype, inner, outer, dst, dev = self._layout(entry, name, entry.graph.inputs[name], axis)
-        if isinstance(v, np.ndarray):
-            if not v.flags.c_contiguous or v.dtype != dtype or v.ndim != len(full):
-                return False
-            src, shape = v.ctypes.data, v.shape
-        else:
-            src = _cuda_ptr(v)
-            shape = _shape(v)
-            if src is None or str(_dtype(v)) != str(dtype) or len(shape) != len(full):
-                return False
-        n = shape[axis]
-        width, pitch = n * inner, full[axis] * inner
-        last = entry.filled.get(name)
-        last_n = full[axis] if last is None else last[axis]
-        with CUDA_GATE.shared:  # no CUDA call while another thread captures (ortcapture._sync)
-            _cudart.copy_and_zero_2d(dst, pitch, src, width, outer, (last_n - n) * inner if last_n > n else 0,
-                                     device=dev, fill=self._pad_byte.get(name, 0) or 0)
-        entry.filled[name] = shape
-        return True
-
-    def _cuda_read(self, entry: _Entry, name: str, out, rel: Mapping[int, tuple], sizes: dict) -> np.ndarray:
-        """The request's region of a fixed output buffer, as a new host array (one strided copy)."""
-        buf = entry.graph.outputs.get(name, out)  # the fixed buffer (the ReplayOutput wrapper is new each replay)
-        lengths = sliced_lengths(rel, sizes, _shape(buf), name) if rel else {}  # never beyond the buffer
-        if len(lengths) != 1:
-            return self._slice(to_numpy(out), rel, sizes, name) if lengths else to_numpy(out)
-        (axis, n), = lengths.items()
-        _, full, dtype, inner, outer, src, dev = self._layout(entry, "->" + name, buf, axis)
-        host = np.empty(full[:axis] + (n,) + full[axis + 1:], dtype)
-        if host.size:
-            with CUDA_GATE.shared:
-                _cudart.copy_and_zero_2d(host.ctypes.data, n * inner, src, n * inner, outer, 0,
-                                         spitch=full[axis] * inner, device=dev)
-        return host
-
-    def _stage(self, entry: _Entry, name: str, x: np.ndarray, axes) -> np.ndarray:
-        stage = entry.staging[name]
-        pad = self._pad.get(name, 0)
-        if x.dtype != stage.dtype or x.ndim != stage.ndim:
-            stage = entry.staging[name] = np.full(stage.shape, pad, x.dtype)  # the graph's copy says what is wrong
-        region = tuple(slice(0, x.shape[ax]) for ax in range(x.ndim))
-        last = entry.filled.get(name)
-        if last is not None and last != x.shape:
-            if len(axes) == 1:
-                ax = axes[0][0]
-                if last[ax] > x.shape[ax]:
-                    tail = [slice(None)] * x.ndim
-                    tail[ax] = slice(x.shape[ax], last[ax])
-                    stage[tuple(tail)] = pad
-            else:
-                stage.fill(pad)
-        stage[region] = x
-        entry.filled[name] = x.shape
-        return stage
-
-    def _slice(self, out: np.ndarray, rel: Mapping[int, tuple], sizes: dict, name: str = "output") -> np.ndarray:
-        if not rel:
-            return out
-        lengths = sliced_lengths(rel, sizes, out.shape, name)
-        region = tuple(slice(0, lengths[ax]) if ax in lengths else slice(None) for ax in range(out.ndim))
-        y = out[region]
-        return y if y.flags.c_contiguous else np.ascontiguousarray(y)
-
     def _split(self, feeds: dict, sizes: dict, names: Sequence[str]) -> list | None:
         """Oversize along one bucketed dim: chunks of the largest bucket, outputs joined along the following axes;
         ``None`` (run uncaptured) unless every requested output follows the dim on exactly one axis. An output
@@ -591,7 +500,7 @@ class BucketRunner:
         for start in range(0, total, step):
             chunk = {}
             for name, v in feeds.items():
-                x = v if isinstance(v, np.ndarray) else _to_host(v)
+                x = v if isinstance(v, np.ndarray) else to_host(v)
                 for axis, _ in self._sites.get(name, ()):
                     x = np.take(x, np.arange(start, min(start + step, total)), axis=axis)
                 chunk[name] = x
@@ -646,7 +555,7 @@ class BucketRunner:
                     raise CaptureError(
                         f"warmup: input {m.name!r} axis {ax} ({d!r}) is dynamic and not bucketed; pass example feeds "
                         "(warmup(feeds)) so its size is known")
-            out[m.name] = np.zeros(shape, self._specs[m.name].dtype or _ORT_TYPES.get(m.type, np.float32))
+            out[m.name] = np.zeros(shape, self._specs[m.name].dtype or ORT_TYPES.get(m.type, np.float32))
         return out
 
     def stats(self) -> dict:
@@ -675,78 +584,8 @@ class BucketRunner:
             self._worker.shutdown(wait=False)
 
 
-_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-              "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-              "tensor(bool)": np.bool_}
-
-
 def _from_ort(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure inside ORT: its own exception types, the plain ``RuntimeError`` its Python
     ``run_with_iobinding`` raises ("Error in execution: ..."), or a capture ORT aborted."""
     return (isinstance(exc, CaptureAbortedError) or type(exc) is RuntimeError
             or type(exc).__module__.startswith("onnxruntime"))
-
-
-def _input_dtype(ort_type: str):
-    """numpy dtype of an ORT input type string (``"tensor(float)"``), ``None`` for non-numeric ones."""
-    if ort_type in _ORT_TYPES:
-        return np.dtype(_ORT_TYPES[ort_type])
-    try:
-        dt = np.dtype(ort_type[len("tensor("):-1])
-    except TypeError:
-        return None
-    return dt if ort_type.startswith("tensor(") and dt.kind in "biuf" else None
-
-
-def _repeated_byte(value) -> int | None:
-    """The byte ``value`` repeats (0 for 0, 0xFF for int -1), or ``None`` when its bytes differ (most non-zero
-    floats): then only a host copy can pad with it."""
-    b = np.asarray(value).tobytes()
-    return b[0] if b == b[:1] * len(b) else None
-
-
-def _shape(v) -> tuple:
-    if isinstance(v, np.ndarray):
-        return v.shape
-    s = v.shape() if callable(getattr(v, "shape", None)) else v.shape
-    return tuple(int(x) for x in s)
-
-
-def _dtype(v):
-    if isinstance(v, np.ndarray):
-        return v.dtype
-    if isinstance(v, compat.OrtValue):
-        return _np_dtype(v)
-    return str(getattr(v, "dtype", "?")).replace("torch.", "")
-
-
-def _cuda_ptr(v) -> int | None:
-    if isinstance(v, compat.OrtValue):
-        return v.data_ptr() if v.device_name().lower() == "cuda" else None
-    if hasattr(v, "__dlpack_device__") and int(v.__dlpack_device__()[0]) == 2:
-        if hasattr(v, "is_contiguous") and not v.is_contiguous():
-            return None
-        if hasattr(v, "data_ptr"):
-            return int(v.data_ptr())
-        cai = getattr(v, "__cuda_array_interface__", None)
-        if cai and cai.get("strides") is None:
-            return int(cai["data"][0])
-    return None
-
-
-def _to_host(v) -> np.ndarray:
-    from ortcapture.transfer import to_numpy
-
-    if isinstance(v, compat.OrtValue):
-        return to_numpy(v)
-    if hasattr(v, "cpu") and hasattr(v, "numpy"):
-        return v.detach().cpu().numpy() if hasattr(v, "detach") else v.cpu().numpy()
-    if hasattr(v, "get"):
-        return v.get()
-    return np.asarray(v)
-
-
-def _wrap(outs: list, ort_values: bool) -> list:
-    if not ort_values:
-        return outs
-    return [compat.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o)) for o in outs]

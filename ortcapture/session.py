@@ -16,8 +16,6 @@ With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) hol
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -33,6 +31,9 @@ from ortcapture._compat import OrtInferenceSession
 from ortcapture import transfer
 from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
 from ortcapture._reference import reference_runner, verify_graph
+from ortcapture._session_setup import (
+    build_without_capture, check_tensor_io, check_version, constant_outputs_of, refuse_int64_arithmetic, refusal_text,
+    trt_bucket_profiles, without_capture)
 from ortcapture._run import (  # noqa: F401 - run_options_for and friends are public here
     GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for,
     unsynchronised)
@@ -40,37 +41,6 @@ from ortcapture._state import CaptureState
 from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK, defer_sync
 from ortcapture._verify import level_of
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
-
-
-_NULL = contextlib.nullcontext()
-
-
-def _without_capture(providers, provider_options, requested: CaptureInfo):
-    """The provider arguments with the capture switch turned off (for a session that must not capture)."""
-    out = []
-    for i, p in enumerate(providers or []):
-        name, opts = (p[0], dict(p[1])) if isinstance(p, (tuple, list)) else (p, None)
-        if opts is None and provider_options and i < len(provider_options):
-            opts = dict(provider_options[i])
-        if name == requested.ep.name and opts is not None:
-            opts[requested.ep.option] = "0"
-        out.append((name, opts or {}))
-    return out
-
-
-def _build_without_capture(session, model, sess_options, providers, provider_options, kwargs, requested) -> None:
-    """ORT's constructor on ``session`` with the requested capture switched off (provider option, or the plugin EP's
-    session config entry, restored afterwards)."""
-    if providers:
-        OrtInferenceSession.__init__(session, model, sess_options,
-                                     _without_capture(providers, provider_options, requested), None, **kwargs)
-        return
-    key = f"ep.{requested.ep.name.lower()}.{requested.ep.option}"
-    sess_options.add_session_config_entry(key, "0")
-    try:
-        OrtInferenceSession.__init__(session, model, sess_options, providers, provider_options, **kwargs)
-    finally:
-        sess_options.add_session_config_entry(key, "1")
 
 
 _NULL = contextlib.nullcontext()
@@ -155,15 +125,15 @@ class InferenceSession(OrtInferenceSession):
         self._oc_args = (path_or_bytes, sess_options, providers, provider_options, dict(kwargs))
         self._oc_providers = (providers, provider_options)  # what the C session was last built with
         requested = requested_capture(providers, provider_options, sess_options)
-        _check_version(requested)
+        check_version(requested)
         if buckets is not None and requested is not None and requested.ep.name == "TensorrtExecutionProvider":
-            providers, provider_options = _trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options)
+            providers, provider_options = trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options)
         model = shapes.fix_input_shapes(path_or_bytes, static_shapes) if static_shapes else path_or_bytes
         if requested is not None and requested.device_type == "webgpu":
             model = _inspect.rewrite_view_outputs(model)  # view outputs computed inside the graph (_inspect)
         static_sig = shapes.shape_signature(static_shapes) if static_shapes else None
         if requested is not None and requested.device_type == "webgpu" and not self._oc_allow_int64:
-            _refuse_int64_arithmetic(model)
+            refuse_int64_arithmetic(model)
         deferred = False
         if requested is not None:
             # ORT silently falls back to the CPU EP when a session fails to build; under capture that fallback
@@ -180,8 +150,8 @@ class InferenceSession(OrtInferenceSession):
                 if static_shapes or not shapes.specializable_inputs(_inspect.load_structure(path_or_bytes)):
                     why = "" if static_shapes else " (it has no dynamic input dims to specialise)"
                     raise CaptureUnsupportedError(
-                        self._oc_refusal_text(model, sess_options, providers, provider_options, kwargs, requested,
-                                              static_shapes) + f" ORT said{why}: {exc}"
+                        refusal_text(model, sess_options, providers, provider_options, kwargs, requested,
+                                     static_shapes) + f" ORT said{why}: {exc}"
                     ) from exc
                 self._oc_init_deferred(model, sess_options, providers, provider_options, kwargs, requested)
                 deferred = True
@@ -216,30 +186,12 @@ class InferenceSession(OrtInferenceSession):
                 sess_options.log_severity_level = level
         OrtInferenceSession.__init__(self, model, sess_options, providers, provider_options, **kwargs)
 
-    @staticmethod
-    def _oc_refusal_text(model, sess_options, providers, provider_options, kwargs, requested, static_shapes) -> str:
-        """Why ORT refused capture, for :class:`CaptureUnsupportedError`: the model's I/O types the EP cannot take
-        and the nodes ORT placed off the EP (an uncaptured session that records placement, made only here)."""
-        off = None
-        so = sess_options if sess_options is not None else ort.SessionOptions()
-        so.add_session_config_entry(_inspect.RECORD_ASSIGNMENT_KEY, "1")
-        try:
-            probe = compat.OrtInferenceSession.__new__(compat.OrtInferenceSession)
-            _build_without_capture(probe, model, so, providers, provider_options, kwargs, requested)
-            off = _inspect.assigned_off_ep(probe, requested.ep.name)
-        except Exception:  # noqa: BLE001 - the placement is a help for the message only
-            off = None
-        finally:
-            so.add_session_config_entry(_inspect.RECORD_ASSIGNMENT_KEY, "0")
-        return _inspect.refusal_message(requested.ep.name, _inspect.try_load_structure(model), off, static_shapes,
-                                        requested.device_type)
-
     def _oc_init_deferred(self, model, sess_options, providers, provider_options, kwargs, requested) -> None:
         """Create this session without capture; :meth:`capture` will specialise siblings that capture."""
-        _build_without_capture(self, model, sess_options, providers, provider_options, kwargs, requested)
+        build_without_capture(self, model, sess_options, providers, provider_options, kwargs, requested)
 
     def _oc_setup(self, requested: CaptureInfo | None, deferred: bool, static_sig, family=None) -> None:
-        _check_version(requested)
+        check_version(requested)
         info = None if deferred else detect_capture(self, requested)
         if requested is not None and info is None and not deferred:
             if requested.device_type == "cuda" and requested.ep.name not in ort.get_available_providers():
@@ -255,7 +207,7 @@ class InferenceSession(OrtInferenceSession):
             )
         old = getattr(self, "_oc_state", None)
         self._oc_state = CaptureState(self, info, requested, deferred, static_sig, self._oc_lock, family)
-        self._oc_state.constant_outputs = _constant_outputs_of(self._oc_args[0], static_sig)
+        self._oc_state.constant_outputs = constant_outputs_of(self._oc_args[0], static_sig)
         self._oc_state.rebuild_session = self._oc_rebuild_c_session
         if old is not None:  # set_providers: the compaction threshold stays
             self._oc_state.ledger.threshold = old.ledger.threshold
@@ -565,7 +517,7 @@ class InferenceSession(OrtInferenceSession):
                     or self._oc_state.static_shapes
                     or not shapes.specializable_inputs(_inspect.load_structure(path_or_bytes))):
                 raise
-            OrtInferenceSession.set_providers(self, _without_capture(providers, provider_options, requested), None)
+            OrtInferenceSession.set_providers(self, without_capture(providers, provider_options, requested), None)
             self._oc_refusal = str(exc)
             self._oc_args = (path_or_bytes, sess_options, providers, provider_options, kwargs)
             return True
@@ -660,7 +612,7 @@ class InferenceSession(OrtInferenceSession):
 
         fam = self._oc_state
         fam.release_collected()
-        _check_tensor_io(self)
+        check_tensor_io(self)
         _compact.maybe_compact(fam)
         target = self._oc_specialized_for(example_feeds) if fam.deferred else fam
         if target.info is None:
@@ -733,75 +685,3 @@ class InferenceSession(OrtInferenceSession):
                     )
                 sib = fam.siblings[sig]  # the sibling's state joined the family (CaptureState)
             return sib
-
-
-def _trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options):
-    """TensorRT: optimisation profiles covering the buckets (``ortcapture._buckets.trt_profile_options``)."""
-    from ortcapture import _buckets
-
-    dims = shapes.input_dims(shapes.load_model(path_or_bytes))
-    profiles = _buckets.trt_profile_options(_buckets.parse_buckets(buckets, dims), dims)
-    if profiles is None:
-        return providers, provider_options
-    return _buckets.with_trt_profiles(providers, provider_options, profiles)
-
-
-def _constant_outputs_of(path_or_bytes, static_sig):
-    """``() -> frozenset``: the model's constant outputs (:func:`ortcapture._inspect.constant_outputs`), computed at
-    the first call (a capture) and kept."""
-    @functools.cache
-    def constant_outputs() -> frozenset:
-        model = _inspect.try_load_structure(path_or_bytes)
-        if model is None:
-            return frozenset()
-        if static_sig:
-            model = _inspect.load_structure(shapes.fix_input_shapes(model.SerializeToString(), dict(static_sig)))
-        return _inspect.constant_outputs(model)
-
-    return constant_outputs
-
-
-def _check_tensor_io(session) -> None:
-    """Raise :class:`CaptureUnsupportedError` naming the inputs/outputs that are not numeric tensors (strings,
-    sequences, maps such as ``ZipMap``'s, optional values): no fixed device buffer can hold them."""
-    from ortcapture.transfer import ONNX_TO_NP
-
-    bad = [f"{role} {m.name!r} is {m.type}" for role, metas in (("input", session.get_inputs()),
-                                                                 ("output", session.get_outputs()))
-           for m in metas if m.type not in ONNX_TO_NP]
-    if bad:
-        raise CaptureUnsupportedError(
-            f"capture() needs every input and output to be a numeric tensor held in a fixed device buffer: "
-            f"{'; '.join(bad)}. Run that part of the model outside the captured graph (`ortcapture doctor MODEL`)."
-        )
-
-
-def _refuse_int64_arithmetic(model) -> None:
-    """Raise :class:`CaptureUnsupportedError` when WebGPU nodes would produce int64 from int64 arithmetic (see the
-    class docstring's ``allow_int64_as_int32``)."""
-    from ortcapture._model_checks import int64_arithmetic_nodes
-
-    import onnx
-
-    # the graph only: external weights are not needed (nor loaded) for the analysis
-    proto = onnx.load(os.fspath(model), load_external_data=False) if isinstance(model, (str, os.PathLike)) \
-        else shapes.load_model(model)
-    nodes = int64_arithmetic_nodes(proto)
-    if nodes:
-        more = f" ... ({len(nodes) - 12} more)" if len(nodes) > 12 else ""
-        err = CaptureUnsupportedError(
-            f"node(s) {', '.join(nodes[:12])}{more} produce int64 from int64 arithmetic: ORT's WebGPU EP runs int64 "
-            "as 32-bit under enableGraphCapture=1 (captured and uncaptured runs; e.g. 3000000000 - 1 gives "
-            "-1294967297), and a range check of the inputs cannot catch an intermediate that overflows. Compute "
-            "them in int32/float, or pass allow_int64_as_int32=True if every int64 value stays within int32.")
-        err.kind, err.nodes = "int64_as_int32", nodes
-        raise err
-
-
-def _check_version(requested: CaptureInfo | None) -> None:
-    if requested is not None and requested.device_type == "webgpu" and not compat.webgpu_plugin_captures():
-        raise CaptureUnsupportedError(
-            f"onnxruntime {ort.__version__} accepts enableGraphCapture for the WebGPU plugin EP but never "
-            "captures (measured on 1.24.4 and 1.25.1: every run recomputes, rebinding is not even ignored); "
-            "WebGPU graph capture needs onnxruntime >= 1.27.0"
-        )

@@ -195,7 +195,7 @@ def test_group_keys_are_checked():
 
 
 def test_pad_value_bytes():
-    from ortcapture._bucket_run import _repeated_byte
+    from ortcapture._bucket_values import repeated_byte as _repeated_byte
 
     assert _repeated_byte(np.int64(0)) == 0 and _repeated_byte(np.int64(-1)) == 0xFF
     assert _repeated_byte(np.float32(-1e9)) is None and _repeated_byte(np.bool_(True)) == 1

@@ -72,7 +72,7 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
     import onnxruntime as ort  # noqa: F401 - initialised before sessions
 
     import ortcapture
-    from ortcapture._bucket_run import _input_dtype
+    from ortcapture._bucket_values import input_dtype
     from ortcapture._compat import OrtInferenceSession
     from ortcapture.cli.bench import session_args
 
@@ -84,7 +84,7 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
         return OrtInferenceSession(model, **session_args(provider, False, {**opts, **(extra or {})}))
 
     arms: dict[str, dict] = {"single": {"sess": plain(), "limit": single_requests}}
-    types = {m.name: _input_dtype(m.type) or np.float32 for m in arms["single"]["sess"].get_inputs()}
+    types = {m.name: input_dtype(m.type) or np.float32 for m in arms["single"]["sess"].get_inputs()}
     sizes = stream_sizes(lo, hi, requests, seed)
     rng = np.random.default_rng(seed + 1)
 
@@ -159,3 +159,58 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
     b = result["arms"]["buckets"]["mean_ms"]
     result["speedup_buckets_vs"] = {arm: r["mean_ms"] / b for arm, r in result["arms"].items() if arm != "buckets"}
     return result
+
+
+def run_command(args) -> int:
+    """``ortcapture bench --stream LO-HI --axis INPUT:AXIS``: its argument checks
+    (:class:`~ortcapture.cli.bench.BenchError`), the run, the outputs. Moved from ``cli/bench.py``."""
+    from ortcapture.cli import bench_stream, models, pick_provider
+    from ortcapture.cli.bench import BenchError
+    from ortcapture.cli.demo import example_shapes
+    from ortcapture.cli.options import parse_provider_options
+    from ortcapture.errors import CaptureError, CaptureUnsupportedError
+
+    if not args.axis:
+        raise BenchError("--pad-value goes with --stream and --axis")
+    if args.model in (None, "attention"):
+        path = models.cache_dir() / "models" / "masked_attention.onnx"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = models.masked_attention_model()
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+        args.model = str(path)
+        if not args.shape:
+            args.shape = ["ids=4x16", "attention_mask=4x16"]
+    try:
+        lo, hi = bench_stream.parse_range(args.stream)
+        buckets = [int(b) for b in args.buckets.split(",")]
+        axis = parse_axis(args.axis)
+        pads = parse_pad_values(args.pad_value)
+        stream_sites(args.model, axis)
+    except ValueError as exc:
+        raise BenchError(f"--stream/--buckets/--axis/--pad-value: {exc}") from None
+    if buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
+    for flag in ("requests", "single_requests", "passes"):
+        if getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
+    args.single_requests = min(args.single_requests, args.requests)
+    try:
+        shp = example_shapes(args.model, 1, args.shape)
+        provider = pick_provider(args.provider)
+    except (CaptureError, CaptureUnsupportedError) as exc:
+        raise BenchError(str(exc)) from None
+    print(f"ortcapture bench --stream {lo}-{hi} --axis {args.axis}: {args.model} on {provider}, inputs "
+          f"{ {n: list(s) for n, s in shp.items()} }, {args.requests} requests, buckets {buckets}, {args.passes} "
+          "pass(es)", flush=True)
+    try:
+        result = run_sequence_stream(
+            args.model, provider, shp, axis, lo, hi, buckets=buckets, pad_values=pads, requests=args.requests,
+            single_requests=args.single_requests, passes=args.passes, seed=args.seed,
+            ep_options=parse_provider_options(args.provider_option) if args.provider_option else None,
+            progress=lambda d, t, what: print(f"  {what}: {d}/{t}", flush=True) if d == t else None)
+    except CaptureError as exc:  # bad pad values, a bucket refused (padding not neutral)
+        raise BenchError(str(exc)) from None
+    bench_stream.write_outputs(result, args.json, args.plot)
+    print(bench_stream.summary(result))
+    return 0

@@ -163,3 +163,57 @@ def summary(result: dict) -> str:
                  f"padding waste {st['padding_waste']:.1%}; max relative difference from the {ref} arm "
                  f"{diff:.2e}")
     return "\n".join(lines)
+
+
+def run_command(args) -> int:
+    """``ortcapture bench --stream LO-HI`` (with ``--axis``/``--pad-value``:
+    :func:`ortcapture.cli.bench_seq.run_command`): its argument checks (:class:`~ortcapture.cli.bench.BenchError`),
+    the run, the outputs. Moved from ``cli/bench.py``."""
+    from ortcapture.cli import pick_provider
+    from ortcapture.cli.bench import BenchError
+    if args.axis or args.pad_value:
+        from ortcapture.cli import bench_seq
+
+        return bench_seq.run_command(args)
+    from ortcapture.cli.demo import example_shapes
+    from ortcapture.errors import CaptureError, CaptureUnsupportedError
+
+    try:
+        lo, hi = parse_range(args.stream)
+        buckets = [int(b) for b in args.buckets.split(",")]
+    except ValueError as exc:
+        raise BenchError(f"--stream/--buckets: {exc}") from None
+    if buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
+    for flag in ("requests", "single_requests", "passes"):
+        if getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
+    args.single_requests = min(args.single_requests, args.requests)
+    if args.model is None:
+        from ortcapture.cli import models
+
+        try:
+            args.model = str(models.reference_model())
+        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
+            raise BenchError(f"no model given and the reference model is unavailable: {exc}") from None
+    try:
+        shp = example_shapes(args.model, 1, args.shape)
+        provider = pick_provider(args.provider)
+    except (CaptureError, CaptureUnsupportedError) as exc:
+        raise BenchError(str(exc)) from None
+    if len(shp) != 1:
+        raise BenchError(f"--stream feeds models with one input; this one has {list(shp)}")
+    (name, shape), = shp.items()
+    print(f"ortcapture bench --stream {lo}-{hi}: {args.model} on {provider}, input {name} [batch, "
+          f"{', '.join(map(str, shape[1:]))}], {args.requests} requests, buckets {buckets}, {args.passes} pass(es)",
+          flush=True)
+    from ortcapture.cli.options import parse_provider_options
+
+    result = run_stream(
+        args.model, provider, name, tuple(shape[1:]), lo, hi, buckets=buckets, requests=args.requests,
+        single_requests=args.single_requests, passes=args.passes, seed=args.seed,
+        ep_options=parse_provider_options(args.provider_option) if args.provider_option else None,
+        progress=lambda d, t, what: print(f"  {what}: {d}/{t}", flush=True) if d == t else None)
+    write_outputs(result, args.json, args.plot)
+    print(summary(result))
+    return 0

@@ -26,6 +26,24 @@ import time
 MiB = 1 << 20
 
 
+def add_arguments(p) -> None:
+    """The ``--soak*`` options of ``ortcapture bench`` (their own group in ``--help``)."""
+    soak = p.add_argument_group("soak (ortcapture.cli.soak): memory over time instead of latency")
+    soak.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                      help="run one loop for SECONDS, sampling replays/s, host RSS and device memory (MODEL: a file, "
+                           "'reference' or 'small' (default: a 64x64 recurrent Add/Mul); --json/--plot write them)")
+    soak.add_argument("--soak-mode", choices=["replay", "cycles"], default="replay",
+                      help="replay: CapturedGraph.run(copy_outputs=False) in a loop (default); cycles: capture -> "
+                           "run -> release in a loop, automatic compaction only")
+    soak.add_argument("--soak-count", type=int, default=None, metavar="N",
+                      help="stop after N replays/cycles (also a soak without --soak)")
+    soak.add_argument("--soak-sample", type=float, default=1.0, metavar="S", help="seconds between samples (1)")
+    soak.add_argument("--warmup-replays", type=int, default=1000, metavar="N",
+                      help="replay mode: replays before the start sample (1000)")
+    soak.add_argument("--compact-threshold", type=int, default=None, metavar="BYTES",
+                      help="the session's compact_threshold (default 256 MiB; negative: automatic compaction off)")
+
+
 def small_model(n: int = 64) -> bytes:
     """A recurrent step on [n, n] float32: ``state_out = state_in * 0.5 + x`` (inputs ``state``, ``x``)."""
     from onnx import TensorProto, helper
@@ -129,7 +147,7 @@ def soak(sess, feeds: dict, *, mode: str = "replay", seconds: float | None = Non
 
 def summarize(samples: list[dict]) -> dict:
     """Growth (end - start), peak above start (bytes) of host RSS and device memory, mean rate, compactions."""
-    first, last = samples[0], samples[-1]
+    last = samples[-1]
     out = {"count": last["count"], "seconds": last["t_s"],
            "rate_per_s": last["count"] / last["t_s"] if last["t_s"] else 0.0, "compactions": last["compactions"]}
     for key in ("rss_bytes", "device_bytes"):

@@ -1,0 +1,85 @@
+"""The feed and output values a bucketed run (:mod:`ortcapture._bucket_run`) handles: shape, dtype, CUDA device
+pointer and host copy of numpy arrays, OrtValues and DLPack/CUDA-array-interface tensors; ORT input type strings as
+numpy dtypes; the byte a pad value repeats; OrtValue-wrapped outputs. Moved verbatim from ``_bucket_run``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ortcapture import _compat as compat
+
+
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+             "tensor(bool)": np.bool_}
+
+
+def input_dtype(ort_type: str):
+    """numpy dtype of an ORT input type string (``"tensor(float)"``), ``None`` for non-numeric ones."""
+    if ort_type in ORT_TYPES:
+        return np.dtype(ORT_TYPES[ort_type])
+    try:
+        dt = np.dtype(ort_type[len("tensor("):-1])
+    except TypeError:
+        return None
+    return dt if ort_type.startswith("tensor(") and dt.kind in "biuf" else None
+
+
+def repeated_byte(value) -> int | None:
+    """The byte ``value`` repeats (0 for 0, 0xFF for int -1), or ``None`` when its bytes differ (most non-zero
+    floats): then only a host copy can pad with it."""
+    b = np.asarray(value).tobytes()
+    return b[0] if b == b[:1] * len(b) else None
+
+
+def np_dtype(value) -> np.dtype:
+    from ortcapture.transfer import np_dtype_of
+
+    return np_dtype_of(value)
+
+
+def shape_of(v) -> tuple:
+    if isinstance(v, np.ndarray):
+        return v.shape
+    s = v.shape() if callable(getattr(v, "shape", None)) else v.shape
+    return tuple(int(x) for x in s)
+
+
+def dtype_of(v):
+    if isinstance(v, np.ndarray):
+        return v.dtype
+    if isinstance(v, compat.OrtValue):
+        return np_dtype(v)
+    return str(getattr(v, "dtype", "?")).replace("torch.", "")
+
+
+def cuda_ptr(v) -> int | None:
+    if isinstance(v, compat.OrtValue):
+        return v.data_ptr() if v.device_name().lower() == "cuda" else None
+    if hasattr(v, "__dlpack_device__") and int(v.__dlpack_device__()[0]) == 2:
+        if hasattr(v, "is_contiguous") and not v.is_contiguous():
+            return None
+        if hasattr(v, "data_ptr"):
+            return int(v.data_ptr())
+        cai = getattr(v, "__cuda_array_interface__", None)
+        if cai and cai.get("strides") is None:
+            return int(cai["data"][0])
+    return None
+
+
+def to_host(v) -> np.ndarray:
+    from ortcapture.transfer import to_numpy
+
+    if isinstance(v, compat.OrtValue):
+        return to_numpy(v)
+    if hasattr(v, "cpu") and hasattr(v, "numpy"):
+        return v.detach().cpu().numpy() if hasattr(v, "detach") else v.cpu().numpy()
+    if hasattr(v, "get"):
+        return v.get()
+    return np.asarray(v)
+
+
+def wrap_outputs(outs: list, ort_values: bool) -> list:
+    if not ort_values:
+        return outs
+    return [compat.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o)) for o in outs]
