@@ -181,20 +181,13 @@ def run_command(args) -> int:
         args.model = str(path)
         if not args.shape:
             args.shape = ["ids=4x16", "attention_mask=4x16"]
+    lo, hi, buckets = bench_stream.check_stream_args(args)
     try:
-        lo, hi = bench_stream.parse_range(args.stream)
-        buckets = [int(b) for b in args.buckets.split(",")]
         axis = parse_axis(args.axis)
         pads = parse_pad_values(args.pad_value)
         stream_sites(args.model, axis)
     except ValueError as exc:
-        raise BenchError(f"--stream/--buckets/--axis/--pad-value: {exc}") from None
-    if buckets != sorted(set(buckets)) or buckets[0] < 1:
-        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
-    for flag in ("requests", "single_requests", "passes"):
-        if getattr(args, flag) < 1:
-            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
-    args.single_requests = min(args.single_requests, args.requests)
+        raise BenchError(f"--axis/--pad-value: {exc}") from None
     try:
         shp = example_shapes(args.model, 1, args.shape)
         provider = pick_provider(args.provider)

@@ -165,6 +165,26 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+def check_stream_args(args) -> tuple[int, int, list[int]]:
+    """The one check of the arguments every ``--stream`` mode shares: ``--stream LO-HI``, ascending positive
+    ``--buckets``, ``--requests``/``--single-requests``/``--passes`` >= 1 (``--single-requests`` is clamped to
+    ``--requests``). Returns (lo, hi, buckets); raises :class:`~ortcapture.cli.bench.BenchError`."""
+    from ortcapture.cli.bench import BenchError
+
+    try:
+        lo, hi = parse_range(args.stream)
+        buckets = [int(b) for b in args.buckets.split(",")]
+    except ValueError as exc:
+        raise BenchError(f"--stream/--buckets: {exc}") from None
+    if buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
+    for flag in ("requests", "single_requests", "passes"):
+        if getattr(args, flag) < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
+    args.single_requests = min(args.single_requests, args.requests)
+    return lo, hi, buckets
+
+
 def run_command(args) -> int:
     """``ortcapture bench --stream LO-HI`` (with ``--axis``/``--pad-value``:
     :func:`ortcapture.cli.bench_seq.run_command`): its argument checks (:class:`~ortcapture.cli.bench.BenchError`),
@@ -178,17 +198,7 @@ def run_command(args) -> int:
     from ortcapture.cli.demo import example_shapes
     from ortcapture.errors import CaptureError, CaptureUnsupportedError
 
-    try:
-        lo, hi = parse_range(args.stream)
-        buckets = [int(b) for b in args.buckets.split(",")]
-    except ValueError as exc:
-        raise BenchError(f"--stream/--buckets: {exc}") from None
-    if buckets != sorted(set(buckets)) or buckets[0] < 1:
-        raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
-    for flag in ("requests", "single_requests", "passes"):
-        if getattr(args, flag) < 1:
-            raise BenchError(f"--{flag.replace('_', '-')} must be >= 1")
-    args.single_requests = min(args.single_requests, args.requests)
+    lo, hi, buckets = check_stream_args(args)
     if args.model is None:
         from ortcapture.cli import models
 
