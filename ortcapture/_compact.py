@@ -26,10 +26,11 @@ to the old C session (ORT >= 1.30 ties it there) and only the caller can bind ag
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 from ortcapture import _compat as compat
-from ortcapture._cudart import mem_get_info
+from ortcapture._cudart import mem_get_info, trim_graph_memory
 from ortcapture.errors import CaptureError
 
 MiB = 1 << 20
@@ -154,6 +155,11 @@ def compact(family, *, automatic: bool = False) -> bool:
                 failures += _rebuild(family, st)
         family.ledger.retired = 0
         family.ledger.compactions += 1
+        devices = {m.info.device_id for m in family.members() if m.info is not None and m.info.device_type == "cuda"}
+        if devices:
+            gc.collect()  # the old C sessions, and with them their CUDA graphs, are gone before the trim
+            for dev in sorted(devices):
+                trim_graph_memory(dev)
     if failures:
         raise CaptureError("compact(): graph(s) failed to capture again on the rebuilt session and were released: "
                            + "; ".join(f"gpu_graph_id={gid}: {exc}" for gid, exc in failures))
