@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 from ortcapture._compat import OrtIOBinding, OrtValue
-from ortcapture._values import BFLOAT16, meta
+from ortcapture._values import ONNX_TO_NP, meta
 from ortcapture.errors import BindingError
 
 
@@ -54,15 +54,8 @@ class Bound:
         return 0
 
 
-_NP_TO_ONNX = {
-    np.dtype(np.float32): "tensor(float)", np.dtype(np.float16): "tensor(float16)",
-    np.dtype(np.float64): "tensor(double)", np.dtype(np.int8): "tensor(int8)", np.dtype(np.uint8): "tensor(uint8)",
-    np.dtype(np.int16): "tensor(int16)", np.dtype(np.uint16): "tensor(uint16)", np.dtype(np.int32): "tensor(int32)",
-    np.dtype(np.uint32): "tensor(uint32)", np.dtype(np.int64): "tensor(int64)", np.dtype(np.uint64): "tensor(uint64)",
-    np.dtype(np.bool_): "tensor(bool)",
-}
-if BFLOAT16 is not None:
-    _NP_TO_ONNX[BFLOAT16] = "tensor(bfloat16)"
+#: numpy dtype -> ORT's type string: the inverse of ortcapture's one table (bfloat16 included where ml_dtypes is)
+_NP_TO_ONNX = {dtype: name for name, dtype in ONNX_TO_NP.items()}
 
 
 def onnx_type_of(dtype) -> str:

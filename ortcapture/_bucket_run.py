@@ -26,7 +26,7 @@ from ortcapture import _bucket_feeds
 from ortcapture import _compat as compat
 from ortcapture import _verify
 from ortcapture._bucket_copy import cuda_fill, cuda_read, fill_staging, slice_output
-from ortcapture._bucket_values import (ORT_TYPES, dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
+from ortcapture._bucket_values import (dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
                                        wrap_outputs)
 from ortcapture._buckets import BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets
 from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
@@ -555,7 +555,7 @@ class BucketRunner:
                     raise CaptureError(
                         f"warmup: input {m.name!r} axis {ax} ({d!r}) is dynamic and not bucketed; pass example feeds "
                         "(warmup(feeds)) so its size is known")
-            out[m.name] = np.zeros(shape, self._specs[m.name].dtype or ORT_TYPES.get(m.type, np.float32))
+            out[m.name] = np.zeros(shape, self._specs[m.name].dtype or input_dtype(m.type) or np.float32)
         return out
 
     def stats(self) -> dict:

@@ -7,22 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from ortcapture import _compat as compat
-
-
-ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-             "tensor(bool)": np.bool_}
+from ortcapture._values import ONNX_TO_NP
 
 
 def input_dtype(ort_type: str):
-    """numpy dtype of an ORT input type string (``"tensor(float)"``), ``None`` for non-numeric ones."""
-    if ort_type in ORT_TYPES:
-        return np.dtype(ORT_TYPES[ort_type])
-    try:
-        dt = np.dtype(ort_type[len("tensor("):-1])
-    except TypeError:
-        return None
-    return dt if ort_type.startswith("tensor(") and dt.kind in "biuf" else None
+    """numpy dtype of an ORT input type string (``"tensor(float)"``; ortcapture's one table,
+    :data:`ortcapture._values.ONNX_TO_NP`), ``None`` for non-numeric ones (strings, sequences, maps)."""
+    return ONNX_TO_NP.get(ort_type)
 
 
 def repeated_byte(value) -> int | None:

@@ -9,25 +9,14 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-import ortcapture
 from ortcapture import run_options_for
 from ortcapture.errors import CaptureError
 from tests import tiny
+from tests.bucket_checks import TOL, close, cpu, run_threads
 
 SIZES = [3, 1, 4, 7, 2, 3, 8, 5, 1, 6]
-#: against the CPU EP: CUDA's MatMul runs in TF32 by default (~1e-3 relative), WebGPU in float32
-TOL = {"cuda": 1e-2, "webgpu": 1e-4}
 
 
-def cpu(model):
-    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-
-
-def close(got, want, rtol=1e-4):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    scale = max(float(np.abs(want).max(initial=0.0)), 1e-6)
-    assert float(np.abs(got - want).max(initial=0.0)) <= rtol * scale
 
 
 def test_mixed_sizes_equal_the_cpu_ep_and_replay(backend):
@@ -143,11 +132,7 @@ def test_four_threads_with_mixed_sizes(backend):
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 4)
     assert not errors, errors
     assert sess.bucket_stats()["replayed"] == 60
 

@@ -11,21 +11,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortcapture.errors import CaptureError
 from tests import tiny
+from tests.bucket_checks import TOL, close, cpu, run_threads
 from tests.tiny import _model, vi
 
-#: against the CPU EP: CUDA's MatMul runs in TF32 by default (~1e-3 relative), WebGPU in float32
-TOL = {"cuda": 1e-2, "webgpu": 1e-4}
 
 
-def cpu(model):
-    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-
-
-def close(got, want, rtol):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    scale = max(float(np.abs(want).max(initial=0.0)), 1e-6)
-    assert float(np.abs(got - want).max(initial=0.0)) <= rtol * scale
 
 
 def raised(fn):
@@ -166,11 +156,7 @@ def test_eviction_racing_runs_from_other_threads(backend, replay_thread):
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 4)
     assert not errors, errors
     st = sess.bucket_stats()
     assert st["replayed"] == 40 and st["evicted"] >= 1 and len(st["buckets"]) == 1

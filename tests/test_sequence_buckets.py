@@ -8,21 +8,11 @@ import pytest
 import ortcapture
 from ortcapture.errors import CaptureError
 from tests import tiny
+from tests.bucket_checks import TOL, close, cpu
 
-#: against the CPU EP: CUDA's MatMul runs in TF32 by default (~1e-3 relative), WebGPU in float32
-TOL = {"cuda": 1e-2, "webgpu": 1e-4}
 VOCAB = 64
 
 
-def cpu(model):
-    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-
-
-def close(got, want, rtol):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    scale = max(float(np.abs(want).max(initial=0.0)), 1e-6)
-    assert float(np.abs(got - want).max(initial=0.0)) <= rtol * scale
 
 
 def text_batch(rng, batch, seq, pad_tail=True):

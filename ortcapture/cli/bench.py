@@ -180,13 +180,12 @@ def _batches(text: str) -> list[int]:
 
 def _check_args(args) -> tuple[list[int], int]:
     batches = _batches(args.batch)
-    if args.model is None:
-        from ortcapture.cli import models as models
+    from ortcapture.cli import models
 
-        try:
-            args.model = str(models.reference_model())
-        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
-            raise BenchError(f"no model given and the reference model is unavailable: {exc}") from None
+    try:
+        args.model = models.model_or_reference(args.model)
+    except models.ModelUnavailable as exc:
+        raise BenchError(str(exc)) from None
     from ortcapture.cli.demo import check_model_file  # a directory, a missing or empty file: one line, exit 2
     from ortcapture.errors import CaptureError
 

