@@ -10,14 +10,18 @@ their values, outputs are restored to their values before (``ReplayOutput`` s ha
 graphs are per thread in ORT: the compacting thread captures each graph; every other thread captures again on its
 next run (``CaptureState.ensure_thread``).
 
-:class:`DeviceLedger` (one per session family) measures each graph's device memory as the change of
-``cudaMemGetInfo``'s free bytes around its capture (and around each per-thread capture), adds it to the retired
-total when the graph is released on an EP that cannot free it, and :func:`maybe_compact` compacts automatically once
-the retired total passes :attr:`DeviceLedger.threshold` bytes. Where nothing is measured (no cuda-python; WebGPU
-before ORT 1.30, which cannot release either) a retired graph counts the bytes of the buffers it pinned. WebGPU frees
-released graphs in ORT >= 1.30, so nothing is retired there and automatic compaction never runs; an explicit ``compact()`` still rebuilds (the graphs' buffers move to
-the new C session's allocator: a WebGPU OrtValue from ``create_ortvalue_from_shape_and_type`` retains and may only
-be bound through its own C session).
+When: :class:`~ortcapture._ledger.DeviceLedger` (one per session family) charges each graph released on an EP that
+cannot free it and says when the retired total passes the family's threshold (:func:`maybe_compact`). WebGPU frees
+released graphs in ORT >= 1.30, so nothing is retired there and automatic compaction never runs; an explicit
+``compact()`` still rebuilds (the graphs' buffers move to the new C session's allocator: a WebGPU OrtValue from
+``create_ortvalue_from_shape_and_type`` retains and may only be bound through its own C session). Measured on the
+software adapter (ORT 1.32): a WebGPU C session destroyed while another lives on the same WebGPU device keeps its
+weights' memory (raw ORT too: +16 MiB per session of a 16 MiB MatMul), so an explicit WebGPU ``compact()`` costs
+host/device memory rather than returning it.
+
+What a compaction returns on CUDA: the driver keeps the destroyed graphs' memory and the next captures reuse it
+(see :mod:`ortcapture._ledger`), so device memory in use plateaus instead of growing; it is not handed back to the
+device (``cudaDeviceGraphMemTrim`` and ``cudaMemPoolTrimTo`` return none of it either: measured 659 -> 659 MiB).
 
 Raw-path graphs (``run_with_iobinding`` with a ``gpu_graph_id``) cannot survive a rebuild: their IOBinding belongs
 to the old C session (ORT >= 1.30 ties it there) and only the caller can bind again. While any is captured,
@@ -25,83 +29,10 @@ to the old C session (ORT >= 1.30 ties it there) and only the caller can bind ag
 """
 from __future__ import annotations
 
-import contextlib
 import gc
-import threading
 
 from ortcapture import _compat as compat
-from ortcapture._cudart import mem_get_info, trim_graph_memory
 from ortcapture.errors import CaptureError
-
-MiB = 1 << 20
-#: bytes of retired (released but unfreeable) graph device memory that trigger an automatic compaction
-DEFAULT_COMPACT_THRESHOLD = 256 * MiB
-
-
-class DeviceLedger:
-    """Device memory of one session family's captured graphs, in bytes (see the module docstring)."""
-
-    def __init__(self, threshold: int | None = DEFAULT_COMPACT_THRESHOLD) -> None:
-        #: retired bytes that trigger :func:`maybe_compact`; ``None`` turns automatic compaction off
-        self.threshold = threshold
-        #: bytes of released graphs still held by their C session
-        self.retired = 0
-        #: compactions so far
-        self.compactions = 0
-        self._live: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def measure(self, graph_id: int, info):
-        """Add the device-memory change around the block to ``graph_id`` (CUDA devices only; a no-op elsewhere)."""
-        if info is None or info.device_type != "cuda":
-            yield
-            return
-        before = mem_get_info(info.device_id)
-        try:
-            yield
-        finally:
-            after = mem_get_info(info.device_id)
-            if before is not None and after is not None:
-                with self._lock:
-                    self._live[graph_id] = self._live.get(graph_id, 0) + max(0, before[0] - after[0])
-
-    def released(self, graph_id: int, freed: bool, pinned_bytes: int = 0) -> None:
-        """``graph_id`` was released; unless the EP ``freed`` it, its bytes count as retired: as measured around its
-        capture, else (nothing measured: not CUDA, or no cuda-python) the ``pinned_bytes`` of its bound buffers, which
-        the unfreed graph keeps alive (measured on ORT 1.27 WebGPU, no release there: ~4 MiB per cycle with two
-        2 MiB buffers)."""
-        with self._lock:
-            nbytes = self._live.pop(graph_id, None)
-            if not freed:
-                self.retired += pinned_bytes if nbytes is None else nbytes
-
-    def forget(self, graph_ids) -> None:
-        with self._lock:
-            for gid in graph_ids:
-                self._live.pop(gid, None)
-
-    @property
-    def live(self) -> int:
-        """Bytes measured for the graphs captured now."""
-        with self._lock:
-            return sum(self._live.values())
-
-    def due(self) -> bool:
-        return self.threshold is not None and self.retired > self.threshold
-
-    def describe(self) -> dict:
-        return {"retired_bytes": self.retired, "live_bytes": self.live, "threshold": self.threshold,
-                "compactions": self.compactions}
-
-
-def check_threshold(value) -> int | None:
-    """A compaction threshold: bytes as an int >= 0, or ``None`` (automatic compaction off)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CaptureError(f"compact_threshold must be bytes as an int >= 0 or None, got {value!r}")
-    return value
 
 
 def raw_path_graphs(family) -> list[int]:
@@ -150,16 +81,12 @@ def compact(family, *, automatic: bool = False) -> bool:
             if automatic:
                 return False
             raise CaptureError(f"compact() refused: {why}.")
+        family.ledger.compacting()
         for st in [m for m in family.members() if m.info is not None and m.rebuild_session is not None]:
             with st.capture_guard:
                 failures += _rebuild(family, st)
-        family.ledger.retired = 0
-        family.ledger.compactions += 1
-        devices = {m.info.device_id for m in family.members() if m.info is not None and m.info.device_type == "cuda"}
-        if devices:
-            gc.collect()  # the old C sessions, and with them their CUDA graphs, are gone before the trim
-            for dev in sorted(devices):
-                trim_graph_memory(dev)
+        family.ledger.compacted()
+        gc.collect()  # the old C sessions, and with them their CUDA graphs, are gone when compact() returns
     if failures:
         raise CaptureError("compact(): graph(s) failed to capture again on the rebuilt session and were released: "
                            + "; ".join(f"gpu_graph_id={gid}: {exc}" for gid, exc in failures))

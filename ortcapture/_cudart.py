@@ -166,27 +166,6 @@ def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height
         raise RuntimeError(f"cudaMemcpy2DAsync/cudaMemset2DAsync failed: {err}")
 
 
-def trim_graph_memory(device: int) -> bool:
-    """Hand the CUDA driver's cached graph memory (``cudaDeviceGraphMemTrim``) and the device's default memory
-    pool's unused memory (``cudaMemPoolTrimTo(pool, 0)``) back to the device, after a compaction destroyed the old
-    session's graphs. Measured on the H200 (onnxruntime-gpu 1.31.1): destroying a raw ORT CUDA-graph session after
-    150 captures left 44 of its 110 MiB in use (``cudaMemGetInfo``); whether these calls return it is unverified
-    (issue 18). Best effort: True when both calls succeeded, False otherwise (never raises)."""
-    rt = compat.cudart()
-    if rt is None:
-        return False
-    try:
-        with current_device(device):
-            (err,) = rt.cudaDeviceGraphMemTrim(device)
-            ok = _ok(err)
-            err, pool = rt.cudaDeviceGetDefaultMemPool(device)
-            if _ok(err):
-                (err,) = rt.cudaMemPoolTrimTo(pool, 0)
-            return ok and _ok(err)
-    except Exception:  # noqa: BLE001 - an older cuda-python without these calls: nothing trimmed
-        return False
-
-
 def make_capture_probe():
     """A cheap callable answering: is the calling thread's CUDA stream (torch's current stream, else the legacy
     default stream) being captured into a foreign CUDA graph right now? Built once per session; one or two

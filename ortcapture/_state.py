@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 
 from ortcapture import _compat as compat
 from ortcapture._buffers import BufferPool, allocate
-from ortcapture._compact import DeviceLedger
+from ortcapture._ledger import DeviceLedger
 from ortcapture._providers import CUDA_EPS, CaptureInfo
 from ortcapture._reference import check_frozen
 from ortcapture._registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry

@@ -155,7 +155,7 @@ def test_compact_refuses_while_raw_path_graphs_exist(backend):
     sess.compact_threshold = 0
     with pytest.raises(ortcapture.CaptureError, match=r"raw IOBinding graph\(s\) \[7\]"):
         sess.compact()
-    sess._oc_state.ledger.retired = 1  # past the threshold: the automatic one must not run either
+    sess._oc_state.ledger.released(-5, freed=False, pinned_bytes=1)  # past the threshold: the automatic one must not run either
     graph.run()
     graph2 = sess.capture({"x": np.ones(shape, np.float32), "state_in": np.zeros(shape, np.float32)})
     assert sess.graph_memory["compactions"] == 0

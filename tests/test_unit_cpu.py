@@ -458,36 +458,3 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
     monkeypatch.setattr(transfer, "_ORT_D2D", False)
     assert not transfer._fast_pair(sm, dm, src)
 
-def test_trim_graph_memory_calls_the_driver_and_never_raises(monkeypatch):
-    """After a compaction ortcapture asks the CUDA driver to return cached graph memory (issue 18): both calls on
-    the right device, and an older cuda-python without them is no error."""
-    from ortcapture import _compat, _cudart
-
-    calls = []
-
-    class Rt:
-        def cudaDeviceGraphMemTrim(self, dev):
-            calls.append(("graph", dev))
-            return (0,)
-
-        def cudaDeviceGetDefaultMemPool(self, dev):
-            calls.append(("pool", dev))
-            return (0, "pool")
-
-        def cudaMemPoolTrimTo(self, pool, keep):
-            calls.append(("trim", pool, keep))
-            return (0,)
-
-        def cudaGetDevice(self):
-            return (0, 0)
-
-        def cudaSetDevice(self, dev):
-            return (0,)
-
-    monkeypatch.setattr(_compat, "cudart", lambda: Rt())
-    assert _cudart.trim_graph_memory(1) is True
-    assert calls == [("graph", 1), ("pool", 1), ("trim", "pool", 0)]
-    monkeypatch.setattr(_compat, "cudart", lambda: object())  # no such calls
-    assert _cudart.trim_graph_memory(0) is False
-    monkeypatch.setattr(_compat, "cudart", lambda: None)
-    assert _cudart.trim_graph_memory(0) is False
