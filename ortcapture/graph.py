@@ -267,35 +267,36 @@ class CapturedGraph:
         probe = cs.capture_probe
         if probe is not None and probe():  # before any copy: CUDA calls inside a foreign capture break it
             cs.check_foreign_capture()  # raises CaptureError (ORT PR #32081)
-        while True:  # again when a compaction (another thread) dropped this thread's CUDA graph meanwhile
-            if self._captured and not cs.thread_has(self.graph_id):
-                with cs.capture_guard:  # the thread's capture rewrites the outputs: earlier ReplayOutputs go stale
-                    self._generation += 1
-                    try:
-                        cs.ensure_thread(self._binding, self.graph_id, self._run_options)
-                    finally:
-                        self._generation += 1
+        while True:  # a thread without its CUDA graph of the id (new thread, or after a compaction) captures first
             with cs.guard:
                 if self._released:
                     self._raise_released()
-                if self._captured and not cs.thread_has(self.graph_id):
-                    continue
-                if feeds is not None:
-                    if self._frozen:
-                        check_frozen(self._frozen, feeds)
-                    transfer.copy_feeds(self.inputs, feeds)
-                # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so a
-                # read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before and
-                # after). Feeds were copied above, before it turned odd: this graph's own previous outputs may be fed back.
+                if not self._captured or cs.thread_has(self.graph_id):
+                    if feeds is not None:
+                        if self._frozen:
+                            check_frozen(self._frozen, feeds)
+                        transfer.copy_feeds(self.inputs, feeds)
+                    # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so
+                    # a read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before
+                    # and after). Feeds were copied above, before it turned odd: this graph's own previous outputs may
+                    # be fed back.
+                    self._generation += 1
+                    try:
+                        cs.replay(self._binding, self._run_options, self._record)
+                        if self._state:
+                            transfer.copy(self._state_src, self._state_dst)
+                        if copy_outputs:
+                            return [transfer.to_numpy(v) for v in self._output_list]
+                        gen = self._generation + 1  # its value once this returns
+                        return [ReplayOutput(v, self, gen) for v in self._output_list]
+                    finally:
+                        self._generation += 1
+            # this thread has no CUDA graph of the id: capture it (outside the guard; the capture guard instead). The
+            # thread's capture rewrites the outputs: earlier ReplayOutputs go stale
+            with cs.capture_guard:
                 self._generation += 1
                 try:
-                    cs.replay(self._binding, self._run_options, self._record)
-                    if self._state:
-                        transfer.copy(self._state_src, self._state_dst)
-                    if copy_outputs:
-                        return [transfer.to_numpy(v) for v in self._output_list]
-                    gen = self._generation + 1  # its value once this returns
-                    return [ReplayOutput(v, self, gen) for v in self._output_list]
+                    cs.ensure_thread(self._binding, self.graph_id, self._run_options)
                 finally:
                     self._generation += 1
 
