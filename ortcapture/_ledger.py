@@ -184,11 +184,18 @@ class DeviceLedger:
 
 
 def check_threshold(value) -> int | None:
-    """A compaction threshold: bytes as an int >= 0, or ``None`` (automatic compaction off)."""
+    """A compaction threshold: bytes as an integer >= 0 (``int`` or a numpy integer), or ``None`` (automatic
+    compaction off). Raises :class:`~ortcapture.errors.CaptureError` otherwise (bools and floats included)."""
+    import operator
+
     from ortcapture.errors import CaptureError
 
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CaptureError(f"compact_threshold must be bytes as an int >= 0 or None, got {value!r}")
-    return value
+    try:
+        nbytes = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        nbytes = None
+    if nbytes is None or nbytes < 0:
+        raise CaptureError(f"compact_threshold must be bytes as an int >= 0 or None (off), got {value!r}")
+    return nbytes

@@ -47,8 +47,9 @@ class ReplayOutput(OrtValue):
     def _check(self) -> None:
         if self.is_stale:
             raise StaleOutputError(
-                f"this output of gpu_graph_id={self._graph.graph_id} was overwritten by a later replay "
-                f"(generation {self._generation}, now {self._graph.generation}); copy outputs before the next run"
+                f"this output of gpu_graph_id={self._graph.graph_id} was overwritten by a later replay or "
+                f"re-capture (a new thread's capture, or sess.compact()) (generation {self._generation}, now "
+                f"{self._graph.generation}); copy outputs before the next run"
             )
 
     def numpy(self) -> np.ndarray:

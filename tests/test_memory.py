@@ -172,9 +172,13 @@ def test_compact_refuses_while_raw_path_graphs_exist(backend):
 def test_compact_threshold_is_checked(backend):
     sess, _ = _recurrent(backend)
     assert sess.compact_threshold == 256 * MiB
-    for bad in (-1, 1.5, "1", True):
+    for bad in (-1, 1.5, "1", True, np.float64(2.0), np.int64(-3)):
         with pytest.raises(ortcapture.CaptureError, match="compact_threshold"):
             sess.compact_threshold = bad
+    sess.compact_threshold = np.int64(5)  # a numpy integer is bytes too
+    assert sess.compact_threshold == 5 and type(sess.compact_threshold) is int
+    sess.compact_threshold = None
+    assert sess.graph_memory["threshold"] is None
 
 
 def test_compact_rebuilds_shape_specialised_siblings(backend):

@@ -86,7 +86,8 @@ class BenchError(Exception):
 # command line
 # ---------------------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="ONNX model file (default: the reference YOLOv8n, as in `demo`)")
+    p.add_argument("model", nargs="?", help="ONNX model file (default: the reference YOLOv8n, as in `demo`; with "
+                   "--soak: 'small', and 'reference' or 'small' name the built-in models)")
     p.add_argument("--provider", choices=["auto", "cuda", "webgpu"], default="auto",
                    help="capture-capable EP (auto: CUDA when available, else WebGPU)")
     p.add_argument("--batch", default="1", metavar="1,8",

@@ -189,6 +189,10 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _mib(nbytes: int | None) -> str:
+    return "off" if nbytes is None else f"{nbytes / MiB:g} MiB"
+
+
 def _load(model_arg: str | None, shape_args: list[str]):
     """(model path or bytes, feeds, state, label) for MODEL: None/``small``, ``reference``, or a file."""
     import numpy as np
@@ -225,6 +229,7 @@ def run(args) -> int:
     except CaptureUnsupportedError as exc:
         print(f"ortcapture bench: {exc}", file=sys.stderr)
         return 2
+    ort.set_default_logger_severity(3)  # ORT's environment warnings (e.g. the WebGPU software adapter's) off
     model, feeds, state, label = _load(args.model, args.shape)
     sess = ortcapture.InferenceSession(model, **session_args(provider, True))
     if args.compact_threshold is not None:
@@ -232,7 +237,10 @@ def run(args) -> int:
     what = "cycles" if args.soak_mode == "cycles" else "replays"
     print(f"ortcapture bench --soak: {label} on {provider} (onnxruntime {ort.__version__}), {args.soak_mode}, "
           f"{args.soak if args.soak is not None else 'unlimited'} s / {args.soak_count or 'unlimited'} {what}, "
-          f"compaction threshold {sess.compact_threshold}", flush=True)
+          f"compaction threshold {_mib(sess.compact_threshold)}", flush=True)
+    if provider != "cuda":
+        print("  device memory: not measured on WebGPU (on the software adapter it is host memory: see RSS)",
+              flush=True)
 
     def progress(s):
         dev = "-" if s["device_bytes"] is None else f"{s['device_bytes'] / MiB:.1f}"
