@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from ortcapture._compat import OrtIOBinding, OrtValue
+from ortcapture._compat import OrtIOBinding, OrtValue, c_session
 from ortcapture._values import ONNX_TO_NP, meta
 from ortcapture.errors import BindingError
 
@@ -83,6 +83,9 @@ class IOBinding(OrtIOBinding):
 
     def __init__(self, session):
         super().__init__(session)
+        # the C session this binding was made for: ORT's SessionIOBinding points into it (ORT < 1.30: a raw pointer,
+        # so holding it keeps a binding used after compact()/set_providers from reaching a destroyed session)
+        self._oc_c_session = c_session(session)
         self._oc_inputs: dict[str, Bound] = {}
         self._oc_outputs: dict[str, Bound] = {}
         self._oc_pins: set[int] = set()

@@ -42,6 +42,13 @@ def c_session(session: OrtInferenceSession):
     return session._sess
 
 
+def binding_c_session(binding):
+    """The C ``InferenceSession`` an IOBinding was made for: ortcapture's ``IOBinding`` records it
+    (``_oc_c_session``); ORT >= 1.30's own keeps it as ``_session``; ``None`` when neither says."""
+    got = getattr(binding, "_oc_c_session", None)
+    return got if got is not None else getattr(binding, "_session", None)
+
+
 def c_value(value: OrtValue):
     """The C ``OrtValue`` behind a Python OrtValue (ORT's ``_ortvalue``)."""
     return value._ortvalue

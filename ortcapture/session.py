@@ -357,7 +357,9 @@ class InferenceSession(OrtInferenceSession):
 
         Raises:
             BindingError: another or a changed IOBinding under a captured id, a CPU-bound (``bind_cpu_input``) or
-                ORT-allocated output, a buffer on another device, or an input and output sharing one buffer.
+                ORT-allocated output, a buffer on another device, or an input and output sharing one buffer; an
+                IOBinding made before :meth:`compact` or :meth:`set_providers` replaced the C session (or made for
+                another session).
             GraphReleasedError: a retired id (CUDA/TensorRT release is a no-op in ORT).
             CaptureError: the calling thread's CUDA stream is inside a foreign capture (ORT PR #32081).
             CaptureAbortedError: a capturing run failed inside ORT (e.g. ``RunOptions.terminate``); the id was
@@ -377,6 +379,13 @@ class InferenceSession(OrtInferenceSession):
         return result
 
     def _oc_run_with_iobinding(self, iobinding, run_options):
+        made_for = compat.binding_c_session(iobinding)
+        if made_for is not None and made_for is not compat.c_session(self):
+            raise BindingError(
+                "this IOBinding was made for a C session that sess.compact() or set_providers() replaced since (or "
+                "for another session): ORT runs an IOBinding only on the C session it was made from (before ORT 1.30 "
+                "it would reach the old one). Make a new one with sess.io_binding() and bind the buffers again."
+            )
         st = self._oc_state
         if st.info is None:
             if not st.deferred:

@@ -255,3 +255,40 @@ def test_compact_needs_a_capturing_session(backend):
     sess = backend.session(tiny.add_model(), capture=False)
     with pytest.raises(ortcapture.CaptureUnsupportedError, match="compact"):
         sess.compact()
+
+
+def test_an_iobinding_from_before_compact_or_set_providers_is_refused(backend):
+    """ORT runs an IOBinding only on the C session it was made from (before ORT 1.30 it holds a raw pointer into
+    it): a binding made before compact()/set_providers() replaced the C session, or made for another session, gets
+    a BindingError instead of reaching the old session."""
+    sess, _ = _recurrent(backend)
+    dev = backend.device_type
+    x = np.full((1, 8), 0.5, np.float32)
+
+    def binding(s):
+        b = s.io_binding()
+        b.bind_cpu_input("x", x)
+        b.bind_cpu_input("state_in", np.zeros((1, 8), np.float32))
+        for name in ("y", "state_out"):
+            b.bind_output(name, dev)
+        return b
+
+    old = binding(sess)
+    sess.run_with_iobinding(old, run_options_for(-1))
+    expect = old.copy_outputs_to_cpu()[0]
+    sess.compact()
+    with pytest.raises(ortcapture.BindingError, match="sess.io_binding"):
+        sess.run_with_iobinding(old, run_options_for(-1))
+    fresh = binding(sess)
+    sess.run_with_iobinding(fresh, run_options_for(-1))
+    np.testing.assert_allclose(fresh.copy_outputs_to_cpu()[0], expect, rtol=1e-6)
+    other, _ = _recurrent(backend)
+    with pytest.raises(ortcapture.BindingError, match="another session"):
+        other.run_with_iobinding(fresh, run_options_for(-1))
+    plain = ortcapture._compat.OrtIOBinding(sess)  # ORT's own class, made before set_providers
+    sess.set_providers(["CPUExecutionProvider"])  # another C session (without capture: refused all the same)
+    # ORT's own IOBinding says which C session it was made for from ORT 1.30 (``_session``); before, only ours does
+    checked = [fresh] + ([plain] if ortcapture._compat.binding_c_session(plain) is not None else [])
+    for b in checked:
+        with pytest.raises(ortcapture.BindingError, match="set_providers"):
+            sess.run_with_iobinding(b, run_options_for(-1))
