@@ -21,9 +21,10 @@ The ledger therefore
    device memory in use per capture while the family is still growing (from the end of its first measured capture
    to its first compaction), frozen at that compaction once at least :data:`MIN_CAPTURES_TO_FREEZE` captures were
    measured (:meth:`DeviceLedger.per_graph`); and
-2. is also due, once a graph is retired, when device memory in use passes the level it had when the previous
-   compaction started by more than :meth:`DeviceLedger.slack`: the retired graphs no longer fit in what the driver
-   kept.
+2. is also due, once the retired graphs are charged at least half the threshold, when device memory in use passes the
+   level it had when the previous compaction started by more than :meth:`DeviceLedger.slack`: the retired graphs
+   no longer fit in what the driver kept (the per-graph cost was learned low). The half keeps another allocator's
+   growth from compacting this family more than twice as often as its own releases warrant.
 
 Both use device-wide numbers: memory another allocator (torch, another session) takes meanwhile counts too, which can
 only bring a compaction forward. Where nothing is measured (no cuda-python; WebGPU before ORT 1.30, which cannot
@@ -155,11 +156,12 @@ class DeviceLedger:
         """Whether an automatic compaction should run now (see the module docstring)."""
         if self.threshold is None:
             return False
-        if self.retired > self.threshold:
+        retired = self.retired
+        if retired > self.threshold:
             return True
         with self._lock:
-            return (self._count > 0 and self._ceiling is not None and self._now is not None
-                    and self._now > self._ceiling + self.slack())
+            return (self._count > 0 and 2 * retired >= self.threshold and self._ceiling is not None
+                    and self._now is not None and self._now > self._ceiling + self.slack())
 
     # -- compaction -----------------------------------------------------------------------------------------
     def compacting(self) -> None:

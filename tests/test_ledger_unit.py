@@ -113,10 +113,27 @@ def test_another_allocator_brings_one_compaction_forward_not_one_per_release(dri
     drv = driver(per_graph=int(0.13 * MiB))
     ledger = DeviceLedger(16 * MiB)
     _, when = cycles(ledger, drv, 400)
-    assert when
+    own = min(b - a for a, b in zip(when, when[1:]))
     drv.other += 100 * MiB  # torch takes 100 MiB between two cycles
-    _, after = cycles(ledger, drv, 30, start_id=1000)
-    assert len(after) == 1 and after[0] == 1000
+    _, after = cycles(ledger, drv, own + 5, start_id=1000)
+    # one compaction, once half a threshold is retired again (not at the next release), sooner than its own interval
+    assert len(after) == 1 and 1000 < after[0] < 1000 + own, (own, after)
+
+
+def test_another_allocators_steady_growth_does_not_compact_at_every_release(driver):
+    """torch (say) grows 0.5 MiB a cycle while this family cycles: device memory passes the previous compaction's
+    level all the time, but compactions stay at most twice as frequent as the family's own interval."""
+    drv = driver(per_graph=int(0.13 * MiB))
+    ledger = DeviceLedger(16 * MiB)
+    _, when = cycles(ledger, drv, 400)
+    own = min(b - a for a, b in zip(when, when[1:]))
+    later = []
+    for i in range(1000, 1300):
+        drv.other += MiB // 2
+        _, got = cycles(ledger, drv, 1, start_id=i)
+        later += got
+    gaps = [b - a for a, b in zip(later, later[1:])]
+    assert later and min(gaps) >= own // 2 - 1, (own, gaps)
 
 
 def test_threshold_none_never_compacts_and_nothing_measured_counts_pinned_bytes(driver):
