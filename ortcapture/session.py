@@ -570,11 +570,11 @@ class InferenceSession(OrtInferenceSession):
         """Bytes of released-but-unfreed graph device memory (CUDA/TensorRT) above which the next ``capture()`` or
         ``CapturedGraph.release()`` compacts automatically (:meth:`compact`); ``None``: never. Default 256 MiB.
         Each retired graph is charged the larger of the ``cudaMemGetInfo`` change around its capture and the
-        family's learned per-graph cost; a compaction also runs once device memory in use passes its level at the
-        previous compaction by ``max(2 MiB, threshold / 8)`` (:mod:`ortcapture._ledger`: the driver reuses freed
-        graph memory, so captures after a compaction measure +0). On the H200 a 16 MiB threshold kept 1000 cycles
-        of a small model and 300 of YOLOv8n within the threshold + 32 MiB. Automatic compaction does not run while
-        raw IOBinding graphs are captured.
+        family's learned per-graph cost; with half the threshold retired, a compaction also runs once device memory
+        in use passes its level at the previous compaction by ``max(2 MiB, threshold / 8)``
+        (:mod:`ortcapture._ledger`: the driver reuses freed graph memory, so captures after a compaction measure
+        +0). On the H200 a 16 MiB threshold kept 1000 cycles of a small model and 300 of YOLOv8n within +20 MiB of
+        the start. Automatic compaction does not run while raw IOBinding graphs are captured.
 
         Raises:
             CaptureError: (on set) not an int >= 0 or ``None``.
