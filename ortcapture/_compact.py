@@ -30,6 +30,7 @@ to the old C session (ORT >= 1.30 ties it there) and only the caller can bind ag
 from __future__ import annotations
 
 import gc
+import warnings
 
 from ortcapture import _compat as compat
 from ortcapture.errors import CaptureError
@@ -97,8 +98,11 @@ def _rebuild(family, st) -> list:
     graphs = [g for g in family.graphs.graphs() if g.session is st.session and not g.released]
     move = st.info.device_type == "webgpu" and compat.has_session_ortvalues()
     saved = {id(g): g.snapshot(everything=move) for g in graphs}
+    try:
+        st.rebuild_session()
+    except compat.RebuildFailed as exc:
+        _rebuild_failed(family, st, graphs, exc)
     family.ledger.forget(st.registry.graph_ids)
-    st.rebuild_session()
     st.rebuilt()
     failures = []
     for g in graphs:
@@ -111,9 +115,40 @@ def _rebuild(family, st) -> list:
     return failures
 
 
+class RebuildError(CaptureError):
+    """compact() could not build the C session again (see :func:`_rebuild_failed`)."""
+
+
+def _rebuild_failed(family, st, graphs, exc) -> None:
+    """The new C session could not be built: the session stays on its old one. Where ORT had already released the
+    old one's graphs (its own WebGPU pins, ORT >= 1.30) they are gone: released here too, so nothing replays an id
+    ORT would capture afresh. Raises :class:`~ortcapture.errors.CaptureError` saying which."""
+    lost = exc.ort_released
+    if lost:
+        for g in graphs:
+            family.graphs.pop(g.graph_id)
+            g.detach()
+        st.rebuilt()
+    ids = [g.graph_id for g in graphs]
+    raise RebuildError(
+        f"compact(): ORT could not build the C session again ({exc}); the session keeps its "
+        + (f"old C session, and its graph(s) {ids} were released (ORT had released them first)." if lost
+           else f"old C session and its graph(s) {ids}, unchanged.")
+    ) from exc.cause
+
+
 def maybe_compact(family) -> bool:
     """:func:`compact` when the family's retired graph memory passed its threshold and nothing forbids it (call
-    outside any guard). True when it compacted."""
+    outside any guard). True when it compacted. It never raises into the ``release()``/``capture()`` that triggered
+    it: a failure is a ``RuntimeWarning`` instead, and where the C session could not be built again (e.g. the model
+    file is gone) automatic compaction is turned off for the family (``compact_threshold`` becomes ``None``)."""
     if not family.ledger.due():
         return False
-    return compact(family, automatic=True)
+    try:
+        return compact(family, automatic=True)
+    except CaptureError as exc:
+        if isinstance(exc, RebuildError):
+            family.ledger.threshold = None
+            exc = f"{exc} Automatic compaction is now off for this session (compact_threshold=None)."
+        warnings.warn(f"ortcapture: automatic compaction failed: {exc}", RuntimeWarning, stacklevel=3)
+        return False

@@ -273,6 +273,9 @@ class CapturedGraph:
                 if self._released:
                     self._raise_released()
                 if not self._captured or cs.thread_has(self.graph_id):
+                    if not self._captured and compat.binding_c_session(self._binding) is not compat.c_session(
+                            cs.session):
+                        self._rebind()  # uncaptured_graph(): compact() or set_providers() replaced the C session
                     if feeds is not None:
                         if self._frozen:
                             check_frozen(self._frozen, feeds)
@@ -399,32 +402,47 @@ class CapturedGraph:
 
     def recapture(self, saved: dict, move: bool = False) -> None:
         """Capture this graph again on its session's rebuilt C session, side-effect free: a new IOBinding of the same
-        buffers (``move``: new buffers from the new C session's allocator, filled from ``saved``), the capture, then
-        the outputs restored from ``saved`` (:meth:`snapshot`). :class:`ReplayOutput` s handed out before go stale.
-        The caller holds the capture guard."""
+        buffers (so ``inputs``/``outputs`` references a caller holds stay valid), the capture, then the outputs
+        restored from ``saved`` (:meth:`snapshot`). ``move``: where ORT refuses the old buffers for the new C session
+        (a session-scoped WebGPU OrtValue is bound only to a session on its WebGPU context; ORT 1.31/1.32 accept the
+        rebuilt one), new buffers from the new C session's allocator, filled from ``saved`` (which must then hold
+        ``inputs`` and ``initial_state`` too). :class:`ReplayOutput` s handed out before go stale. The caller holds
+        the capture guard."""
         cs = self._cs
         self._generation += 1
         try:
-            if move:
+            try:
+                self._rebind()
+            except ValueError:  # ORT: "Session-scoped OrtValue must be bound to the session that created it"
+                if not move:
+                    raise
                 for key, bufs in (("inputs", self.inputs), ("outputs", self.outputs),
                                   ("initial_state", self._initial_state)):
                     for name, old in list(bufs.items()):
                         bufs[name] = cs.new_buffer(old.shape(), transfer.np_dtype_of(old))
                     transfer.copy_feeds(bufs, saved[key])
-            self._binding = IOBinding(cs.session)
-            for name, buf in self.inputs.items():
-                self._binding.bind_ortvalue_input(name, buf)
-            for name, buf in self.outputs.items():
-                self._binding.bind_ortvalue_output(name, buf)
-            self._state_src = [self.outputs[o] for o in self._state]
-            self._state_dst = [self.inputs[i] for i in self._state.values()]
-            self._output_list = list(self.outputs.values())
+                self._rebind()
             replays = self._record.replays if self._record is not None else 0
             self._record = cs.capture(self._binding, self.graph_id, self._run_options, owner=self)
             self._record.replays = replays
             transfer.copy_feeds(self.outputs, saved["outputs"])
         finally:
             self._generation += 1
+
+    def _rebind(self) -> None:
+        """A new IOBinding of the fixed buffers on the session's current C session (after a compaction or
+        ``set_providers``), and the lists derived from the buffers."""
+        session = self._cs.session
+        binding = IOBinding(session)
+        for name, buf in self.inputs.items():
+            binding.bind_ortvalue_input(name, buf)
+        for name, buf in self.outputs.items():
+            binding.bind_ortvalue_output(name, buf)
+        self._binding = binding
+        self._state_src = [self.outputs[o] for o in self._state]
+        self._state_dst = [self.inputs[i] for i in self._state.values()]
+        # one entry per get_outputs() entry: a value listed twice as a graph output is one buffer at each position
+        self._output_list = [self.outputs[m.name] for m in session.get_outputs()]
 
     def detach(self) -> None:
         """Called by the session when the graph is gone (:meth:`release`, ``release_captured_graph``,

@@ -292,3 +292,82 @@ def test_an_iobinding_from_before_compact_or_set_providers_is_refused(backend):
     for b in checked:
         with pytest.raises(ortcapture.BindingError, match="set_providers"):
             sess.run_with_iobinding(b, run_options_for(-1))
+
+
+def test_compact_keeps_repeated_output_positions_and_caller_buffer_references(backend):
+    """A value listed twice as a graph output stays at both positions after compact(), and references to
+    graph.inputs / graph.outputs taken before it still feed and show the graph (the same buffers are bound again)."""
+    sess = backend.session(tiny.repeated_output_model(("Y", "Y", "Z")))
+    g = sess.capture({"X": np.ones((2, 4), np.float32)})
+    assert [o[0, 0] for o in g.run()] == [2.0, 2.0, 3.0]
+    xin, yout = g.inputs["X"], g.outputs["Y"]
+    sess.compact()
+    assert [o[0, 0] for o in g.run()] == [2.0, 2.0, 3.0]
+    ortcapture.update_inplace(xin, np.full((2, 4), 5, np.float32))
+    g.replay()
+    assert ortcapture.to_numpy(yout)[0, 0] == 10.0 and ortcapture.to_numpy(g.outputs["Z"])[0, 0] == 7.0
+
+
+def test_capture_while_another_thread_compacts(backend):
+    """ORT's own re-creation sets get_inputs() to None while it builds the new C session; compaction keeps the old
+    one in place until the new one is built, so a capture in another thread never sees that."""
+    import threading
+
+    sess = backend.session(tiny.affine_model())
+    stop, errors = threading.Event(), []
+
+    def compactor():
+        try:
+            while not stop.is_set():
+                sess.compact()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=compactor)
+    t.start()
+    try:
+        for k in range(15):
+            x = np.full((2, 4), k, np.float32)
+            g = sess.capture({"X": x})
+            np.testing.assert_allclose(g.run({"X": x})[0], x * 2 + 1)
+            g.release()
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    assert sess.graph_memory["compactions"] >= 1
+
+
+def test_a_failed_rebuild_keeps_the_session_and_says_so(backend, tmp_path):
+    path = tmp_path / "affine.onnx"
+    path.write_bytes(tiny.affine_model())
+    sess = backend.session(str(path))
+    x = np.full((2, 4), 3, np.float32)
+    g = sess.capture({"X": x})
+    path.unlink()  # ORT cannot read the model again
+    with pytest.raises(ortcapture.CaptureError, match="could not build the C session again"):
+        sess.compact()
+    assert sess.get_inputs()[0].name == "X"  # the old C session, whole
+    if g.released:  # ORT had released its own pins first (WebGPU, ORT >= 1.30): said, and refused from now on
+        with pytest.raises(ortcapture.GraphReleasedError):
+            g.run()
+    else:
+        np.testing.assert_allclose(g.run({"X": x})[0], x * 2 + 1)
+    g2 = sess.capture({"X": x + 1})
+    np.testing.assert_allclose(g2.run()[0], (x + 1) * 2 + 1)
+    # automatic compaction on a retired graph: a warning, automatic compaction off, nothing raised into release()
+    sess.compact_threshold = 0
+    sess._oc_state.ledger.released(-9, freed=False, pinned_bytes=1)
+    with pytest.warns(RuntimeWarning, match="automatic compaction failed"):
+        g2.release()
+    assert sess.compact_threshold is None
+
+
+def test_uncaptured_graph_survives_compact(backend):
+    """uncaptured_graph()'s IOBinding is bound again on the rebuilt C session at its next run."""
+    sess = backend.session(tiny.affine_model())
+    sess.capture({"X": np.zeros((2, 4), np.float32)})  # something to compact
+    u = sess.uncaptured_graph({"X": np.ones((2, 4), np.float32)})
+    np.testing.assert_allclose(u.run()[0], np.full((2, 4), 3, np.float32))
+    sess.compact()
+    np.testing.assert_allclose(u.run({"X": np.full((2, 4), 2, np.float32)})[0], np.full((2, 4), 5, np.float32))
