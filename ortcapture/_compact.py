@@ -50,6 +50,14 @@ def raw_path_graphs(family) -> list[int]:
 
 
 def _refusal(family) -> str | None:
+    import os
+
+    for st in family.members():
+        path = compat.model_path(st.session) if st.rebuild_session is not None else None
+        if path is not None and not os.path.isfile(path):
+            return (f"the model file {path!r} the session was built from is gone; ORT reads it again to rebuild the "
+                    "C session (and destroys the old one first). Create the session from the model's bytes to "
+                    "compact without the file")
     raw = raw_path_graphs(family)
     if raw:
         return (f"raw IOBinding graph(s) {raw} are captured; their IOBinding belongs to the C session that "
@@ -120,20 +128,18 @@ class RebuildError(CaptureError):
 
 
 def _rebuild_failed(family, st, graphs, exc) -> None:
-    """The new C session could not be built: the session stays on its old one. Where ORT had already released the
-    old one's graphs (its own WebGPU pins, ORT >= 1.30) they are gone: released here too, so nothing replays an id
-    ORT would capture afresh. Raises :class:`~ortcapture.errors.CaptureError` saying which."""
-    lost = exc.ort_released
-    if lost:
-        for g in graphs:
-            family.graphs.pop(g.graph_id)
-            g.detach()
-        st.rebuilt()
+    """ORT could not build the new C session (e.g. the model file is gone); it had destroyed the old one first, as
+    in ``set_providers``. The member's graphs are released (their replays would reach no C session) and
+    :class:`RebuildError` says so."""
+    for g in graphs:
+        family.graphs.pop(g.graph_id)
+        g.detach()
+    st.rebuilt()
     ids = [g.graph_id for g in graphs]
     raise RebuildError(
-        f"compact(): ORT could not build the C session again ({exc}); the session keeps its "
-        + (f"old C session, and its graph(s) {ids} were released (ORT had released them first)." if lost
-           else f"old C session and its graph(s) {ids}, unchanged.")
+        f"compact(): ORT could not build the C session again ({exc}). ORT destroys the old C session first (as in "
+        f"set_providers), so this session cannot run any more and its graph(s) {ids} were released; make a new "
+        "session."
     ) from exc.cause
 
 

@@ -193,9 +193,15 @@ def torch_raw_stream_getter(torch):
     return getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def model_path(session: OrtInferenceSession) -> str | None:
+    """The model file ORT builds ``session``'s C session from again (``_model_path``), or ``None`` (bytes)."""
+    path = getattr(session, "_model_path", None)
+    return path if isinstance(path, str) else None
+
+
 class RebuildFailed(Exception):
     """:func:`rebuild_c_session` could not build the new C session: ``cause`` is ORT's exception; ``ort_released``
-    whether ORT's own pins (and so the old C session's graphs, in ORT) had been released first."""
+    whether ORT's own pins had been released first."""
 
     def __init__(self, cause: BaseException, ort_released: bool) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
@@ -204,24 +210,24 @@ class RebuildFailed(Exception):
 
 def rebuild_c_session(session: OrtInferenceSession, providers, provider_options) -> None:
     """Replace ``session``'s C session with a new one built from the same model, ``SessionOptions`` and the given
-    providers (ORT's ``_create_inference_session``, as ``set_providers`` does). Graphs captured by the old C session
-    die with it. ORT >= 1.30's own WebGPU pins (``_captured_graph_bindings``) are released first through ORT's
-    method, not through a subclass's override.
+    providers — ORT's own re-creation (``_reset_session``, what ``set_providers`` calls). Graphs captured by the
+    old C session die with it. ORT >= 1.30's own WebGPU pins (``_captured_graph_bindings``) are released first
+    through ORT's method, not through a subclass's override.
 
-    Unlike ORT's ``_reset_session``, the old C session and its metadata stay in place until the new one is built:
-    another thread reading ``get_inputs()`` meanwhile never sees ``None``, and a failed build (e.g. the model file
-    is gone) leaves the session on its old C session; both C sessions are alive for that moment.
+    ORT destroys the old C session before it builds the new one, so the old one's device memory is free for the new
+    one (on CUDA the driver keeps what a destroyed session freed and reuses it; a new session built while the old
+    one lives would raise the high-water mark by a whole session, ~100 MiB for YOLOv8n). Meanwhile ``get_inputs()``
+    and the like return ``None``: compaction holds the capture guard, and ortcapture's readers hold a guard.
 
     Raises:
-        RebuildFailed: ORT could not build the new C session (its exception is the ``cause``).
+        RebuildFailed: ORT could not build the new C session (its exception is the ``cause``); the session then has
+            no C session, as after a failed ``set_providers``.
     """
     pinned = sorted(getattr(session, "_captured_graph_bindings", {}) or {})
     for graph_id in pinned:
         OrtInferenceSession.release_captured_graph(session, graph_id)
-    current = session._sess_options
-    session._sess_options = session._sess_options_initial
     try:
-        OrtInferenceSession._create_inference_session(session, providers, provider_options)
+        OrtInferenceSession._reset_session(session, providers, provider_options)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own types (e.g. NoSuchFile: the model file is gone)
-        session._sess_options = current
         raise RebuildFailed(exc, bool(pinned)) from exc
+

@@ -630,8 +630,9 @@ class InferenceSession(OrtInferenceSession):
 
         fam = self._oc_state
         fam.release_collected()
-        check_tensor_io(self)
         _compact.maybe_compact(fam)
+        with fam.guard:  # the session's metadata: never read while a compaction rebuilds the C session
+            check_tensor_io(self)
         target = self._oc_specialized_for(example_feeds) if fam.deferred else fam
         if target.info is None:
             self._oc_require_capture("capture()")
@@ -641,8 +642,8 @@ class InferenceSession(OrtInferenceSession):
             fam.check_free(gid)
             graph = CapturedGraph(target, example_feeds, gid, state=state)
             fam.graphs.add(graph, graph.shape_key)
+            host = shapes.host_read_inputs(target.session)
         level = self._oc_verify if verify is None else level_of(verify)
-        host = shapes.host_read_inputs(target.session)
         try:
             if host:
                 graph.freeze_inputs({n: transfer.to_numpy(graph.inputs[n]) for n in host})
@@ -684,7 +685,8 @@ class InferenceSession(OrtInferenceSession):
             if ep is None:
                 raise CaptureUnsupportedError(f"device {device!r}: expected 'cuda:N' or 'webgpu'")
             where = CaptureInfo(ep, int(ordinal or 0))
-        return CapturedGraph(st, example_feeds, SKIP_GRAPH_ID, capture=False, device=where)
+        with st.capture_guard:  # reads the session's metadata: not while a compaction rebuilds the C session
+            return CapturedGraph(st, example_feeds, SKIP_GRAPH_ID, capture=False, device=where)
 
     def _oc_specialized_for(self, feeds: Mapping[str, Any]) -> CaptureState:
         inputs = {m.name for m in self.get_inputs()}  # overridable initializers keep their shapes
