@@ -13,8 +13,9 @@ next run (``CaptureState.ensure_thread``).
 When: :class:`~ortcapture._ledger.DeviceLedger` (one per session family) charges each graph released on an EP that
 cannot free it and says when the retired total passes the family's threshold (:func:`maybe_compact`). WebGPU frees
 released graphs in ORT >= 1.30, so nothing is retired there and automatic compaction never runs; an explicit
-``compact()`` still rebuilds (the graphs' buffers move to the new C session's allocator: a WebGPU OrtValue from
-``create_ortvalue_from_shape_and_type`` retains and may only be bound through its own C session). Measured on the
+``compact()`` still rebuilds. Each graph's own buffers are bound again (references a caller holds stay valid): ORT
+1.31/1.32 accept a session-scoped WebGPU OrtValue on any session of its WebGPU context; where ORT refuses, the graph
+gets new buffers from the new C session's allocator, filled with the old values. Measured on the
 software adapter (ORT 1.32): a WebGPU C session destroyed while another lives on the same WebGPU device keeps its
 weights' memory (raw ORT too: +16 MiB per session of a 16 MiB MatMul), so an explicit WebGPU ``compact()`` costs
 host/device memory rather than returning it.
@@ -25,7 +26,11 @@ device (``cudaDeviceGraphMemTrim`` and ``cudaMemPoolTrimTo`` return none of it e
 
 Raw-path graphs (``run_with_iobinding`` with a ``gpu_graph_id``) cannot survive a rebuild: their IOBinding belongs
 to the old C session (ORT >= 1.30 ties it there) and only the caller can bind again. While any is captured,
-:func:`compact` refuses (:class:`~ortcapture.errors.CaptureError`) and the automatic one does not run.
+:func:`compact` refuses (:class:`~ortcapture.errors.CaptureError`) and the automatic one does not run. It also
+refuses when the model file the session was built from is gone. ORT destroys the old C session before it builds the
+new one (as ``set_providers`` does; on CUDA the new one then reuses the old one's memory), so a build that fails
+leaves no C session: the graphs are released and :class:`RebuildError` says so; an automatic compaction warns
+instead and turns itself off (:func:`maybe_compact`).
 """
 from __future__ import annotations
 
@@ -67,7 +72,8 @@ def _refusal(family) -> str | None:
         if (st.info is not None and st.info.device_type == "webgpu" and compat.has_session_ortvalues()
                 and st.pool is not None and len(st.pool)):
             return (f"{len(st.pool)} buffer(s) from sess.allocate() are alive; on WebGPU they belong to the C "
-                    "session that compaction replaces and could not be bound to the new one. Drop them first")
+                    "session that compaction replaces (and keep it alive), and the IOBindings made with them belong "
+                    "to it too. Drop them first")
     return None
 
 
