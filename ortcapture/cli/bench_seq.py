@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ortcapture.cli.bench_stream import rel_diff, stream_sizes, time_arms, with_arm_stats
+from ortcapture.cli.bench_stream import stream_sizes, time_arms, warm_pass, with_arm_stats
 
 
 def parse_axis(text: str) -> tuple[str, int]:
@@ -130,19 +130,7 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
             return (s[b] if b is not None else arms["single"]["sess"]).run(None, hand_padded[i])
         return s.run(None, feeds[i])
 
-    t0 = time.perf_counter()
-    worst = 0.0
-    for i in range(requests):
-        got = call("buckets", i)
-        if i < single_requests:
-            worst = max(worst, rel_diff(got, call("single", i)))
-        if progress:
-            progress(i + 1, requests, "warm pass")
-    for arm in arms:
-        if arm not in ("single", "buckets"):
-            for i in range(arms[arm]["limit"]):
-                call(arm, i)
-    setup["warm_pass_s"] = time.perf_counter() - t0
+    worst, setup["warm_pass_s"] = warm_pass(arms, call, requests, "single", single_requests, progress)
 
     samples = time_arms(arms, call, passes, progress)
     result = {"model": model, "provider": provider, "stream": [lo, hi], "axis": list(axis), "bucket_key": str(key),

@@ -72,26 +72,32 @@ def run_stream(model: str, provider: str, input_name: str, item_shape: tuple[int
             s = s[x.shape[0]]
         return s.run(None, {input_name: x})
 
-    # warm pass: untimed; every arm sees its requests once (captures, algorithm searches, arenas)
-    t0 = time.perf_counter()
-    worst = 0.0
-    for i in range(requests):
-        want = call("per-size", i)
-        got = call("buckets", i)
-        worst = max(worst, rel_diff(got, want))
-        if progress:
-            progress(i + 1, requests, "warm pass")
-    for arm in arms:
-        if arm not in ("per-size", "buckets"):
-            for i in range(arms[arm]["limit"]):
-                call(arm, i)
-    setup["warm_pass_s"] = time.perf_counter() - t0
+    worst, setup["warm_pass_s"] = warm_pass(arms, call, requests, "per-size", requests, progress)
 
     samples = time_arms(arms, call, passes, progress)
     result = {"model": model, "provider": provider, "stream": [lo, hi], "requests": requests, "seed": seed,
               "passes": passes, "buckets": buckets, "single_requests": single_requests, "setup": setup,
               "arms": {}, "max_rel_diff_buckets_vs_per_size": worst, "bucket_stats": bucketed.bucket_stats()}
     return with_arm_stats(result, samples)
+
+
+def warm_pass(arms: dict, call, requests: int, ref_arm: str, checked: int, progress=None) -> tuple[float, float]:
+    """The untimed warm pass: every arm sees its requests once (captures, algorithm searches, arenas), and the
+    ``"buckets"`` arm's outputs of the first ``checked`` requests are compared with ``ref_arm``'s (:func:`rel_diff`).
+    Returns (the largest relative difference, seconds)."""
+    t0 = time.perf_counter()
+    worst = 0.0
+    for i in range(requests):
+        got = call("buckets", i)
+        if i < checked:
+            worst = max(worst, rel_diff(got, call(ref_arm, i)))
+        if progress:
+            progress(i + 1, requests, "warm pass")
+    for arm in arms:
+        if arm not in (ref_arm, "buckets"):
+            for i in range(arms[arm]["limit"]):
+                call(arm, i)
+    return worst, time.perf_counter() - t0
 
 
 def rel_diff(got, want) -> float:
