@@ -378,7 +378,10 @@ class InferenceSession(OrtInferenceSession):
                 defer_sync(iobinding, kind)
         return result
 
-    def _oc_run_with_iobinding(self, iobinding, run_options):
+    def _oc_check_binding_session(self, iobinding) -> None:
+        """Raise :class:`BindingError` for an IOBinding made for another C session. Not needed before a replay: the
+        registry pins a graph's binding per C session (a rebuild starts a new registry), so a pinned binding is
+        this C session's."""
         made_for = compat.binding_c_session(iobinding)
         if made_for is not None and made_for is not compat.c_session(self):
             raise BindingError(
@@ -386,8 +389,11 @@ class InferenceSession(OrtInferenceSession):
                 "for another session): ORT runs an IOBinding only on the C session it was made from (before ORT 1.30 "
                 "it would reach the old one). Make a new one with sess.io_binding() and bind the buffers again."
             )
+
+    def _oc_run_with_iobinding(self, iobinding, run_options):
         st = self._oc_state
         if st.info is None:
+            self._oc_check_binding_session(iobinding)
             if not st.deferred:
                 if st.gpu_guarded:
                     with st.guard:
@@ -404,6 +410,7 @@ class InferenceSession(OrtInferenceSession):
                 return run_bound(self, iobinding, run_options)
         gid = graph_id_of(run_options)
         if gid == SKIP_GRAPH_ID:
+            self._oc_check_binding_session(iobinding)
             with st.guard:
                 return run_bound(self, iobinding, run_options)
         if not isinstance(iobinding, IOBinding):
@@ -421,6 +428,7 @@ class InferenceSession(OrtInferenceSession):
                 if rec is None:
                     if not exclusive:
                         continue  # released and free again (WebGPU) since the look above: capture exclusively
+                    self._oc_check_binding_session(iobinding)
                     st.capture(iobinding, gid, run_options)
                     return None
                 st.replay(iobinding, run_options, rec)
