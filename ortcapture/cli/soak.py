@@ -71,10 +71,9 @@ def device_used(info) -> int | None:
     (not CUDA, or no cuda-python)."""
     if info is None or info.device_type != "cuda":
         return None
-    from ortcapture._cudart import mem_get_info
+    from ortcapture._ledger import device_in_use
 
-    got = mem_get_info(info.device_id)
-    return None if got is None else got[1] - got[0]
+    return device_in_use(info.device_id)
 
 
 def soak(sess, feeds: dict, *, mode: str = "replay", seconds: float | None = None, count: int | None = None,
