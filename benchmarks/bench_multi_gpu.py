@@ -31,10 +31,10 @@ def main() -> int:
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture import _compat as compat
-    from ortcapture.cli import models as models
-    from ortcapture.cli import timing as timing
-    from ortcapture._providers import session_args
+    from ortcapture._ort import compat
+    from ortcapture.cli import models
+    from ortcapture.cli import timing
+    from ortcapture._ort.providers import session_args
 
     rt = compat.cudart()
     n = int(rt.cudaGetDeviceCount()[1]) if rt is not None else 0

@@ -35,17 +35,17 @@ def main() -> int:
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture.cli import models as models
-    from ortcapture.cli import timing as timing
+    from ortcapture.cli import models
+    from ortcapture.cli import timing
     from ortcapture.cli.demo import make_sessions
-    from ortcapture._providers import pick_provider
+    from ortcapture._ort.providers import pick_provider
     from ortcapture.session import run_options_for
 
     provider = pick_provider(args.provider)
     model = str(models.reference_model())
     shape = (1, 3, 320, 320)
     if provider == "webgpu":
-        from ortcapture import _specialize as shapes
+        from ortcapture._ort import specialize as shapes
 
         model = shapes.fix_input_shapes(model, {"images": shape})  # raw ORT needs fixed dims to capture on WebGPU
     _, sess = make_sessions(model, provider)

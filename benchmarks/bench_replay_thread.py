@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     def make(replay_thread):
         so = ort.SessionOptions()

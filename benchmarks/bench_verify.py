@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 import ortcapture
-from ortcapture._providers import session_args
+from ortcapture._ort.providers import session_args
 from ortcapture.cli.models import reference_model
 
 SHAPE = (1, 3, 320, 320)

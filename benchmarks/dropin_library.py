@@ -28,7 +28,7 @@ def main() -> int:
     from nudenet.nudenet import _read_image
 
     import ortcapture
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     rng = np.random.default_rng(0)
     imgs = [(rng.random((480, 640, 3)) * 255).astype(np.uint8) for _ in range(4)]

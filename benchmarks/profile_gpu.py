@@ -42,7 +42,7 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _arm(ort, torch, model: bytes, opts, capture, batch, iters, prof_iters):
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -112,8 +112,8 @@ def main() -> int:
     if "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available():
         print("needs the CUDA EP and a CUDA GPU", file=sys.stderr)
         return 2
-    from ortcapture.cli import models as models
-    from ortcapture import _specialize as shapes
+    from ortcapture.cli import models
+    from ortcapture._ort import specialize as shapes
 
     torch.cuda.init()
     path = str(models.reference_model())

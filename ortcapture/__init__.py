@@ -18,7 +18,7 @@ _EXPORTS = {
     "CaptureAbortedError": "ortcapture.errors", "PointerLifetimeWarning": "ortcapture.errors",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
     "InferenceSession": "ortcapture.session", "run_options_for": "ortcapture.session",
-    "IOBinding": "ortcapture._binding",
+    "IOBinding": "ortcapture._core.binding",
     "patch_onnxruntime": "ortcapture.dropin", "unpatch_onnxruntime": "ortcapture.dropin",
     "patched": "ortcapture.dropin",
     "can_copy": "ortcapture.transfer", "copy": "ortcapture.transfer", "to_numpy": "ortcapture.transfer",

@@ -11,11 +11,11 @@ import os
 
 import onnxruntime as ort
 
-from ortcapture import _compat as compat
-from ortcapture import _inspect
-from ortcapture import _specialize as shapes
-from ortcapture._compat import OrtInferenceSession
-from ortcapture._providers import CaptureInfo
+from ortcapture._ort import compat
+from ortcapture._verify import inspect as _inspect
+from ortcapture._ort import specialize as shapes
+from ortcapture._ort.compat import OrtInferenceSession
+from ortcapture._ort.providers import CaptureInfo
 from ortcapture.errors import CaptureUnsupportedError
 
 
@@ -77,7 +77,7 @@ def check_version(requested: CaptureInfo | None) -> None:
 def refuse_int64_arithmetic(model) -> None:
     """Raise :class:`CaptureUnsupportedError` when WebGPU nodes would produce int64 from int64 arithmetic (see
     ``InferenceSession``'s ``allow_int64_as_int32``)."""
-    from ortcapture._model_checks import int64_arithmetic_nodes
+    from ortcapture._verify.model_checks import int64_arithmetic_nodes
 
     import onnx
 
@@ -97,8 +97,8 @@ def refuse_int64_arithmetic(model) -> None:
 
 
 def trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options):
-    """TensorRT: optimisation profiles covering the buckets (``ortcapture._buckets.trt_profile_options``)."""
-    from ortcapture import _buckets
+    """TensorRT: optimisation profiles covering the buckets (``ortcapture._buckets.spec.trt_profile_options``)."""
+    from ortcapture._buckets import spec as _buckets
 
     dims = shapes.input_dims(shapes.load_model(path_or_bytes))
     profiles = _buckets.trt_profile_options(_buckets.parse_buckets(buckets, dims), dims)
@@ -108,7 +108,7 @@ def trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options):
 
 
 def constant_outputs_of(path_or_bytes, static_sig):
-    """``() -> frozenset``: the model's constant outputs (:func:`ortcapture._inspect.constant_outputs`), computed at
+    """``() -> frozenset``: the model's constant outputs (:func:`ortcapture._verify.inspect.constant_outputs`), computed at
     the first call (a capture) and kept."""
     @functools.cache
     def constant_outputs() -> frozenset:

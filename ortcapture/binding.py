@@ -1,13 +1,13 @@
-"""Deprecated: ``ortcapture.binding`` moved to the private module :mod:`ortcapture._binding` in 0.2.0 and goes in 0.3.0.
+"""Deprecated: ``ortcapture.binding`` moved to the private module :mod:`ortcapture._core.binding` in 0.2.0 and goes in 0.3.0.
 
 Import the public names from ``ortcapture`` instead (``ortcapture.__all__``).
 """
 import warnings as _warnings
 
-from ortcapture import _binding as _target
+from ortcapture._core import binding as _target
 
 _warnings.warn("ortcapture.binding is deprecated and will be removed in ortcapture 0.3.0; it moved to the private "
-               "module ortcapture._binding (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
+               "module ortcapture._core.binding (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
 
 
 def __getattr__(name):

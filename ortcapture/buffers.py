@@ -1,13 +1,13 @@
-"""Deprecated: ``ortcapture.buffers`` moved to the private module :mod:`ortcapture._buffers` in 0.2.0 and goes in 0.3.0.
+"""Deprecated: ``ortcapture.buffers`` moved to the private module :mod:`ortcapture._memory.buffers` in 0.2.0 and goes in 0.3.0.
 
 Import the public names from ``ortcapture`` instead (``ortcapture.__all__``).
 """
 import warnings as _warnings
 
-from ortcapture import _buffers as _target
+from ortcapture._memory import buffers as _target
 
 _warnings.warn("ortcapture.buffers is deprecated and will be removed in ortcapture 0.3.0; it moved to the private "
-               "module ortcapture._buffers (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
+               "module ortcapture._memory.buffers (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
 
 
 def __getattr__(name):

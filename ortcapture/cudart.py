@@ -1,13 +1,13 @@
-"""Deprecated: ``ortcapture.cudart`` moved to the private module :mod:`ortcapture._cudart` in 0.2.0 and goes in 0.3.0.
+"""Deprecated: ``ortcapture.cudart`` moved to the private module :mod:`ortcapture._ort.cudart` in 0.2.0 and goes in 0.3.0.
 
 Import the public names from ``ortcapture`` instead (``ortcapture.__all__``).
 """
 import warnings as _warnings
 
-from ortcapture import _cudart as _target
+from ortcapture._ort import cudart as _target
 
 _warnings.warn("ortcapture.cudart is deprecated and will be removed in ortcapture 0.3.0; it moved to the private "
-               "module ortcapture._cudart (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
+               "module ortcapture._ort.cudart (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
 
 
 def __getattr__(name):

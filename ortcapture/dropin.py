@@ -8,7 +8,7 @@ manager) replaces that name with :class:`AutoCaptureSession`, an :class:`ortcapt
   switches capture on for a CUDA/TensorRT EP the caller names without it;
 * serves plain ``run()`` from captured graphs: one graph per distinct set of input shapes and dtypes (and per value
   of the inputs ORT reads on the host, e.g. a Reshape shape or a Slice start: those are capture-time constants),
-  captured on first use, verified at capture (:mod:`ortcapture._verify`: the example and a varied input set
+  captured on first use, verified at capture (:mod:`ortcapture._verify.compare`: the example and a varied input set
   against the reference run: on CUDA the same session uncaptured), replayed afterwards;
 * never raises what ORT would not: a ``run()`` it cannot serve captured (more distinct shapes than ``max_graphs``, a
   graph whose check failed, an input missing, a refused capture) runs uncaptured (``gpu_graph_id=-1``) with one
@@ -28,9 +28,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture._specialize import host_read_inputs
-from ortcapture._run import explicit_graph_id as _explicit_graph_id
-from ortcapture._run import uncaptured as _uncaptured
+from ortcapture._ort.specialize import host_read_inputs
+from ortcapture._core.run import explicit_graph_id as _explicit_graph_id
+from ortcapture._core.run import uncaptured as _uncaptured
 from ortcapture.errors import CaptureError
 from ortcapture.session import InferenceSession
 
@@ -137,7 +137,7 @@ class AutoCaptureSession(InferenceSession):
                 return None
             graph = None
             try:
-                graph = self.capture(feeds, verify=self._oc_defaults.get("verify", "full"))  # ortcapture._verify
+                graph = self.capture(feeds, verify=self._oc_defaults.get("verify", "full"))  # ortcapture._verify.compare
                 self.stats["captured"] += 1
             except Exception as exc:  # noqa: BLE001 - whatever refused the capture: run uncaptured instead
                 if graph is not None:
@@ -201,7 +201,7 @@ def _with_capture(defaults: dict, sess_options, providers, provider_options):
     """The session arguments with capture requested: the default provider when the caller names none (and added no
     plugin EP to ``sess_options``), and ``enable_cuda_graph``/``trt_cuda_graph_enable`` for a CUDA/TensorRT EP the
     caller names without it."""
-    from ortcapture._providers import CAPTURE_EPS, requested_capture, session_args
+    from ortcapture._ort.providers import CAPTURE_EPS, requested_capture, session_args
 
     if providers:
         if requested_capture(providers, provider_options, sess_options) is not None:
@@ -225,7 +225,7 @@ def _with_capture(defaults: dict, sess_options, providers, provider_options):
 
 def _requests_capture(args) -> bool:
     """Whether session arguments ``(sess_options, providers, provider_options)`` request graph capture."""
-    from ortcapture._providers import requested_capture
+    from ortcapture._ort.providers import requested_capture
 
     sess_options, providers, provider_options = args
     return requested_capture(providers, provider_options, sess_options) is not None
@@ -267,7 +267,7 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
     """
     import onnxruntime as ort
 
-    from ortcapture._providers import check_provider_options, pick_provider
+    from ortcapture._ort.providers import check_provider_options, pick_provider
 
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
         raise CaptureError(f"max_graphs must be an int >= 1, got {max_graphs!r}")

@@ -1,13 +1,13 @@
-"""Deprecated: ``ortcapture.gate`` moved to the private module :mod:`ortcapture._sync` in 0.2.0 and goes in 0.3.0.
+"""Deprecated: ``ortcapture.gate`` moved to the private module :mod:`ortcapture._ort.sync` in 0.2.0 and goes in 0.3.0.
 
 Import the public names from ``ortcapture`` instead (``ortcapture.__all__``).
 """
 import warnings as _warnings
 
-from ortcapture import _sync as _target
+from ortcapture._ort import sync as _target
 
 _warnings.warn("ortcapture.gate is deprecated and will be removed in ortcapture 0.3.0; it moved to the private "
-               "module ortcapture._sync (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
+               "module ortcapture._ort.sync (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
 
 
 def __getattr__(name):

@@ -12,14 +12,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ortcapture import _compact
-from ortcapture import _compat as compat
+from ortcapture._memory import compact as _compact
+from ortcapture._ort import compat
 from ortcapture import transfer
-from ortcapture._binding import IOBinding
-from ortcapture._compat import OrtValue
-from ortcapture._reference import check_frozen
-from ortcapture._run import run_options_for
-from ortcapture._sync import UNSETTLED, settle
+from ortcapture._core.binding import IOBinding
+from ortcapture._ort.compat import OrtValue
+from ortcapture._core.reference import check_frozen
+from ortcapture._core.run import run_options_for
+from ortcapture._ort.sync import UNSETTLED, settle
 from ortcapture.errors import CaptureError, GraphReleasedError, StaleOutputError, TransferError
 
 
@@ -112,11 +112,11 @@ class CapturedGraph:
     * ``release()`` or leaving a ``with`` block releases the graph (CUDA/TensorRT: its id is retired).
 
     Thread-safe: runs of one session are serialised (ORT does not support concurrent ``Run`` under capture), and
-    different sessions' CUDA work waits while any thread captures (:mod:`ortcapture._sync`). CUDA/TensorRT: ORT
+    different sessions' CUDA work waits while any thread captures (:mod:`ortcapture._ort.sync`). CUDA/TensorRT: ORT
     keeps captured graphs per thread, so the first ``run`` from another thread first captures the graph for that
     thread too (side-effect free; once per thread) — reuse long-lived threads rather than new ones per call.
 
-    The graph talks to its session only through the session's :class:`ortcapture._state.CaptureState`.
+    The graph talks to its session only through the session's :class:`ortcapture._core.state.CaptureState`.
     """
 
     def __init__(self, capture_state, example_feeds: Mapping[str, Any], graph_id: int, *,
@@ -130,7 +130,7 @@ class CapturedGraph:
         self._captured = bool(capture)
         self._record = None
         self._frozen: dict = {}  # host-read inputs -> their capture-time values (freeze_inputs)
-        #: the capture-time verification's ``ortcapture._verify.Report`` (level, input sets, not varied, max error
+        #: the capture-time verification's ``ortcapture._verify.compare.Report`` (level, input sets, not varied, max error
         #: per output, seconds); ``None`` before it ran
         self.verification = None
         where = self._device = device if device is not None else capture_state.device
@@ -138,7 +138,7 @@ class CapturedGraph:
         if capture:
             new_buffer = capture_state.new_buffer
         else:
-            from ortcapture._buffers import allocate
+            from ortcapture._memory.buffers import allocate
 
             def new_buffer(shape, dtype):
                 with capture_state.guard:
@@ -391,7 +391,7 @@ class CapturedGraph:
         if self._captured:
             _compact.maybe_compact(self._cs.family)  # outside the guard: it takes the capture guard
 
-    # -- compaction (InferenceSession.compact, ortcapture._compact) ----------------------------------------------
+    # -- compaction (InferenceSession.compact, ortcapture._memory.compact) ----------------------------------------------
     def snapshot(self, everything: bool = False) -> dict:
         """Host copies of the outputs (and with ``everything``, of the inputs and initial state too), taken before the
         C session is rebuilt: ``{"outputs"|"inputs"|"initial_state": {name: numpy array}}``."""
@@ -491,7 +491,7 @@ def _buffer_device(first_input, device) -> tuple[str, int]:
     if device is not None:
         return device.device_type, device.device_id
     if first_input is not None:
-        from ortcapture._values import meta
+        from ortcapture._ort.values import meta
 
         m = meta(first_input)
         return m.kind, m.device_id

@@ -1,13 +1,13 @@
-"""Deprecated: ``ortcapture.providers`` moved to the private module :mod:`ortcapture._providers` in 0.2.0 and goes in 0.3.0.
+"""Deprecated: ``ortcapture.providers`` moved to the private module :mod:`ortcapture._ort.providers` in 0.2.0 and goes in 0.3.0.
 
 Import the public names from ``ortcapture`` instead (``ortcapture.__all__``).
 """
 import warnings as _warnings
 
-from ortcapture import _providers as _target
+from ortcapture._ort import providers as _target
 
 _warnings.warn("ortcapture.providers is deprecated and will be removed in ortcapture 0.3.0; it moved to the private "
-               "module ortcapture._providers (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
+               "module ortcapture._ort.providers (public names: import them from ortcapture)", DeprecationWarning, stacklevel=2)
 
 
 def __getattr__(name):

@@ -1,13 +1,13 @@
 """``ortcapture.InferenceSession``: a drop-in ``onnxruntime.InferenceSession`` whose every run path is capture-safe.
 
 Capture is on when the user enabled it the ORT way (``enable_cuda_graph``, ``trt_cuda_graph_enable``,
-``enableGraphCapture``; see :mod:`ortcapture._providers`). With capture off this class behaves exactly like ORT.
+``enableGraphCapture``; see :mod:`ortcapture._ort.providers`). With capture off this class behaves exactly like ORT.
 With capture on, what ORT >= 1.30 guarantees for WebGPU only (ORT PR #32074) holds for every capture-capable EP:
 
 * ``run``/``run_async``/``run_with_ort_values``/``run_with_ortvaluevector`` raise unless the run options set
   ``gpu_graph_id=-1`` (measured on CUDA: ``run()`` after a capture is accepted and replays stale buffers; after a
   release it fails with ``IndexError``);
-* ``run_with_iobinding`` pins the IOBinding per ``gpu_graph_id`` (:mod:`ortcapture._registry`), refuses CPU-bound,
+* ``run_with_iobinding`` pins the IOBinding per ``gpu_graph_id`` (:mod:`ortcapture._core.registry`), refuses CPU-bound,
   ORT-allocated, foreign-device and input/output-aliased bindings, and serialises runs (ORT does not support
   concurrent ``Run`` under capture and does not enforce it);
 * ``release_captured_graph`` retires CUDA/TensorRT ids (ORT's release is a no-op there; :meth:`InferenceSession.compact`
@@ -21,26 +21,26 @@ from typing import Any, Mapping, Sequence
 
 import onnxruntime as ort
 
-from ortcapture import _compact
-from ortcapture import _compat as compat
-from ortcapture import _inspect
-from ortcapture import _ledger
-from ortcapture import _specialize as shapes
-from ortcapture._binding import IOBinding
-from ortcapture._bucket_run import BucketRunner
-from ortcapture._compat import OrtInferenceSession
+from ortcapture._memory import compact as _compact
+from ortcapture._ort import compat
+from ortcapture._verify import inspect as _inspect
+from ortcapture._memory import ledger as _ledger
+from ortcapture._ort import specialize as shapes
+from ortcapture._core.binding import IOBinding
+from ortcapture._buckets.run import BucketRunner
+from ortcapture._ort.compat import OrtInferenceSession
 from ortcapture import transfer
-from ortcapture._providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
-from ortcapture._reference import reference_runner, verify_graph
+from ortcapture._ort.providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
+from ortcapture._core.reference import reference_runner, verify_graph
 from ortcapture._session_setup import (
     build_without_capture, check_tensor_io, check_version, constant_outputs_of, refuse_int64_arithmetic, refusal_text,
     trt_bucket_profiles, without_capture)
-from ortcapture._run import (  # noqa: F401 - run_options_for and friends are public here
+from ortcapture._core.run import (  # noqa: F401 - run_options_for and friends are public here
     GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for,
     unsynchronised)
-from ortcapture._state import CaptureState
-from ortcapture._sync import CUDA_GATE, WEBGPU_LOCK, defer_sync
-from ortcapture._verify import level_of
+from ortcapture._core.state import CaptureState
+from ortcapture._ort.sync import CUDA_GATE, WEBGPU_LOCK, defer_sync
+from ortcapture._verify.compare import level_of
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
 
@@ -68,7 +68,7 @@ class InferenceSession(OrtInferenceSession):
         oversize: ``"uncaptured"`` (default: a request beyond the largest bucket runs uncaptured) or ``"split"``
             (chunks of the largest bucket).
         verify: ``True``/``"full"`` (default: example and a varied input set), ``"example"``, ``False``/``"off"``
-            (see ortcapture._verify): the default of :meth:`capture`'s ``verify=``, and the check of every new
+            (see ortcapture._verify.compare): the default of :meth:`capture`'s ``verify=``, and the check of every new
             bucket graph against the uncaptured run of the unpadded feeds.
         max_graphs: at most this many bucket graphs, the least recently used released first (WebGPU frees it at
             once; ORT keeps a released CUDA graph's memory until the automatic :meth:`compact` rebuilds the session).
@@ -77,7 +77,7 @@ class InferenceSession(OrtInferenceSession):
             ``enableGraphCapture=1`` (captured and ``gpu_graph_id=-1`` runs alike; measured, onnxruntime 1.32 +
             WebGPU plugin 0.4.0), so a model with nodes that *produce* int64 from int64 arithmetic (Add, Sub, Mul,
             CumSum, ReduceSum, Range, ... on values that are not shape arithmetic; see
-            :mod:`ortcapture._model_checks`) is refused, naming them. ``True`` accepts it: you promise every
+            :mod:`ortcapture._verify.model_checks`) is refused, naming them. ``True`` accepts it: you promise every
             int64 value stays within int32. int64 host feeds for WebGPU buffers are range-checked either way.
 
     Raises:
@@ -96,7 +96,7 @@ class InferenceSession(OrtInferenceSession):
     are views (Reshape, Flatten, Squeeze, Unsqueeze, Identity) are computed inside the graph by an added ``Cast``
     to their own type (ORT copies view outputs once at capture and never on replay); names, shapes, types and
     values of the outputs are unchanged.
-    All capture bookkeeping lives in one per-session object (:class:`ortcapture._state.CaptureState`).
+    All capture bookkeeping lives in one per-session object (:class:`ortcapture._core.state.CaptureState`).
     """
 
     def __init__(
@@ -120,7 +120,7 @@ class InferenceSession(OrtInferenceSession):
     ) -> None:
         self._oc_verify = level_of(verify)
         self._oc_allow_int64 = bool(allow_int64_as_int32)
-        self._oc_ref_cache: dict = {}  # the WebGPU verification's CPU EP reference session (ortcapture._reference)
+        self._oc_ref_cache: dict = {}  # the WebGPU verification's CPU EP reference session (ortcapture._core.reference)
         self._oc_lock = threading.RLock()
         self._oc_refusal: str | None = None
         self._oc_args = (path_or_bytes, sess_options, providers, provider_options, dict(kwargs))
@@ -297,7 +297,7 @@ class InferenceSession(OrtInferenceSession):
     # -- guarded run paths ------------------------------------------------------------------------------------
     def _oc_check_plain_run(self, api: str, run_options) -> bool:
         """Raise unless a plain run is safe here; True when it must hold the session guard (a capture session, or
-        any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture._sync``)."""
+        any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture._ort.sync``)."""
         st = self._oc_state
         if st.info is None:
             return st.deferred or st.gpu_guarded  # deferred: siblings capture under the same lock
@@ -483,7 +483,7 @@ class InferenceSession(OrtInferenceSession):
                 raise
 
     def _oc_bucket_reference(self):
-        """The buckets' verification reference (``ortcapture._reference``: CUDA the session's own ``gpu_graph_id=-1``
+        """The buckets' verification reference (``ortcapture._core.reference``: CUDA the session's own ``gpu_graph_id=-1``
         run, bfloat16 through OrtValues; a capture-enabled WebGPU session a capture-less reference); ``None`` (the
         plain uncaptured run) for a shape-deferred session, whose base session has no capture."""
         st = self._oc_state
@@ -547,7 +547,7 @@ class InferenceSession(OrtInferenceSession):
     # -- compaction -------------------------------------------------------------------------------------------
     def compact(self) -> None:
         """Free the device memory of released graphs: rebuild the C session(s) and capture every live
-        :class:`~ortcapture.graph.CapturedGraph` again (:mod:`ortcapture._compact`).
+        :class:`~ortcapture.graph.CapturedGraph` again (:mod:`ortcapture._memory.compact`).
 
         ORT never frees a captured CUDA/TensorRT graph (``release_captured_graph`` is a no-op there; measured on the
         H200: 0.13 MiB (a 64x64 two-node model) to 0.9 MiB (YOLOv8n) of device memory per capture -> run -> release
@@ -560,7 +560,7 @@ class InferenceSession(OrtInferenceSession):
         thread captures again on its next ``run`` (once). Retired ids become free again. IOBindings from
         :meth:`io_binding` made before belong to the old C session: make new ones. Runs automatically once the
         released graphs' device memory passes :attr:`compact_threshold` (CUDA, measured with cuda-python; see
-        :mod:`ortcapture._ledger`).
+        :mod:`ortcapture._memory.ledger`).
 
         Raises:
             CaptureUnsupportedError: the session does not capture.
@@ -580,7 +580,7 @@ class InferenceSession(OrtInferenceSession):
         Each retired graph is charged the larger of the ``cudaMemGetInfo`` change around its capture and the
         family's learned per-graph cost; with half the threshold retired, a compaction also runs once device memory
         in use passes its level at the previous compaction by ``max(2 MiB, threshold / 8)``
-        (:mod:`ortcapture._ledger`: the driver reuses freed graph memory, so captures after a compaction measure
+        (:mod:`ortcapture._memory.ledger`: the driver reuses freed graph memory, so captures after a compaction measure
         +0). On the H200 a 16 MiB threshold kept 1000 cycles of a small model and 300 of YOLOv8n within +20 MiB of
         the start. Automatic compaction does not run while raw IOBinding graphs are captured.
 
@@ -617,7 +617,7 @@ class InferenceSession(OrtInferenceSession):
                 After capture the replay of the example (and at ``"full"`` of a varied input set, host-read inputs
                 kept) is compared with a reference run: CUDA/TensorRT the same session with ``gpu_graph_id=-1``,
                 exactly; WebGPU the shape-deferred base session or a CPU EP session (built once per session),
-                within ``ortcapture._verify.DEFAULT_RTOL`` relative to each output's max. The example is then
+                within ``ortcapture._verify.compare.DEFAULT_RTOL`` relative to each output's max. The example is then
                 restored exactly into the inputs, the ``state=`` inputs and the outputs. Cost: two replays and two
                 reference runs at ``"full"`` (see benchmarks/bench_verify.py).
 
@@ -678,7 +678,7 @@ class InferenceSession(OrtInferenceSession):
             CaptureUnsupportedError: no ``device`` on a session without capture.
             TransferError: feeds that do not match the model's inputs.
         """
-        from ortcapture._providers import CAPTURE_EPS
+        from ortcapture._ort.providers import CAPTURE_EPS
         from ortcapture.graph import CapturedGraph
 
         st = self._oc_state

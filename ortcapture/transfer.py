@@ -5,13 +5,13 @@ ORT's own paths accept silently wrong input: ``OrtValue.update_inplace(numpy)`` 
 memory of non-contiguous arrays (ORT #13548), and before ORT #32315 a ``copy_tensors`` with an aliased pair or an
 undersized destination ended in ``std::terminate``. Every check here runs before any native call.
 
-Backends, chosen by :mod:`ortcapture._compat`: ``OrtValue.update_inplace(OrtValue)`` (ORT >= 1.26; for CUDA it is
+Backends, chosen by :mod:`ortcapture._ort.compat`: ``OrtValue.update_inplace(OrtValue)`` (ORT >= 1.26; for CUDA it is
 ``cudaMemcpy`` + ``cudaStreamSynchronize`` on the legacy default stream), ``onnxruntime.copy_tensors`` (WebGPU,
 batch copies), and a cuda-python ``cudaMemcpyAsync`` + stream sync for CUDA on ORT versions without the former.
 Ordering guarantee: every copy has completed on the device when the call returns, so a replay started afterwards
 reads the new values; DLPack sources are ordered after their producer's pending work; and every transfer starts
 after the runs an ortcapture session made with ``disable_synchronize_execution_providers=1`` (ORT returns from those
-before the device finished them: :func:`ortcapture._sync.settle`).
+before the device finished them: :func:`ortcapture._ort.sync.settle`).
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture import _compat as compat
-from ortcapture._compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
-from ortcapture._sync import CUDA_GATE, UNSETTLED, WEBGPU_LOCK, settle
-from ortcapture._values import ONNX_TO_NP, STORAGE, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
+from ortcapture._ort import compat
+from ortcapture._ort.compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
+from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, WEBGPU_LOCK, settle
+from ortcapture._ort.values import ONNX_TO_NP, STORAGE, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 #: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
@@ -248,7 +248,7 @@ def _dlpack_value(src: Any, dev_id: int | None) -> OrtValue:
 
     Bool tensors: ORT <= 1.31's converter refuses DLPack's bool type with a bare ``RuntimeError`` ("Unsupported code
     6"), so they are exported as a zero-copy uint8 view (bool and uint8 share one byte per element) with ORT's
-    ``is_bool_tensor`` flag, which makes the converter read them as bool (:func:`ortcapture._compat.
+    ``is_bool_tensor`` flag, which makes the converter read them as bool (:func:`ortcapture._ort.compat.
     dlpack_takes_bool_flag`). Raises :class:`TransferError` for anything ORT's converter still refuses."""
     is_bool = str(getattr(src, "dtype", "")).endswith("bool")
     takes_flag = compat.dlpack_takes_bool_flag()
@@ -256,7 +256,7 @@ def _dlpack_value(src: Any, dev_id: int | None) -> OrtValue:
     if dev_id is None:
         capsule = producer.__dlpack__()
     else:
-        from ortcapture._cudart import current_device
+        from ortcapture._ort.cudart import current_device
 
         with current_device(int(dev_id)):  # the producer's device must be current to export with a stream
             try:
@@ -599,13 +599,13 @@ _ORTVALUE = OrtValue  # the hot path takes exact OrtValues only (a ReplayOutput 
 
 
 def _peer(a: int, b: int) -> None:
-    """GPU-to-GPU copies go peer to peer, not staged through the host (:func:`ortcapture._cudart.ensure_peer_access`)."""
-    from ortcapture._cudart import ensure_peer_access
+    """GPU-to-GPU copies go peer to peer, not staged through the host (:func:`ortcapture._ort.cudart.ensure_peer_access`)."""
+    from ortcapture._ort.cudart import ensure_peer_access
 
     ensure_peer_access(a, b)
 
 
-#: CUDA copies are "readers" of the process-wide capture gate: see :mod:`ortcapture._sync`.
+#: CUDA copies are "readers" of the process-wide capture gate: see :mod:`ortcapture._ort.sync`.
 _CUDA_SHARED = CUDA_GATE.shared
 
 
@@ -641,7 +641,7 @@ def _copy_host_to(dst: OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
 
 def _copy_value(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: ValueMeta) -> None:
     if sm.kind == "cuda" or dm.kind == "cuda":
-        with _CUDA_SHARED:  # never while another thread captures a CUDA graph (ortcapture._sync)
+        with _CUDA_SHARED:  # never while another thread captures a CUDA graph (ortcapture._ort.sync)
             _copy_value_unguarded(src, sm, dst, dm)
     else:
         _copy_value_unguarded(src, sm, dst, dm)
@@ -652,7 +652,7 @@ def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: Value
     if both_cuda and sm.device_id != dm.device_id:
         _peer(sm.device_id, dm.device_id)
     if COPY_BACKEND == "cuda-python" and both_cuda:
-        from ortcapture._cudart import memcpy_d2d
+        from ortcapture._ort.cudart import memcpy_d2d
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif "webgpu" in (sm.kind, dm.kind):
@@ -661,13 +661,13 @@ def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: Value
     elif _ORT_D2D:
         dst.update_inplace(src)
     elif both_cuda and compat.has_cuda_python():
-        from ortcapture._cudart import memcpy_d2d
+        from ortcapture._ort.cudart import memcpy_d2d
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif sm.kind == "cpu":
         _copy_host_to(dst, dm, np.require(to_numpy(src), requirements="C"))
     elif "cuda" in (sm.kind, dm.kind) and sm.span and dm.span and compat.has_cuda_python():
-        from ortcapture._cudart import memcpy_d2d  # cudaMemcpyDefault: device to host as well
+        from ortcapture._ort.cudart import memcpy_d2d  # cudaMemcpyDefault: device to host as well
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     else:

@@ -12,12 +12,12 @@ import json
 import subprocess
 import sys
 
-from ortcapture._sync import WEBGPU_LOCK
+from ortcapture._ort.sync import WEBGPU_LOCK
 
 EP_NAME = "WebGpuExecutionProvider"
 _registered = False
 
-#: The process-wide WebGPU lock (:data:`ortcapture._sync.WEBGPU_LOCK`): ORT's WebGPU queue is not thread-safe.
+#: The process-wide WebGPU lock (:data:`ortcapture._ort.sync.WEBGPU_LOCK`): ORT's WebGPU queue is not thread-safe.
 LOCK = WEBGPU_LOCK
 
 
@@ -38,7 +38,7 @@ def register() -> None:
         return
     import onnxruntime as ort
 
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
     from ortcapture.errors import CaptureUnsupportedError
 
     if not plugin_installed():

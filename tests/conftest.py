@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 
 WEBGPU_CAPTURE_SINCE = compat.WEBGPU_PLUGIN_CAPTURE_SINCE
 
@@ -55,7 +55,7 @@ class Backend:
         self.device_type = "cuda" if name == "cuda" else "webgpu"
 
     def session_args(self, capture: bool = True) -> dict:
-        from ortcapture._providers import session_args
+        from ortcapture._ort.providers import session_args
 
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -83,7 +83,7 @@ def backend(request) -> Backend:
 
 @pytest.fixture(scope="session")
 def reference_model_path() -> str:
-    from ortcapture.cli import models as models
+    from ortcapture.cli import models
 
     return str(models.reference_model())
 

@@ -16,7 +16,9 @@ import ortcapture
 from ortcapture import transfer
 from tests import tiny
 
-CORE = sorted(p for p in (pathlib.Path(ortcapture.__file__).parent).glob("*.py"))
+_PKG = pathlib.Path(ortcapture.__file__).parent
+#: every module of the library but the command line, by its path inside the package (``_core/run.py``)
+CORE = sorted(p for p in _PKG.rglob("*.py") if p.relative_to(_PKG).parts[0] != "cli")
 
 
 #: modules whose classes derive from ortcapture's own session: their ``super().m(...)`` calls reach ortcapture
@@ -38,12 +40,12 @@ def _calls(path: pathlib.Path) -> list[str]:
 
 
 def test_orts_run_with_iobinding_is_called_from_one_place_in_the_core():
-    where = {p.name: n for p in CORE
+    where = {p.relative_to(_PKG).as_posix(): n for p in CORE
              if (n := sum(c in ("run_with_iobinding", "ORT_RUN_WITH_IOBINDING") for c in _calls(p)))}
-    assert where == {"_run.py": 1}, where
+    assert where == {"_core/run.py": 1}, where
     # and every core path reaches ORT through it
-    users = {p.name for p in CORE if "run_bound" in _calls(p)}
-    assert {"session.py", "_state.py", "_capture.py"} <= users
+    users = {p.relative_to(_PKG).as_posix() for p in CORE if "run_bound" in _calls(p)}
+    assert {"session.py", "_core/state.py", "_core/capture.py"} <= users
 
 
 def test_feeds_are_copied_by_one_function(backend, rng, monkeypatch):
@@ -109,7 +111,8 @@ def test_old_module_names_still_work_and_warn(old):
         mod = importlib.import_module(f"ortcapture.{old}")
     assert any(issubclass(w.category, DeprecationWarning) and f"ortcapture.{old}" in str(w.message) for w in seen)
     assert dir(mod)  # names resolve through the private module
-    target = {"gate": "_sync", "shapes": "_specialize"}.get(old, f"_{old}")
+    target = {"gate": "_ort.sync", "shapes": "_ort.specialize", "binding": "_core.binding",
+              "capture": "_core.capture", "registry": "_core.registry", "buffers": "_memory.buffers"}.get(old, f"_ort.{old}")
     private = importlib.import_module(f"ortcapture.{target}")
     name = next(n for n in dir(private) if not n.startswith("__"))
     assert getattr(mod, name) is getattr(private, name)
@@ -120,3 +123,34 @@ def test_public_surface_is_all():
     for name in ortcapture.__all__:
         assert getattr(ortcapture, name) is not None
     assert hasattr(ortcapture.IOBinding, "declare_state")
+
+
+def test_no_import_cycles_anywhere_in_the_package():
+    """Every import in ``ortcapture/`` (the CLI included, imports inside functions too), as import-linter's graph
+    library sees them: no module reaches itself again (issue 33)."""
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("ortcapture")
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    assert cycles == []

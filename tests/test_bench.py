@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from ortcapture.cli import bench as bench
+from ortcapture.cli import bench
 from ortcapture.cli import main
 from tests import tiny
 

@@ -7,9 +7,9 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import _compat as compat
-from ortcapture._buffers import allocate
-from ortcapture._providers import CAPTURE_EPS, CaptureInfo
+from ortcapture._ort import compat
+from ortcapture._memory.buffers import allocate
+from ortcapture._ort.providers import CAPTURE_EPS, CaptureInfo
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -60,7 +60,7 @@ def test_bf16_buffers_are_refused_on_webgpu_with_the_reason():
 
 
 def test_bf16_pointer_binding_type_is_known():
-    from ortcapture._binding import onnx_type_of
+    from ortcapture._core.binding import onnx_type_of
 
     assert onnx_type_of(BF16) == "tensor(bfloat16)"
     assert compat.ort_version() >= (1, 24, 4)

@@ -14,8 +14,9 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import _sync, transfer
-from ortcapture._run import run_options_for
+from ortcapture import transfer
+from ortcapture._ort import sync as _sync
+from ortcapture._core.run import run_options_for
 from ortcapture.errors import (BindingError, CaptureAbortedError, GraphReleasedError, PointerLifetimeWarning,
                                TransferError)
 from tests import tiny
@@ -108,7 +109,7 @@ def test_two_outputs_bound_to_one_buffer_are_refused(backend):
 
 def test_outputs_on_overlapping_pointer_spans_are_refused(backend):
     """Pointer bindings overlap by the byte span their shape and element type declare (no buffer is touched)."""
-    from ortcapture._capture import _overlaps
+    from ortcapture._core.capture import _overlaps
 
     io = backend.session(tiny.two_output_model()).io_binding()
     base = np.zeros(64, np.float32)
@@ -394,7 +395,7 @@ def test_bool_dlpack_goes_through_a_uint8_view_where_ort_refuses_bool():
 
 
 def test_bool_producer_without_a_uint8_view_raises_transfer_error(monkeypatch):
-    from ortcapture import _compat
+    from ortcapture._ort import compat as _compat
 
     class NoView(_DLPackOnly):
         def view(self, dtype):

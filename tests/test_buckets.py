@@ -289,7 +289,7 @@ def test_bench_stream_reports_every_arm(tmp_path):
 
 
 def test_tensorrt_profiles_cover_the_buckets():
-    from ortcapture import _buckets
+    from ortcapture._buckets import spec as _buckets
 
     dims = {"X": ["batch", 4], "T": [4, 1]}
     bd = _buckets.parse_buckets({"batch": [2, 4, 8]}, dims)

@@ -230,7 +230,7 @@ def test_cuda_copies_row_by_row_beyond_the_max_pitch(backend, monkeypatch):
     above 2 GiB); forced here with a tiny limit, results must be unchanged."""
     if backend.name != "cuda":
         pytest.skip("CUDA direct copies")
-    from ortcapture import _cudart
+    from ortcapture._ort import cudart as _cudart
 
     monkeypatch.setattr(_cudart, "MAX_PITCH", 8)
     lead = backend.session(tiny.bucket_model(), buckets={"batch": [4, 8]})
@@ -252,7 +252,8 @@ def test_cuda_buckets_on_a_second_device_from_a_fresh_thread(backend):
     """Feeds are copied with the buffer's device current, whatever device the calling thread last used."""
     if backend.name != "cuda":
         pytest.skip("CUDA")
-    from ortcapture import _compat, _providers
+    from ortcapture._ort import compat as _compat
+    from ortcapture._ort import providers as _providers
 
     import ortcapture
 

@@ -488,7 +488,7 @@ def test_aliases_of_fixed_buffers_are_recognised(backend):
     b = ort.IOBinding(sess)
     b.bind_ortvalue_output("Y", g.outputs["Y"])
     alias = b.get_outputs()[0]
-    assert ortcapture._values.device_kind(alias) == backend.device_type
+    assert ortcapture._ort.values.device_kind(alias) == backend.device_type
     assert ortcapture.update_inplace(g.outputs["Y"], alias) is g.outputs["Y"]
     np.testing.assert_array_equal(ortcapture.to_numpy(alias), np.full((2, 4), 3.0))
 

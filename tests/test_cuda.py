@@ -56,12 +56,12 @@ def test_ortvalue_d2d_and_forced_cuda_python_backend(cuda, monkeypatch):
     dst = ort.OrtValue.ortvalue_from_shape_and_type([6], np.float32, "cuda", 0)
     ortcapture.update_inplace(dst, src)
     np.testing.assert_array_equal(dst.numpy(), np.arange(6))
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
 
     assert compat.has_cuda_python(), "cuda-python expected on the GPU machine"
     monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
     called = []
-    import ortcapture._cudart as cudart
+    import ortcapture._ort.cudart as cudart
 
     real = cudart.memcpy_d2d
     monkeypatch.setattr(cudart, "memcpy_d2d", lambda *a: (called.append(a), real(*a)))
@@ -79,7 +79,7 @@ def test_ortvalue_d2d_and_forced_cuda_python_backend(cuda, monkeypatch):
 def test_cuda_ortvalue_pointer_device_is_known(cuda):
     import onnxruntime as ort
 
-    from ortcapture._values import device_id_of
+    from ortcapture._ort.values import device_id_of
 
     v = ort.OrtValue.ortvalue_from_shape_and_type([4], np.float32, "cuda", 0)
     assert device_id_of(v) == 0
@@ -118,7 +118,7 @@ def test_update_inplace_d2d_overhead_reasonable(cuda):
     """Not a timing test: checks the OrtValue->OrtValue path takes the device-to-device backend."""
     import onnxruntime as ort
 
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
 
     assert compat.has_update_inplace_ortvalue()
     src = ort.OrtValue.ortvalue_from_numpy(np.ones((1, 3, 320, 320), np.float32), "cuda", 0)
@@ -178,7 +178,7 @@ def test_ort_keeps_cuda_graphs_per_thread(cuda):
 
 
 def test_capture_beside_replays_in_another_thread(cuda):
-    """A capture waits for other threads' CUDA work and keeps it out meanwhile (ortcapture._sync)."""
+    """A capture waits for other threads' CUDA work and keeps it out meanwhile (ortcapture._ort.sync)."""
     import threading
 
     ga = cuda.session(tiny.affine_model()).capture({"X": np.zeros((2, 4), np.float32)})
@@ -231,7 +231,7 @@ def test_prefer_nhwc_dynamic_dims_captures_via_specialization(cuda, reference_mo
     CUDAExecutionProvider"). ortcapture defers and captures on a session specialised to the example shapes."""
     import onnxruntime as ort
 
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     def args(capture):
         so = ort.SessionOptions()

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from ortcapture import cli
-from ortcapture.cli import doctor as doctor
+from ortcapture.cli import doctor
 from ortcapture.cli.doctor import _compare, _json_safe
 from tests import tiny
 from tests.conftest import cuda_available, webgpu_available
@@ -353,7 +353,7 @@ def test_string_outputs_give_a_verdict_on_webgpu(webgpu, tmp_path, capsys):
 
 def test_provider_options_reach_every_session_on_webgpu(webgpu, tmp_path, capsys, monkeypatch):
     """Every session doctor creates (placement as given, dims fixed, the capture attempt) gets the options."""
-    from ortcapture import _providers as providers
+    from ortcapture._ort import providers
 
     seen = []
     real = providers.session_args

@@ -1,4 +1,4 @@
-"""The compaction ledger's policy (ortcapture._ledger, issue 18) against a model of what the H200 showed.
+"""The compaction ledger's policy (ortcapture._memory.ledger, issue 18) against a model of what the H200 showed.
 
 The model (``Driver``): each captured CUDA graph holds ``per_graph`` bytes until its C session dies; the driver
 reserves device memory in 2 MiB steps and never hands it back to the device, but reuses it for later graphs once a
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ortcapture import _ledger
-from ortcapture._ledger import DeviceLedger
+from ortcapture._memory import ledger as _ledger
+from ortcapture._memory.ledger import DeviceLedger
 
 MiB = 1 << 20
 CUDA = SimpleNamespace(device_type="cuda", device_id=0)

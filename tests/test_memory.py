@@ -1,7 +1,7 @@
 """Memory that must not only grow (issue 18): raw-path buffers, compaction, WebGPU replay loops.
 
 WebGPU runs on the software adapter (device memory is host memory there, so RSS shows it); CUDA parts carry
-``@pytest.mark.cuda`` (device memory from cudaMemGetInfo through ortcapture._cudart).
+``@pytest.mark.cuda`` (device memory from cudaMemGetInfo through ortcapture._ort.cudart).
 """
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ def test_bench_soak_writes_json_and_png(backend, tmp_path, capsys, mode, count):
     result = json.loads(out_json.read_text())
     s = result["summary"]
     assert result["mode"] == mode and s["count"] == count and len(result["samples"]) >= 2
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
 
     assert s["rate_per_s"] > 0
     if mode == "replay" or backend.name == "webgpu":  # CUDA cycles: retired graphs' host side until a compaction
@@ -221,7 +221,7 @@ def test_bench_soak_writes_json_and_png(backend, tmp_path, capsys, mode, count):
 
 def test_soak_cycles_keep_rss_flat_on_webgpu(backend):
     """WebGPU frees a released graph in ORT (>= 1.30): capture -> run -> release cycles need no compaction."""
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
     from ortcapture.cli.soak import small_model, soak
 
     if backend.name != "webgpu" or not compat.has_release_captured_graph():
@@ -285,10 +285,10 @@ def test_an_iobinding_from_before_compact_or_set_providers_is_refused(backend):
     other, _ = _recurrent(backend)
     with pytest.raises(ortcapture.BindingError, match="another session"):
         other.run_with_iobinding(fresh, run_options_for(-1))
-    plain = ortcapture._compat.OrtIOBinding(sess)  # ORT's own class, made before set_providers
+    plain = ortcapture._ort.compat.OrtIOBinding(sess)  # ORT's own class, made before set_providers
     sess.set_providers(["CPUExecutionProvider"])  # another C session (without capture: refused all the same)
     # ORT's own IOBinding says which C session it was made for from ORT 1.30 (``_session``); before, only ours does
-    checked = [fresh] + ([plain] if ortcapture._compat.binding_c_session(plain) is not None else [])
+    checked = [fresh] + ([plain] if ortcapture._ort.compat.binding_c_session(plain) is not None else [])
     for b in checked:
         with pytest.raises(ortcapture.BindingError, match="set_providers"):
             sess.run_with_iobinding(b, run_options_for(-1))

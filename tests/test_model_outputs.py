@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto
 
 import ortcapture
-from ortcapture import _inspect
-from ortcapture import _specialize as shapes
+from ortcapture._verify import inspect as _inspect
+from ortcapture._ort import specialize as shapes
 from ortcapture.errors import CaptureError, CaptureUnsupportedError
 from tests import tiny
 from tests.conftest import webgpu_available
@@ -109,8 +109,8 @@ def test_view_outputs_on_raw_iobinding_path():
     """The raw path (run_with_iobinding + gpu_graph_id) replays view outputs too: the session's own model is the
     rewritten one on WebGPU."""
     webgpu_available()
-    from ortcapture._providers import session_args
-    from ortcapture._run import run_options_for
+    from ortcapture._ort.providers import session_args
+    from ortcapture._core.run import run_options_for
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -131,7 +131,7 @@ def test_view_outputs_of_capture_deferred_sessions():
     the same in-graph outputs (two shapes, several replays each, state carried)."""
     webgpu_available()
     model = tiny.recurrent_view_model(dynamic=True)
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -156,7 +156,7 @@ def test_real_stale_outputs_are_still_refused():
     """A pass-through output (the graph output named like the input) is neither a view nor a constant: no kernel
     writes it, so WebGPU capture stays refused."""
     webgpu_available()
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -214,7 +214,7 @@ def test_overridable_initializers_are_inputs(backend):
 # -- item 4: inputs without shape information ----------------------------------------------------------------------
 def test_shapeless_inputs_specialise_to_the_example():
     webgpu_available()
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -232,7 +232,7 @@ def test_shapeless_inputs_specialise_to_the_example():
 
 # -- item 5: honest refusals ---------------------------------------------------------------------------------------
 def _webgpu_args():
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     so = ort.SessionOptions()
     so.log_severity_level = 3

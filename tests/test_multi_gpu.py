@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import ortcapture
-from ortcapture import _cudart as cudart
-from ortcapture._providers import session_args
+from ortcapture._ort import cudart
+from ortcapture._ort.providers import session_args
 from tests import tiny
 from tests.conftest import cuda_available
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.cuda
 
 
 def _gpu_count() -> int:
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
 
     rt = compat.cudart()
     if rt is None:
@@ -76,7 +76,7 @@ def test_cross_device_bindings_refused(two_gpus):
 
     sess = _session(tiny.affine_model(), 1)
     buf = sess.allocate((2, 4), np.float32)
-    assert _on_gpu(buf, 1) and ortcapture._buffers.device_id_of(buf) == 1
+    assert _on_gpu(buf, 1) and ortcapture._memory.buffers.device_id_of(buf) == 1
     on_gpu0 = ort.OrtValue.ortvalue_from_shape_and_type([2, 4], np.float32, "cuda", 0)
     assert _on_gpu(on_gpu0, 0)
     binding = sess.io_binding()
@@ -107,7 +107,7 @@ def test_cross_gpu_updates_are_peer_copies(two_gpus, no_host_path, monkeypatch):
     for k, src in enumerate(srcs):  # GPU 0 OrtValue -> captured graph on GPU 1
         np.testing.assert_array_equal(g.run({"X": src})[0], np.full((2, 4), 2.0 * k + 1))
     ortcapture.update_inplace(dst1, srcs[2])  # GPU 0 -> GPU 1
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
 
     rt = compat.cudart()
     can = all(int(rt.cudaDeviceCanAccessPeer(a, b)[1]) for a, b in ((0, 1), (1, 0)))

@@ -15,8 +15,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ortcapture
-from ortcapture import _model_checks
-from ortcapture._verify import VerificationError
+from ortcapture._verify import model_checks as _model_checks
+from ortcapture._verify.compare import VerificationError
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError, TransferError
 from tests.conftest import Backend, webgpu_available
 from tests.tiny import _model, recurrent_model, recurrent_step, vi
@@ -248,7 +248,7 @@ def test_host_read_input_is_a_checked_constant(backend, rng):
     sess = backend.session(reshape_model())
     if not hasattr(sess, "get_input_memory_infos"):
         pytest.skip("this onnxruntime has no get_input_memory_infos")
-    from ortcapture._specialize import host_read_inputs
+    from ortcapture._ort.specialize import host_read_inputs
 
     assert host_read_inputs(sess) == {"shp"}
     x = rng.standard_normal((2, 4)).astype(np.float32)

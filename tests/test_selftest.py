@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 from ortcapture import cli
 from ortcapture.cli import selftest
 

@@ -173,7 +173,7 @@ def test_a_state_input_whose_unnamed_axis_follows_the_bucket_is_refused_then_key
 
 
 def test_group_keys_are_checked():
-    from ortcapture import _buckets
+    from ortcapture._buckets import spec as _buckets
 
     dims = {"x": ["batch", 4], "h": [1, None, 4]}
     (d,) = _buckets.parse_buckets({("batch", ("h", 1)): [2]}, dims)
@@ -185,7 +185,7 @@ def test_group_keys_are_checked():
 
 
 def test_pad_value_bytes():
-    from ortcapture._bucket_values import repeated_byte as _repeated_byte
+    from ortcapture._buckets.values import repeated_byte as _repeated_byte
 
     assert _repeated_byte(np.int64(0)) == 0 and _repeated_byte(np.int64(-1)) == 0xFF
     assert _repeated_byte(np.float32(-1e9)) is None and _repeated_byte(np.bool_(True)) == 1

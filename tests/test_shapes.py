@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 import pytest
 
-from ortcapture import _specialize as shapes
+from ortcapture._ort import specialize as shapes
 from ortcapture.errors import CaptureError
 from tests import tiny
 

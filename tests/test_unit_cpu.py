@@ -7,8 +7,8 @@ import pytest
 
 import ortcapture
 from ortcapture import BindingError, CaptureUnsupportedError, GraphReleasedError
-from ortcapture._providers import CAPTURE_EPS, CaptureInfo, requested_capture
-from ortcapture._registry import GraphRegistry
+from ortcapture._ort.providers import CAPTURE_EPS, CaptureInfo, requested_capture
+from ortcapture._core.registry import GraphRegistry
 from ortcapture.session import graph_id_of, run_options_for
 from tests import tiny
 
@@ -116,7 +116,7 @@ def test_registry_pins_binding_and_refuses_changes():
 
 
 def test_registry_retires_cuda_ids_but_frees_webgpu_ids():
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
 
     # WebGPU releases natively where ORT has release_captured_graph (>= 1.30); CUDA/TensorRT never do
     assert WEBGPU.releases_natively is compat.has_release_captured_graph()
@@ -154,7 +154,7 @@ def test_errors_are_value_errors():
 def test_webgpu_capture_on_too_old_ort_is_refused_clearly():
     """onnxruntime < 1.27 silently never captures with the WebGPU plugin EP: ortcapture refuses at construction."""
     from ortcapture import webgpu
-    from ortcapture import _compat as compat
+    from ortcapture._ort import compat
 
     if compat.webgpu_plugin_captures():
         pytest.skip(f"onnxruntime {ort.__version__} captures with the WebGPU plugin EP")
@@ -170,8 +170,8 @@ def test_cross_device_binding_refused_without_gpus():
     """The refusal logic of issue 7, on the CPU: buffers recorded as cuda:0 bound to a session capturing on cuda:1."""
     import types
 
-    from ortcapture._capture import validate_bindings
-    from ortcapture._values import remember
+    from ortcapture._core.capture import validate_bindings
+    from ortcapture._ort.values import remember
 
     sess = ortcapture.InferenceSession(tiny.affine_model(), providers=["CPUExecutionProvider"])
     on = {}
@@ -191,7 +191,7 @@ def test_cross_device_binding_refused_without_gpus():
 
 
 def test_parse_provider_options_and_session_args_merge():
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
     from ortcapture.cli.options import parse_provider_options
 
     assert parse_provider_options(["prefer_nhwc=1", " cudnn_conv_algo_search = HEURISTIC "]) == {
@@ -213,7 +213,7 @@ def test_capture_gate_readers_share_writer_excludes_and_is_preferred():
     import threading
     import time
 
-    from ortcapture._sync import CaptureGate
+    from ortcapture._ort.sync import CaptureGate
 
     g = CaptureGate()
     log, inside = [], threading.Event()
@@ -260,7 +260,7 @@ def test_capture_gate_readers_share_writer_excludes_and_is_preferred():
 
 
 def test_names_cuda_ep():
-    from ortcapture._providers import names_cuda_ep
+    from ortcapture._ort.providers import names_cuda_ep
 
     assert names_cuda_ep([("CUDAExecutionProvider", {"device_id": "1"}), "CPUExecutionProvider"])
     assert names_cuda_ep(["TensorrtExecutionProvider"])
@@ -273,7 +273,7 @@ def test_capture_gate_keeps_idle_threads_and_refuses_misuse():
     import threading
     import time
 
-    from ortcapture._sync import CaptureGate
+    from ortcapture._ort.sync import CaptureGate
 
     g = CaptureGate()
     inside, leave, registered = threading.Event(), threading.Event(), threading.Event()
@@ -315,7 +315,7 @@ def test_capture_gate_keeps_idle_threads_and_refuses_misuse():
 
 
 def test_provider_options_are_validated():
-    from ortcapture._providers import check_provider_options, device_ordinal, session_args
+    from ortcapture._ort.providers import check_provider_options, device_ordinal, session_args
     from ortcapture.cli.options import parse_provider_options
 
     for bad in ["a=1", b"a=1", [b"a=1"], [1]]:
@@ -338,7 +338,7 @@ def test_capture_gate_survives_an_interrupted_wait():
     """Ctrl-C while a capture waits for readers (or a reader waits for a capture) must leave the gate usable."""
     import threading
 
-    from ortcapture._sync import CaptureGate
+    from ortcapture._ort.sync import CaptureGate
 
     class Interrupt(BaseException):
         pass
@@ -389,7 +389,7 @@ def test_capture_gate_survives_an_interrupted_wait():
 
 
 def test_device_ordinal_refuses_non_ascii_empty_and_huge():
-    from ortcapture._providers import check_provider_options, device_ordinal
+    from ortcapture._ort.providers import check_provider_options, device_ordinal
 
     for bad in ["\u00b2", "\u0661", str(2**31), "+1", "0x1"]:
         with pytest.raises(ortcapture.CaptureError, match="device ordinal"):
@@ -402,7 +402,7 @@ def test_device_ordinal_refuses_non_ascii_empty_and_huge():
 def test_paired_extra_cancels_the_call_order_effect():
     """Whichever call of a pair goes second is 20 µs slower; b's true extra cost is 5 µs. The plain median of b - a
     lands on one order's value (25 or -15); timing.paired_extra weighs both orders alike and finds 5."""
-    from ortcapture.cli import timing as timing
+    from ortcapture.cli import timing
 
     rng = np.random.default_rng(0)
     n = 101  # 51 pairs with a first, 50 with b first
@@ -424,8 +424,8 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
     through transfer.copy_feeds, which calls update_inplace). CPU OrtValues stand in for CUDA ones here (their
     device recorded as cuda:N), so every clause can be flipped."""
     from ortcapture import transfer
-    from ortcapture import _compat as compat
-    from ortcapture import _values as values
+    from ortcapture._ort import compat
+    from ortcapture._ort import values
 
     monkeypatch.setattr(transfer, "_ORT_D2D", True)
     monkeypatch.setattr(transfer, "COPY_BACKEND", None)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ortcapture import _verify
+from ortcapture._verify import compare as _verify
 from ortcapture.errors import CaptureError
 
 

@@ -82,10 +82,10 @@ def webgpu_env_hint() -> str:
 
 
 def pick_provider(requested: str = "auto") -> str:
-    """:func:`ortcapture._providers.pick_provider` with its refusal as one line (the WebGPU probe's traceback tail
+    """:func:`ortcapture._ort.providers.pick_provider` with its refusal as one line (the WebGPU probe's traceback tail
     reduced to its message, plus where the software adapter's settings are). Raises
     :class:`~ortcapture.errors.CaptureUnsupportedError`."""
-    from ortcapture._providers import pick_provider as _pick
+    from ortcapture._ort.providers import pick_provider as _pick
     from ortcapture.errors import CaptureUnsupportedError
 
     try:

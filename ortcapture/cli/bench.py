@@ -4,7 +4,7 @@
 [--plot F.png] [--graph-capture/--no-graph-capture] [--sync readback|device] [--provider-option KEY=VALUE ...]
 [--intra-op-threads N] [--session-config KEY=VALUE ...] [--pin-thread]``
 
-Method. For each batch size the model's input dims are fixed (:func:`ortcapture._specialize.fix_input_shapes`; raw ORT
+Method. For each batch size the model's input dims are fixed (:func:`ortcapture._ort.specialize.fix_input_shapes`; raw ORT
 needs fixed dims to capture a dynamic-dims model) and that one fixed model is used by every arm. ``--procs``
 fresh processes (``python -m ortcapture.cli.bench worker ...``, one after another, results as one JSON line on
 stdout) each build the sessions, capture, warm every arm up (``--warmup`` untimed calls), then time the arms in
@@ -75,11 +75,7 @@ from collections import deque
 
 from ortcapture.cli.bench_report import ARMS, CAPTURE_ARMS, _print_batch, _stats, plot  # noqa: F401 - re-exported
 
-_PROGRESS = "@@ortcapture-bench-progress"  # worker -> parent progress lines on stderr
-
-
-class BenchError(Exception):
-    """A user-facing error: printed as ``ortcapture bench: ...``, exit code 2."""
+from ortcapture.cli.bench_common import _PROGRESS, BenchError, session_args  # noqa: F401 - re-exported
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,7 +145,7 @@ _BOOLEAN_CONFIG_KEYS = frozenset({
 
 def _session_config(items: list[str]) -> dict[str, str]:
     """``--session-config KEY=VALUE`` items as a dict; raises :class:`BenchError` for a malformed item or a key given
-    twice (:func:`ortcapture._providers.parse_key_values`), an EP option (``ep.*``: the capture switch lives there;
+    twice (:func:`ortcapture._ort.providers.parse_key_values`), an EP option (``ep.*``: the capture switch lives there;
     EP options go through ``--provider-option``) or a boolean key whose value is not 0/1."""
     from ortcapture.errors import CaptureError
     from ortcapture.cli.options import parse_key_values
@@ -202,7 +198,7 @@ def _check_args(args) -> tuple[list[int], int]:
     rounds = min(args.iters, 10) if args.rounds is None else args.rounds
     if not 1 <= rounds <= args.iters:
         raise BenchError(f"--rounds must be between 1 and --iters ({args.iters})")
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
     from ortcapture.errors import CaptureError
     from ortcapture.cli.options import parse_provider_options
 
@@ -235,27 +231,6 @@ def _check_args(args) -> tuple[list[int], int]:
         except ImportError:
             raise BenchError("--plot needs matplotlib (pip install 'ortcapture[bench]')") from None
     return batches, rounds
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# sessions (one recipe for every arm)
-# ---------------------------------------------------------------------------------------------------------------
-def session_args(provider: str, capture: bool, ep_options: dict | None = None, intra_op_threads: int | None = None,
-                 config: dict | None = None) -> dict:
-    """``InferenceSession`` keyword arguments for ``provider`` with the capture option on or off, the
-    ``--provider-option`` values, ``--intra-op-threads`` and ``--session-config`` entries (a fresh
-    ``SessionOptions`` each call: the WebGPU EP is added to it)."""
-    import onnxruntime as ort
-
-    from ortcapture import _providers as providers
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if intra_op_threads is not None:
-        so.intra_op_num_threads = int(intra_op_threads)
-    for key, value in (config or {}).items():
-        so.add_session_config_entry(key, value)
-    return providers.session_args(provider, capture, so, ep_options=ep_options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -357,6 +332,10 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+    if args.stream and (args.axis or args.pad_value):
+        from ortcapture.cli import bench_seq
+
+        return bench_seq.run_command(args)
     if args.stream:
         from ortcapture.cli import bench_stream
 
@@ -368,7 +347,7 @@ def _run(args) -> int:
         raise BenchError(f"--{', --'.join(f.replace('_', '-') for f in stream_only)} go with --stream")
     batches, rounds = _check_args(args)
 
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
     from ortcapture.cli.demo import example_shapes
     from ortcapture.errors import CaptureError, CaptureUnsupportedError
     from ortcapture.cli import pick_provider
@@ -394,7 +373,7 @@ def _run(args) -> int:
     except CaptureUnsupportedError as exc:
         raise BenchError(str(exc)) from None
     if args.sync == "device":
-        from ortcapture import _compat as compat
+        from ortcapture._ort import compat
 
         if provider != "cuda":
             raise BenchError(f"--sync device is CUDA-only: ORT's Python API has no way to wait for {provider}'s "

@@ -21,7 +21,7 @@ def _stats(per_process: list[dict]) -> dict:
     """Pooled stats per arm, per-process p50s, speedups and overhead ratios."""
     import numpy as np
 
-    from ortcapture.cli import timing as timing
+    from ortcapture.cli import timing
 
     stats = {}
     for arm in ARMS:

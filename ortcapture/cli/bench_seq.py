@@ -46,7 +46,7 @@ def parse_pad_values(items: list[str]) -> dict[str, float]:
 def stream_sites(model: str, axis: tuple[str, int]) -> tuple[object, list[tuple[str, int]]]:
     """The bucket key for ``axis`` (its dim_param, else the (input, axis) pair) and every (input, axis) it pads.
     Raises ValueError for an unknown input, an axis out of range, or a fixed dim."""
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
 
     dims = shapes.input_dims(shapes.load_model(model))
     name, ax = axis
@@ -72,9 +72,9 @@ def run_sequence_stream(model: str, provider: str, shapes: dict[str, tuple[int, 
     import onnxruntime as ort  # noqa: F401 - initialised before sessions
 
     import ortcapture
-    from ortcapture._bucket_values import input_dtype
-    from ortcapture._compat import OrtInferenceSession
-    from ortcapture.cli.bench import session_args
+    from ortcapture._buckets.values import input_dtype
+    from ortcapture._ort.compat import OrtInferenceSession
+    from ortcapture.cli.bench_common import session_args
 
     key, sites = stream_sites(model, axis)
     pads = dict(pad_values or {})
@@ -144,7 +144,7 @@ def run_command(args) -> int:
     """``ortcapture bench --stream LO-HI --axis INPUT:AXIS``: its argument checks
     (:class:`~ortcapture.cli.bench.BenchError`), the run, the outputs. Moved from ``cli/bench.py``."""
     from ortcapture.cli import bench_stream, models, pick_provider
-    from ortcapture.cli.bench import BenchError
+    from ortcapture.cli.bench_common import BenchError
     from ortcapture.cli.demo import example_shapes
     from ortcapture.cli.options import parse_provider_options
     from ortcapture.errors import CaptureError, CaptureUnsupportedError

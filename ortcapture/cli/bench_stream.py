@@ -41,8 +41,8 @@ def run_stream(model: str, provider: str, input_name: str, item_shape: tuple[int
     import onnxruntime as ort  # noqa: F401 - initialised before sessions
 
     import ortcapture
-    from ortcapture._compat import OrtInferenceSession
-    from ortcapture.cli.bench import session_args
+    from ortcapture._ort.compat import OrtInferenceSession
+    from ortcapture.cli.bench_common import session_args
 
     sizes = stream_sizes(lo, hi, requests, seed)
     rng = np.random.default_rng(seed + 1)
@@ -189,7 +189,7 @@ def check_stream_args(args) -> tuple[int, int, list[int]]:
     """The one check of the arguments every ``--stream`` mode shares: ``--stream LO-HI``, ascending positive
     ``--buckets``, ``--requests``/``--single-requests``/``--passes`` >= 1 (``--single-requests`` is clamped to
     ``--requests``). Returns (lo, hi, buckets); raises :class:`~ortcapture.cli.bench.BenchError`."""
-    from ortcapture.cli.bench import BenchError
+    from ortcapture.cli.bench_common import BenchError
 
     try:
         lo, hi = parse_range(args.stream)
@@ -206,15 +206,12 @@ def check_stream_args(args) -> tuple[int, int, list[int]]:
 
 
 def run_command(args) -> int:
-    """``ortcapture bench --stream LO-HI`` (with ``--axis``/``--pad-value``:
-    :func:`ortcapture.cli.bench_seq.run_command`): its argument checks (:class:`~ortcapture.cli.bench.BenchError`),
+    """``ortcapture bench --stream LO-HI`` (``--axis``/``--pad-value`` go to
+    :func:`ortcapture.cli.bench_seq.run_command`, chosen by ``bench``): its argument checks
+    (:class:`~ortcapture.cli.bench.BenchError`),
     the run, the outputs. Moved from ``cli/bench.py``."""
     from ortcapture.cli import pick_provider
-    from ortcapture.cli.bench import BenchError
-    if args.axis or args.pad_value:
-        from ortcapture.cli import bench_seq
-
-        return bench_seq.run_command(args)
+    from ortcapture.cli.bench_common import BenchError
     from ortcapture.cli.demo import example_shapes
     from ortcapture.errors import CaptureError, CaptureUnsupportedError
 

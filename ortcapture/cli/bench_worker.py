@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from ortcapture.cli.bench import _PROGRESS, session_args
+from ortcapture.cli.bench_common import _PROGRESS, session_args
 from ortcapture.cli.bench_report import ARMS
 
 
@@ -24,9 +24,9 @@ def worker(opts) -> dict:
 
     import ortcapture
     from ortcapture import transfer
-    from ortcapture import _compat as compat
-    from ortcapture.cli import timing as timing
-    from ortcapture import _values as values
+    from ortcapture._ort import compat
+    from ortcapture.cli import timing
+    from ortcapture._ort import values
     from ortcapture.session import run_options_for
 
     provider, capture, model = opts.provider, bool(opts.capture), opts.model

@@ -38,7 +38,7 @@ def make_sessions(model, provider: str):
     import onnxruntime as ort
 
     import ortcapture
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
     from ortcapture.cli import one_line
     from ortcapture.errors import CaptureError
 
@@ -144,7 +144,7 @@ def example_shapes(model_path: str, batch: int, overrides: list[str]) -> dict:
     """``{input: shape}`` to capture with: ``--shape`` overrides, else the model's dims with a dynamic first dim set
     to ``batch`` and other dynamic dims to 320 (the reference model's). Raises :class:`CaptureError` for a bad or
     unknown ``--shape``: wrong rank, a dim the model fixes otherwise, or a dim of 0."""
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
     from ortcapture.cli.options import shape_arg_problem
     from ortcapture.errors import CaptureError
 
@@ -177,11 +177,11 @@ def run(args) -> int:
     import numpy as np
     import onnxruntime as ort
 
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
     from ortcapture import transfer
-    from ortcapture.cli import models as models
+    from ortcapture.cli import models
     from ortcapture.cli import one_line, pick_provider
-    from ortcapture.cli import timing as timing
+    from ortcapture.cli import timing
     from ortcapture.cli.doctor_live import _compare
     from ortcapture.errors import CaptureError
 

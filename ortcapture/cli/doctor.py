@@ -124,13 +124,13 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
              option_items: Sequence[str] = ()) -> dict:
     """Run the static checks, then (with a capture-capable EP) the dynamic ones; return the report (the object
     ``--json`` prints). ``option_items``: ``--provider-option`` strings (``KEY=VALUE``) for every session doctor
-    creates, validated by :func:`ortcapture._providers.parse_provider_options`. Raises :class:`DoctorError`
+    creates, validated by :func:`ortcapture._ort.providers.parse_provider_options`. Raises :class:`DoctorError`
     (exit 2) for an unreadable model, a bad ``--shape`` or ``--provider-option``, or an unusable requested
     provider."""
     import onnx
     import onnxruntime as ort
 
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
     from ortcapture.cli import one_line
     from ortcapture.cli.demo import check_model_file, example_shapes
     from ortcapture.cli.options import parse_provider_options

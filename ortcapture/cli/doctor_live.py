@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ortcapture._inspect import RECORD_ASSIGNMENT_KEY  # the one definition, in the core
+from ortcapture._verify.inspect import RECORD_ASSIGNMENT_KEY  # the one definition, in the core
 from ortcapture.cli.doctor_static import DoctorError, Finding, _fmt_shape, dims_fix
 
 #: Models larger than this are not re-serialized by ORT to list Memcpy nodes (protobuf's 2 GiB limit, time).
@@ -123,7 +123,7 @@ def _session_args(provider: str, capture: bool, config: Mapping[str, str] = (), 
     (warnings), so OrtLogCapture sees them."""
     import onnxruntime as ort
 
-    from ortcapture._providers import session_args
+    from ortcapture._ort.providers import session_args
 
     so = ort.SessionOptions()
     for k, v in dict(config).items():
@@ -358,7 +358,7 @@ WRONG_RESULT_KINDS = {
 
 def _host_read(session, feeds: Mapping) -> list[str]:
     """The inputs of ``feeds`` that ORT reads in host memory (``get_input_memory_infos``)."""
-    from ortcapture._specialize import host_read_inputs
+    from ortcapture._ort.specialize import host_read_inputs
 
     try:
         return sorted(host_read_inputs(session) & set(feeds))
@@ -373,8 +373,8 @@ def int64_probe(model_path: str, model, provider: str, feeds: Mapping, ep_option
     import numpy as np
     import onnxruntime as ort
 
-    from ortcapture._model_checks import int64_inputs
-    from ortcapture._run import uncaptured_run_options
+    from ortcapture._verify.model_checks import int64_inputs
+    from ortcapture._core.run import uncaptured_run_options
 
     names = [n for n in int64_inputs(model) if n in feeds]
     if provider != "webgpu" or not names:
@@ -411,7 +411,7 @@ _PHASE_AS_GIVEN, _PHASE_FIXED, _PHASE_CAPTURE = "model as given", "dims fixed", 
 
 def _placement_findings(model, ep: str, example, placement: Placement, fixed: Placement | None,
                         capture: dict) -> list[Finding]:
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
 
     out: list[Finding] = []
     outcome = capture["outcome"]
@@ -516,7 +516,7 @@ def _unstable_finding(ep: str, stable: tuple[bool, float, str | None], ep_option
 
 
 def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[Finding]) -> Finding:
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
 
     outcome = capture["outcome"]
     if outcome == "captured":
@@ -576,7 +576,7 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
     """Placement, ORT's log and a real capture on ``provider``; returns (findings, capture result).
 
     Raises :class:`DoctorError` when ORT cannot even create an uncaptured session for the model."""
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
 
     say = progress or (lambda msg: None)
     ep = _EP_NAMES[provider]

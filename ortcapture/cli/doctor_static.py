@@ -39,7 +39,7 @@ class Finding:
 
 def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """``["images=1x3x320x320", ...]`` -> ``{"images": (1, 3, 320, 320)}``. Raises :class:`DoctorError`."""
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
     from ortcapture.errors import CaptureError
 
     try:
@@ -113,7 +113,7 @@ def check_control_flow(model) -> list[Finding]:
 def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Finding]:
     """Dynamic input dims (named and unnamed) and whether ``given`` fixes them. Raises :class:`DoctorError` for a
     ``given`` shape that names no input, has the wrong rank, or contradicts a dim the model fixes."""
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
     from ortcapture.cli.options import shape_arg_problem
 
     dims = shapes.input_dims(model)
@@ -142,7 +142,7 @@ def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Findin
 
 def dims_fix(model, example: Mapping[str, Sequence[int]], only: Sequence[str] | None = None) -> str | None:
     """The "fix dims ..." advice for the dynamic inputs (``only``: restrict to these inputs)."""
-    from ortcapture import _specialize as shapes
+    from ortcapture._ort import specialize as shapes
 
     dyn = {n: d for n, d in shapes.dynamic_inputs(model).items() if only is None or n in only}
     if not dyn:
@@ -192,7 +192,7 @@ def check_aliasing(model) -> list[Finding]:
         aliased.add(vo.name)
         how = ("is the graph input of the same name" if not chain
                else f"is input {name!r} through {' > '.join(_node_label(n) for n in reversed(chain))}")
-        if chain:  # a view output: ortcapture computes it inside the graph on WebGPU (ortcapture._inspect)
+        if chain:  # a view output: ortcapture computes it inside the graph on WebGPU (ortcapture._verify.inspect)
             out.append(Finding(
                 "alias", "info",
                 f"output {vo.name!r} {how}: raw ORT's WebGPU replay keeps its capture-time value (onnxruntime 1.32); "

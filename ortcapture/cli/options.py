@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ortcapture._providers import check_provider_options
+from ortcapture._ort.providers import check_provider_options
 
 
 def parse_key_values(items: Sequence[str] | None, what: str, example: str) -> dict[str, str]:
@@ -46,8 +46,8 @@ def shape_arg_problem(given: Mapping[str, Sequence[int]], dims: Mapping[str, Seq
     """The first thing wrong with ``--shape`` values for a model, as a one-line message, or ``None``.
 
     Args:
-        given: ``{input name: shape}`` from :func:`ortcapture._specialize.parse_shape_args`.
-        dims: the model's input dims (:func:`ortcapture._specialize.input_dims`: int, dim name, or ``None``).
+        given: ``{input name: shape}`` from :func:`ortcapture._ort.specialize.parse_shape_args`.
+        dims: the model's input dims (:func:`ortcapture._ort.specialize.input_dims`: int, dim name, or ``None``).
         allow_empty: False refuses a 0 dim (nothing to capture).
 
     Checks, in order: an unknown input name, a rank that differs from the model's, a dim the model fixes to another

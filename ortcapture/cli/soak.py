@@ -71,7 +71,7 @@ def device_used(info) -> int | None:
     (not CUDA, or no cuda-python)."""
     if info is None or info.device_type != "cuda":
         return None
-    from ortcapture._ledger import device_in_use
+    from ortcapture._memory.ledger import device_in_use
 
     return device_in_use(info.device_id)
 
@@ -220,7 +220,7 @@ def run(args) -> int:
 
     import ortcapture
     from ortcapture.cli import pick_provider
-    from ortcapture.cli.bench import session_args
+    from ortcapture.cli.bench_common import session_args
     from ortcapture.errors import CaptureUnsupportedError
 
     try:

@@ -31,7 +31,7 @@ OrtDevice = _oic.OrtDevice
 C_OrtValue = _C.OrtValue
 C_OrtDevice = _C.OrtDevice
 #: ORT's Python ``run_with_iobinding`` (on ORT >= 1.30 it carries ORT's own WebGPU capture guards, ORT PR #32074):
-#: the only way ortcapture's core runs a session (:func:`ortcapture._run.run_bound`)
+#: the only way ortcapture's core runs a session (:func:`ortcapture._core.run.run_bound`)
 ORT_RUN_WITH_IOBINDING = OrtInferenceSession.run_with_iobinding
 #: ``onnxruntime.copy_tensors(src, dst, stream)``, or ``None`` before ORT 1.24
 ort_copy_tensors = getattr(_oic, "copy_tensors", None)

@@ -15,11 +15,11 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from ortcapture._binding import Bound, IOBinding
+from ortcapture._core.binding import Bound, IOBinding
 from ortcapture.errors import BindingError, GraphReleasedError
-from ortcapture._providers import CaptureInfo
+from ortcapture._ort.providers import CaptureInfo
 
-from ortcapture._run import SKIP_GRAPH_ID  # noqa: F401 - re-exported
+from ortcapture._core.run import SKIP_GRAPH_ID  # noqa: F401 - re-exported
 #: ids ortcapture picks start at 1: 0 is the id a raw run without a ``gpu_graph_id`` entry uses (ORT's default),
 #: so a user's plain IOBinding run never collides with a graph ortcapture captured (as ORT-GenAI's graph pool)
 FIRST_AUTO_ID = 1

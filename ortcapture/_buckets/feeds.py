@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ortcapture._values import ONNX_TO_NP
+from ortcapture._ort.values import ONNX_TO_NP
 
 
 class InputSpec:

@@ -1,7 +1,7 @@
 """Capture-time verification of a :class:`~ortcapture.graph.CapturedGraph` (``verify=``), and the facts it needs.
 
 :func:`verify_graph` feeds the graph's example (and, at level ``"full"``, a varied input set) to the replay and to a
-reference run, through :func:`ortcapture._verify.verify`, then restores the example exactly: the input buffers,
+reference run, through :func:`ortcapture._verify.compare.verify`, then restores the example exactly: the input buffers,
 the ``state=`` inputs (their initial values) and the output buffers (the example replay's outputs). The reference
 (:func:`reference_runner`):
 
@@ -9,11 +9,11 @@ the ``state=`` inputs (their initial values) and the output buffers (the example
   the weights; compared exactly (bit-equal).
 * WebGPU: not the capture-enabled session itself (it runs int64 as 32-bit even uncaptured): the shape-deferred
   base session (built without capture) where the graph lives on a shape-specialised sibling, else a CPU EP session
-  of the same model built once per session family; compared within :data:`ortcapture._verify.DEFAULT_RTOL`. Only
+  of the same model built once per session family; compared within :data:`ortcapture._verify.compare.DEFAULT_RTOL`. Only
   where the CPU EP cannot build the model (a node without a CPU kernel, e.g. bf16) the capture-enabled session
   runs uncaptured (``gpu_graph_id=-1``) as the reference.
 
-Inputs ORT reads in host memory (:func:`ortcapture._specialize.host_read_inputs`) are never varied: they are capture-time constants.
+Inputs ORT reads in host memory (:func:`ortcapture._ort.specialize.host_read_inputs`) are never varied: they are capture-time constants.
 """
 from __future__ import annotations
 
@@ -21,17 +21,17 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 from ortcapture import transfer
-from ortcapture._run import uncaptured_run_options
-from ortcapture._verify import DEFAULT_RTOL, Report, VerificationError, verify
+from ortcapture._core.run import uncaptured_run_options
+from ortcapture._verify.compare import DEFAULT_RTOL, Report, VerificationError, verify
 from ortcapture.errors import CaptureError
 
 def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict], list], float | None]:
     """``(feeds -> outputs, rtol)`` for graphs captured on the member state ``cs`` (see the module docstring).
 
     Args:
-        cs: the :class:`~ortcapture._state.CaptureState` the graph was captured on.
+        cs: the :class:`~ortcapture._core.state.CaptureState` the graph was captured on.
         model_source: the model (path, bytes or ModelProto) the family was built from (for the CPU EP reference).
         cache: a dict owned by the family's session: holds the CPU EP reference session once built.
     """
@@ -49,7 +49,7 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
     if ref is None:
         import onnxruntime as ort
 
-        from ortcapture._specialize import load_model
+        from ortcapture._ort.specialize import load_model
 
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -69,7 +69,7 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
 
 
 def _has_storage_dtype(session) -> bool:
-    """Whether an input or output has a dtype ORT's numpy bridge refuses (bfloat16: ortcapture._values.STORAGE)."""
+    """Whether an input or output has a dtype ORT's numpy bridge refuses (bfloat16: ortcapture._ort.values.STORAGE)."""
     return any(m.type == "tensor(bfloat16)" for m in (*session.get_inputs(), *session.get_outputs()))
 
 
@@ -124,8 +124,8 @@ def verify_graph(graph, level: str, reference: Callable[[dict], list], rtol: flo
 
 
 def _name_copy_only(exc: VerificationError, model_source: Any, graph) -> None:
-    from ortcapture._model_checks import copy_only_nodes
-    from ortcapture._specialize import load_model
+    from ortcapture._verify.model_checks import copy_only_nodes
+    from ortcapture._ort.specialize import load_model
 
     try:
         nodes = copy_only_nodes(load_model(model_source), exc.outputs, list(graph.state_inputs))

@@ -3,8 +3,8 @@
 A session made with ``buckets=`` hands its plain runs here. A request picks the smallest bucket >= each bucketed dim;
 its feeds are copied into that graph's fixed buffers (host feeds through a per-graph host staging array whose tail
 is zeroed, CUDA device feeds device to device into the buffer's leading region with cuda-python), the graph replays,
-and the outputs are sliced back along the axes that follow the bucketed dims (:mod:`ortcapture._buckets`). Each
-graph is captured on first use (or by ``warmup``) and checked once by :mod:`ortcapture._verify` against the
+and the outputs are sliced back along the axes that follow the bucketed dims (:mod:`ortcapture._buckets.spec`). Each
+graph is captured on first use (or by ``warmup``) and checked once by :mod:`ortcapture._verify.compare` against the
 uncaptured run of the unpadded feeds. Runs it cannot serve captured (oversize, inconsistent dims, feeds ORT would
 refuse) run uncaptured (``gpu_graph_id=-1``) and are counted.
 """
@@ -22,15 +22,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture import _bucket_feeds
-from ortcapture import _compat as compat
-from ortcapture import _verify
-from ortcapture._bucket_copy import cuda_fill, cuda_read, fill_staging, slice_output
-from ortcapture._bucket_values import (dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
+from ortcapture._buckets import feeds as _bucket_feeds
+from ortcapture._ort import compat
+from ortcapture._verify import compare as _verify
+from ortcapture._buckets.copy import cuda_fill, cuda_read, fill_staging, slice_output
+from ortcapture._buckets.values import (dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
                                        wrap_outputs)
-from ortcapture._buckets import BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets
-from ortcapture._run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
-from ortcapture._specialize import host_read_inputs
+from ortcapture._buckets.spec import BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets
+from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
+from ortcapture._ort.specialize import host_read_inputs
 from ortcapture.errors import CaptureAbortedError, CaptureError
 from ortcapture.transfer import update_inplace
 
@@ -48,7 +48,7 @@ class _Entry:
         self.staging = staging
         self.label = label
         self.filled: dict[str, tuple] = {}
-        self.layouts: dict[str, tuple] = {}  # see ortcapture._bucket_copy.layout
+        self.layouts: dict[str, tuple] = {}  # see ortcapture._buckets.copy.layout
         self.lock = threading.Lock()
         self.evicted = False  # released by max_graphs: a thread that looked it up before looks again
         self.threads: set[int] = set()
@@ -203,7 +203,7 @@ class BucketRunner:
 
     def _convert_feeds(self, input_feed) -> dict | str:
         """:meth:`_host_feeds`, or why not (a sentence): not every input exactly once, or a feed of another element
-        type, rank or fixed dim than the model's input (:mod:`ortcapture._bucket_feeds`)."""
+        type, rank or fixed dim than the model's input (:mod:`ortcapture._buckets.feeds`)."""
         if not isinstance(input_feed, Mapping) or set(input_feed) != set(self.input_names):
             return f"feeds must give every input exactly once ({self.input_names})"
         out = {}

@@ -21,10 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ortcapture import _compat as compat
-from ortcapture._compat import OrtInferenceSession, OrtValue
-from ortcapture._providers import CaptureInfo
-from ortcapture._values import BFLOAT16, STORAGE, remember
+from ortcapture._ort import compat
+from ortcapture._ort.compat import OrtInferenceSession, OrtValue
+from ortcapture._ort.providers import CaptureInfo
+from ortcapture._ort.values import BFLOAT16, STORAGE, remember
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 
@@ -51,7 +51,7 @@ def allocate(session, info: CaptureInfo, shape: Sequence[int], dtype) -> OrtValu
             kernels).
 
     Returns:
-        The OrtValue, with its device kind and ordinal recorded (:func:`ortcapture._values.remember`).
+        The OrtValue, with its device kind and ordinal recorded (:func:`ortcapture._ort.values.remember`).
 
     Raises:
         TransferError: a bad shape, or a dtype or device ORT cannot allocate.

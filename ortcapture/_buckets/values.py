@@ -1,4 +1,4 @@
-"""The feed and output values a bucketed run (:mod:`ortcapture._bucket_run`) handles: shape, dtype, CUDA device
+"""The feed and output values a bucketed run (:mod:`ortcapture._buckets.run`) handles: shape, dtype, CUDA device
 pointer and host copy of numpy arrays, OrtValues and DLPack/CUDA-array-interface tensors; ORT input type strings as
 numpy dtypes; the byte a pad value repeats; OrtValue-wrapped outputs. Moved verbatim from ``_bucket_run``.
 """
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ortcapture import _compat as compat
-from ortcapture._values import ONNX_TO_NP
+from ortcapture._ort import compat
+from ortcapture._ort.values import ONNX_TO_NP
 
 
 def input_dtype(ort_type: str):
     """numpy dtype of an ORT input type string (``"tensor(float)"``; ortcapture's one table,
-    :data:`ortcapture._values.ONNX_TO_NP`), ``None`` for non-numeric ones (strings, sequences, maps)."""
+    :data:`ortcapture._ort.values.ONNX_TO_NP`), ``None`` for non-numeric ones (strings, sequences, maps)."""
     return ONNX_TO_NP.get(ort_type)
 
 

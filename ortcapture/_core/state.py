@@ -2,9 +2,9 @@
 
 Every :class:`~ortcapture.session.InferenceSession` holds one :class:`CaptureState` (a new one after
 ``set_providers``, which builds a new C session). A shape-specialised sibling session (capture-deferred models,
-:mod:`ortcapture._specialize`) has its own state whose :attr:`CaptureState.family` is the parent's: the family
+:mod:`ortcapture._ort.specialize`) has its own state whose :attr:`CaptureState.family` is the parent's: the family
 state owns the ``gpu_graph_id`` space, the sibling sessions and the :class:`GraphPool` of
-:class:`~ortcapture.graph.CapturedGraph` s; each member state owns the :class:`~ortcapture._registry.GraphRegistry` of
+:class:`~ortcapture.graph.CapturedGraph` s; each member state owns the :class:`~ortcapture._core.registry.GraphRegistry` of
 the graphs captured on its own C session.
 
 The interface a :class:`~ortcapture.graph.CapturedGraph` uses (and nothing else of the session):
@@ -14,7 +14,7 @@ The interface a :class:`~ortcapture.graph.CapturedGraph` uses (and nothing else 
 and :meth:`~CaptureState.release`.
 
 Data flow of a replay: feeds -> :func:`ortcapture.transfer.copy_feeds` (validate, copy into the graph's fixed
-buffers) -> :meth:`CaptureState.replay` (pinned record) -> :func:`ortcapture._run.run_bound` (ORT) -> outputs.
+buffers) -> :meth:`CaptureState.replay` (pinned record) -> :func:`ortcapture._core.run.run_bound` (ORT) -> outputs.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ import threading
 import weakref
 from typing import Any, Iterator, Sequence
 
-from ortcapture import _compat as compat
-from ortcapture._buffers import BufferPool, allocate
-from ortcapture._ledger import DeviceLedger
-from ortcapture._providers import CUDA_EPS, CaptureInfo
-from ortcapture._reference import check_frozen
-from ortcapture._registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
-from ortcapture._run import run_bound, uncaptured_run_options
-from ortcapture._sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
+from ortcapture._ort import compat
+from ortcapture._memory.buffers import BufferPool, allocate
+from ortcapture._memory.ledger import DeviceLedger
+from ortcapture._ort.providers import CUDA_EPS, CaptureInfo
+from ortcapture._core.reference import check_frozen
+from ortcapture._core.registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
+from ortcapture._core.run import run_bound, uncaptured_run_options
+from ortcapture._ort.sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
 from ortcapture.errors import CaptureError
 
 #: WebGPU: replays of one graph between two queue drains (a host readback of its smallest output). ORT's WebGPU
@@ -169,7 +169,7 @@ class CaptureState:
         #: ``probe() -> bool``: is the calling thread's CUDA stream being captured by someone else (ORT PR #32081)?
         self.capture_probe = None
         if info is not None and info.device_type == "cuda":
-            from ortcapture._cudart import make_capture_probe
+            from ortcapture._ort.cudart import make_capture_probe
 
             self.capture_probe = make_capture_probe()
         #: where fixed buffers live: the capturing EP's device (the requested one for a deferred session)
@@ -179,9 +179,9 @@ class CaptureState:
         # family-level: set on the family state only
         self.graphs = GraphPool()
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
-        #: ``() -> frozenset``: outputs whose value depends on no input (set by the session; ortcapture._inspect)
+        #: ``() -> frozenset``: outputs whose value depends on no input (set by the session; ortcapture._verify.inspect)
         self.constant_outputs = frozenset
-        #: the family's graph device memory and compaction threshold (:mod:`ortcapture._compact`), shared by members
+        #: the family's graph device memory and compaction threshold (:mod:`ortcapture._memory.compact`), shared by members
         self.ledger = family.ledger if family is not None else DeviceLedger()
         #: ``() -> None``: rebuild this member's C session (same model, options, providers); set by the session
         self.rebuild_session = None
@@ -252,8 +252,8 @@ class CaptureState:
 
     def capture(self, binding, graph_id: int, run_options, owner=None) -> CapturedGraphRecord:
         """Capture ``graph_id`` with ``binding`` side-effect free, verify it and pin it
-        (:func:`ortcapture._capture.capture_bindings`). The caller holds :attr:`capture_guard`."""
-        from ortcapture._capture import capture_bindings
+        (:func:`ortcapture._core.capture.capture_bindings`). The caller holds :attr:`capture_guard`."""
+        from ortcapture._core.capture import capture_bindings
 
         with self.ledger.measure(graph_id, self.info):
             rec = capture_bindings(self, binding, graph_id, run_options, owner)
@@ -288,12 +288,12 @@ class CaptureState:
 
     def ensure_thread(self, binding, graph_id: int, run_options) -> bool:
         """Before a replay of ``graph_id`` from this thread: give the thread its own ORT capture if it has none yet
-        (:func:`ortcapture._capture.capture_in_this_thread`). True when it did; False when the thread has it, or
+        (:func:`ortcapture._core.capture.capture_in_this_thread`). True when it did; False when the thread has it, or
         ``graph_id`` is not captured (the caller captures or raises). Raises like the registry's ``check`` for
         another IOBinding. Takes :attr:`capture_guard` itself."""
         if self.thread_has(graph_id):
             return False
-        from ortcapture._capture import capture_in_this_thread
+        from ortcapture._core.capture import capture_in_this_thread
 
         with self.capture_guard:
             if self.thread_has(graph_id) or self.registry is None or graph_id not in self.registry:

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import onnxruntime as ort
 
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 
 NVIDIA_VENDOR_ID = 0x10DE
 

@@ -1,7 +1,7 @@
 """The device-memory ledger of a session family's captured graphs: when automatic compaction is due.
 
 ORT never frees a captured CUDA/TensorRT graph (``release_captured_graph`` is a no-op there): a released graph's
-device memory stays until its C session dies, and :mod:`ortcapture._compact` rebuilds the C session to free it.
+device memory stays until its C session dies, and :mod:`ortcapture._memory.compact` rebuilds the C session to free it.
 :class:`DeviceLedger` decides when, from ``cudaMemGetInfo`` (device bytes in use, ``total - free``, device-wide).
 
 What the H200 showed (onnxruntime-gpu 1.31.1, CUDA 13), and why the ledger is not a plain sum per capture:
@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from ortcapture import _cudart
+from ortcapture._ort import cudart as _cudart
 
 MiB = 1 << 20
 #: bytes of retired (released but unfreeable) graph device memory that trigger an automatic compaction

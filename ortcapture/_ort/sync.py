@@ -8,9 +8,9 @@
 * :data:`UNSETTLED`: runs made with ``disable_synchronize_execution_providers=1``, settled before ortcapture's next
   transfer (:func:`settle`, at the end of this module).
 
-Everything else ortcapture keeps lives in a session (:mod:`ortcapture._state`) or a graph. Caches that are
-process-wide but only memoise facts (the installed ORT's features in :mod:`ortcapture._compat`, peer access in
-:mod:`ortcapture._cudart`, DLPack wrappers in :mod:`ortcapture.transfer`) hold no state a user can observe.
+Everything else ortcapture keeps lives in a session (:mod:`ortcapture._core.state`) or a graph. Caches that are
+process-wide but only memoise facts (the installed ORT's features in :mod:`ortcapture._ort.compat`, peer access in
+:mod:`ortcapture._ort.cudart`, DLPack wrappers in :mod:`ortcapture.transfer`) hold no state a user can observe.
 
 The CUDA capture gate in detail.
 

@@ -6,7 +6,7 @@ import operator
 
 import onnxruntime as ort
 
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 from ortcapture.errors import CaptureError
 
 GRAPH_ID_KEY = "gpu_graph_id"
@@ -16,7 +16,7 @@ SKIP_GRAPH_ID = -1  # ORT's kGraphAnnotationSkip: run without capture or replay
 def run_bound(session, binding, run_options) -> None:
     """Run ``session`` on ``binding`` through ORT's own Python ``run_with_iobinding``.
 
-    ORT's wrapper is taken at import (:data:`ortcapture._compat.ORT_RUN_WITH_IOBINDING`), so a replaced
+    ORT's wrapper is taken at import (:data:`ortcapture._ort.compat.ORT_RUN_WITH_IOBINDING`), so a replaced
     ``onnxruntime.InferenceSession`` never makes ortcapture call itself, and on ORT >= 1.30 ORT's own WebGPU capture
     guards (ORT PR #32074) stay in the path. Raises whatever ORT raises.
     """

@@ -1,7 +1,7 @@
 """Compaction: a real release for captured graphs on EPs whose ``release_captured_graph`` frees nothing.
 
 ORT never frees a captured CUDA/TensorRT graph: ``release_captured_graph`` is a no-op there, so ortcapture retires
-released ids (:mod:`ortcapture._registry`) and the graph's device memory stays until the C session dies (measured on
+released ids (:mod:`ortcapture._core.registry`) and the graph's device memory stays until the C session dies (measured on
 the H200 with onnxruntime-gpu 1.31.1: 150 capture -> run -> release cycles of one ``CapturedGraph`` grew device
 memory by 196 MiB, 1.3 MiB a cycle). :func:`compact` rebuilds each capturing C session of a session family (same
 model, ``SessionOptions`` and providers: ORT's own re-creation, as ``set_providers``) and captures every live
@@ -10,7 +10,7 @@ their values, outputs are restored to their values before (``ReplayOutput`` s ha
 graphs are per thread in ORT: the compacting thread captures each graph; every other thread captures again on its
 next run (``CaptureState.ensure_thread``).
 
-When: :class:`~ortcapture._ledger.DeviceLedger` (one per session family) charges each graph released on an EP that
+When: :class:`~ortcapture._memory.ledger.DeviceLedger` (one per session family) charges each graph released on an EP that
 cannot free it and says when the retired total passes the family's threshold (:func:`maybe_compact`). WebGPU frees
 released graphs in ORT >= 1.30, so nothing is retired there and automatic compaction never runs; an explicit
 ``compact()`` still rebuilds. Each graph's own buffers are bound again (references a caller holds stay valid): ORT
@@ -21,7 +21,7 @@ weights' memory (raw ORT too: +16 MiB per session of a 16 MiB MatMul), so an exp
 host/device memory rather than returning it.
 
 What a compaction returns on CUDA: the driver keeps the destroyed graphs' memory and the next captures reuse it
-(see :mod:`ortcapture._ledger`), so device memory in use plateaus instead of growing; it is not handed back to the
+(see :mod:`ortcapture._memory.ledger`), so device memory in use plateaus instead of growing; it is not handed back to the
 device (``cudaDeviceGraphMemTrim`` and ``cudaMemPoolTrimTo`` return none of it either: measured 659 -> 659 MiB).
 
 Raw-path graphs (``run_with_iobinding`` with a ``gpu_graph_id``) cannot survive a rebuild: their IOBinding belongs
@@ -37,7 +37,7 @@ from __future__ import annotations
 import gc
 import warnings
 
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 from ortcapture.errors import CaptureError
 
 
@@ -78,7 +78,7 @@ def _refusal(family) -> str | None:
 
 
 def compact(family, *, automatic: bool = False) -> bool:
-    """Rebuild every capturing C session of ``family`` (a session's family :class:`~ortcapture._state.CaptureState`)
+    """Rebuild every capturing C session of ``family`` (a session's family :class:`~ortcapture._core.state.CaptureState`)
     and capture its live CapturedGraphs again (see the module docstring). Returns True when it compacted; with
     ``automatic`` it returns False instead of raising when it must not run.
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from ortcapture._compat import OrtValue
+from ortcapture._ort.compat import OrtValue
 from ortcapture.errors import TransferError
 
 ONNX_TO_NP = {
@@ -92,7 +92,7 @@ def meta(value: OrtValue) -> ValueMeta:
     if known:
         device_id = known[1]
     elif kind == "cuda" and span is not None:
-        from ortcapture._cudart import pointer_device
+        from ortcapture._ort.cudart import pointer_device
 
         dev = pointer_device(span[0])
         device_id = 0 if dev is None else dev

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from ortcapture._compat import OrtIOBinding, OrtValue, c_session
-from ortcapture._values import ONNX_TO_NP, meta
+from ortcapture._ort.compat import OrtIOBinding, OrtValue, c_session
+from ortcapture._ort.values import ONNX_TO_NP, meta
 from ortcapture.errors import BindingError
 
 
@@ -67,7 +67,7 @@ def onnx_type_of(dtype) -> str:
 
 
 def describe_ortvalue(value: OrtValue) -> Bound:
-    """A :class:`Bound` record for a tensor OrtValue (device kind and ordinal from :mod:`ortcapture._values`)."""
+    """A :class:`Bound` record for a tensor OrtValue (device kind and ordinal from :mod:`ortcapture._ort.values`)."""
     m = meta(value)
     address = m.span[0] if m.span else None
     return Bound("ortvalue", m.kind, m.device_id, m.shape, m.element_type, address, value)
@@ -105,7 +105,7 @@ class IOBinding(OrtIOBinding):
         """``{output name: input name}`` pairs declared with :meth:`declare_state` (allowed to share one buffer)."""
         return dict(self._oc_state)
 
-    # -- pins: set and cleared by the graph registry (ortcapture._registry) only -----------------------------
+    # -- pins: set and cleared by the graph registry (ortcapture._core.registry) only -----------------------------
     @property
     def pinned_ids(self) -> frozenset[int]:
         """The ``gpu_graph_id`` s whose captured graphs pin this binding (bind/clear calls raise while non-empty)."""

@@ -8,14 +8,14 @@ import warnings
 
 import numpy as np
 
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 from ortcapture import transfer
-from ortcapture._binding import Bound, IOBinding
-from ortcapture._buffers import allocate
-from ortcapture._run import run_bound, unsynchronised
-from ortcapture._specialize import host_read_inputs
-from ortcapture._sync import defer_sync
-from ortcapture._values import meta
+from ortcapture._core.binding import Bound, IOBinding
+from ortcapture._memory.buffers import allocate
+from ortcapture._core.run import run_bound, unsynchronised
+from ortcapture._ort.specialize import host_read_inputs
+from ortcapture._ort.sync import defer_sync
+from ortcapture._ort.values import meta
 from ortcapture.errors import BindingError, CaptureAbortedError, CaptureError, PointerLifetimeWarning
 
 #: Byte written over every output before the verification replay; a buffer still all of it was not written.
@@ -125,7 +125,7 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
     the replay did not write is refused: measured on ORT 1.32 WebGPU, an output that is a view (Reshape, Flatten,
     Squeeze, Unsqueeze, Identity) of another tensor or a graph input is copied once at capture and never again, so
     every later replay would silently return the capture-time value (ortcapture's WebGPU sessions compute view
-    outputs inside the graph, :mod:`ortcapture._inspect`; what is left is e.g. an input passed through). Outputs
+    outputs inside the graph, :mod:`ortcapture._verify.inspect`; what is left is e.g. an input passed through). Outputs
     that depend on no input (``state.constant_outputs()``) are left out: their capture-time value is right. An output
     the replay writes only in part is refused too (issue 15: ``ScatterND`` on a graph-input or ``state=`` ``data``
     replays the scatter but not the copy of ``data``; the rest keeps the capture-time fill). Element-wise: an element
@@ -201,7 +201,7 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
 
 def _runner(state, binding: IOBinding, run_options):
     """The capture's one ORT call, repeated: ``run_bound``, and with ``disable_synchronize_execution_providers=1``
-    the run is recorded so that the transfers between the calls wait for it (:func:`ortcapture._sync.settle`)."""
+    the run is recorded so that the transfers between the calls wait for it (:func:`ortcapture._ort.sync.settle`)."""
     session = state.session
     if not unsynchronised(run_options):
         return lambda: run_bound(session, binding, run_options)

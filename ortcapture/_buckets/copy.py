@@ -1,4 +1,4 @@
-"""The request's region in a bucket graph's fixed buffers (:mod:`ortcapture._bucket_run`): CUDA region copies in
+"""The request's region in a bucket graph's fixed buffers (:mod:`ortcapture._buckets.run`): CUDA region copies in
 and out (cuda-python), the host staging array's fill, the host slice of an output.
 
 ``entry`` is a ``_bucket_run._Entry`` (its ``graph``, ``staging``, ``filled`` and ``layouts``); the functions were
@@ -11,11 +11,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ortcapture import _cudart
-from ortcapture._bucket_values import cuda_ptr, dtype_of, np_dtype, shape_of
-from ortcapture._buckets import sliced_lengths
-from ortcapture._sync import CUDA_GATE
-from ortcapture._values import device_id_of
+from ortcapture._ort import cudart as _cudart
+from ortcapture._buckets.values import cuda_ptr, dtype_of, np_dtype, shape_of
+from ortcapture._buckets.spec import sliced_lengths
+from ortcapture._ort.sync import CUDA_GATE
+from ortcapture._ort.values import device_id_of
 from ortcapture.transfer import to_numpy
 
 
@@ -54,7 +54,7 @@ def cuda_fill(entry, name: str, v: Any, axis: int, pad_byte: Mapping[str, int | 
     width, pitch = n * inner, full[axis] * inner
     last = entry.filled.get(name)
     last_n = full[axis] if last is None else last[axis]
-    with CUDA_GATE.shared:  # no CUDA call while another thread captures (ortcapture._sync)
+    with CUDA_GATE.shared:  # no CUDA call while another thread captures (ortcapture._ort.sync)
         _cudart.copy_and_zero_2d(dst, pitch, src, width, outer, (last_n - n) * inner if last_n > n else 0,
                                  device=dev, fill=pad_byte.get(name, 0) or 0)
     entry.filled[name] = shape

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ortcapture import _compat as compat
+from ortcapture._ort import compat
 
 
 def _ok(err) -> bool:

@@ -1,0 +1,1 @@
+"""Device memory of captured graphs: fixed buffers, the ledger of released graphs, and compaction."""
