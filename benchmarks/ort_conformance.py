@@ -1,6 +1,6 @@
 """Conformance with ORT's own Python tests (issue 24 item 3): run ORT's IOBinding and CUDA-graph test files once
 with raw ORT and once per way of installing ortcapture, and check that every test passing on raw ORT passes with
-ortcapture too, except the deliberate deviations listed in README.md ("Deliberate deviations from ORT").
+ortcapture too, except the deliberate deviations listed in docs/USAGE.md ("Deliberate deviations from ORT").
 
 ORT's test files are not part of this repository (upstream licence); fetch them yourself into a directory, e.g.
 on a machine with network (pinned commits, see ``UPSTREAM``)::
@@ -56,7 +56,7 @@ RAW_URL = "https://raw.githubusercontent.com/microsoft/onnxruntime/{commit}/onnx
 CUDAGRAPH_TEST = "onnxruntime_test_python_cudagraph.py::TestInferenceSessionWithCudaGraph::test_select_ep_to_run_cuda_graph"
 #: test methods run as one test per part (the file on disk is not changed)
 SPLITS = {CUDAGRAPH_TEST: ["run_model_with_cuda_graph", "run_model_with_cuda_graph_annotation"]}
-#: test id -> why ortcapture deliberately behaves differently (README.md, "Deliberate deviations from ORT")
+#: test id -> why ortcapture deliberately behaves differently (docs/USAGE.md, "Deliberate deviations from ORT")
 DEVIATIONS = {
     f"{CUDAGRAPH_TEST}__run_model_with_cuda_graph_annotation":
         "rebinds one IOBinding for several gpu_graph_ids: ortcapture pins one IOBinding per gpu_graph_id and raises "
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", action="append", default=[], metavar="FILE::CLASS::METHOD=PART,PART",
                     help="run a test method as one test per part (added to the built-in split)")
     ap.add_argument("--deviation", action="append", default=[], metavar="TEST_ID=REASON",
-                    help="a further deliberate deviation (added to the README's list)")
+                    help="a further deliberate deviation (added to the list in docs/USAGE.md)")
     ap.add_argument("--without-ep", action="append", default=[], metavar="EP",
                     help="leave EP out of onnxruntime.get_available_providers() in every mode, e.g. "
                          "TensorrtExecutionProvider where the wheel lists it but TensorRT is not installed")
