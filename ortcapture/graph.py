@@ -187,6 +187,7 @@ class CapturedGraph:
         for name, buf in self.outputs.items():
             self._binding.bind_ortvalue_output(name, buf)
         self._run_options = run_options_for(self.graph_id)
+        self._targets = transfer.FeedTargets(self.inputs, cs.guard.holds_cuda_gate)
         self._state_src = [self.outputs[o] for o in self._state]
         self._state_dst = [self.inputs[i] for i in self._state.values()]
         for iname in self._state.values():
@@ -279,7 +280,7 @@ class CapturedGraph:
                     if feeds is not None:
                         if self._frozen:
                             check_frozen(self._frozen, feeds)
-                        transfer.copy_feeds(self.inputs, feeds)
+                        transfer.copy_feeds(self._targets, feeds)
                     # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so
                     # a read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before
                     # and after). Feeds were copied above, before it turned odd: this graph's own previous outputs may
@@ -439,6 +440,8 @@ class CapturedGraph:
         for name, buf in self.outputs.items():
             binding.bind_ortvalue_output(name, buf)
         self._binding = binding
+        self._targets = transfer.FeedTargets(self.inputs, self._cs.guard.holds_cuda_gate, self._targets.staging
+                                             if getattr(self, "_targets", None) is not None else None)
         self._state_src = [self.outputs[o] for o in self._state]
         self._state_dst = [self.inputs[i] for i in self._state.values()]
         # one entry per get_outputs() entry: a value listed twice as a graph output is one buffer at each position
@@ -455,6 +458,7 @@ class CapturedGraph:
 
     def _drop_buffers(self) -> None:
         self._binding = None
+        self._targets = None
         self._state_src = self._state_dst = []
         for d in ("inputs", "outputs", "_initial_state"):
             if hasattr(self, d):

@@ -389,6 +389,131 @@ def _fast_pair(sm: ValueMeta | None, dm: ValueMeta, src: Any) -> bool:
             and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id))
 
 
+class FeedTargets:
+    """A graph's fixed input buffers as :func:`copy_feeds` takes them on the replay path, with what was decided
+    about each source before (built by ``CapturedGraph`` at capture and again whenever its buffers change).
+
+    A source seen before is copied without validating it again only where nothing about it can have changed: an
+    exact ``onnxruntime.OrtValue`` (a tensor OrtValue's shape, element type and buffer are fixed for its life; a
+    ``ReplayOutput`` is never remembered: it needs its staleness check) copied device to device through ORT
+    (CUDA ``OrtValue.update_inplace(OrtValue)``, WebGPU ``copy_tensors``). Everything else — numpy arrays (shape,
+    dtype and strides can change in place), DLPack producers (a torch tensor can be resized; their own cache
+    re-checks address, shape, dtype and contiguity on every call), CPU values — takes :func:`update_inplace`'s
+    full checks on every call. The remembered source is held weakly, and one per input.
+
+    Args:
+        buffers: ``{input name: fixed OrtValue}`` (the graph's ``inputs``; not copied: the graph rebuilds its
+            targets when it replaces a buffer).
+        gate_held: the caller holds ``CUDA_GATE.shared`` around every :meth:`copy` (a CUDA session's guard).
+        staging: the graph's :class:`HostStaging` for host (numpy) sources, or ``None``.
+    """
+
+    __slots__ = ("buffers", "gate_held", "staging", "_last")
+
+    def __init__(self, buffers: Mapping[str, OrtValue], gate_held: bool = False, staging=None) -> None:
+        self.buffers = buffers
+        self.gate_held = bool(gate_held)
+        self.staging = staging
+        self._last: dict[str, tuple] = {}  # name -> (weakref to the source, copy(dst, src), dst)
+
+    def __getitem__(self, name: str) -> OrtValue:
+        return self.buffers[name]
+
+    def __iter__(self):
+        return iter(self.buffers)
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def copy(self, feeds: Mapping[str, Any]) -> None:
+        """:func:`copy_feeds` into these buffers (same checks, same errors; every feed checked before any copy)."""
+        if type(feeds) is not dict and not isinstance(feeds, Mapping):
+            raise TransferError(f"feeds must be a mapping {{input name: value}}, got {type(feeds).__name__}")
+        last = self._last
+        if len(feeds) == 1:
+            for name, value in feeds.items():
+                hit = last.get(name)
+                if hit is not None and hit[0]() is value:
+                    if UNSETTLED:
+                        settle()
+                    hit[1](hit[2], value)
+                    return
+                dst = self.buffers.get(name)
+                if dst is None:
+                    raise TransferError(f"unknown input {name!r}; the inputs are {list(self.buffers)}")
+                staging = self.staging
+                if staging is not None and type(value) is np.ndarray and staging.takes(name, value):
+                    staging.upload({name: value})
+                    return
+                update_inplace(dst, value)
+                self._remember(name, dst, value)
+            return
+        hits = [last.get(name) for name in feeds]
+        if all(h is not None and h[0]() is v for h, v in zip(hits, feeds.values())):
+            if UNSETTLED:
+                settle()
+            for h, v in zip(hits, feeds.values()):
+                h[1](h[2], v)
+            return
+        staging = self.staging
+        host: dict = {}
+        tokens = []
+        for name, value in feeds.items():
+            dst = self.buffers.get(name)
+            if dst is None:
+                raise TransferError(f"unknown input {name!r}; the inputs are {list(self.buffers)}")
+            if staging is not None and type(value) is np.ndarray and staging.takes(name, value):
+                host[name] = value  # checked by takes(): exact shape, dtype, C order
+                continue
+            tokens.append((name, prepare(dst, value)))
+        for name, token in tokens:
+            commit(token)
+            self._remember(name, token[0], feeds[name])
+        if host:
+            staging.upload(host)
+
+    def _remember(self, name: str, dst: OrtValue, src: Any) -> None:
+        fn = _direct_copier(dst, src, self.gate_held)
+        if fn is None:
+            self._last.pop(name, None)
+            return
+        try:
+            self._last[name] = (weakref.ref(src), fn, dst)
+        except TypeError:
+            self._last.pop(name, None)
+
+
+def _d2d_gated(dst: OrtValue, src: OrtValue) -> None:
+    with _CUDA_SHARED:
+        dst.update_inplace(src)
+
+
+def _d2d_held(dst: OrtValue, src: OrtValue) -> None:  # the caller holds CUDA_GATE.shared
+    dst.update_inplace(src)
+
+
+def _webgpu_copy(dst: OrtValue, src: OrtValue) -> None:
+    with WEBGPU_LOCK:
+        compat.ort_copy_tensors([src], [dst], None)
+
+
+def _direct_copier(dst: OrtValue, src: Any, gate_held: bool):
+    """How :class:`FeedTargets` copies ``src`` into ``dst`` next time without checking it again, or ``None`` where
+    it must be checked every time (see there). Called after :func:`update_inplace` accepted the pair."""
+    if type(src) is not _ORTVALUE:
+        return None
+    sm = getattr(src, "_ortcapture_meta", None)
+    dm = getattr(dst, "_ortcapture_meta", None)
+    if sm is None or dm is None or sm.dtype is None or sm.dtype != dm.dtype or sm.shape != dm.shape:
+        return None
+    if _fast_pair(sm, dm, src):
+        return _d2d_held if gate_held else _d2d_gated
+    if (sm.kind == "webgpu" == dm.kind and COPY_BACKEND is None and compat.has_copy_tensors()
+            and _alias(src, sm, dst, dm) is None):
+        return _webgpu_copy
+    return None
+
+
 def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> None:
     """Copy each feed into the fixed buffer of the same name — the one function that copies feeds into a graph's
     inputs (:meth:`CapturedGraph.run`, capture, ``reset_state``).
@@ -403,6 +528,9 @@ def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> Non
             Every feed is checked before any buffer is written (a single feed: :func:`update_inplace`'s own checks,
             which also precede its copy), so a refused call changes nothing.
     """
+    if type(buffers) is FeedTargets:  # a graph's replay: sources validated before are copied straight away
+        buffers.copy(feeds)
+        return
     if type(feeds) is not dict and not isinstance(feeds, Mapping):
         raise TransferError(f"feeds must be a mapping {{input name: value}}, got {type(feeds).__name__}")
     if len(feeds) == 1:  # the common case, straight to update_inplace's one fast path

@@ -226,6 +226,11 @@ class SessionGuard:
         self._lock = lock
         self._gate = CUDA_GATE.shared if cuda else None
 
+    @property
+    def holds_cuda_gate(self) -> bool:
+        """Whether ``with guard:`` holds :data:`CUDA_GATE` (shared or exclusive) inside the block."""
+        return self._gate is not None
+
     def __enter__(self) -> None:
         if self._gate is not None:
             self._gate.__enter__()
