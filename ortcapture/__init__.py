@@ -16,6 +16,7 @@ _EXPORTS = {
     "CaptureUnsupportedError": "ortcapture.errors", "GraphReleasedError": "ortcapture.errors",
     "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
     "CaptureAbortedError": "ortcapture.errors", "PointerLifetimeWarning": "ortcapture.errors",
+    "EPAccuracyWarning": "ortcapture.errors",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
     "InferenceSession": "ortcapture.session", "run_options_for": "ortcapture.session",
     "IOBinding": "ortcapture._core.binding",

@@ -42,3 +42,13 @@ class CaptureAbortedError(CaptureError, RuntimeError):
 class PointerLifetimeWarning(UserWarning):
     """A raw device pointer was bound under capture without ``owner=``: the memory must outlive the captured graph
     (ortcapture cannot keep it alive, and a replay after it is freed reads or writes freed memory)."""
+
+
+class EPAccuracyWarning(UserWarning):
+    """The capturing EP's own (uncaptured) results differ from ORT's CPU EP beyond tolerance on the same inputs.
+
+    Not a capture fault: verification judges a captured graph against the same EP's uncaptured run, because an EP
+    may compute differently from the CPU EP without any capture (measured on WebGPU: a recurrent model's state
+    differed by 0.43 after one step, its captured replay equal to the uncaptured WebGPU run). Warned once per
+    session at ``verify="full"``; ``ortcapture doctor`` reports it as "EP accuracy" and names the first node that
+    differs."""

@@ -31,7 +31,7 @@ from ortcapture._buckets.run import BucketRunner
 from ortcapture._ort.compat import OrtInferenceSession
 from ortcapture import transfer
 from ortcapture._ort.providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
-from ortcapture._core.reference import reference_runner, verify_graph
+from ortcapture._core.reference import check_ep_accuracy, reference_runner, verify_graph
 from ortcapture._session_setup import (
     build_without_capture, check_tensor_io, check_version, constant_outputs_of, refuse_int64_arithmetic, refusal_text,
     trt_bucket_profiles, without_capture)
@@ -483,8 +483,8 @@ class InferenceSession(OrtInferenceSession):
                 raise
 
     def _oc_bucket_reference(self):
-        """The buckets' verification reference (``ortcapture._core.reference``: CUDA the session's own ``gpu_graph_id=-1``
-        run, bfloat16 through OrtValues; a capture-enabled WebGPU session a capture-less reference); ``None`` (the
+        """The buckets' verification reference (``ortcapture._core.reference``: the session's own ``gpu_graph_id=-1``
+        run, bfloat16 through OrtValues on CUDA); ``None`` (the
         plain uncaptured run) for a shape-deferred session, whose base session has no capture."""
         st = self._oc_state
         if st.info is None:
@@ -615,11 +615,14 @@ class InferenceSession(OrtInferenceSession):
             state: ``{output name: input name}`` pairs carried from one replay to the next on the device.
             verify: ``True``/``"full"``, ``"example"``, ``False``/``"off"``; ``None``: the session's ``verify=``.
                 After capture the replay of the example (and at ``"full"`` of a varied input set, host-read inputs
-                kept) is compared with a reference run: CUDA/TensorRT the same session with ``gpu_graph_id=-1``,
-                exactly; WebGPU the shape-deferred base session or a CPU EP session (built once per session),
-                within ``ortcapture._verify.compare.DEFAULT_RTOL`` relative to each output's max. The example is then
-                restored exactly into the inputs, the ``state=`` inputs and the outputs. Cost: two replays and two
-                reference runs at ``"full"`` (see benchmarks/bench_verify.py).
+                kept) is compared with a reference run on the same EP — it judges the capture, not the EP: the
+                graph's own session with ``gpu_graph_id=-1``, exactly; a graph on a shape-specialised sibling the
+                shape-deferred base session, within ``ortcapture._verify.compare.DEFAULT_RTOL`` relative to each
+                output's max. The example is then restored exactly into the inputs, the ``state=`` inputs and the
+                outputs. At ``"full"`` on WebGPU the example is also run once per session on ORT's CPU EP: outputs
+                beyond that tolerance give one :class:`~ortcapture.errors.EPAccuracyWarning` (the EP's accuracy,
+                never a refusal). Cost: two replays and two reference runs at ``"full"`` (see
+                benchmarks/bench_verify.py).
 
         Raises:
             VerificationError: (a ``CaptureError``) the replay differs from the reference (outputs named; for the
@@ -645,22 +648,26 @@ class InferenceSession(OrtInferenceSession):
         if target.info is None:
             self._oc_require_capture("capture()")
         target.check_foreign_capture()
-        with fam.capture_guard:
-            gid = fam.free_id() if graph_id is None else check_graph_id(graph_id)
-            fam.check_free(gid)
-            graph = CapturedGraph(target, example_feeds, gid, state=state)
-            fam.graphs.add(graph, graph.shape_key)
-            host = shapes.host_read_inputs(target.session)
-        level = self._oc_verify if verify is None else level_of(verify)
-        try:
+        graph = None
+        try:  # any BaseException (a KeyboardInterrupt too) releases a graph made here: the next capture() works
+            with fam.capture_guard:
+                gid = fam.free_id() if graph_id is None else check_graph_id(graph_id)
+                fam.check_free(gid)
+                graph = CapturedGraph(target, example_feeds, gid, state=state)
+                fam.graphs.add(graph, graph.shape_key)
+                host = shapes.host_read_inputs(target.session)
+            level = self._oc_verify if verify is None else level_of(verify)
             if host:
                 graph.freeze_inputs({n: transfer.to_numpy(graph.inputs[n]) for n in host})
             if level != "off":
                 reference, rtol = reference_runner(target, self._oc_args[0], self._oc_ref_cache)
                 graph.verification = verify_graph(graph, level, reference, rtol, keep=host,
                                                   model_source=self._oc_args[0])
+            if level == "full":  # the EP against ORT's CPU EP: reported once, never a refusal
+                check_ep_accuracy(target, graph, self._oc_args[0], self._oc_ref_cache)
         except BaseException:
-            graph.release()
+            if graph is not None:
+                graph.release()
             raise
         return graph
 

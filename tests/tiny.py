@@ -378,3 +378,33 @@ def batch_state_model(d=4) -> bytes:
              helper.make_node("Tanh", ["s"], ["h_out"]), helper.make_node("Mul", ["h_out", "two"], ["y"])]
     return _model(nodes, [vi("x", ["batch", d]), vi("h", [1, None, d])],
                   [vi("y", [1, None, d]), vi("h_out", [1, None, d])], [half, two])
+
+
+def chaotic_model(n=64, steps=32, dims=None) -> bytes:
+    """``steps`` unrolled steps of the logistic map ``x <- r * x * (1 - x)`` (r = 3.99, chaotic) on ``state_in``
+    -> ``state_out``; ``y = 2 * state_out``. One factor ``x`` is computed as ``Exp(Log(x))``, which each EP rounds
+    its own way (measured on the software WebGPU adapter: Exp alone differs from the CPU EP by one ulp on 61% of
+    inputs); the map doubles such a difference every step, so after a few dozen steps the EPs disagree completely,
+    while captured and uncaptured runs on one EP stay bit-identical. ``dims``: the state's dims (default ``[n]``;
+    e.g. ``["batch", n]`` for a shape-deferred WebGPU session)."""
+    dims = list(dims or [n])
+    r = numpy_helper.from_array(np.array(3.99, np.float32), "r")
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    nodes, cur = [], "state_in"
+    for i in range(steps):
+        out = "state_out" if i == steps - 1 else f"x{i + 1}"
+        nodes += [helper.make_node("Log", [cur], [f"l{i}"]), helper.make_node("Exp", [f"l{i}"], [f"e{i}"]),
+                  helper.make_node("Sub", ["one", cur], [f"c{i}"]), helper.make_node("Mul", [f"e{i}", f"c{i}"], [f"p{i}"]),
+                  helper.make_node("Mul", ["r", f"p{i}"], [out])]
+        cur = out
+    nodes.append(helper.make_node("Mul", ["state_out", "two"], ["y"]))
+    return _model(nodes, [vi("state_in", dims)], [vi("y", dims), vi("state_out", dims)], [r, one, two])
+
+
+def chaotic_steps(x: np.ndarray, runs: int, steps=32) -> np.ndarray:
+    """numpy float32 logistic map: :func:`chaotic_model`'s ``state_out`` after ``runs`` runs (rounding of numpy's own)."""
+    x = np.asarray(x, np.float32)
+    for _ in range(runs * steps):
+        x = (np.float32(3.99) * (np.exp(np.log(x)) * (np.float32(1) - x))).astype(np.float32)
+    return x

@@ -138,19 +138,26 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
     _warn_pointer_lifetime(binding, graph_id)
     snapshots = _snapshot_state(state, binding, declared)
     run = _runner(state, binding, run_options)
+    rec = None
     try:
-        run()
-    except (ValueError, TypeError):  # refused by ORT's Python guards before the native run: nothing to undo
+        try:
+            run()
+        except (ValueError, TypeError):  # refused by ORT's Python guards before the native run: nothing to undo
+            raise
+        except Exception as exc:  # noqa: BLE001 - ORT's Fail/RuntimeException/EPFail are not all RuntimeErrors
+            _abandon(state, graph_id, run_options, snapshots, exc)
+        rec = state.registry.record(binding, graph_id, owner)
+    except BaseException as exc:
+        if rec is None and not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, ...: see _interrupted
+            _interrupted(state, graph_id, snapshots)
         raise
-    except Exception as exc:  # noqa: BLE001 - ORT's Fail/RuntimeException/EPFail are not all RuntimeErrors
-        _abandon(state, graph_id, run_options, snapshots, exc)
-    rec = state.registry.record(binding, graph_id, owner)
-    host = host_read_inputs(session)
-    # bind_cpu_input may wrap the caller's array without a copy: a later in-place change would be read by an
-    # uncaptured run but not by a replay (the host read happened at capture), so the values are checked per replay
-    rec.frozen = {n: np.array(b.value, copy=True) for n, b in binding.bound_inputs.items()
-                  if n in host and b.kind == "cpu" and b.value is not None}
     try:
+        host = host_read_inputs(session)
+        # bind_cpu_input may wrap the caller's array without a copy: a later in-place change would be read by an
+        # uncaptured run but not by a replay (the host read happened at capture), so the values are checked per
+        # replay
+        rec.frozen = {n: np.array(b.value, copy=True) for n, b in binding.bound_inputs.items()
+                      if n in host and b.kind == "cpu" and b.value is not None}
         if snapshots:
             transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
         sentinels = _fill_sentinels(binding, SENTINEL_BYTE, skip=state.constant_outputs())
@@ -170,8 +177,14 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
                     partial.append(name)
             if again:
                 transfer.copy([t for t, _ in again], [b for _, b in again])
-    except BaseException:
-        state.release(graph_id)
+    except BaseException as exc:
+        interrupted = not isinstance(exc, Exception)  # an interrupt: state as before, and a retry of the id is told
+        if interrupted and snapshots:
+            try:
+                transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+            except BaseException:  # noqa: BLE001 - best effort; the interrupt is what the caller sees
+                pass
+        state.release(graph_id, aborted=interrupted)
         raise
     if stale:
         state.release(graph_id)
@@ -255,6 +268,32 @@ def _abandon(state, graph_id: int, run_options, snapshots, exc: BaseException):
     ) from exc
 
 
+def _interrupted(state, graph_id: int, snapshots) -> None:
+    """Bookkeeping after an interrupt of the capturing run (a ``BaseException`` that is not an ``Exception``:
+    ``KeyboardInterrupt``, ``SystemExit``; the caller re-raises it unchanged — nothing blames the model).
+
+    CPython delivers a signal only when ORT's native ``run_with_iobinding`` returns, so ORT may hold a complete
+    graph under ``graph_id`` that no record pins (ORT >= 1.30's own WebGPU pin is skipped too: its wrapper is
+    interrupted before it pins), and a later run of the id would replay that graph on the old buffers. Declared
+    state is restored from its snapshot (the warm-up runs advanced it); the id is freed in ORT where ORT can
+    (WebGPU, ORT >= 1.30: a retry under the id captures again), else retired as aborted (CUDA/TensorRT, whose
+    release is a no-op: a retry of the id raises :class:`~ortcapture.errors.GraphReleasedError` saying the capture
+    was aborted and which id captures). Never raises: the interrupt is what the caller sees."""
+    try:
+        if snapshots:
+            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+    except BaseException:  # noqa: BLE001 - best effort; the interrupt is re-raised by the caller
+        pass
+    try:
+        if state.info.releases_natively:
+            compat.OrtInferenceSession.release_captured_graph(state.session, graph_id)
+        else:
+            state.registry.retire(graph_id, aborted=True)
+    except BaseException:  # noqa: BLE001 - a second interrupt: retire at least
+        if state.registry is not None and not state.info.releases_natively:
+            state.registry.retire(graph_id, aborted=True)
+
+
 def _snapshot_state(state, binding: IOBinding, declared) -> list:
     """Device copies of the declared in-place state inputs: [(scratch copy, bound buffer)] (the scratch copies are
     the caller's: freed when it drops the list)."""
@@ -283,9 +322,11 @@ def capture_in_this_thread(state, binding: IOBinding, run_options) -> None:
     """
     declared = validate_bindings(state, binding)
     snapshots = _snapshot_state(state, binding, declared)
-    _runner(state, binding, run_options)()
-    if snapshots:
-        transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+    try:
+        _runner(state, binding, run_options)()
+    finally:  # an interrupt too: the warm-up runs' steps are undone (the thread captures again on its next run)
+        if snapshots:
+            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
 
 
 def _fill_sentinels(binding: IOBinding, byte: int, only=None, skip=()) -> dict:

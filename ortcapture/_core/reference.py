@@ -7,11 +7,18 @@ the ``state=`` inputs (their initial values) and the output buffers (the example
 
 * CUDA/TensorRT: the same session with ``gpu_graph_id=-1`` — the same kernels at the same shapes, no second copy of
   the weights; compared exactly (bit-equal).
-* WebGPU: not the capture-enabled session itself (it runs int64 as 32-bit even uncaptured): the shape-deferred
-  base session (built without capture) where the graph lives on a shape-specialised sibling, else a CPU EP session
-  of the same model built once per session family; compared within :data:`ortcapture._verify.compare.DEFAULT_RTOL`. Only
-  where the CPU EP cannot build the model (a node without a CPU kernel, e.g. bf16) the capture-enabled session
-  runs uncaptured (``gpu_graph_id=-1``) as the reference.
+* WebGPU: the judge is the same EP, never another one. A graph of a session that captures itself is compared with
+  that session's own uncaptured run (``gpu_graph_id=-1``), exactly: the same kernels at the same shapes (the
+  construction-time int64 refusal, ``allow_int64_as_int32``, covers that session's int64-as-32-bit handling). A graph on
+  a shape-specialised sibling is compared with the shape-deferred base session (built without capture, same EP),
+  within :data:`ortcapture._verify.compare.DEFAULT_RTOL` (other shapes, other kernels).
+
+  Why not ORT's CPU EP: an EP may compute differently from the CPU EP without any capture (measured on the software
+  adapter and through Vulkan on an NVIDIA GPU: a recurrent model's state differs by 0.43 after one step on the same
+  inputs, while its captured replay equals the uncaptured WebGPU run bit for bit), and a CPU judge would then refuse a
+  capture that changes nothing. How the EP compares with the CPU EP is reported apart: :func:`check_ep_accuracy`
+  (one :class:`~ortcapture.errors.EPAccuracyWarning` per session family at ``verify="full"``) and ``ortcapture
+  doctor``'s "EP accuracy" finding; never a refusal.
 
 Inputs ORT reads in host memory (:func:`ortcapture._ort.specialize.host_read_inputs`) are never varied: they are capture-time constants.
 """
@@ -32,8 +39,8 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
 
     Args:
         cs: the :class:`~ortcapture._core.state.CaptureState` the graph was captured on.
-        model_source: the model (path, bytes or ModelProto) the family was built from (for the CPU EP reference).
-        cache: a dict owned by the family's session: holds the CPU EP reference session once built.
+        model_source: unused (kept for callers; the reference is never another EP).
+        cache: unused.
     """
     info, fam = cs.info, cs.family
     ro = uncaptured_run_options()  # gpu_graph_id=-1: never a replay, nor a bucket graph (buckets=)
@@ -45,27 +52,71 @@ def reference_runner(cs, model_source: Any, cache: dict) -> tuple[Callable[[dict
     if fam is not cs and fam.deferred:
         base = fam.session
         return (lambda feeds: base.run(None, feeds, ro)), DEFAULT_RTOL
+    session = cs.session  # the graph's own session, uncaptured: same EP, same kernels, same shapes
+    return (lambda feeds: session.run(None, feeds, ro)), None
+
+
+def cpu_reference(model_source: Any, cache: dict):
+    """ORT's CPU EP session of the model (built once per session family, kept in ``cache``), or ``None`` where the
+    CPU EP cannot build it (a node without a CPU kernel, e.g. bf16). ORT's own class: under ``ortcapture.patched()``
+    ``onnxruntime.InferenceSession`` is the drop-in."""
     ref = cache.get("cpu")
     if ref is None:
         import onnxruntime as ort
 
-        from ortcapture._ort.specialize import load_model
-
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        model = load_model(model_source).SerializeToString() if not isinstance(model_source, (str, bytes)) \
-            else model_source
-        try:  # ORT's own class: under ortcapture.patched() onnxruntime.InferenceSession is the drop-in (buckets=...)
-            ref = compat.OrtInferenceSession(model, so, providers=["CPUExecutionProvider"])
-        except Exception:  # noqa: BLE001 - no CPU kernel for some node (e.g. bf16): the next best reference
+        try:
+            ref = _build_cpu(model_source, so)
+        except Exception:  # noqa: BLE001 - no CPU kernel for some node (e.g. bf16), or the model cannot be read
             ref = False
         cache["cpu"] = ref
-    if ref is False:
-        # the capture-enabled session uncaptured: same kernels, but it shares the WebGPU EP's int64-as-int32
-        # handling (refused at construction / range-checked at run), so it is still a fair judge of the replay
-        session = cs.session
-        return (lambda feeds: session.run(None, feeds, ro)), DEFAULT_RTOL
-    return (lambda feeds: ref.run(None, feeds)), DEFAULT_RTOL
+    return ref or None
+
+
+def _build_cpu(model_source: Any, so):
+    from ortcapture._ort.specialize import load_model
+
+    model = load_model(model_source).SerializeToString() if not isinstance(model_source, (str, bytes)) \
+        else model_source
+    return compat.OrtInferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def check_ep_accuracy(cs, graph, model_source: Any, cache: dict) -> None:
+    """Once per session family (``cache``): compare the restored example of ``graph`` (its inputs and the example
+    replay's outputs) with ORT's CPU EP on the same inputs, and warn :class:`~ortcapture.errors.EPAccuracyWarning`
+    naming the outputs that differ beyond :data:`~ortcapture._verify.compare.DEFAULT_RTOL`. Only for WebGPU (CUDA's
+    judge was always the same session; TF32 differs from the CPU EP by design). Never raises: an EP that computes
+    differently from the CPU EP is the EP's accuracy, not a capture fault (``ortcapture doctor`` names the first
+    node that differs)."""
+    if cs.info is None or cs.info.device_type != "webgpu" or cache.get("ep_accuracy_checked"):
+        return
+    cache["ep_accuracy_checked"] = True
+    try:
+        ref = cpu_reference(model_source, cache)
+        if ref is None:
+            return
+        feeds = {n: transfer.to_numpy(v) for n, v in graph.inputs.items()}
+        names = [o.name for o in graph.session.get_outputs()]
+        got = [transfer.to_numpy(graph.outputs[n]) for n in names]
+        want = ref.run(names, feeds)
+    except Exception:  # noqa: BLE001 - a report, never a refusal
+        return
+    from ortcapture._verify.compare import compare
+
+    bad, errors = compare(names, got, want, DEFAULT_RTOL)
+    if bad:
+        import warnings
+
+        from ortcapture.errors import EPAccuracyWarning
+
+        worst = ", ".join(f"{n} ({errors[n]:.3g})" for n in bad[:8])
+        warnings.warn(
+            f"{cs.info.ep.name} computes output(s) {worst} differently from ORT's CPU EP beyond rtol {DEFAULT_RTOL:g} "
+            "on the same inputs, without capture: the EP's own accuracy, not a capture fault (the captured graph "
+            f"gpu_graph_id={graph.graph_id} was verified against the uncaptured {cs.info.ep.name} run). "
+            "`ortcapture doctor MODEL` names the first node that differs. Reported once per session.",
+            EPAccuracyWarning, stacklevel=4)
 
 
 def _has_storage_dtype(session) -> bool:

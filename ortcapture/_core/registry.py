@@ -61,6 +61,9 @@ class GraphRegistry:
         self.info = info
         self._graphs: dict[int, CapturedGraphRecord] = {}
         self._retired: set[int] = set()
+        #: retired ids whose capturing run was aborted (an error inside ORT, or an interrupt such as KeyboardInterrupt
+        #: when ORT's native call returned): ORT may hold a whole graph under them and cannot free it
+        self._aborted: set[int] = set()
         self._lock = threading.RLock()
 
     # -- queries --------------------------------------------------------------------------------------------
@@ -78,6 +81,23 @@ class GraphRegistry:
     def retired_ids(self) -> list[int]:
         return sorted(self._retired)
 
+    def was_aborted(self, graph_id: int) -> bool:
+        """Whether ``graph_id`` is retired because its capture was aborted (not released by the caller)."""
+        return graph_id in self._aborted
+
+    def retired_text(self, graph_id: int) -> str:
+        """Why ``graph_id`` cannot be captured or replayed again, and which id can (for the errors that refuse it)."""
+        ep = self.info.ep.name
+        if graph_id in self._aborted:
+            return (f"the capture of gpu_graph_id={graph_id} was aborted (an error inside ORT or an interrupt such as "
+                    f"KeyboardInterrupt), and this onnxruntime cannot free what ORT may hold under that id for "
+                    f"{ep} (release_captured_graph is a no-op there), so the id is retired: capture under another "
+                    f"id (e.g. {self.free_id(graph_id)}; graph_id=None picks one)")
+        return (f"gpu_graph_id={graph_id} was released, but this onnxruntime cannot free a captured {ep} graph "
+                "(release_captured_graph is a no-op for CUDA/TensorRT, and WebGPU gains it in ORT 1.30): replaying "
+                "it would write into the old buffers and ignore the new binding. Capture under a new gpu_graph_id "
+                f"(e.g. {self.free_id(graph_id)}), or create a new session")
+
     def free_id(self, start: int = FIRST_AUTO_ID) -> int:
         """The smallest id >= ``start`` neither captured nor retired."""
         with self._lock:
@@ -94,13 +114,7 @@ class GraphRegistry:
         from the one the id pinned.
         """
         if graph_id in self._retired:
-            raise GraphReleasedError(
-                f"gpu_graph_id={graph_id} was released, but this onnxruntime cannot free a captured "
-                f"{self.info.ep.name} graph (release_captured_graph is a no-op for CUDA/TensorRT, and WebGPU gains it "
-                "in ORT 1.30): replaying it would write into the old buffers "
-                f"and ignore the new binding. Capture under a new gpu_graph_id (e.g. {self.free_id(graph_id)}), "
-                "or create a new session."
-            )
+            raise GraphReleasedError(self.retired_text(graph_id) + ".")
         rec = self._graphs.get(graph_id)
         if rec is None:
             return None
@@ -129,9 +143,12 @@ class GraphRegistry:
             binding.pin(graph_id)
             return rec
 
-    def release(self, graph_id: int) -> CapturedGraphRecord | None:
-        """Forget ``graph_id``, unpin its binding; retire the id where ORT cannot really release it."""
+    def release(self, graph_id: int, aborted: bool = False) -> CapturedGraphRecord | None:
+        """Forget ``graph_id``, unpin its binding; retire the id where ORT cannot really release it (``aborted``: its
+        capture was interrupted, and the errors for the id say so)."""
         with self._lock:
+            if aborted and not self.info.releases_natively:
+                self._aborted.add(graph_id)
             rec = self._graphs.pop(graph_id, None)
             if rec is not None:
                 binding = rec.binding()
@@ -141,10 +158,13 @@ class GraphRegistry:
                     self._retired.add(graph_id)
             return rec
 
-    def retire(self, graph_id: int) -> None:
-        """Retire ``graph_id`` without a record (a capturing run that failed where ORT cannot release the id)."""
+    def retire(self, graph_id: int, aborted: bool = True) -> None:
+        """Retire ``graph_id`` without a record (a capturing run that failed or was interrupted where ORT cannot
+        release the id)."""
         with self._lock:
             self._retired.add(graph_id)
+            if aborted:
+                self._aborted.add(graph_id)
 
     def reset(self) -> list[CapturedGraphRecord]:
         """Forget every graph and retired id (the C session that held them is gone); return the old records."""
@@ -156,4 +176,5 @@ class GraphRegistry:
                     binding.unpin(rec.graph_id)
             self._graphs.clear()
             self._retired.clear()
+            self._aborted.clear()
             return old

@@ -226,9 +226,7 @@ class CaptureState:
             if graph_id in st.registry:
                 raise CaptureError(f"gpu_graph_id={graph_id} is already captured; release it or pick another id")
             if graph_id in st.registry.retired_ids:
-                raise GraphReleasedError(
-                    f"gpu_graph_id={graph_id} was released, and this onnxruntime cannot free a captured "
-                    f"{st.info.ep.name} graph: capture under a new id (graph_id=None picks one)")
+                raise GraphReleasedError(st.registry.retired_text(graph_id) + ".")
 
     def release_collected(self) -> None:
         """Release the graphs whose CapturedGraph was garbage-collected without ``release()`` (call on the family
@@ -316,11 +314,12 @@ class CaptureState:
             )
 
     # -- release / reset ------------------------------------------------------------------------------------
-    def release(self, graph_id: int) -> None:
+    def release(self, graph_id: int, aborted: bool = False) -> None:
         """Release ``graph_id`` on this member: unpin it, free it in ORT where ORT can (WebGPU; CUDA/TensorRT ids
-        are retired instead), and detach the CapturedGraph that owned it."""
+        are retired instead; ``aborted``: its capture was interrupted, and a retry of the id is told so), and detach
+        the CapturedGraph that owned it."""
         with self.guard:
-            rec = self.registry.release(graph_id) if self.registry is not None else None
+            rec = self.registry.release(graph_id, aborted) if self.registry is not None else None
             if rec is not None:
                 self.ledger.released(graph_id, freed=self.info.releases_natively, pinned_bytes=rec.nbytes)
             if compat.has_release_captured_graph():
