@@ -1,9 +1,11 @@
 """ortcapture: safe, fast GPU graph capture (CUDA graphs, TensorRT, WebGPU) for ONNX Runtime.
 
-The public surface is :data:`__all__`: the session, graph, transfer and error names below and the :mod:`ortcapture.webgpu`
-helpers. Modules whose names start with ``_`` are private; ``ortcapture.cli`` is the command line. Names are imported
-on first use (PEP 562), so ``import ortcapture`` and ``ortcapture patch`` work without onnxruntime installed; the
-first name that needs it raises :class:`ModuleNotFoundError` naming the extras that install it.
+The public surface is :data:`__all__`: the session, graph, transfer and error names below, ``DEFAULT_RTOL`` (the
+relative tolerance of the verification where reference and replay run different kernels), the :mod:`ortcapture.webgpu`
+helpers and :mod:`ortcapture.serving` (batching requests onto a bucketed session). Modules whose names start with
+``_`` are private; ``ortcapture.cli`` is the command line. Names are imported on first use (PEP 562), so ``import
+ortcapture`` and ``ortcapture patch`` work without onnxruntime installed; the first name that needs it raises
+:class:`ModuleNotFoundError` naming the extras that install it.
 """
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ _EXPORTS = {
     "patched": "ortcapture.dropin",
     "can_copy": "ortcapture.transfer", "copy": "ortcapture.transfer", "to_numpy": "ortcapture.transfer",
     "update_inplace": "ortcapture.transfer",
+    "DEFAULT_RTOL": "ortcapture._verify.compare",
 }
 #: public submodules, importable as attributes after a plain ``import ortcapture``
-_PUBLIC_MODULES = {"dropin", "errors", "graph", "session", "transfer", "webgpu", "cli"}
+_PUBLIC_MODULES = {"dropin", "errors", "graph", "session", "transfer", "webgpu", "serving", "cli"}
 #: deprecated aliases of modules that became private in 0.2.0 (each warns once on import; gone in 0.3.0)
 _DEPRECATED_MODULES = {"binding", "buffers", "capture", "compat", "cudart", "gate", "providers", "registry", "shapes",
                        "values"}
-__all__ = sorted([*_EXPORTS, "webgpu", "__version__"])
+__all__ = sorted([*_EXPORTS, "webgpu", "serving", "__version__"])
 
 #: the error when no ONNX Runtime is installed (ortcapture depends on none: onnxruntime and onnxruntime-gpu are two
 #: distributions of one package, and installing either replaces the other)

@@ -524,6 +524,51 @@ class InferenceSession(OrtInferenceSession):
             raise CaptureError("bucket_stats() needs a session made with buckets=")
         return self._oc_buckets.stats()
 
+    def bucket_dims(self) -> dict[str, dict]:
+        """The bucketed dims of a session made with ``buckets=``, in the order given there.
+
+        Returns:
+            ``{label: {"sizes": (1, 2, 4, 8), "sites": (("images", 0), ...)}}``: ``label`` is the dim's name as
+            :meth:`bucket_stats` and :meth:`bucket_output_axes` spell it (the ``dim_param``, ``"input[axis]"`` for a
+            key ``(input, axis)``, parts joined by ``+`` for a tuple key); ``sizes`` the ascending bucket sizes
+            (ints); ``sites`` every ``(input name, axis)`` padded along that dim (every input axis sharing the
+            ``dim_param``).
+
+        Raises:
+            CaptureError: the session has no ``buckets=``.
+        """
+        if self._oc_buckets is None:
+            raise CaptureError("bucket_dims() needs a session made with buckets=")
+        return self._oc_buckets.dim_layout()
+
+    def bucket_output_axes(self, example_feeds: Mapping[str, Any] | None = None) -> dict[str, dict[str, tuple]]:
+        """Which axes of each output follow each bucketed dim: the axes plain :meth:`run` slices back to the
+        request's size (e.g. to split a batch of several requests back per request).
+
+        Decided from the model's behaviour, not its dim names: by the first bucketed run, or, if none ran yet, now
+        by two uncaptured runs with the bucketed dims at their two smallest sizes (on the host inputs
+        ``example_feeds``, cut or zero-padded along the bucketed axes; ``None``: zeros), or as declared in
+        ``output_axes=``.
+
+        Args:
+            example_feeds: ``{input: numpy array}`` whose non-bucketed dynamic dims the probe runs use; only read
+                when the relations are not decided yet. ``None``: zeros, only when every dynamic dim is bucketed.
+
+        Returns:
+            ``{output name: {dim label (see :meth:`bucket_dims`): (axis, ...)}}`` for every output, axes ascending.
+            A dim an output does not follow is absent: ``{"scores": {"batch": (0,)}, "feat": {"batch": (1,)},
+            "pooled": {}}``. Axes declared with a size function in ``output_axes=`` (their length is a function of
+            the dim, not the dim) and outputs declared ``None`` are not listed.
+
+        Raises:
+            CaptureError: the session has no ``buckets=``; ``example_feeds`` do not fit the model's inputs, or are
+                ``None`` with non-bucketed dynamic dims; an output whose relation cannot be measured (declare it in
+                ``output_axes=``); the model fails on the padded probe feeds.
+        """
+        if self._oc_buckets is None:
+            raise CaptureError("bucket_output_axes() needs a session made with buckets=")
+        return self._oc_buckets.output_axes(example_feeds)
+
     def _oc_set_providers(self, providers, provider_options, requested) -> bool:
         """ORT's ``set_providers``; when ORT refuses capture for the model's dynamic dims, the session is made
         without capture and defers to shape-specialised siblings, as the constructor does. True when deferred."""

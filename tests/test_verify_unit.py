@@ -53,3 +53,11 @@ def test_verify_catches_a_replay_that_kept_capture_time_values():
     assert _verify.verify(lambda f: 1 / 0, reference, feeds, ["y"], level="off").input_sets == []
     ok = _verify.verify(lambda f: [f["x"] * 2], reference, feeds, ["y"])
     assert ok.input_sets == ["example", "varied"] and ok.max_error["y"] == 0.0
+
+
+def test_vary_keeps_0d_inputs_arrays():
+    """numpy arithmetic on a 0-d array returns a numpy scalar, which ORT's run() refuses ("Unable to handle object of
+    type numpy.float32"): a 0-d temperature input must stay a 0-d array."""
+    out, kept = _verify.vary({"t": np.array(2.0, np.float32), "b": np.array(True), "i": np.array(3, np.int64)})
+    assert all(isinstance(v, np.ndarray) and v.shape == () for v in out.values())
+    assert out["t"].dtype == np.float32 and out["t"] != 2.0 and sorted(kept) == ["b", "i"]

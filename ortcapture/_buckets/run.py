@@ -270,7 +270,7 @@ class BucketRunner:
                     pad = [(0, 0)] * x.ndim
                     pad[axis] = (0, want - n)
                     x = np.pad(x, pad, constant_values=self._pad.get(name, 0))
-            out[name] = np.ascontiguousarray(x)
+            out[name] = np.require(x, requirements="C")  # ascontiguousarray: 0-d -> (1,)
         return out
 
     # -- graphs -----------------------------------------------------------------------------------------------
@@ -542,7 +542,32 @@ class BucketRunner:
                 self._worker.submit(self._run_here, None, resized, None, False, False).result()
         return self.stats()
 
-    def _zeros_example(self) -> dict:
+    def dim_layout(self) -> dict[str, dict]:
+        """See ``InferenceSession.bucket_dims``."""
+        return {d.label: {"sizes": d.sizes, "sites": d.sites} for d in self.dims}
+
+    def output_axes(self, example_feeds: Mapping[str, Any] | None = None) -> dict[str, dict[str, tuple[int, ...]]]:
+        """See ``InferenceSession.bucket_output_axes``: the relations decided by the first request (or now, by two
+        uncaptured runs on ``example_feeds`` or zeros), as ``{output: {label: (axis, ...)}}``."""
+        with self._lock:
+            if self._rel is None:
+                if example_feeds is None:
+                    example_feeds = self._zeros_example("bucket_output_axes")
+                feeds = self._convert_feeds(example_feeds)
+                if not isinstance(feeds, dict):
+                    raise CaptureError(f"bucket_output_axes: {feeds}")
+                self._rel = self._decide_relations(feeds, {d.label: d.sizes[0] for d in self.dims})
+            rel = self._rel
+        out: dict[str, dict[str, tuple[int, ...]]] = {}
+        for name in self.output_names:
+            axes: dict[str, list[int]] = {}
+            for axis, r in sorted(rel.get(name, {}).items()):
+                if r[0] == "follow":
+                    axes.setdefault(r[1], []).append(axis)
+            out[name] = {label: tuple(a) for label, a in axes.items()}
+        return out
+
+    def _zeros_example(self, what: str = "warmup") -> dict:
         out = {}
         for m in self._s.get_inputs():
             shape = []
@@ -553,8 +578,8 @@ class BucketRunner:
                     shape.append(1)
                 else:
                     raise CaptureError(
-                        f"warmup: input {m.name!r} axis {ax} ({d!r}) is dynamic and not bucketed; pass example feeds "
-                        "(warmup(feeds)) so its size is known")
+                        f"{what}: input {m.name!r} axis {ax} ({d!r}) is dynamic and not bucketed; pass example feeds "
+                        f"({what}(feeds)) so its size is known")
             out[m.name] = np.zeros(shape, self._specs[m.name].dtype or input_dtype(m.type) or np.float32)
         return out
 

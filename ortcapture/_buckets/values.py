@@ -73,4 +73,4 @@ def to_host(v) -> np.ndarray:
 def wrap_outputs(outs: list, ort_values: bool) -> list:
     if not ort_values:
         return outs
-    return [compat.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o)) for o in outs]
+    return [compat.OrtValue.ortvalue_from_numpy(np.require(o, requirements="C")) for o in outs]

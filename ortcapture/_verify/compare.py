@@ -125,7 +125,8 @@ def vary(feeds: Mapping[str, np.ndarray], keep: Sequence[str] = (), seed: int = 
             xf = x.astype(np.float32)
             finite = xf[np.isfinite(xf)]
             scale = max(float(np.max(np.abs(finite), initial=0.0)) * 0.1, 0.1)
-            y = (xf + rng.normal(0.0, scale, x.shape).astype(np.float32)).astype(x.dtype)
+            # np.asarray: numpy arithmetic on a 0-d array returns a numpy scalar, which ORT's run() refuses
+            y = np.asarray((xf + rng.normal(0.0, scale, x.shape).astype(np.float32)).astype(x.dtype))
             if np.array_equal(y, x):
                 out[name] = x
                 kept.append(name)
@@ -137,13 +138,13 @@ def vary(feeds: Mapping[str, np.ndarray], keep: Sequence[str] = (), seed: int = 
                 out[name] = x
                 kept.append(name)
                 continue
-            y = rng.integers(lo, hi, size=x.shape, endpoint=True, dtype=x.dtype)
+            y = np.asarray(rng.integers(lo, hi, size=x.shape, endpoint=True, dtype=x.dtype))
             if np.array_equal(y, x):  # tiny inputs: make one element differ
                 flat = y.reshape(-1)
                 flat[0] = hi if flat[0] != hi else lo
             out[name] = y
         elif x.dtype.kind == "b" and x.any() and not x.all():
-            out[name] = ~x
+            out[name] = np.asarray(~x)
         else:
             out[name] = x
             kept.append(name)

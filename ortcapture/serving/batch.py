@@ -1,0 +1,361 @@
+"""The engine-neutral batch runner (issue 29): many requests, grouped, concatenated, run through buckets, split back.
+
+A server receives requests one by one, each a feeds dict (``{input name: numpy array}``) of a few rows; a session
+made with ``buckets=`` serves any batch size from a captured graph per bucket. :class:`BatchRunner` joins the two:
+
+1. every request is checked on its own (:meth:`BatchRunner.rows`): a bad one fails alone with
+   :class:`RequestError` (a client error: HTTP 400) and never reaches the session;
+2. the valid ones are grouped: same non-bucketed dims (e.g. image height and width), and *equal values* for the
+   inputs that do not carry the bucketed dim (a 0-d temperature, a threshold): such an input is one value for the
+   whole batch, so requests that disagree on it cannot share a run;
+3. each group is concatenated along the bucketed dim (``numpy.concatenate``), cut into chunks of at most
+   :attr:`BatchRunner.max_rows` rows without splitting a request (first-fit decreasing; ``split=True`` cuts densely
+   and may split one), and each chunk runs through the session's plain ``run()``, which pads it to the smallest
+   bucket that holds it and replays that bucket's captured graph;
+4. the outputs are split back per request along each output's axis that follows the bucketed dim
+   (:meth:`ortcapture.InferenceSession.bucket_output_axes`).
+
+Guarantees: one result or one exception per request, in request order; a chunk whose run raises fails only its own
+requests; each response is bit-for-bit the slice of ``sess.run`` of its chunk, and equals the request run alone
+within the bucket verification's tolerance (:data:`ortcapture.DEFAULT_RTOL`) — exactly where the model treats rows
+independently and the EP computes a row the same way whatever the batch size (CUDA with TF32 does not: measured
+2.2e-3 on YOLOv8n, issue 16). An output that does not follow the bucketed dim (a reduction over the batch) mixes
+requests and is refused when the runner is made.
+
+Everything runs on the host side of the session: requests and results are numpy arrays in host memory; where the
+session's graphs live (CUDA, WebGPU) is the session's business. Uses only ortcapture's public API.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ortcapture.errors import CaptureError
+from ortcapture.session import InferenceSession
+from ortcapture.transfer import ONNX_TO_NP
+
+#: one model tensor for protocol metadata: (name, numpy dtype, shape with -1 for dynamic dims)
+TensorSpec = tuple[str, np.dtype, tuple[int, ...]]
+
+
+class RequestError(ValueError):
+    """One request is bad: names the input and what is wrong (a client error, HTTP 400). The other requests of
+    the batch are unaffected.
+
+    Attributes:
+        input: the input's name, or ``None`` when the request as a whole is wrong (not a mapping, several inputs
+            disagreeing on the rows).
+    """
+
+    def __init__(self, message: str, input: str | None = None):  # noqa: A002 - the protocol's word
+        super().__init__(message)
+        self.input = input
+
+
+class BatchRunner:
+    """Runs a list of requests on one bucketed session as few batched runs (see the module docstring).
+
+    Args:
+        session: an :class:`ortcapture.InferenceSession` made with ``buckets=`` on exactly one dim (e.g.
+            ``{"batch": [1, 2, 4, 8]}``); its EP (CUDA, TensorRT, WebGPU) and ``replay_thread=`` are its own.
+        max_rows: the most rows one run gets (default: the largest bucket). Above the largest bucket a run goes the
+            session's ``oversize=`` way (uncaptured by default: slow on CUDA).
+        split: ``False`` (default): a request with more than ``max_rows`` rows fails alone with
+            :class:`RequestError`, and no request is ever split across runs. ``True``: such requests are cut into
+            chunks (and the group is packed densely); their outputs are joined back.
+        example_feeds: ``{input: numpy array}`` for the output-axis probes when the session has not decided them
+            yet and has dynamic dims that are not bucketed (see
+            :meth:`ortcapture.InferenceSession.bucket_output_axes`); ``None``: zeros.
+
+    Raises:
+        TypeError: ``session`` is not an :class:`ortcapture.InferenceSession`.
+        CaptureError: the session has no ``buckets=`` or buckets several dims; an input carries the bucketed dim on
+            two axes or has a type numpy cannot hold (strings); an output has no axis (or several) that follows the
+            bucketed dim — named, since its value for a batch of several requests cannot be split back per request;
+            what :meth:`~ortcapture.InferenceSession.bucket_output_axes` raises.
+        ValueError: ``max_rows`` not an int >= 1.
+
+    Attributes:
+        inputs: ``[(name, numpy dtype, shape)]`` of the model's inputs, shapes with -1 for dynamic dims (the
+            bucketed one included): the protocol's model metadata.
+        outputs: ``[(name, numpy dtype, shape)]`` of the model's outputs, likewise.
+        max_rows: the most rows one run gets.
+        split: whether requests above ``max_rows`` are split.
+        dim: the bucketed dim's label (:meth:`~ortcapture.InferenceSession.bucket_dims`).
+        sizes: the bucket sizes, ascending.
+        input_axes: ``{input name: axis}`` of the inputs that carry the bucketed dim.
+        output_axes: ``{output name: axis}`` along which each output is split back.
+
+    Thread-safe: :meth:`run` may be called from several threads at once (the session serialises its replays).
+    """
+
+    def __init__(self, session: InferenceSession, *, max_rows: int | None = None, split: bool = False,
+                 example_feeds: Mapping[str, Any] | None = None):
+        if not isinstance(session, InferenceSession):
+            raise TypeError(f"BatchRunner needs an ortcapture.InferenceSession made with buckets=, got "
+                            f"{type(session).__module__}.{type(session).__qualname__}")
+        try:
+            dims = session.bucket_dims()
+        except CaptureError:
+            raise CaptureError("BatchRunner needs a session made with buckets= (e.g. buckets={'batch': [1, 2, 4, "
+                               "8]}): it batches requests along the bucketed dim") from None
+        if len(dims) != 1:
+            raise CaptureError(f"BatchRunner batches along one bucketed dim; this session buckets {list(dims)}")
+        (label, dim), = dims.items()
+        self.session = session
+        self.dim: str = label
+        self.sizes: tuple[int, ...] = tuple(dim["sizes"])
+        self.input_axes: dict[str, int] = {}
+        for name, axis in dim["sites"]:
+            if name in self.input_axes:
+                raise CaptureError(f"BatchRunner: input {name!r} carries the bucketed dim {label!r} on two axes "
+                                   f"({self.input_axes[name]} and {axis}); requests cannot be concatenated along it")
+            self.input_axes[name] = axis
+        self.inputs: list[TensorSpec] = [self._spec(m, "input") for m in session.get_inputs()]
+        self.outputs: list[TensorSpec] = [self._spec(m, "output") for m in session.get_outputs()]
+        relations = session.bucket_output_axes(example_feeds)
+        self.output_axes: dict[str, int] = {}
+        for name, _, _ in self.outputs:
+            axes = relations.get(name, {}).get(label, ())
+            if len(axes) != 1:
+                how = (f"follows it on several axes {axes}" if axes else
+                       "has no axis that follows it (a reduction over the batch, a constant, a length that is a "
+                       f"function of the dim, or declared output_axes={{{name!r}: None}})")
+                raise CaptureError(f"BatchRunner: output {name!r} {how}: its value for a batch of several "
+                                   f"requests cannot be split back per request along {label!r}. Serve this model "
+                                   "one request per run, or drop the output from the model.")
+            self.output_axes[name] = axes[0]
+        self.outputs = [(n, t, tuple(-1 if ax == self.output_axes[n] else d for ax, d in enumerate(s)))
+                        for n, t, s in self.outputs]
+        if max_rows is None:
+            max_rows = self.sizes[-1]
+        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+            raise ValueError(f"max_rows must be an int >= 1, got {max_rows!r}")
+        self.max_rows: int = int(max_rows)
+        self.split: bool = bool(split)
+        self._types = {n: t for n, t, _ in self.inputs}
+        self._shapes = {n: s for n, _, s in self.inputs}
+        self._names = [n for n, _, _ in self.inputs]
+        self._output_names = [n for n, _, _ in self.outputs]
+        self._lock = threading.Lock()
+        self._counts = Counter({"requests": 0, "failed_requests": 0, "bad_requests": 0, "batches": 0,
+                                "failed_batches": 0, "rows": 0})
+        self._histogram: Counter = Counter()
+
+    def _spec(self, meta, what: str) -> TensorSpec:
+        dtype = ONNX_TO_NP.get(meta.type)
+        if dtype is None:
+            raise CaptureError(f"BatchRunner: {what} {meta.name!r} is {meta.type}, not a numeric tensor")
+        shape = tuple(d if isinstance(d, int) and not isinstance(d, bool) and d >= 0 else -1 for d in meta.shape)
+        if what == "input" and meta.name in self.input_axes:
+            shape = tuple(-1 if ax == self.input_axes[meta.name] else d for ax, d in enumerate(shape))
+        return meta.name, np.dtype(dtype), shape
+
+    # -- one request ------------------------------------------------------------------------------------------
+    def rows(self, request: Mapping[str, np.ndarray]) -> int:
+        """Check one request alone and return its rows along the bucketed dim.
+
+        Args:
+            request: ``{input name: numpy.ndarray}`` with every model input exactly once, each of the input's dtype
+                and rank, fixed dims as in the model, every input carrying the bucketed dim with the same length.
+
+        Returns:
+            The request's rows (>= 1).
+
+        Raises:
+            RequestError: not a mapping; an input missing or not the model's; a value that is not a numpy array
+                (lists, scalars, device tensors); another dtype (no casts: ``float64`` for a ``float32`` input is
+                refused), rank or fixed dim; inputs disagreeing on the rows; 0 rows; more than :attr:`max_rows`
+                rows with ``split=False``.
+        """
+        if not isinstance(request, Mapping):
+            raise RequestError(f"a request is a mapping {{input name: numpy array}}, got a {type(request).__name__}")
+        missing = [n for n in self._names if n not in request]
+        if missing:
+            raise RequestError(f"input(s) {missing} missing: the model takes {self._names}", missing[0])
+        unknown = [k for k in request if k not in self._types]
+        if unknown:
+            raise RequestError(f"input(s) {unknown!r} unknown: the model takes {self._names}", str(unknown[0]))
+        rows: dict[str, int] = {}
+        for name in self._names:
+            v = request[name]
+            if not isinstance(v, np.ndarray):
+                raise RequestError(f"input {name!r} must be a numpy array, got a {type(v).__name__}", name)
+            want = self._types[name]
+            if v.dtype != want:
+                raise RequestError(f"input {name!r} is {want} in the model, the request's is {v.dtype}", name)
+            shape = self._shapes[name]
+            if v.ndim != len(shape):
+                raise RequestError(f"input {name!r} has rank {len(shape)} in the model (shape {list(shape)}), the "
+                                   f"request's has shape {list(v.shape)}", name)
+            for ax, (d, got) in enumerate(zip(shape, v.shape)):
+                if d >= 0 and got != d:
+                    raise RequestError(f"input {name!r} axis {ax} is fixed at {d} in the model, the request's is "
+                                       f"{got}", name)
+            if name in self.input_axes:
+                rows[name] = int(v.shape[self.input_axes[name]])
+        if len(set(rows.values())) > 1:
+            raise RequestError(f"the inputs disagree on the rows along {self.dim!r}: "
+                               + ", ".join(f"{n!r} axis {self.input_axes[n]}: {r}" for n, r in rows.items()))
+        n = next(iter(rows.values()))
+        first = next(iter(rows))
+        if n < 1:
+            raise RequestError(f"input {first!r} has 0 rows along {self.dim!r} (axis {self.input_axes[first]})", first)
+        if n > self.max_rows and not self.split:
+            raise RequestError(f"input {first!r} has {n} rows along {self.dim!r} (axis {self.input_axes[first]}), "
+                               f"more than the {self.max_rows} one run takes: send at most {self.max_rows} per "
+                               "request", first)
+        return n
+
+    def _group_key(self, request: Mapping[str, np.ndarray]) -> tuple:
+        parts = []
+        for name in self._names:
+            v = request[name]
+            axis = self.input_axes.get(name)
+            if axis is None:  # one value for the whole run: requests must agree on it exactly
+                parts.append((v.shape, v.tobytes()))
+            else:
+                parts.append(tuple(-1 if ax == axis else d for ax, d in enumerate(v.shape)))
+        return tuple(parts)
+
+    # -- many requests ----------------------------------------------------------------------------------------
+    def run(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
+        """Run ``requests`` as few batched session runs.
+
+        Args:
+            requests: feeds dicts, each as :meth:`rows` takes it (host numpy arrays).
+
+        Returns:
+            One entry per request, in request order: ``{output name: numpy array}`` (host arrays, the request's
+            rows along each output's :attr:`output_axes` axis; C-contiguous), or the exception for that request —
+            a :class:`RequestError` for a bad request, or what the session's ``run`` raised for the chunk that held
+            it (``CaptureError`` for a bucket whose capture or verification failed, ORT's own errors). Never raises
+            for a request's content.
+        """
+        results: list[Any] = [None] * len(requests)
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        for i, request in enumerate(requests):
+            try:
+                n = self.rows(request)
+            except RequestError as exc:
+                results[i] = exc
+                continue
+            groups.setdefault(self._group_key(request), []).append((i, n))
+        runs = bad = 0
+        histogram: Counter = Counter()
+        failed_runs = 0
+        for members in groups.values():
+            for chunk in self._chunks(members):
+                total = sum(stop - start for _, start, stop in chunk)
+                runs += 1
+                histogram[total] += 1
+                try:
+                    outs = self._run_chunk(requests, chunk, total)
+                except Exception as exc:  # noqa: BLE001 - the chunk's requests get it; the others are unaffected
+                    failed_runs += 1
+                    for i, _, _ in chunk:
+                        results[i] = exc
+                    continue
+                offset = 0
+                for i, start, stop in chunk:
+                    rows = stop - start
+                    if isinstance(results[i], Exception):  # an earlier chunk of a split request failed
+                        offset += rows
+                        continue
+                    piece = {n: _take(o, self.output_axes[n], offset, offset + rows) for n, o in outs.items()}
+                    offset += rows
+                    if results[i] is None:
+                        results[i] = [piece]
+                    else:
+                        results[i].append(piece)
+        for i, r in enumerate(results):
+            if isinstance(r, Exception):
+                bad += 1
+            else:
+                results[i] = {n: np.ascontiguousarray(r[0][n]) if len(r) == 1
+                              else np.concatenate([p[n] for p in r], axis=self.output_axes[n]) for n in r[0]}
+        with self._lock:
+            c = self._counts
+            c["requests"] += len(requests)
+            c["failed_requests"] += bad
+            c["bad_requests"] += sum(isinstance(r, RequestError) for r in results)
+            c["batches"] += runs
+            c["failed_batches"] += failed_runs
+            c["rows"] += sum(k * v for k, v in histogram.items())
+            self._histogram.update(histogram)
+        return results
+
+    def _chunks(self, members: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+        """A group's runs: lists of ``(request index, first row, end row)`` of at most :attr:`max_rows` rows each,
+        requests in order inside a run. Whole requests, first-fit decreasing (fewest runs, little padding); with
+        ``split`` the group's rows in request order cut every ``max_rows`` rows."""
+        cap = self.max_rows
+        if self.split:
+            chunks, cur, used = [], [], 0
+            for i, n in members:
+                start = 0
+                while start < n:
+                    take = min(n - start, cap - used)
+                    cur.append((i, start, start + take))
+                    start += take
+                    used += take
+                    if used == cap:
+                        chunks.append(cur)
+                        cur, used = [], 0
+            if cur:
+                chunks.append(cur)
+            return chunks
+        bins: list[list] = []  # [rows used, [(index, rows)]]
+        for i, n in sorted(members, key=lambda m: -m[1]):
+            for b in bins:
+                if b[0] + n <= cap:
+                    b[0] += n
+                    b[1].append((i, n))
+                    break
+            else:
+                bins.append([n, [(i, n)]])
+        chunks = [sorted((i, 0, n) for i, n in b[1]) for b in bins]
+        return sorted(chunks, key=lambda c: c[0][0])
+
+    def _run_chunk(self, requests: Sequence[Mapping[str, np.ndarray]], chunk: list[tuple[int, int, int]],
+                   total: int) -> dict[str, np.ndarray]:
+        """One session run of ``chunk``'s rows; ``{output: array}`` with ``total`` rows along each output's axis."""
+        first = requests[chunk[0][0]]
+        feeds = {}
+        for name in self._names:
+            axis = self.input_axes.get(name)
+            if axis is None:
+                feeds[name] = first[name]
+                continue
+            parts = []
+            for i, start, stop in chunk:
+                v = requests[i][name]
+                parts.append(v if start == 0 and stop == v.shape[axis] else _take(v, axis, start, stop))
+            feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+        outs = dict(zip(self._output_names, self.session.run(None, feeds)))
+        for name, o in outs.items():
+            axis = self.output_axes[name]
+            if o.ndim <= axis or o.shape[axis] != total:
+                raise CaptureError(f"BatchRunner: output {name!r} came back with shape {list(o.shape)} for a run of "
+                                   f"{total} rows, where axis {axis} should have {total}: it does not follow "
+                                   f"{self.dim!r} as measured")
+        return outs
+
+    def stats(self) -> dict:
+        """Runner-level counters since the runner was made.
+
+        Returns:
+            ``{"requests", "failed_requests" (bad or in a failed run), "bad_requests" (:class:`RequestError`),
+            "batches" (session runs), "failed_batches", "rows" (rows run), "batch_rows": {rows in a run: runs}}``;
+            the session's own counters (graphs per bucket, padding) are ``session.bucket_stats()``.
+        """
+        with self._lock:
+            return {**self._counts, "batch_rows": dict(sorted(self._histogram.items()))}
+
+
+def _take(x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    """``x[start:stop]`` along ``axis`` (a view)."""
+    return x[(slice(None),) * axis + (slice(start, stop),)]
