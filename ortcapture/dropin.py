@@ -13,7 +13,11 @@ manager) replaces that name with :class:`AutoCaptureSession`, an :class:`ortcapt
 * never raises what ORT would not: a ``run()`` it cannot serve captured (more distinct shapes than ``max_graphs``, a
   graph whose check failed, an input missing, a refused capture) runs uncaptured (``gpu_graph_id=-1``) with one
   warning per session and reason; ``run_with_ort_values``/``run_async`` and ``run_with_iobinding`` without an
-  explicit ``gpu_graph_id`` run uncaptured too.
+  explicit ``gpu_graph_id`` run uncaptured too;
+* behaves as ORT does for what no graph can serve, before any replay: run options a replay cannot honour
+  (``terminate``), output names ORT refuses (an unknown name, a string), feeds that are no arrays (a numpy scalar
+  ``np.float32(0.5)``; 0-d arrays are served) go to ORT's own run, which returns or raises as it does; ``run_async``
+  is serialised with the other runs like ``run`` (:meth:`ortcapture.InferenceSession.run_async`).
 
 Limits (documented, by design): sessions created before patching are untouched; a library that did
 ``from onnxruntime import InferenceSession`` at import time keeps ORT's class unless it is imported after patching;
@@ -28,6 +32,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ortcapture._buckets.feeds import from_list, requested_outputs
+from ortcapture._buckets.feeds import specs as input_specs
+from ortcapture._core.run import replay_cannot_honour
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture._core.run import explicit_graph_id as _explicit_graph_id
 from ortcapture._core.run import uncaptured as _uncaptured
@@ -70,6 +77,8 @@ class AutoCaptureSession(InferenceSession):
         self._oc_warned: set[str] = set()
         self.stats = {"replayed": 0, "captured": 0, "uncaptured": 0}
         self._oc_host_inputs = host_read_inputs(self)
+        self._oc_output_names = [o.name for o in self.get_outputs()]
+        self._oc_input_specs = input_specs(self)
 
     # -- plain run: replayed where it can be --------------------------------------------------------------------
     def run(self, output_names, input_feed, run_options=None):
@@ -85,9 +94,12 @@ class AutoCaptureSession(InferenceSession):
                 return super().run(output_names, input_feed, _uncaptured(run_options))
         if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
             return super().run(output_names, input_feed, run_options)
-        feeds = {k: np.asarray(v) for k, v in input_feed.items()} if isinstance(input_feed, Mapping) else None
+        names = requested_outputs(output_names, self._oc_output_names)
+        feeds = None
+        if names is not None and not replay_cannot_honour(run_options):
+            feeds = self._oc_array_feeds(input_feed)
         graph = self._oc_graph_for(feeds, run_options) if feeds is not None else None
-        if graph is None:
+        if graph is None:  # ORT's own run: its result, or its own error for what it refuses
             self.stats["uncaptured"] += 1
             return super().run(output_names, input_feed, _uncaptured(run_options))
         try:
@@ -99,7 +111,25 @@ class AutoCaptureSession(InferenceSession):
             self.stats["uncaptured"] += 1
             return super().run(output_names, input_feed, _uncaptured(run_options))
         self.stats["replayed"] += 1
-        return _select(self, outs, output_names)
+        return _select(self._oc_output_names, outs, names)
+
+    def _oc_array_feeds(self, input_feed) -> dict | None:
+        """``{input: ndarray}`` a graph can serve: numpy arrays as given (0-d ones included), Python lists converted
+        as ORT converts them (to the input's element type); ``None`` for anything else (numpy scalars, Python
+        numbers, OrtValues, strings, ``None``...), which then goes to ORT's own run, so ORT's own result or error
+        comes back (measured, ORT 1.32: ``np.float32(0.5)`` for a 0-d input raises ``RuntimeError: Unable to handle
+        object of type <class 'numpy.float32'>``)."""
+        if not isinstance(input_feed, Mapping):
+            return None
+        out = {}
+        for name, v in input_feed.items():
+            if type(v) is not np.ndarray:
+                spec = self._oc_input_specs.get(name)
+                v = from_list(spec, v) if isinstance(v, list) and spec is not None else None
+                if v is None:
+                    return None
+            out[name] = v
+        return out
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
         if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
@@ -190,11 +220,17 @@ def _buckets_for(spec, path_or_bytes):
     return None
 
 
-def _select(session, outs: list, output_names) -> list:
-    if not output_names:
+def _select(all_names: list, outs: list, names: list) -> list:
+    """The replay's outputs (one per ``all_names`` entry) for the requested ``names`` (checked before the replay:
+    :func:`ortcapture._buckets.feeds.requested_outputs`); a name asked for twice gets separate arrays, as from ORT."""
+    if names == all_names:
         return outs
-    names = [o.name for o in session.get_outputs()]
-    return [outs[names.index(n)] for n in output_names]
+    picked, seen = [], set()
+    for n in names:
+        out = outs[all_names.index(n)]
+        picked.append(out.copy() if n in seen else out)
+        seen.add(n)
+    return picked
 
 
 def _with_capture(defaults: dict, sess_options, providers, provider_options):

@@ -72,18 +72,41 @@ class ReplayOutput(OrtValue):
 
 
 def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, numpy dtype) of an example feed: numpy array, OrtValue or DLPack tensor."""
-    if isinstance(value, OrtValue):
-        return tuple(value.shape()), transfer.np_dtype_of(value)
-    if isinstance(value, (np.ndarray, np.generic)):
-        return tuple(np.shape(value)), value.dtype
-    if hasattr(value, "__dlpack__"):
-        dt = str(getattr(value, "dtype", "")).replace("torch.", "")
-        try:
-            return tuple(int(d) for d in value.shape), np.dtype("bool" if dt == "bool" else dt)
-        except TypeError:
-            pass
-    raise TransferError(f"feed {name!r}: unsupported type {type(value).__name__} (numpy, OrtValue or DLPack tensor)")
+    """(shape, numpy dtype) of an example feed: numpy array (0-d included), OrtValue or DLPack tensor; raises
+    :class:`TransferError` naming the input and the type for anything else (:func:`ortcapture.transfer.source_spec`)."""
+    try:
+        return transfer.source_spec(value)
+    except TransferError as exc:
+        raise TransferError(f"feed {name!r}: {exc}") from None
+
+
+def example_specs(session, example_feeds: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{input name: (shape, dtype)}`` of ``example_feeds`` for ``session``'s inputs (in ``get_inputs()`` order,
+    then the overridable initializers fed), after the checks every capture makes before anything is built.
+
+    Raises:
+        TransferError: not a mapping; unknown or missing inputs (named); a feed that is no array (its type named:
+            a string, ``None``, a numpy scalar); a dtype or fixed dim that contradicts the model's input.
+    """
+    if not isinstance(example_feeds, Mapping):
+        raise TransferError(f"example feeds must be a mapping {{input name: value}}, got "
+                            f"{type(example_feeds).__name__}")
+    metas = {m.name: m for m in session.get_inputs()}
+    names = list(metas)
+    # overridable initializers (initializers also listed as graph inputs) are inputs when fed
+    overridable = {m.name: m for m in session.get_overridable_initializers() if m.name in example_feeds}
+    unknown = sorted(set(example_feeds) - set(names) - set(overridable))
+    if unknown:
+        raise TransferError(f"unknown input(s) {unknown}; the model's inputs are {names}")
+    missing = [n for n in names if n not in example_feeds]
+    if missing:
+        raise TransferError(f"example feeds miss input(s) {missing}; capture needs a value for every input")
+    metas.update(overridable)
+    names += list(overridable)
+    specs = {name: _source_spec(name, example_feeds[name]) for name in names}
+    for name, (shape, dtype) in specs.items():
+        _check_model_input(metas[name], shape, dtype)
+    return specs
 
 
 def _check_model_input(meta, shape: tuple, dtype: np.dtype) -> None:
@@ -152,26 +175,9 @@ class CapturedGraph:
     def _build(self, example_feeds, state, new_buffer) -> None:
         cs = self._cs
         session = cs.session
-        if not isinstance(example_feeds, Mapping):
-            raise TransferError(f"example feeds must be a mapping {{input name: value}}, got "
-                                f"{type(example_feeds).__name__}")
         if state is not None and not isinstance(state, Mapping):
             raise CaptureError(f"state must be a mapping {{output name: input name}}, got {type(state).__name__}")
-        metas = {m.name: m for m in session.get_inputs()}
-        names = list(metas)
-        # overridable initializers (initializers also listed as graph inputs) are inputs when fed
-        overridable = {m.name: m for m in session.get_overridable_initializers() if m.name in example_feeds}
-        unknown = sorted(set(example_feeds) - set(names) - set(overridable))
-        if unknown:
-            raise TransferError(f"unknown input(s) {unknown}; the model's inputs are {names}")
-        missing = [n for n in names if n not in example_feeds]
-        if missing:
-            raise TransferError(f"example feeds miss input(s) {missing}; capture needs a value for every input")
-        metas.update(overridable)
-        names += list(overridable)
-        specs = {name: _source_spec(name, example_feeds[name]) for name in names}
-        for name, (shape, dtype) in specs.items():
-            _check_model_input(metas[name], shape, dtype)
+        specs = example_specs(session, example_feeds)
         #: the pool key of this graph: ((input name, shape, dtype), ...) in input order
         self.shape_key = tuple((name, shape, str(dtype)) for name, (shape, dtype) in specs.items())
         self.inputs: dict[str, OrtValue] = {name: new_buffer(shape, dtype) for name, (shape, dtype) in specs.items()}

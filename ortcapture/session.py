@@ -39,7 +39,7 @@ from ortcapture._core.run import (  # noqa: F401 - run_options_for and friends a
     GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for,
     unsynchronised)
 from ortcapture._core.state import CaptureState
-from ortcapture._ort.sync import CUDA_GATE, WEBGPU_LOCK, defer_sync
+from ortcapture._ort.sync import CUDA_GATE, WEBGPU_LOCK, defer_sync, run_async_guarded
 from ortcapture._verify.compare import level_of
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
@@ -332,10 +332,26 @@ class InferenceSession(OrtInferenceSession):
         return super().run(output_names, input_feed, run_options)
 
     def run_async(self, output_names, input_feed, callback, user_data, run_options=None):
-        """ORT's ``run_async``; on a capturing session only with ``gpu_graph_id=-1``. Not serialised with replays
-        (it returns before the run): do not mix it with captured replays of the same session."""
-        self._oc_check_plain_run("run_async", run_options)
-        return super().run_async(output_names, input_feed, callback, user_data, run_options)
+        """ORT's ``run_async``: returns once the run is queued; ``callback(outputs, user_data, err)`` gets ORT's
+        outputs (a list of numpy arrays; ``[]`` and ORT's message in ``err`` when the run failed). On a capturing
+        session only with ``gpu_graph_id=-1``.
+
+        Serialised like :meth:`run` wherever :meth:`run` takes the session guard (capturing and capture-deferred
+        sessions, every CUDA-based session): ORT runs the request on its own threads, outside any Python lock —
+        measured on WebGPU (ORT 1.32, software adapter) beside another session's replays: Dawn "Command encoding
+        already finished", ``RuntimeError`` s in the other thread and a segfault; on CUDA another thread's capture
+        can fail with CUDA error 901. So a helper thread takes the guard (the WebGPU lock, or the CUDA capture gate's
+        shared side and the session lock), starts ORT's ``run_async`` and holds the guard until ORT's callback has
+        run; then it calls ``callback`` (on that helper thread, not ORT's). This call waits until the run is queued
+        (as :meth:`run` waits for the guard), so what ORT raises at once (missing inputs, feeds it cannot convert)
+        is raised here, as ORT raises it."""
+        if not self._oc_check_plain_run("run_async", run_options):
+            return super().run_async(output_names, input_feed, callback, user_data, run_options)
+
+        def start(done):
+            OrtInferenceSession.run_async(self, output_names, input_feed, done, None, run_options)
+
+        run_async_guarded(self._oc_state.guard, start, callback, user_data)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
         if self._oc_buckets is not None:
@@ -749,8 +765,12 @@ class InferenceSession(OrtInferenceSession):
             return CapturedGraph(st, example_feeds, SKIP_GRAPH_ID, capture=False, device=where)
 
     def _oc_specialized_for(self, feeds: Mapping[str, Any]) -> CaptureState:
+        from ortcapture.graph import example_specs
+
         inputs = {m.name for m in self.get_inputs()}  # overridable initializers keep their shapes
-        sig = shapes.shape_signature({n: s for n, s in shapes.feed_shapes(feeds).items() if n in inputs})
+        # the feeds are checked as the capture checks them (missing inputs and types named) before a sibling is built
+        specs = example_specs(self, feeds)
+        sig = shapes.shape_signature({n: shape for n, (shape, _) in specs.items() if n in inputs})
         fam = self._oc_state
         with fam.capture_guard:
             sib = fam.siblings.get(sig)

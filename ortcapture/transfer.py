@@ -337,7 +337,8 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
 
     Args:
         dst: a tensor OrtValue on any device (CPU, ``cuda:N``, WebGPU), any shape and numpy-representable dtype.
-        src: a numpy array (made C-contiguous), an OrtValue on any device, or a DLPack producer (``torch.Tensor``,
+        src: a numpy array (made C-contiguous; 0-d for a scalar input — a numpy scalar such as ``np.float32(0.5)``
+            is refused, as ORT's ``run()`` refuses it), an OrtValue on any device, or a DLPack producer (``torch.Tensor``,
             ``cupy.ndarray``: wrapped zero-copy; CUDA sources go device to device, peer to peer across GPUs, never
             through the host; non-contiguous device sources are refused). Exactly ``dst``'s shape and dtype;
             ``src`` that is ``dst`` itself is a no-op.
@@ -524,8 +525,9 @@ def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> Non
             any device, DLPack tensor), exactly the buffer's shape and dtype.
 
     Raises:
-        TransferError: ``feeds`` is not a mapping, names an unknown input, or a source does not match its buffer.
-            Every feed is checked before any buffer is written (a single feed: :func:`update_inplace`'s own checks,
+        TransferError: ``feeds`` is not a mapping, names an unknown input, or a source does not match its buffer
+            or is no array (a numpy scalar such as ``np.float32(0.5)``: feed a 0-d array); the message names the
+            input. Every feed is checked before any buffer is written (a single feed: :func:`update_inplace`'s own checks,
             which also precede its copy), so a refused call changes nothing.
     """
     if type(buffers) is FeedTargets:  # a graph's replay: sources validated before are copied straight away
@@ -538,16 +540,30 @@ def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> Non
             dst = buffers.get(name)
             if dst is None:
                 raise TransferError(f"unknown input {name!r}; the inputs are {list(buffers)}")
-            update_inplace(dst, value)
+            try:
+                update_inplace(dst, value)
+            except TransferError as exc:
+                _name_it(exc, name)
+                raise
         return
     tokens = []
     for name, value in feeds.items():
         dst = buffers.get(name)
         if dst is None:
             raise TransferError(f"unknown input {name!r}; the inputs are {list(buffers)}")
-        tokens.append(prepare(dst, value))
+        try:
+            tokens.append(prepare(dst, value))
+        except TransferError as exc:
+            _name_it(exc, name)
+            raise
     for token in tokens:
         commit(token)
+
+
+def _name_it(exc: TransferError, name: str) -> None:
+    """Prefix a refusal with the input it concerns (no cost on the path that succeeds)."""
+    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("input "):
+        exc.args = (f"input {name!r}: {exc.args[0]}", *exc.args[1:])
 
 
 def prepare(dst: OrtValue, src: Any, *, cast: bool = False):
@@ -605,11 +621,35 @@ def _as_source(src: Any) -> OrtValue | np.ndarray:
         return _from_dlpack(src)
     if isinstance(src, C_OrtValue):
         return OrtValue(src)
+    raise TransferError(_unsupported(src))
+
+
+def _unsupported(src: Any) -> str:
+    """Why ``src`` is no source: a numpy scalar (``np.float32(0.5)``: ORT's own ``run`` refuses it too, "Unable to
+    handle object of type"), or another type."""
     if isinstance(src, np.generic):
-        return np.asarray(src)
-    raise TransferError(
-        f"unsupported source type {type(src).__name__}: pass a numpy array, an OrtValue or a DLPack tensor"
-    )
+        return (f"a numpy scalar ({type(src).__name__}), not an array: pass a 0-d array (np.asarray(value) or "
+                "np.array(0.5, np.float32)) for a scalar input, as ORT's run() needs")
+    return f"unsupported source type {type(src).__name__}: pass a numpy array, an OrtValue or a DLPack tensor"
+
+
+def source_spec(src: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, numpy dtype)`` of a source :func:`update_inplace` takes (numpy array, 0-d included; OrtValue on any
+    device; DLPack tensor), without reading it. Raises :class:`TransferError` naming the type for anything else
+    (numpy scalars, Python numbers, strings, ``None``)."""
+    if isinstance(src, OrtValue):
+        return tuple(src.shape()), np_dtype_of(src)
+    if isinstance(src, np.ndarray):
+        return tuple(src.shape), src.dtype
+    if isinstance(src, C_OrtValue):
+        return source_spec(OrtValue(src))
+    if hasattr(src, "__dlpack__") and hasattr(src, "shape"):
+        dt = str(getattr(src, "dtype", "")).replace("torch.", "")
+        try:
+            return tuple(int(d) for d in src.shape), np.dtype("bool" if dt == "bool" else dt)
+        except TypeError:
+            pass
+    raise TransferError(_unsupported(src))
 
 
 def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:

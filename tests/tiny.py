@@ -408,3 +408,9 @@ def chaotic_steps(x: np.ndarray, runs: int, steps=32) -> np.ndarray:
     for _ in range(runs * steps):
         x = (np.float32(3.99) * (np.exp(np.log(x)) * (np.float32(1) - x))).astype(np.float32)
     return x
+
+
+def scalar_input_model() -> bytes:
+    """Y = X * T with X [batch, 4] and T a 0-d float input (a temperature, a threshold)."""
+    return _model([helper.make_node("Mul", ["X", "T"], ["Y"])], [vi("X", ["batch", 4]), vi("T", [])],
+                  [vi("Y", ["batch", 4])])

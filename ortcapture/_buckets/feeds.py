@@ -53,3 +53,16 @@ def from_list(spec: InputSpec, value: list) -> np.ndarray | None:
         return np.array(value, dtype=spec.dtype)
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def requested_outputs(output_names, names: Sequence[str]) -> list[str] | None:
+    """``output_names`` as ORT's ``run`` takes them (``None``/empty: every output of ``names``; else a list or tuple
+    of known names, repeats allowed), or ``None`` where ORT would refuse them (an unknown name: ORT's
+    ``InvalidArgument``; a string or another non-sequence: ORT's ``TypeError``). Whoever serves a run from a graph
+    hands such runs to ORT instead, so ORT's own exception is raised before any replay."""
+    if output_names is None or (isinstance(output_names, (list, tuple, str)) and not output_names):  # as ORT
+        return list(names)
+    if not isinstance(output_names, (list, tuple)) or not all(isinstance(n, str) and n in names
+                                                              for n in output_names):
+        return None
+    return list(output_names)

@@ -23,13 +23,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ortcapture._buckets import feeds as _bucket_feeds
+from ortcapture._buckets.feeds import requested_outputs
 from ortcapture._ort import compat
 from ortcapture._verify import compare as _verify
 from ortcapture._buckets.copy import cuda_fill, cuda_read, fill_staging, slice_output
 from ortcapture._buckets.values import (dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
                                        wrap_outputs)
 from ortcapture._buckets.spec import BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets
-from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, uncaptured
+from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture.errors import CaptureAbortedError, CaptureError
 from ortcapture.transfer import update_inplace
@@ -130,7 +131,7 @@ class BucketRunner:
                 return self._plain(output_names, input_feed, run_options, ort_values, count=False)
             raise CaptureError("a session with buckets= picks its own gpu_graph_ids; run_options may only set "
                                "gpu_graph_id=-1 (run uncaptured)")
-        if run_options is not None and getattr(run_options, "terminate", False):
+        if replay_cannot_honour(run_options):
             # a replay would ignore it: the uncaptured run raises ORT's "Exiting due to terminate flag"
             return self._plain(output_names, input_feed, run_options, ort_values)
         if self._worker is not None and threading.get_ident() != self._worker_ident:
@@ -226,10 +227,9 @@ class BucketRunner:
         return out
 
     def _output_names(self, output_names) -> list[str] | None:
-        if not output_names:
-            return list(self.output_names)
-        names = list(output_names)
-        return names if all(n in self.output_names for n in names) else None
+        """The requested output names; ``None`` for anything ORT's run refuses (an unknown name, a string instead
+        of a list of names): the uncaptured run then raises ORT's own error."""
+        return requested_outputs(output_names, self.output_names)
 
     def _request_sizes(self, feeds: dict) -> dict[str, int] | None:
         sizes = {}

@@ -96,6 +96,13 @@ def explicit_graph_id(run_options) -> bool:
         return False
 
 
+def replay_cannot_honour(run_options) -> bool:
+    """Whether ``run_options`` ask for something ORT's own ``run`` honours and a replay of a captured graph would
+    silently skip: ``terminate`` (ORT raises "Exiting due to terminate flag being set to true"; a replay would return
+    outputs). Such runs go to ORT uncaptured (the drop-in, ``buckets=``). One attribute read."""
+    return run_options is not None and bool(getattr(run_options, "terminate", False))
+
+
 def uncaptured(run_options) -> ort.RunOptions:
     """Fresh ``RunOptions`` with ``gpu_graph_id=-1`` and the caller's settings (the caller's object is not changed)."""
     ro = ort.RunOptions()

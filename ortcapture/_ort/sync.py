@@ -261,6 +261,49 @@ class CaptureGuard(SessionGuard):
 WEBGPU_LOCK = threading.RLock()
 
 
+def run_async_guarded(guard, start, callback, user_data) -> None:
+    """ORT's ``run_async`` serialised by ``guard`` (a :class:`SessionGuard` or a lock), for work ORT does on its own
+    threads: a thread-owned lock (the WebGPU ``RLock``, the gate's per-thread reader slot) cannot be released by ORT's
+    callback thread, so a helper thread takes ``guard``, calls ``start(done)`` (which calls ORT's ``run_async`` with
+    ``done`` as its callback), holds ``guard`` until ``done`` ran, leaves it, then calls
+    ``callback(outputs, user_data, err)`` with what ORT gave ``done``. Returns once ``start`` returned; re-raises
+    what ``start`` raised (ORT's own synchronous errors: missing inputs, feeds it cannot convert)."""
+    queued = threading.Event()
+    raised: list = []
+
+    def helper() -> None:
+        finished = threading.Event()
+        result: list = []
+
+        def done(outputs, _user_data, err) -> None:
+            result.append((outputs, err))
+            finished.set()
+
+        try:
+            with guard:
+                try:
+                    start(done)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                    raised.append(exc)
+                    return
+                finally:
+                    queued.set()
+                finished.wait()
+        except BaseException as exc:  # noqa: BLE001 - the guard itself failed
+            if not queued.is_set():
+                raised.append(exc)
+                queued.set()
+                return
+            raise
+        outputs, err = result[0]
+        callback(outputs, user_data, err)
+
+    threading.Thread(target=helper, name="ortcapture-run-async", daemon=True).start()
+    queued.wait()
+    if raised:
+        raise raised[0]
+
+
 # -- runs that returned before their device work finished ----------------------------------------------------------
 # With the run option ``disable_synchronize_execution_providers=1`` ORT's run returns as soon as the work is queued
 # (CUDA: on ORT's own non-blocking stream). ortcapture's readers and writers (``transfer.to_numpy``,
