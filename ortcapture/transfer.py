@@ -446,7 +446,11 @@ class FeedTargets:
                 if staging is not None and type(value) is np.ndarray and staging.takes(name, value):
                     staging.upload({name: value})
                     return
-                update_inplace(dst, value)
+                try:
+                    update_inplace(dst, value)
+                except TransferError as exc:
+                    _name_it(exc, name)
+                    raise
                 self._remember(name, dst, value)
             return
         hits = [last.get(name) for name in feeds]
@@ -466,7 +470,11 @@ class FeedTargets:
             if staging is not None and type(value) is np.ndarray and staging.takes(name, value):
                 host[name] = value  # checked by takes(): exact shape, dtype, C order
                 continue
-            tokens.append((name, prepare(dst, value)))
+            try:
+                tokens.append((name, prepare(dst, value)))
+            except TransferError as exc:
+                _name_it(exc, name)
+                raise
         for name, token in tokens:
             commit(token)
             self._remember(name, token[0], feeds[name])
