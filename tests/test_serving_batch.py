@@ -16,7 +16,7 @@ import ortcapture
 from ortcapture.errors import CaptureError
 from ortcapture.serving import BatchRunner, RequestError
 from tests import tiny
-from tests.bucket_checks import TOL, close, cpu
+from tests.bucket_checks import TOL, close, cpu, run_threads
 
 OUTPUTS = ("scores", "probs", "feat")
 
@@ -251,6 +251,70 @@ def test_outputs_that_do_not_follow_the_batch_are_refused_when_made(backend):
         BatchRunner(ortcapture.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"]))
     with pytest.raises(TypeError, match="ortcapture.InferenceSession"):
         BatchRunner(ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"]))
+
+
+@pytest.mark.parametrize("make", [cpu, lambda m: ortcapture.InferenceSession(m, providers=["CPUExecutionProvider"])])
+def test_dim_batches_a_session_without_capture(make):
+    """The CPU EP baseline: no buckets, no capture; the runner still groups, measuring the output axes itself."""
+    model = tiny.bucket_model()
+    sess = make(model)
+    r = BatchRunner(sess, dim="batch", max_rows=6)
+    assert (r.dim, r.sizes, r.max_rows, r.input_axes, r.output_axes) == (
+        "batch", (), 6, {"X": 0}, {"scores": 0, "probs": 0, "feat": 1})
+    assert r.inputs == [("X", np.dtype(np.float32), (-1, 4))]
+    assert BatchRunner(sess, dim=("X", 0), max_rows=4).dim == "X[0]"
+    rec = Recorder(sess)
+    rng = np.random.default_rng(5)
+    requests = [{"X": _x(rng, n)} for n in (2, 5, 1, 3, 6)]
+    requests.insert(2, {"X": _x(rng, 7)})
+    results = r.run(requests)
+    assert isinstance(results[2], RequestError) and "more than the 6" in str(results[2])
+    assert sorted(f["X"].shape[0] for f, _ in rec.runs) == [5, 6, 6]  # 17 rows: 3 runs of whole requests
+    ref = cpu(model)
+    for q, res in zip(requests, results):
+        if isinstance(res, RequestError):
+            continue
+        _exact_slice(r, rec, q, res)
+        for name, w in zip(OUTPUTS, ref.run(None, q)):
+            close(res[name], w, 1e-5)
+    with pytest.raises(ValueError, match="max_rows"):
+        BatchRunner(sess, dim="batch")
+    for bad, text in (("nope", "no input dim is named"), (("X", 1), "fixed at 4"), (("Y", 0), "names no input"),
+                      (3, "dim_param")):
+        with pytest.raises(CaptureError, match=text):
+            BatchRunner(sess, dim=bad, max_rows=4)
+    with pytest.raises(CaptureError, match="output 'Y' has no axis"):
+        BatchRunner(cpu(tiny.batch_pooled_model()), dim="batch", max_rows=4)
+
+
+def test_dim_is_refused_on_capturing_sessions(backend):
+    with pytest.raises(CaptureError, match="leave dim= out"):
+        BatchRunner(backend.session(tiny.bucket_model(), buckets={"batch": [2, 4]}), dim="batch", max_rows=4)
+    with pytest.raises(CaptureError, match="without capture"):
+        BatchRunner(backend.session(tiny.affine_model()), dim=("X", 0), max_rows=4)
+
+
+def test_runs_from_several_threads_never_cross(backend):
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={"batch": [1, 2, 4, 8]})
+    r = BatchRunner(sess)
+    errors = []
+
+    def work(i):
+        rng = np.random.default_rng(100 + i)
+        for _ in range(5):
+            requests = [{"X": _x(rng, int(n))} for n in rng.integers(1, 5, size=4)]
+            for q, res in zip(requests, r.run(requests)):
+                want = tiny.bucket_reference(q["X"])
+                try:
+                    for name in OUTPUTS:
+                        close(res[name], want[name], TOL[backend.name])
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+    run_threads(work, 4)
+    assert not errors
+    assert r.stats()["requests"] == 80 and r.stats()["failed_requests"] == 0
 
 
 def test_import_serving_imports_no_ray():

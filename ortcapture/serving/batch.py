@@ -22,6 +22,9 @@ independently and the EP computes a row the same way whatever the batch size (CU
 2.2e-3 on YOLOv8n, issue 16). An output that does not follow the bucketed dim (a reduction over the batch) mixes
 requests and is refused when the runner is made.
 
+A session without capture (the CPU EP baseline) is batched the same way with ``dim=`` naming the dim; each batch
+then runs at its own size, and the output axes are measured by two probe runs.
+
 Everything runs on the host side of the session: requests and results are numpy arrays in host memory; where the
 session's graphs live (CUDA, WebGPU) is the session's business. Uses only ortcapture's public API.
 """
@@ -60,63 +63,72 @@ class BatchRunner:
 
     Args:
         session: an :class:`ortcapture.InferenceSession` made with ``buckets=`` on exactly one dim (e.g.
-            ``{"batch": [1, 2, 4, 8]}``); its EP (CUDA, TensorRT, WebGPU) and ``replay_thread=`` are its own.
-        max_rows: the most rows one run gets (default: the largest bucket). Above the largest bucket a run goes the
-            session's ``oversize=`` way (uncaptured by default: slow on CUDA).
+            ``{"batch": [1, 2, 4, 8]}``); its EP (CUDA, TensorRT, WebGPU) and ``replay_thread=`` are its own. With
+            ``dim=``: a session without capture instead (an ortcapture or onnxruntime ``InferenceSession``, e.g. on
+            the CPU EP: the baseline), run at whatever size each batch has.
+        max_rows: the most rows one run gets (default: the largest bucket; required with ``dim=``). Above the
+            largest bucket a run goes the session's ``oversize=`` way (uncaptured by default: slow on CUDA).
         split: ``False`` (default): a request with more than ``max_rows`` rows fails alone with
             :class:`RequestError`, and no request is ever split across runs. ``True``: such requests are cut into
             chunks (and the group is packed densely); their outputs are joined back.
         example_feeds: ``{input: numpy array}`` for the output-axis probes when the session has not decided them
-            yet and has dynamic dims that are not bucketed (see
+            yet and has dynamic dims that are not batched (see
             :meth:`ortcapture.InferenceSession.bucket_output_axes`); ``None``: zeros.
+        dim: only for a session without ``buckets=``: the dim to batch along, a ``dim_param`` (``"batch"``: every
+            input axis of that name) or ``(input name, axis)``, as ``buckets=`` keys it. The output axes that follow
+            it are measured by two runs of the session at 1 and 2 rows (``example_feeds``' rows repeated or cut, or
+            zeros).
 
     Raises:
-        TypeError: ``session`` is not an :class:`ortcapture.InferenceSession`.
-        CaptureError: the session has no ``buckets=`` or buckets several dims; an input carries the bucketed dim on
-            two axes or has a type numpy cannot hold (strings); an output has no axis (or several) that follows the
-            bucketed dim — named, since its value for a batch of several requests cannot be split back per request;
-            what :meth:`~ortcapture.InferenceSession.bucket_output_axes` raises.
-        ValueError: ``max_rows`` not an int >= 1.
+        TypeError: ``session`` is not an :class:`ortcapture.InferenceSession` (without ``dim=``), or has no
+            ``get_inputs``/``get_outputs``/``run`` (with it).
+        CaptureError: the session has no ``buckets=`` (and no ``dim=`` is given) or buckets several dims; ``dim=``
+            for a session with ``buckets=`` or with capture enabled (its plain runs need ``gpu_graph_id=-1``), or
+            naming no dynamic input dim; an input carries the dim on two axes or has a type numpy cannot hold
+            (strings); an output has no axis (or several) that follows the dim — named, since its value for a batch
+            of several requests cannot be split back per request; what
+            :meth:`~ortcapture.InferenceSession.bucket_output_axes` raises, or the probe runs' failure (``dim=``).
+        ValueError: ``max_rows`` not an int >= 1, or missing with ``dim=``.
 
     Attributes:
+        session: the session every batch runs on.
         inputs: ``[(name, numpy dtype, shape)]`` of the model's inputs, shapes with -1 for dynamic dims (the
-            bucketed one included): the protocol's model metadata.
+            batched one included): the protocol's model metadata.
         outputs: ``[(name, numpy dtype, shape)]`` of the model's outputs, likewise.
         max_rows: the most rows one run gets.
         split: whether requests above ``max_rows`` are split.
-        dim: the bucketed dim's label (:meth:`~ortcapture.InferenceSession.bucket_dims`).
-        sizes: the bucket sizes, ascending.
-        input_axes: ``{input name: axis}`` of the inputs that carry the bucketed dim.
+        dim: the batched dim's label (:meth:`~ortcapture.InferenceSession.bucket_dims`; with ``dim=``: the
+            ``dim_param``, or ``"input[axis]"``).
+        sizes: the bucket sizes, ascending (``()`` with ``dim=``: no buckets).
+        input_axes: ``{input name: axis}`` of the inputs that carry the batched dim.
         output_axes: ``{output name: axis}`` along which each output is split back.
 
     Thread-safe: :meth:`run` may be called from several threads at once (the session serialises its replays).
     """
 
     def __init__(self, session: InferenceSession, *, max_rows: int | None = None, split: bool = False,
-                 example_feeds: Mapping[str, Any] | None = None):
-        if not isinstance(session, InferenceSession):
-            raise TypeError(f"BatchRunner needs an ortcapture.InferenceSession made with buckets=, got "
-                            f"{type(session).__module__}.{type(session).__qualname__}")
-        try:
-            dims = session.bucket_dims()
-        except CaptureError:
-            raise CaptureError("BatchRunner needs a session made with buckets= (e.g. buckets={'batch': [1, 2, 4, "
-                               "8]}): it batches requests along the bucketed dim") from None
-        if len(dims) != 1:
-            raise CaptureError(f"BatchRunner batches along one bucketed dim; this session buckets {list(dims)}")
-        (label, dim), = dims.items()
+                 example_feeds: Mapping[str, Any] | None = None, dim: Any = None):
         self.session = session
+        if dim is None:
+            label, sizes, sites = self._bucketed(session)
+        else:
+            if max_rows is None:
+                raise ValueError("BatchRunner(dim=...) needs max_rows=: the session has no buckets to take it from")
+            label, sizes, sites = self._unbucketed(session, dim)
         self.dim: str = label
-        self.sizes: tuple[int, ...] = tuple(dim["sizes"])
+        self.sizes: tuple[int, ...] = sizes
         self.input_axes: dict[str, int] = {}
-        for name, axis in dim["sites"]:
+        for name, axis in sites:
             if name in self.input_axes:
-                raise CaptureError(f"BatchRunner: input {name!r} carries the bucketed dim {label!r} on two axes "
+                raise CaptureError(f"BatchRunner: input {name!r} carries the batched dim {label!r} on two axes "
                                    f"({self.input_axes[name]} and {axis}); requests cannot be concatenated along it")
             self.input_axes[name] = axis
         self.inputs: list[TensorSpec] = [self._spec(m, "input") for m in session.get_inputs()]
         self.outputs: list[TensorSpec] = [self._spec(m, "output") for m in session.get_outputs()]
-        relations = session.bucket_output_axes(example_feeds)
+        if dim is None:
+            relations = session.bucket_output_axes(example_feeds)
+        else:
+            relations = self._probe(example_feeds)
         self.output_axes: dict[str, int] = {}
         for name, _, _ in self.outputs:
             axes = relations.get(name, {}).get(label, ())
@@ -144,6 +156,97 @@ class BatchRunner:
         self._counts = Counter({"requests": 0, "failed_requests": 0, "bad_requests": 0, "batches": 0,
                                 "failed_batches": 0, "rows": 0})
         self._histogram: Counter = Counter()
+
+    @staticmethod
+    def _bucketed(session) -> tuple[str, tuple[int, ...], tuple]:
+        """``(label, sizes, sites)`` of a bucketed session's one bucketed dim."""
+        if not isinstance(session, InferenceSession):
+            raise TypeError(f"BatchRunner needs an ortcapture.InferenceSession made with buckets= (or dim= for a "
+                            f"session without), got {type(session).__module__}.{type(session).__qualname__}")
+        try:
+            dims = session.bucket_dims()
+        except CaptureError:
+            raise CaptureError("BatchRunner needs a session made with buckets= (e.g. buckets={'batch': [1, 2, 4, "
+                               "8]}), or dim= for a session without capture: it batches requests along that "
+                               "dim") from None
+        if len(dims) != 1:
+            raise CaptureError(f"BatchRunner batches along one bucketed dim; this session buckets {list(dims)}")
+        (label, d), = dims.items()
+        return label, tuple(d["sizes"]), tuple(d["sites"])
+
+    @staticmethod
+    def _unbucketed(session, dim) -> tuple[str, tuple[int, ...], tuple]:
+        """``(label, (), sites)`` of ``dim=`` on a session without buckets."""
+        if not all(callable(getattr(session, a, None)) for a in ("get_inputs", "get_outputs", "run")):
+            raise TypeError(f"BatchRunner needs an InferenceSession, got {type(session).__qualname__}")
+        if isinstance(session, InferenceSession):
+            try:
+                session.bucket_dims()
+            except CaptureError:
+                pass
+            else:
+                raise CaptureError("BatchRunner: dim= is for a session without buckets=; this one batches along "
+                                   "its bucketed dim already (leave dim= out)")
+            if session.capture_enabled:
+                raise CaptureError("BatchRunner: dim= needs a session without capture (a capturing session's plain "
+                                   "runs need gpu_graph_id=-1); give it buckets= instead")
+        dims = {m.name: list(m.shape) for m in session.get_inputs()}
+        if isinstance(dim, str):
+            label, param = dim, dim
+        elif (isinstance(dim, tuple) and len(dim) == 2 and isinstance(dim[0], str) and isinstance(dim[1], int)
+              and not isinstance(dim[1], bool)):
+            name, axis = dim
+            if name not in dims or not -len(dims[name]) <= axis < len(dims[name]):
+                raise CaptureError(f"BatchRunner: dim={dim!r} names no input axis of the model ({dims})")
+            axis %= len(dims[name])
+            label, param = f"{name}[{axis}]", dims[name][axis]
+            if isinstance(param, int):
+                raise CaptureError(f"BatchRunner: dim={dim!r} is fixed at {param} in the model")
+        else:
+            raise CaptureError(f"BatchRunner: dim= is a dim_param (str) or (input name, axis), got {dim!r}")
+        if isinstance(param, str):
+            sites = tuple((n, a) for n, ds in dims.items() for a, d in enumerate(ds) if d == param)
+        else:
+            sites = ((name, axis),)
+        if not sites:
+            named = sorted({d for ds in dims.values() for d in ds if isinstance(d, str)})
+            raise CaptureError(f"BatchRunner: no input dim is named {dim!r}; the model's dim_params are {named} (or "
+                               "name the dim as (input name, axis))")
+        return label, (), sites
+
+    def _probe(self, example_feeds: Mapping[str, Any] | None) -> dict[str, dict[str, tuple[int, ...]]]:
+        """``{output: {label: (axis, ...)}}``: the axes whose length is the batch's in runs at 1 and 2 rows."""
+        base = {}
+        for name, dtype, shape in self.inputs:
+            if example_feeds is not None:
+                if not isinstance(example_feeds, Mapping) or not isinstance(example_feeds.get(name), np.ndarray):
+                    raise CaptureError(f"BatchRunner: example_feeds must map every input to a numpy array; "
+                                       f"{name!r} is missing or not an array")
+                base[name] = example_feeds[name]
+                continue
+            if any(d < 0 for ax, d in enumerate(shape) if ax != self.input_axes.get(name)):
+                raise CaptureError(f"BatchRunner: input {name!r} has dynamic dims besides {self.dim!r} "
+                                   f"(shape {list(shape)}); pass example_feeds= so the probe runs know them")
+            base[name] = np.zeros([1 if d < 0 else d for d in shape], dtype)
+        shapes = []
+        for n in (1, 2):
+            feeds = {}
+            for name, v in base.items():
+                axis = self.input_axes.get(name)
+                if axis is not None:
+                    v = np.take(v, np.arange(n) % max(v.shape[axis], 1), axis=axis) if v.shape[axis] else v
+                feeds[name] = v
+            try:
+                outs = self.session.run(None, feeds)
+            except Exception as exc:  # noqa: BLE001 - ORT's own types
+                raise CaptureError(f"BatchRunner: the probe run at {n} row(s) along {self.dim!r} failed: "
+                                   f"{str(exc).strip()[:300]}") from exc
+            shapes.append([tuple(np.shape(o)) for o in outs])
+        out: dict[str, dict[str, tuple[int, ...]]] = {}
+        for (name, _, _), a, b in zip(self.outputs, *shapes):
+            axes = tuple(ax for ax, (x, y) in enumerate(zip(a, b)) if (x, y) == (1, 2)) if len(a) == len(b) else ()
+            out[name] = {self.dim: axes} if axes else {}
+        return out
 
     def _spec(self, meta, what: str) -> TensorSpec:
         dtype = ONNX_TO_NP.get(meta.type)
