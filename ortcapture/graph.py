@@ -184,6 +184,8 @@ class CapturedGraph:
         self.outputs: dict[str, OrtValue] = {}
         self._initial_state: dict[str, OrtValue] = {}
         transfer.copy_feeds(self.inputs, example_feeds)
+        # int64 feeds that came device to device (WebGPU OrtValues) are range-checked once, here (host ones were)
+        transfer.check_int64_inputs(self.inputs, [n for n, v in example_feeds.items() if not isinstance(v, np.ndarray)])
         self.outputs = self._allocate_outputs(new_buffer)
         self._state = self._check_state(state or {})
         self._binding = IOBinding(session)
@@ -427,12 +429,12 @@ class CapturedGraph:
                                   ("initial_state", self._initial_state)):
                     for name, old in list(bufs.items()):
                         bufs[name] = cs.new_buffer(old.shape(), transfer.np_dtype_of(old))
-                    transfer.copy_feeds(bufs, saved[key])
+                    transfer.restore(bufs, saved[key])  # the values they held: no input rule applies again
                 self._rebind()
             replays = self._record.replays if self._record is not None else 0
             self._record = cs.capture(self._binding, self.graph_id, self._run_options, owner=self)
             self._record.replays = replays
-            transfer.copy_feeds(self.outputs, saved["outputs"])
+            transfer.restore(self.outputs, saved["outputs"])
         finally:
             self._generation += 1
 

@@ -344,12 +344,17 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
             ``src`` that is ``dst`` itself is a no-op.
         cast: convert a numpy source of another dtype on the host first.
 
+    int64 into a WebGPU buffer: ORT's WebGPU EP under graph capture keeps only the low 32 bits, so every host
+    source (numpy array, CPU OrtValue, CPU DLPack tensor) is range-checked here on every call; a WebGPU OrtValue
+    source is checked once, when a capture takes it as an example feed (:func:`check_int64_inputs`) — afterwards
+    (device to device, no readback) its values staying within int32 is the caller's promise.
+
     Returns:
         ``dst``.
 
     Raises:
         TransferError: (a ``ValueError``) shape, dtype or device mismatch, overlapping buffers, an unsupported source
-            type — always before any native call.
+            type, int64 host data outside the int32 range for a WebGPU buffer — always before any native call.
         StaleOutputError: ``src`` is a ``ReplayOutput`` overwritten by a later replay.
         CaptureUnsupportedError: the installed ORT lacks the needed copy path (device to device needs ORT >= 1.26
             or cuda-python).
@@ -618,7 +623,60 @@ def _checked_value_source(src: OrtValue, dst: OrtValue, dm: ValueMeta) -> ValueM
         return None
     if alias == "overlap":
         raise TransferError("source and destination buffers overlap; an in-place copy between them is undefined")
+    _host_int64_rule(src, sm, dm)
     return sm
+
+
+def _host_int64_rule(src: OrtValue, sm: ValueMeta, dm: ValueMeta) -> None:
+    """The int32-range rule of WebGPU int64 buffers (:func:`_check_int32_range`) for a CPU OrtValue source, as for a
+    numpy one (measured before: an OrtValue of int64 beyond int32 was read silently as 32-bit where the same numpy
+    array was refused). Attribute compares unless it applies."""
+    if dm.kind == "webgpu" and sm.kind == "cpu" and dm.dtype == np.int64 and sm.nbytes:
+        _check_int32_range(src.numpy())
+
+
+def check_int64_inputs(buffers: Mapping[str, OrtValue], names: Sequence[str] | None = None) -> None:
+    """Read back the int64 WebGPU buffers in ``buffers`` (those in ``names``; ``None``: all) and apply the int32-range
+    rule (:func:`_check_int32_range`) to what they hold — for sources no host check saw: WebGPU OrtValues (another
+    graph's outputs, the caller's own buffers) copied device to device. Called once at capture (the example feeds);
+    later device-to-device feeds are not read back (it would cost a readback on every run): keeping their int64
+    values within int32 is the caller's promise.
+
+    Raises:
+        TransferError: naming the input whose value is outside the int32 range.
+    """
+    for name, buf in buffers.items():
+        if names is not None and name not in names:
+            continue
+        m = _dst_meta(buf)
+        if m.kind == "webgpu" and m.dtype == np.int64 and m.nbytes:
+            try:
+                _check_int32_range(to_numpy(buf))
+            except TransferError as exc:
+                _name_it(exc, name)
+                raise
+
+
+def restore(buffers: Mapping[str, OrtValue], values: Mapping[str, Any]) -> None:
+    """Write host copies of values ORT itself produced back into their buffers (outputs after the capture-time
+    verification, outputs around a compaction): shape and dtype checked as :func:`update_inplace` checks them, but
+    no input rule — an int64 output a float computation produced may lie beyond int32 (the WebGPU EP wrote it; the
+    range rule is about what a WebGPU EP can read as an input).
+
+    Raises:
+        TransferError: an unknown name, a value that is no numpy array or does not match its buffer.
+    """
+    if UNSETTLED:
+        settle()
+    for name, value in values.items():
+        dst = buffers.get(name)
+        if dst is None:
+            raise TransferError(f"unknown buffer {name!r}; the buffers are {list(buffers)}")
+        if not isinstance(value, np.ndarray):
+            raise TransferError(f"{name!r}: restore takes numpy arrays, got {type(value).__name__}")
+        dm = _dst_meta(dst)
+        _check_match(dm, tuple(value.shape), value.dtype, f"{name!r}")
+        _copy_host_to(dst, dm, np.require(value, requirements="C"))
 
 
 def _as_source(src: Any) -> OrtValue | np.ndarray:
@@ -688,6 +746,7 @@ def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
     for i in range(len(src)):
         _check_match(dms[i], sms[i].shape, sms[i].dtype, f"source #{i}")
         _require_copyable(sms[i], dms[i])
+        _host_int64_rule(src[i], sms[i], dms[i])
         if _alias(src[i], sms[i], dst[i], dms[i]):
             raise TransferError(f"pair #{i}: source and destination are the same or overlapping buffers")
     for i in range(len(dst)):

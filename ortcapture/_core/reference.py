@@ -170,8 +170,9 @@ def verify_graph(graph, level: str, reference: Callable[[dict], list], rtol: flo
         if not graph.released:
             graph.uncount_replays(graph.replays - before)
             transfer.copy_feeds(graph.inputs, example)  # inputs and state= inputs: the example's initial values
-            for name, value in dict(zip(names, kept_outputs)).items():  # a name listed twice: one buffer
-                transfer.update_inplace(graph.outputs[name], value)
+            # the outputs as the example replay left them (a name listed twice: one buffer); no input rule applies
+            # to them (an int64 output beyond int32 is what the EP computed)
+            transfer.restore(graph.outputs, dict(zip(names, kept_outputs)))
 
 
 def _name_copy_only(exc: VerificationError, model_source: Any, graph) -> None:

@@ -1,0 +1,103 @@
+"""int64 rules hold for every host source (issue 30 item 3): the int32-range check of WebGPU int64 buffers applies to
+numpy arrays, lists, CPU OrtValues and CPU DLPack tensors alike; device sources are checked at capture; input rules
+never apply to outputs (an int64 output beyond int32 is restored after verification and compaction)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import ortcapture
+from ortcapture._ort.compat import OrtValue
+from ortcapture.errors import TransferError
+from tests.conftest import Backend, webgpu_available
+from tests.tiny import _model, vi
+
+BIG = np.array([1, 2**33 + 5, 3], np.int64)  # 2**33 + 5 keeps its low 32 bits (5) on a 32-bit read
+
+
+@pytest.fixture
+def webgpu() -> Backend:
+    webgpu_available()
+    return Backend("webgpu")
+
+
+def ids_model(dims=(3,)) -> bytes:
+    """Y = float(I) + 0 for int64 ids I (Cast then Add: no int64 arithmetic)."""
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+    return _model([helper.make_node("Cast", ["I"], ["f"], to=TensorProto.FLOAT),
+                   helper.make_node("Add", ["f", "zero"], ["Y"])],
+                  [vi("I", list(dims), TensorProto.INT64)], [vi("Y", list(dims))], [zero])
+
+
+class HostDLPack:
+    """A CPU DLPack producer that is not a numpy array (as a CPU torch tensor is)."""
+
+    def __init__(self, a: np.ndarray):
+        self._a = a
+        self.shape, self.dtype, self.flags = a.shape, a.dtype, a.flags
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def host_sources(a: np.ndarray) -> dict:
+    return {"numpy": a.copy(), "cpu OrtValue": OrtValue.ortvalue_from_numpy(a.copy()), "cpu DLPack": HostDLPack(a.copy())}
+
+
+@pytest.mark.parametrize("kind", ["numpy", "cpu OrtValue", "cpu DLPack"])
+def test_every_host_source_gets_the_int32_range_check(webgpu, kind):
+    sess = webgpu.session(ids_model())
+    ok = host_sources(np.array([1, 2, 3], np.int64))[kind]
+    g = sess.capture({"I": ok})
+    np.testing.assert_array_equal(g.run({"I": host_sources(np.array([4, -5, 2**31 - 1], np.int64))[kind]})[0],
+                                  np.array([4, -5, 2**31 - 1], np.float32))
+    with pytest.raises(TransferError, match=r"input 'I'.*8589934597 is outside the int32 range"):
+        g.run({"I": host_sources(BIG)[kind]})
+    with pytest.raises(TransferError, match="outside the int32 range"):
+        ortcapture.update_inplace(g.inputs["I"], host_sources(BIG)[kind])
+    with pytest.raises(TransferError, match="outside the int32 range"):
+        ortcapture.copy([host_sources(BIG)["cpu OrtValue"]], [g.inputs["I"]])
+    np.testing.assert_array_equal(g.run()[0], np.array([4, -5, 2**31 - 1], np.float32))  # nothing was written
+    with pytest.raises(TransferError, match=r"'I'.*outside the int32 range"):
+        sess.capture({"I": host_sources(BIG)[kind]})
+
+
+def test_lists_get_the_check_as_numpy_does_under_buckets(webgpu):
+    sess = webgpu.session(ids_model(("batch", 3)), buckets={"batch": [1, 2]})
+    np.testing.assert_array_equal(sess.run(None, {"I": [[1, 2, 3]]})[0], [[1, 2, 3]])
+    for feed in (BIG[None], BIG[None].tolist()):
+        with pytest.raises(TransferError, match="outside the int32 range"):
+            sess.run(None, {"I": feed})
+
+
+def test_a_device_source_is_checked_at_capture(webgpu):
+    sess = webgpu.session(ids_model())
+    buf = sess.allocate((3,), np.int64)
+    ortcapture._ort.compat.ort_copy_tensors([OrtValue.ortvalue_from_numpy(BIG)], [buf], None)  # around the check
+    for verify in ("off", "full"):  # refused by the capture itself, not only by what the verification reads back
+        with pytest.raises(TransferError, match=r"input 'I'.*outside the int32 range"):
+            sess.capture({"I": buf}, verify=verify)
+    ok = sess.allocate((3,), np.int64)
+    ortcapture.update_inplace(ok, np.array([7, 8, 9], np.int64))
+    g = sess.capture({"I": ok})
+    np.testing.assert_array_equal(g.run()[0], [7, 8, 9])
+
+
+def test_input_rules_never_apply_to_outputs(webgpu):
+    """An int64 output that float arithmetic put beyond int32: capture verifies and restores it; so does compact()."""
+    model = _model([helper.make_node("Mul", ["X", "X"], ["sq"]),
+                    helper.make_node("Cast", ["sq"], ["Y"], to=TensorProto.INT64)],
+                   [vi("X", [4])], [vi("Y", [4], TensorProto.INT64)])
+    sess = webgpu.session(model)
+    x = np.array([1e5, 2e5, 3, 4], np.float32)
+    want = (x.astype(np.float64) ** 2).astype(np.int64)
+    g = sess.capture({"X": x})  # verify="full", then the example's outputs restored
+    np.testing.assert_array_equal(ortcapture.to_numpy(g.outputs["Y"]), want)
+    np.testing.assert_array_equal(g.run()[0], want)
+    sess.compact()  # outputs restored from their snapshot after the re-capture
+    np.testing.assert_array_equal(ortcapture.to_numpy(g.outputs["Y"]), want)
+    np.testing.assert_array_equal(g.run()[0], want)
