@@ -19,6 +19,7 @@ _EXPORTS = {
     "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
     "CaptureAbortedError": "ortcapture.errors", "PointerLifetimeWarning": "ortcapture.errors",
     "EPAccuracyWarning": "ortcapture.errors",
+    "VerificationError": "ortcapture._verify.compare",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
     "InferenceSession": "ortcapture.session", "run_options_for": "ortcapture.session",
     "IOBinding": "ortcapture._core.binding",

@@ -1,3 +1,4 @@
+"""``python -m ortcapture``: the ``ortcapture`` command (:func:`ortcapture.cli.main`)."""
 import sys
 
 from ortcapture.cli import main

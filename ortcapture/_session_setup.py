@@ -1,5 +1,6 @@
-"""Construction-time helpers of :class:`ortcapture.InferenceSession` (module-level, no session state of their own):
-the provider arguments with capture switched off, the ORT-version and WebGPU int64 checks, TensorRT profiles for
+"""Construction-time helpers of :class:`ortcapture.InferenceSession` (module-level, no session state of their own).
+
+The provider arguments with capture switched off, the ORT-version and WebGPU int64 checks, TensorRT profiles for
 ``buckets=``, the text of a refused capture, the model's constant outputs and the numeric-tensor I/O check.
 
 Moved verbatim out of :mod:`ortcapture.session`; the behaviour they guard against is described there.

@@ -132,12 +132,18 @@ class AutoCaptureSession(InferenceSession):
         return out
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
+        """ORT's ``run_with_ort_values``. OrtValue feeds are not served from graphs: without an explicit
+        ``gpu_graph_id`` the run is uncaptured (one ``RuntimeWarning`` per session); with one, ortcapture's rules
+        apply (:meth:`ortcapture.InferenceSession.run_with_ort_values`)."""
         if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
             return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
         self._oc_warn("run_with_ort_values", "OrtValue feeds run uncaptured under patch_onnxruntime")
         return super().run_with_ort_values(output_names, input_dict_ort_values, _uncaptured(run_options))
 
     def run_async(self, output_names, input_feed, callback, user_data, run_options=None):
+        """ORT's ``run_async``. It returns before the run, so it is never captured: without an explicit
+        ``gpu_graph_id`` the run is uncaptured (one ``RuntimeWarning`` per session); with one, ortcapture's rules
+        apply (:meth:`ortcapture.InferenceSession.run_async`)."""
         if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
             return super().run_async(output_names, input_feed, callback, user_data, run_options)
         self._oc_warn("run_async", "run_async runs uncaptured under patch_onnxruntime")

@@ -42,6 +42,8 @@ class ReplayOutput(OrtValue):
 
     @property
     def is_stale(self) -> bool:
+        """Whether a later replay (or a re-capture: a new thread's capture, ``sess.compact()``) has rewritten
+        the buffer since this output was returned; reading a stale output raises :class:`StaleOutputError`."""
         return self._graph.generation != self._generation
 
     def _check(self) -> None:
@@ -53,6 +55,14 @@ class ReplayOutput(OrtValue):
             )
 
     def numpy(self) -> np.ndarray:
+        """A host copy of the output (shape and dtype of the model's output; waits for an unfinished device run).
+
+        Unlike ORT's ``OrtValue.numpy()`` on a device buffer, the copy is checked against concurrent replays: it
+        never mixes two replays' values.
+
+        Raises:
+            StaleOutputError: a later replay or re-capture rewrote the buffer before or during the copy.
+        """
         self._check()
         arr = transfer.to_numpy(self._fixed)
         self._check()  # a replay from another thread began meanwhile: the copy may mix two replays
@@ -141,6 +151,12 @@ class CapturedGraph:
 
     The graph talks to its session only through the session's :class:`ortcapture._core.state.CaptureState`.
     """
+
+    #: ``{input name: fixed device OrtValue}`` (the example feeds' shapes and dtypes), in ``get_inputs()`` order
+    inputs: dict[str, OrtValue]
+    #: ``{output name: fixed device OrtValue}`` (as the model produced them for the example), in ``get_outputs()``
+    #: order; every replay rewrites them
+    outputs: dict[str, OrtValue]
 
     def __init__(self, capture_state, example_feeds: Mapping[str, Any], graph_id: int, *,
                  state: Mapping[str, str] | None = None, capture: bool = True, device=None):
@@ -364,17 +380,19 @@ class CapturedGraph:
     # -- lifetime -------------------------------------------------------------------------------------------
     @property
     def session(self):
-        """The :class:`~ortcapture.InferenceSession` that holds this graph: the session :meth:`capture` was called
-        on, or its shape-specialised sibling (see ``capture_deferred``)."""
+        """The :class:`~ortcapture.InferenceSession` that holds this graph: the session
+        :meth:`~ortcapture.InferenceSession.capture` was called on, or its shape-specialised sibling (see ``capture_deferred``)."""
         return self._cs.session
 
     @property
     def released(self) -> bool:
+        """Whether :meth:`release` ran (explicitly, at the end of a ``with`` block, or when the graph was
+        collected): its ``gpu_graph_id`` is retired and every later run raises :class:`GraphReleasedError`."""
         return self._released
 
     @property
     def generation(self) -> int:
-        """The outputs' seqlock counter: even while the outputs are stable, odd while a replay rewrites them; each
+        """The outputs' seqlock counter (even while the outputs are stable, odd while a replay rewrites them); each
         :class:`ReplayOutput` remembers the value it was made at."""
         return self._generation
 

@@ -224,7 +224,7 @@ class InferenceSession(OrtInferenceSession):
 
     @property
     def capture_deferred(self) -> bool:
-        """True when capture was requested but ORT refused it for the model's dynamic shapes: :meth:`capture`
+        """``True`` when capture was requested but ORT refused it for the model's dynamic shapes; :meth:`capture`
         then captures on a sibling session specialised to the example shapes."""
         return self._oc_state.deferred
 
@@ -354,11 +354,25 @@ class InferenceSession(OrtInferenceSession):
         run_async_guarded(self._oc_state.guard, start, callback, user_data)
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
+        """ORT's ``run_with_ort_values`` (feeds and results are OrtValues). With ``buckets=``: served from the
+        bucket's captured graph, as :meth:`run`; otherwise, on a capturing session, only with ``gpu_graph_id=-1``
+        (serialised with captures and replays).
+
+        Raises:
+            CaptureError: another ``gpu_graph_id`` on a capturing session (ORT would capture or replay on the
+                transient buffers of this call and ignore later feeds).
+        """
         if self._oc_buckets is not None:
             return self._oc_buckets.run(output_names, input_dict_ort_values, run_options, ort_values=True)
         return self._oc_plain_run(output_names, input_dict_ort_values, run_options, True)
 
     def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
+        """ORT's ``run_with_ortvaluevector`` (its low-level ``OrtValueVector`` run); on a capturing session only
+        with ``gpu_graph_id=-1`` (serialised with captures and replays).
+
+        Raises:
+            CaptureError: another ``gpu_graph_id`` on a capturing session (transient buffers, as for :meth:`run`).
+        """
         if self._oc_check_plain_run("run_with_ortvaluevector", run_options):
             with self._oc_state.guard:
                 return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches,

@@ -112,3 +112,44 @@ def test_pyproject_pins_no_ort_distribution_and_ships_the_patches():
     assert data and data <= shipped
     assert setuptools_cfg["package-data"]["ortcapture"] == ["py.typed"]
     assert (ROOT / "ortcapture" / "py.typed").is_file()
+
+
+def test_the_wheel_ships_every_package_and_the_patches(tmp_path):
+    """The built wheel holds every package under ``ortcapture/`` (each folder with an ``__init__.py``, every module
+    of it), ``py.typed``, every file of ``patches/`` as ``ortcapture/patches/``, and the ``ortcapture`` command.
+    pyproject.toml lists the packages by hand: a new subpackage missing there fails here."""
+    import shutil
+    import zipfile
+
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:  # the build-system requirement (PEP 639 license field)
+        pytest.skip(f"setuptools {setuptools.__version__} < 77 (the test extra installs a newer one)")
+    src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info into the tree it builds
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("ortcapture", "patches"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "--disable-pip-version-check", "-q", "-w", str(tmp_path / "dist"), str(src)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("ortcapture-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        entry_points = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
+    packages = sorted(p.parent for p in (ROOT / "ortcapture").rglob("__init__.py") if "__pycache__" not in p.parts)
+    assert len(packages) >= 7  # ortcapture, _buckets, _core, _memory, _ort, _verify, cli (and serving, ...)
+    missing = [p.relative_to(ROOT).as_posix() for p in packages
+               if f"{p.relative_to(ROOT).as_posix()}/__init__.py" not in names]
+    assert not missing, f"packages missing from the wheel (add them to pyproject.toml's packages): {missing}"
+    modules = {p.relative_to(ROOT).as_posix() for pkg in packages for p in pkg.glob("*.py")}
+    assert modules <= names, sorted(modules - names)
+    assert "ortcapture/py.typed" in names
+    patch_files = {"ortcapture/patches/" + p.relative_to(ROOT / "patches").as_posix()
+                   for p in (ROOT / "patches").rglob("*") if p.is_file()}
+    assert any(n.endswith(".patch") for n in patch_files) and "ortcapture/patches/README.md" in patch_files
+    assert patch_files <= names, sorted(patch_files - names)
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "tools/", "docs/"))]
+    assert "ortcapture = ortcapture.cli:main" in entry_points

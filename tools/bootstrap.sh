@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with ortcapture (editable, extras test, bench, webgpu), the pinned
+# Create (or reuse) a virtual environment with ortcapture (editable, extras test, bench, webgpu; docs in .venv), the pinned
 # onnxruntime and WebGPU plugin EP, and set up software WebGPU on machines without a GPU. Idempotent.
 #
 # Usage: tools/bootstrap.sh [--ort VERSION] [--venv DIR]
@@ -38,8 +38,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "keeping onnxruntime-gpu $gpu in $venv (not installing onnxruntime $ort_version)"
     ort_req=""
   fi
+  extras=test,bench,webgpu
+  if [ "$venv" = "$root/.venv" ]; then extras=$extras,docs; fi  # tools/test.sh builds the reference there only
   "$venv/bin/python" -m pip install -q --disable-pip-version-check $ort_req \
-    "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root[test,bench,webgpu]" >&2
+    "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root[$extras]" >&2
   # a library that builds its own ORT sessions, for the patch_onnxruntime example; its onnxruntime requirement is
   # not installed (it would replace the ORT distribution chosen above)
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nudenet==$NUDENET" \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # README command 2: set everything up and run the test suite against the newest and the oldest supported
 # onnxruntime, plus 1.27.0 (the first whose WebGPU plugin EP captures): CPU unit tests and real WebGPU capture
-# on the software adapter; CUDA tests skip without a GPU.
+# on the software adapter; CUDA tests skip without a GPU. Once, in the newest-ORT environment: ruff, the import
+# contracts, and the API reference with its docstring coverage (tools/docs.sh).
 # Extra arguments go to pytest. ORTCAPTURE_ORT_VERSIONS="1.32.0" limits the matrix.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -9,6 +10,7 @@ cd "$root"
 versions=${ORTCAPTURE_ORT_VERSIONS:-"1.32.0 1.27.0 1.24.4"}
 status=0
 lint_done=0
+docs_done=0
 for v in $versions; do
   { read -r venv; read -r env_file; } < <(bash tools/bootstrap.sh --ort "$v")
   echo "=== onnxruntime $v ($venv) ==="
@@ -17,6 +19,10 @@ for v in $versions; do
     "$venv/bin/ruff" check ortcapture benchmarks || status=1
     "$venv/bin/lint-imports" .importlinter || status=1
   fi
+  if [ $docs_done = 0 ] && [ "$venv" = "$root/.venv" ]; then  # the API reference (once: .venv has the docs extra)
+    docs_done=1
+    bash tools/docs.sh "$venv" || status=1
+  fi
   (
     [ -n "$env_file" ] && source "$env_file"
     # WebGPU must really run here: a missing adapter fails the WebGPU tests instead of skipping them.
@@ -24,4 +30,5 @@ for v in $versions; do
     "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
   ) || status=1
 done
+[ $docs_done = 1 ] || echo "docs: not built (only in .venv, the onnxruntime $(sed -n 's/^NEWEST_ORT=//p' tools/bootstrap.sh) environment)"
 exit $status

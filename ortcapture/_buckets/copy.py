@@ -1,5 +1,7 @@
-"""The request's region in a bucket graph's fixed buffers (:mod:`ortcapture._buckets.run`): CUDA region copies in
-and out (cuda-python), the host staging array's fill, the host slice of an output.
+"""The request's region in a bucket graph's fixed buffers: CUDA region copies in and out, the host staging fill.
+
+Used by :mod:`ortcapture._buckets.run`: CUDA region copies in and out (cuda-python), the host staging array's fill,
+the host slice of an output.
 
 ``entry`` is a ``_bucket_run._Entry`` (its ``graph``, ``staging``, ``filled`` and ``layouts``); the functions were
 ``BucketRunner`` methods, moved verbatim (the runner's ``pad_values``/pad bytes are now parameters).

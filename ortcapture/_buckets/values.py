@@ -1,6 +1,8 @@
-"""The feed and output values a bucketed run (:mod:`ortcapture._buckets.run`) handles: shape, dtype, CUDA device
-pointer and host copy of numpy arrays, OrtValues and DLPack/CUDA-array-interface tensors; ORT input type strings as
-numpy dtypes; the byte a pad value repeats; OrtValue-wrapped outputs. Moved verbatim from ``_bucket_run``.
+"""The feed and output values a bucketed run handles: numpy arrays, OrtValues and DLPack tensors.
+
+The values :mod:`ortcapture._buckets.run` handles: shape, dtype, CUDA device pointer and host copy of numpy arrays,
+OrtValues and DLPack/CUDA-array-interface tensors; ORT input type strings as numpy dtypes; the byte a pad value
+repeats; OrtValue-wrapped outputs. Moved verbatim from ``_bucket_run``.
 """
 from __future__ import annotations
 

@@ -42,6 +42,8 @@ class Bound:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the bound buffer: the OrtValue's tensor size, or shape x itemsize of a pointer binding; 0 for
+        ``"allocate"`` (ORT allocates per run) and ``"cpu"`` bindings, and where the size is unknown."""
         if self.value is not None:
             try:
                 return int(self.value.tensor_size_in_bytes())
@@ -139,14 +141,23 @@ class IOBinding(OrtIOBinding):
 
     @property
     def bound_inputs(self) -> dict[str, Bound]:
+        """``{input name: Bound}``: what each input is bound to now (a copy; the binding's own record)."""
         return dict(self._oc_inputs)
 
     @property
     def bound_outputs(self) -> dict[str, Bound]:
+        """``{output name: Bound}``: what each output is bound to now (a copy; the binding's own record)."""
         return dict(self._oc_outputs)
 
     # -- ORT API -------------------------------------------------------------------------------------------
     def bind_cpu_input(self, name, arr_on_cpu):
+        """ORT's ``bind_cpu_input``: ORT copies the host array ``arr_on_cpu`` (numpy) once, so later changes to
+        it are stale on a captured replay. Capture refuses it, except for inputs ORT reads in host memory
+        (``get_input_memory_infos()``: a Reshape shape, Slice starts), which are capture-time constants.
+
+        Raises:
+            BindingError: a captured ``gpu_graph_id`` pins this binding (release the graph first).
+        """
         self._oc_reject_if_pinned("rebind inputs")
         super().bind_cpu_input(name, arr_on_cpu)
         arr = np.asarray(arr_on_cpu)
@@ -166,6 +177,13 @@ class IOBinding(OrtIOBinding):
         )
 
     def bind_ortvalue_input(self, name, ortvalue):
+        """ORT's ``bind_ortvalue_input``: bind a fixed tensor ``OrtValue`` (e.g. ``sess.allocate(shape, dtype)``)
+        to input ``name``; the buffer a captured graph replays on.
+
+        Raises:
+            BindingError: a captured ``gpu_graph_id`` pins this binding (update the bound buffer in place with
+                :func:`ortcapture.update_inplace`, or release the graph first).
+        """
         self._oc_reject_if_pinned("rebind inputs")
         super().bind_ortvalue_input(name, ortvalue)
         self._oc_inputs[name] = describe_ortvalue(ortvalue)
@@ -183,16 +201,32 @@ class IOBinding(OrtIOBinding):
         self._oc_outputs[name] = rec
 
     def bind_ortvalue_output(self, name, ortvalue):
+        """ORT's ``bind_ortvalue_output``: bind a fixed tensor ``OrtValue`` of the output's shape and dtype to
+        output ``name``; a captured replay writes into it.
+
+        Raises:
+            BindingError: a captured ``gpu_graph_id`` pins this binding (release the graph first).
+        """
         self._oc_reject_if_pinned("rebind outputs")
         super().bind_ortvalue_output(name, ortvalue)
         self._oc_outputs[name] = describe_ortvalue(ortvalue)
 
     def clear_binding_inputs(self):
+        """ORT's ``clear_binding_inputs``: forget every input binding.
+
+        Raises:
+            BindingError: a captured ``gpu_graph_id`` pins this binding (its replays would ignore the change).
+        """
         self._oc_reject_if_pinned("clear input bindings")
         super().clear_binding_inputs()
         self._oc_inputs.clear()
 
     def clear_binding_outputs(self):
+        """ORT's ``clear_binding_outputs``: forget every output binding.
+
+        Raises:
+            BindingError: a captured ``gpu_graph_id`` pins this binding (its replays would ignore the change).
+        """
         self._oc_reject_if_pinned("clear output bindings")
         super().clear_binding_outputs()
         self._oc_outputs.clear()

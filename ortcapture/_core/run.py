@@ -1,5 +1,7 @@
-"""The one call of ORT's ``run_with_iobinding`` in ortcapture's core (captures, replays, uncaptured probes), and the
-``gpu_graph_id`` run option."""
+"""The one call of ORT's ``run_with_iobinding`` in ortcapture's core, and the ``gpu_graph_id`` run option.
+
+Captures, replays and uncaptured probes all run through :func:`run_bound`.
+"""
 from __future__ import annotations
 
 import operator

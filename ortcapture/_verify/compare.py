@@ -48,7 +48,7 @@ def level_of(verify: Any) -> str:
 
 class VerificationError(CaptureError):
     """A captured replay differs from the reference run. ``outputs`` names the outputs that differ; ``input_set``
-    is ``"example"`` or ``"varied"``; ``report`` is the :class:`Report` so far."""
+    is ``"example"`` or ``"varied"``; ``report`` is the :class:`~ortcapture._verify.compare.Report` so far."""
 
     def __init__(self, message: str, outputs: Sequence[str], input_set: str, report: "Report"):
         super().__init__(message)

@@ -1,5 +1,7 @@
-"""Model inspection for capture (``onnx`` only, plus ORT's node-placement record): view and constant outputs, the
-WebGPU rewrite of view outputs, and the causes of a refused capture.
+"""Model inspection for capture: view and constant outputs, the WebGPU view rewrite, why a capture was refused.
+
+With ``onnx`` only, plus ORT's node-placement record: view and constant outputs, the WebGPU rewrite of view outputs,
+and the causes of a refused capture.
 
 Measured on onnxruntime 1.32 + WebGPU plugin 0.4.0 (software adapter): a graph output produced by a view op
 (Reshape, Flatten, Squeeze, Unsqueeze, Identity) is copied into its bound buffer by a data transfer that is not

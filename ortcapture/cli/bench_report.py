@@ -1,6 +1,7 @@
-"""``ortcapture bench``'s arms and what it makes of their timings: pooled statistics, speedups, ortcapture's overhead
-against raw capture (blocks and call-by-call), the table and the plot. The method is described in
-:mod:`ortcapture.cli.bench`.
+"""``ortcapture bench``'s arms and what it makes of their timings: statistics, speedups, overhead, table, plot.
+
+Pooled statistics, speedups, ortcapture's overhead against raw capture (blocks and call-by-call), the table and the
+plot. The method is described in :mod:`ortcapture.cli.bench`.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The ``ortcapture bench`` worker: one fresh process that builds every arm's session, captures, warms up, times
-the arms in round-robin blocks and the paired raw/ortcapture phase, and checks every arm's outputs against the
-uncaptured run (see :mod:`ortcapture.cli.bench` for the method). Started by the parent as
-``python -m ortcapture.cli.bench worker ...``; prints one JSON line on stdout, progress lines on stderr.
-Moved from ``cli/bench.py``.
+"""The ``ortcapture bench`` worker: one fresh process that builds, captures, times and checks every arm.
+
+One fresh process that builds every arm's session, captures, warms up, times the arms in round-robin blocks and the
+paired raw/ortcapture phase, and checks every arm's outputs against the uncaptured run (see
+:mod:`ortcapture.cli.bench` for the method). Started by the parent as ``python -m ortcapture.cli.bench worker ...``;
+prints one JSON line on stdout, progress lines on stderr. Moved from ``cli/bench.py``.
 """
 from __future__ import annotations
 

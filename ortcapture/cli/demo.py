@@ -1,5 +1,6 @@
-"""``ortcapture demo``: capture and replay a real model on the best available provider, verify every replay against
-the uncaptured run, and print a timing table.
+"""``ortcapture demo``: capture, replay and verify a real model on the best available provider; a timing table.
+
+Every replay is verified against the uncaptured run.
 
 Arms (p50/p90 host wall time per call, µs; every call ends with the outputs on the host):
 plain ``run(numpy)``; IOBinding without graph (input already on the device); captured replay of the same

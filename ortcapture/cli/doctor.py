@@ -1,5 +1,6 @@
-"""``ortcapture doctor MODEL.onnx``: say whether a model can be captured — and what to change when it cannot —
-before anyone waits for a failed capture.
+"""``ortcapture doctor MODEL.onnx``: say whether a model can be captured, and what to change when it cannot.
+
+It says so before anyone waits for a failed capture.
 
 ``ortcapture doctor MODEL.onnx [--provider auto|cuda|webgpu|none] [--shape NAME=1x3x320x320 ...]
 [--provider-option KEY=VALUE ...] [--json]``. ``--provider-option`` gives every session doctor creates the EP options

@@ -1,5 +1,7 @@
-"""``ortcapture doctor``'s dynamic checks: sessions on a capture-capable EP — node placement, ORT's own log, two
-uncaptured reference runs and a real capture attempt (described in :mod:`ortcapture.cli.doctor`).
+"""``ortcapture doctor``'s dynamic checks: sessions on a capture-capable EP and a real capture attempt.
+
+Node placement, ORT's own log, two uncaptured reference runs and a real capture attempt (described in
+:mod:`ortcapture.cli.doctor`).
 """
 from __future__ import annotations
 
