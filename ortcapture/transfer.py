@@ -346,7 +346,7 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
 
     int64 into a WebGPU buffer: ORT's WebGPU EP under graph capture keeps only the low 32 bits, so every host
     source (numpy array, CPU OrtValue, CPU DLPack tensor) is range-checked here on every call; a WebGPU OrtValue
-    source is checked once, when a capture takes it as an example feed (:func:`check_int64_inputs`) — afterwards
+    source is checked once, when a capture takes it as an example feed (``check_int64_inputs``) — afterwards
     (device to device, no readback) its values staying within int32 is the caller's promise.
 
     Returns:

@@ -72,24 +72,32 @@ def markdown(text: str) -> str:
 
 
 def contracts() -> list[dict]:
-    """The ``layers`` contracts of .importlinter: ``{"name", "container", "layers": [[(name, optional)], ...]}``."""
+    """The contracts of .importlinter, in file order.
+
+    ``layers`` contracts: ``{"name", "type", "container", "layers": [[(module, optional), ...], ...],
+    "independent": [bool per layer]}``; other types (``forbidden``, ...): ``{"name", "type", "fields": {key: [values]}}``.
+    """
     cfg = configparser.ConfigParser()
     cfg.read(CONTRACTS, encoding="utf-8")
     out = []
     for section in cfg.sections():
-        if not section.startswith("importlinter:contract:") or cfg[section].get("type") != "layers":
+        if not section.startswith("importlinter:contract:"):
             continue
-        container = cfg[section].get("containers", "").strip()
+        c = cfg[section]
+        kind = c.get("type", "")
+        if kind != "layers":
+            fields = {k: c[k].split() for k in c if k not in ("name", "type")}
+            out.append({"name": c["name"], "type": kind, "fields": fields})
+            continue
+        container = c.get("containers", "").strip()
+        lines = [line.strip() for line in c["layers"].strip().splitlines()]
         layers = []
-        for line in cfg[section]["layers"].strip().splitlines():
-            line = line.strip()
+        for line in lines:
             optional = line.startswith("(") and line.endswith(")")
             names = [n.strip() for n in re.split(r"[|:]", line.strip("()"))]
-            full = [f"{container}.{n}" if container else n for n in names]
-            layers.append([(n, optional) for n in full])
-        out.append({"name": cfg[section]["name"], "container": container,
-                    "independent": [("|" in line) for line in cfg[section]["layers"].strip().splitlines()],
-                    "layers": layers})
+            layers.append([(f"{container}.{n}" if container else n, optional) for n in names])
+        out.append({"name": c["name"], "type": kind, "container": container, "layers": layers,
+                    "independent": ["|" in line for line in lines]})
     return out
 
 
@@ -110,8 +118,14 @@ def render() -> str:
            "Each contract of `.importlinter` (checked by `lint-imports .importlinter` in `tools/test.sh`), top layer",
            "first: a module may import only from layers below its own; the packages of one layer may import each",
            "other where they are written with `:`, not where they are written with `|` (independent).", ""]
-    groups = contracts()
-    for c in groups:
+    every = contracts()
+    groups = [c for c in every if c["type"] == "layers"]
+    for c in every:
+        if c["type"] != "layers":
+            out += [f"**{markdown(c['name'])}** (`{c['type']}`)", "", "| setting | modules |", "| --- | --- |"]
+            out += [f"| {key} | " + ", ".join(f"`{v}`" for v in values) + " |" for key, values in c["fields"].items()]
+            out.append("")
+            continue
         where = f" (inside `{c['container']}`)" if c["container"] else ""
         out += [f"**{markdown(c['name'])}**{where}", "", "| layer | packages and modules |", "| --- | --- |"]
         for i, (layer, independent) in enumerate(zip(c["layers"], c["independent"]), 1):
