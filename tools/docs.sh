@@ -15,7 +15,11 @@ if [ ! -x "$venv/bin/sphinx-build" ] || [ ! -x "$venv/bin/interrogate" ]; then
 fi
 start=$(date +%s)
 mapfile -t files < <("$venv/bin/python" tools/public_api.py)
-"$venv/bin/interrogate" -c pyproject.toml "${files[@]}"
+if ! "$venv/bin/interrogate" -c pyproject.toml "${files[@]}"; then
+  echo "docs: public names without a docstring:" >&2
+  "$venv/bin/interrogate" -c pyproject.toml -vv "${files[@]}" | grep MISSED >&2 || true
+  exit 1
+fi
 # -E: a fresh environment every time (a stale one would hide a warning of a page that did not change)
 "$venv/bin/sphinx-build" -W -n -E --keep-going -q -b html docs build/docs
 echo "docs: API reference and guides in build/docs/index.html, built in $(( $(date +%s) - start )) s"
