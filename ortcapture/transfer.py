@@ -16,6 +16,7 @@ before the device finished them: :func:`ortcapture._ort.sync.settle`).
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import Any, Mapping, Sequence
 
@@ -414,12 +415,15 @@ class FeedTargets:
         staging: the graph's :class:`HostStaging` for host (numpy) sources, or ``None``.
     """
 
-    __slots__ = ("buffers", "gate_held", "staging", "_last")
+    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "_last")
 
-    def __init__(self, buffers: Mapping[str, OrtValue], gate_held: bool = False, staging=None) -> None:
+    def __init__(self, buffers: Mapping[str, OrtValue], gate_held: bool = False, staging=None,
+                 make_staging=None) -> None:
         self.buffers = buffers
         self.gate_held = bool(gate_held)
         self.staging = staging
+        #: ``() -> HostStaging``: makes the staging on the first numpy feed (graphs with pinned staging), or None
+        self.make_staging = make_staging
         self._last: dict[str, tuple] = {}  # name -> (weakref to the source, copy(dst, src), dst)
 
     def __getitem__(self, name: str) -> OrtValue:
@@ -439,7 +443,7 @@ class FeedTargets:
         if len(feeds) == 1:
             for name, value in feeds.items():
                 hit = last.get(name)
-                if hit is not None and hit[0]() is value:
+                if hit is not None and hit[0]() is value and COPY_BACKEND is None:
                     if UNSETTLED:
                         settle()
                     hit[1](hit[2], value)
@@ -447,10 +451,13 @@ class FeedTargets:
                 dst = self.buffers.get(name)
                 if dst is None:
                     raise TransferError(f"unknown input {name!r}; the inputs are {list(self.buffers)}")
-                staging = self.staging
-                if staging is not None and type(value) is np.ndarray and staging.takes(name, value):
-                    staging.upload({name: value})
-                    return
+                if type(value) is np.ndarray:
+                    staging = self.staging
+                    if staging is None and self.make_staging is not None:
+                        staging = self.make_staging()
+                    if staging is not None and staging.takes(name, value):
+                        staging.upload({name: value})
+                        return
                 try:
                     update_inplace(dst, value)
                 except TransferError as exc:
@@ -459,13 +466,15 @@ class FeedTargets:
                 self._remember(name, dst, value)
             return
         hits = [last.get(name) for name in feeds]
-        if all(h is not None and h[0]() is v for h, v in zip(hits, feeds.values())):
+        if COPY_BACKEND is None and all(h is not None and h[0]() is v for h, v in zip(hits, feeds.values())):
             if UNSETTLED:
                 settle()
             for h, v in zip(hits, feeds.values()):
                 h[1](h[2], v)
             return
         staging = self.staging
+        if staging is None and self.make_staging is not None and any(type(v) is np.ndarray for v in feeds.values()):
+            staging = self.make_staging()
         host: dict = {}
         tokens = []
         for name, value in feeds.items():
@@ -910,3 +919,264 @@ def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: Value
             f"device-to-device update_inplace needs onnxruntime >= 1.26 (OrtValue.update_inplace(OrtValue)) or "
             f"cuda-python for CUDA; this is onnxruntime {compat.ort_version_string()}"
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host staging: a graph's own host buffers for host feeds and host outputs
+# ---------------------------------------------------------------------------------------------------------------
+#: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
+#: each chunk's host-to-device copy starting as soon as it is in): $ORTCAPTURE_STAGING_THREADS, default a quarter of
+#: the cores, at most 4 (1: the calling thread alone). numpy releases the GIL for the copies.
+STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(4, max(1, (os.cpu_count() or 1) // 4))
+#: Chunk of a pipelined fill (bytes); feeds up to twice this go in one piece
+STAGING_CHUNK = 1 << 20
+#: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
+PINNED = os.environ.get("ORTCAPTURE_PINNED", "1") != "0"
+_POOL: list = []
+_POOL_LOCK = threading.Lock()
+
+
+def _pool():
+    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1)."""
+    if STAGING_THREADS <= 1:
+        return None
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with _POOL_LOCK:
+            if not _POOL:
+                _POOL.append(ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix="ortcapture-staging"))
+    return _POOL[0]
+
+
+class _PinnedBlock:
+    """One page-locked host block; numpy arrays made from it (``np.asarray(block)``) keep it alive, and its free is
+    queued for a safe point (:func:`ortcapture._ort.cudart.release_later`) once the last of them is gone."""
+
+    def __init__(self, nbytes: int) -> None:
+        from ortcapture._ort import cudart
+
+        self.ptr = cudart.host_alloc(nbytes)
+        self.nbytes = int(nbytes)
+        self.__array_interface__ = {"data": (self.ptr, False), "shape": (max(self.nbytes, 1),), "typestr": "|u1",
+                                    "version": 3}
+        weakref.finalize(self, cudart.release_later, "host", self.ptr)
+
+
+def _host_array(shape: tuple, dtype: np.dtype, pinned: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(array of ``shape``/``dtype``, its bytes as a flat uint8 view) in page-locked or ordinary host memory."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if pinned:
+        flat = np.asarray(_PinnedBlock(nbytes))[:nbytes]
+    else:
+        flat = np.empty(nbytes, np.uint8)
+    return flat.view(dtype).reshape(shape), flat
+
+
+class HostStaging:
+    """A graph's own host buffers: :attr:`host_inputs` and :attr:`host_outputs`, one array per fixed buffer, of its
+    shape and dtype; made by ``CapturedGraph`` the first time host data goes in or out.
+
+    ``pinned`` (CUDA with cuda-python; ``kind == "pinned"``): page-locked memory (``cudaHostAlloc``), a
+    non-blocking copy stream of the graph's own and ``cudaMemcpyAsync`` both ways. A numpy feed is copied into its
+    page-locked buffer in chunks (by :data:`STAGING_THREADS` threads), each chunk's host-to-device copy queued as
+    soon as it is in; a feed that *is* the graph's host input buffer is sent without the host copy. Before a buffer
+    is refilled, its previous copy is waited for (an event per input); every upload and readback has completed when
+    it returns (the transfer module's ordering guarantee), except :meth:`upload_async`, whose caller waits.
+    Otherwise (``kind == "pageable"``: WebGPU, CPU, CUDA without cuda-python, bfloat16 buffers, or
+    ``ORTCAPTURE_PINNED=0``): ordinary numpy arrays; uploads go through :func:`update_inplace`'s checked path, and
+    readbacks are written straight into :attr:`host_outputs` (one ``copy_tensors`` call on WebGPU) instead of into
+    a new host value per output.
+
+    Every method is called with the graph's guard held (CUDA: ``CUDA_GATE.shared``; allocation and frees of pinned
+    memory, streams and events happen only there, never from a finalizer: frees are queued).
+    """
+
+    def __init__(self, inputs: Mapping[str, OrtValue], outputs: Mapping[str, OrtValue], pinned: bool) -> None:
+        metas = {**{("in", n): _dst_meta(v) for n, v in inputs.items()},
+                 **{("out", n): _dst_meta(v) for n, v in outputs.items()}}
+        kinds = {m.kind for m in metas.values()}
+        devices = {m.device_id for m in metas.values()}
+        pinned = bool(pinned and PINNED and kinds == {"cuda"} and len(devices) == 1 and compat.has_cuda_python()
+                      and not any(m.dtype in STORAGE for m in metas.values()))
+        self._stream = None
+        self._events: dict[str, Any] = {}
+        self._busy: set[str] = set()  # inputs whose host-to-device copy may still be running
+        self.device_id = devices.pop() if len(devices) == 1 else 0
+        if pinned:
+            try:
+                self._make(inputs, outputs, metas, True)
+            except RuntimeError:  # out of page-locked memory: ordinary host memory works too
+                pinned = False
+        if not pinned:
+            self._make(inputs, outputs, metas, False)
+        self.pinned = pinned
+        #: ``"pinned"`` (page-locked, asynchronous copies) or ``"pageable"``
+        self.kind = "pinned" if pinned else "pageable"
+
+    def _make(self, inputs, outputs, metas, pinned: bool) -> None:
+        from ortcapture._ort import cudart
+
+        if pinned:
+            cudart.free_pending(CUDA_GATE.capturing)
+        self.inputs, self.outputs = dict(inputs), dict(outputs)
+        self.host_inputs: dict[str, np.ndarray] = {}
+        self.host_outputs: dict[str, np.ndarray] = {}
+        self._flat: dict[tuple, np.ndarray] = {}
+        self._ptr: dict[tuple, tuple[int, int, int]] = {}  # (host ptr, device ptr, nbytes)
+        for (role, name), m in metas.items():
+            arr, flat = _host_array(m.shape, m.dtype, pinned)
+            (self.host_inputs if role == "in" else self.host_outputs)[name] = arr
+            self._flat[(role, name)] = flat
+            if pinned:
+                self._ptr[(role, name)] = (int(flat.ctypes.data), m.span[0] if m.span else 0, m.nbytes)
+        self._wrappers = None  # pageable readback: CPU OrtValues over host_outputs (made on first use)
+        if pinned:
+            handles = []
+            self._stream = cudart.new_stream(self.device_id)
+            handles.append(("stream", self._stream))
+            for name in inputs:
+                self._events[name] = cudart.new_event(self.device_id)
+                handles.append(("event", self._events[name]))
+            weakref.finalize(self, _release_handles, handles)
+        # the host inputs start as the graph's inputs are now (feeding all of them after filling one changes one)
+        if pinned:
+            if UNSETTLED:
+                settle()
+            for name in inputs:
+                hptr, dptr, nbytes = self._ptr[("in", name)]
+                if nbytes:
+                    cudart.copy_async(hptr, dptr, nbytes, self._stream)
+            cudart.sync_stream(self._stream)
+        else:
+            for name, buf in inputs.items():
+                np.copyto(self.host_inputs[name], to_numpy(buf))
+
+    # -- uploads ----------------------------------------------------------------------------------------------
+    def takes(self, name: str, arr: np.ndarray) -> bool:
+        """Whether :meth:`upload` takes numpy ``arr`` for input ``name`` as it is: pinned staging takes every
+        C-contiguous array of the input's exact shape and dtype; pageable staging only the graph's own host input
+        array (others go through :func:`update_inplace`, which also casts nothing and copies non-contiguous arrays
+        the same way)."""
+        own = self.host_inputs.get(name)
+        if own is None:
+            return False
+        if not self.pinned and arr is not own:
+            return False
+        return arr.shape == own.shape and arr.dtype == own.dtype and arr.flags.c_contiguous
+
+    def upload(self, host: Mapping[str, np.ndarray]) -> None:
+        """Copy each array into its input's device buffer (through the page-locked buffer where pinned); done when
+        this returns. The arrays were accepted by :meth:`takes`."""
+        if not self.pinned:
+            for name, arr in host.items():
+                update_inplace(self.inputs[name], arr)
+            return
+        self.upload_async(host)
+        self.wait()
+
+    def upload_async(self, host: Mapping[str, np.ndarray]) -> None:
+        """:meth:`upload` without the final wait (pinned only): the copies are queued on the copy stream; call
+        :meth:`wait` before the device buffers are read."""
+        from ortcapture._ort import cudart
+
+        if UNSETTLED:
+            settle()
+        stream = self._stream
+        for name, arr in host.items():
+            if name in self._busy:  # its previous copy must be done before the buffer is refilled
+                cudart.wait_event(self._events[name])
+                self._busy.discard(name)
+            hptr, dptr, n = self._ptr[("in", name)]
+            if n:
+                if arr is self.host_inputs[name]:
+                    cudart.copy_async(dptr, hptr, n, stream)
+                else:
+                    _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n, stream)
+            cudart.record(self._events[name], stream)
+            self._busy.add(name)
+
+    def wait(self) -> None:
+        """Wait for every queued copy of this staging (pinned; a no-op otherwise)."""
+        if self.pinned:
+            from ortcapture._ort import cudart
+
+            cudart.sync_stream(self._stream)
+            self._busy.clear()
+
+    # -- readbacks ----------------------------------------------------------------------------------------------
+    def read_async(self, names) -> None:
+        """Queue device-to-host copies of outputs ``names`` into :attr:`host_outputs` (pinned; pageable: done at
+        once). The device work that wrote them must be finished (ORT's synchronised run)."""
+        if UNSETTLED:
+            settle()
+        if not self.pinned:
+            names = list(names)
+            if self._wrappers is None:  # CPU OrtValues over the host arrays (ORT's CPU tensors alias numpy memory)
+                self._wrappers = False if any(a.dtype in STORAGE for a in self.host_outputs.values()) else {
+                    n: OrtValue.ortvalue_from_numpy(a) for n, a in self.host_outputs.items()}
+            if self._wrappers is False:  # bfloat16: ORT's numpy bridge refuses it; through to_numpy's byte path
+                for n in names:
+                    np.copyto(self.host_outputs[n], to_numpy(self.outputs[n]))
+                return
+            copy([self.outputs[n] for n in names], [self._wrappers[n] for n in names])
+            return
+        from ortcapture._ort import cudart
+
+        stream = self._stream
+        for n in names:
+            hptr, dptr, nbytes = self._ptr[("out", n)]
+            if nbytes:
+                cudart.copy_async(hptr, dptr, nbytes, stream)
+
+    def read(self, names) -> None:
+        """:meth:`read_async` and the wait: :attr:`host_outputs` hold the outputs ``names`` when this returns."""
+        self.read_async(names)
+        self.wait()
+
+    def profile(self, name: str, arr: np.ndarray) -> dict:
+        """Callables timing the staging's parts on input ``name`` (``benchmarks/profile_replay.py``): the host copy
+        into the staging buffer, the upload from it, a full upload of ``arr``, the readback of every output."""
+        out = {"host copy into the staging buffer": lambda: np.copyto(self.host_inputs[name], arr)}
+        own = self.host_inputs[name]
+        out["upload of the staging buffer (host -> device)"] = lambda: self.upload({name: own})
+        if self.takes(name, arr):
+            out["upload of a numpy feed (host copy + host -> device)"] = lambda: self.upload({name: arr})
+        names = list(self.outputs)
+        out["readback of every output (device -> host buffers)"] = lambda: self.read(names)
+        return out
+
+
+def _release_handles(handles) -> None:
+    from ortcapture._ort import cudart
+
+    for kind, h in handles:
+        cudart.release_later(kind, h)
+
+
+def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream) -> None:
+    """Copy ``arr``'s bytes into the page-locked ``flat`` and queue their host-to-device copy to ``dptr``: in
+    chunks, each sent as soon as it is in (the DMA of one overlaps the host copy of the next), the host copies
+    spread over the staging threads where there are several."""
+    from ortcapture._ort import cudart
+
+    src = arr.reshape(-1).view(np.uint8)
+    if n <= 2 * STAGING_CHUNK:
+        np.copyto(flat, src)
+        cudart.copy_async(dptr, hptr, n, stream)
+        return
+    bounds = [(a, min(a + STAGING_CHUNK, n)) for a in range(0, n, STAGING_CHUNK)]
+    pool = _pool()
+    if pool is None:
+        for a, b in bounds:
+            np.copyto(flat[a:b], src[a:b])
+            cudart.copy_async(dptr + a, hptr + a, b - a, stream)
+        return
+    futures = [pool.submit(np.copyto, flat[a:b], src[a:b]) for a, b in bounds]
+    try:
+        for (a, b), fut in zip(bounds, futures):
+            fut.result()
+            cudart.copy_async(dptr + a, hptr + a, b - a, stream)
+    finally:
+        for fut in futures:  # nothing may still write the buffer once this returns (an error above included)
+            fut.cancel() or fut.exception()

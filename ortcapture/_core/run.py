@@ -4,6 +4,7 @@ Captures, replays and uncaptured probes all run through :func:`run_bound`.
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import onnxruntime as ort
@@ -23,6 +24,12 @@ def run_bound(session, binding, run_options) -> None:
     guards (ORT PR #32074) stay in the path. Raises whatever ORT raises.
     """
     compat.ORT_RUN_WITH_IOBINDING(session, binding, run_options)
+
+
+def bound_runner(session, binding, run_options):
+    """:func:`run_bound` with its arguments bound once: a callable ``run()`` (a replay plan's one ORT call, with no
+    Python frame of ortcapture's between the caller and ORT's ``run_with_iobinding``)."""
+    return functools.partial(compat.ORT_RUN_WITH_IOBINDING, session, binding, run_options)
 
 
 #: ORT's run config key (``kOrtRunOptionsConfigDisableSynchronizeExecutionProviders``): "1" makes a run return before

@@ -28,7 +28,7 @@ from ortcapture._memory.ledger import DeviceLedger
 from ortcapture._ort.providers import CUDA_EPS, CaptureInfo
 from ortcapture._core.reference import check_frozen
 from ortcapture._core.registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
-from ortcapture._core.run import run_bound, uncaptured_run_options
+from ortcapture._core.run import bound_runner, run_bound, uncaptured_run_options
 from ortcapture._ort.sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
 from ortcapture.errors import CaptureError
 
@@ -267,6 +267,20 @@ class CaptureState:
         record.replays += 1
         if self.drain_every and not record.replays % self.drain_every:
             _drain(record)
+
+    def replayer(self, binding, run_options, record: CapturedGraphRecord):
+        """:meth:`replay` of ``binding`` decided once: a callable ``replay()`` doing exactly what :meth:`replay`
+        does for these arguments (a graph rebuilds it whenever its binding, run options or record change). Without
+        host-read ``bind_cpu_input`` values to check and without WebGPU queue drains it is ORT's call and the
+        count alone."""
+        if record.frozen or self.drain_every:
+            return lambda: self.replay(binding, run_options, record)
+        run = bound_runner(self.session, binding, run_options)
+
+        def replay() -> None:
+            run()
+            record.replays += 1
+        return replay
 
     # ORT's CUDA/TensorRT EPs keep captured graphs per thread: a captured id run from a new thread would re-run the
     # warm-ups (state advances) and capture again, racing other threads' CUDA work.

@@ -199,3 +199,106 @@ _CAPTURE_ERRORS = frozenset(range(900, 909))
 def caller_stream_is_capturing() -> bool:
     """One-off form of :func:`make_capture_probe`."""
     return make_capture_probe()()
+
+
+# -- page-locked host staging (CapturedGraph's host feeds and outputs) -------------------------------------------
+# cudaHostAlloc and cudaFreeHost (which synchronises the device) are "potentially unsafe" calls: from another
+# thread they invalidate a CUDA graph capture in global mode (what ORT's CUDA EP uses). Allocations run under
+# CUDA_GATE.shared (no ortcapture capture meanwhile); frees requested by finalizers (which run anywhere, a capture
+# included) are queued and done at the next safe point (free_pending), likewise streams and events.
+#: cudaHostAllocPortable: the block is page-locked for every CUDA context (any device's copies may use it)
+HOST_ALLOC_PORTABLE = 0x01
+STREAM_NON_BLOCKING = 0x01  # cudaStreamNonBlocking: no implicit ordering against the legacy default stream
+EVENT_DISABLE_TIMING = 0x02  # cudaEventDisableTiming
+NOT_READY = 600  # cudaErrorNotReady (cudaEventQuery of pending work)
+
+_PENDING: list = []  # [(kind, handle)] freed at the next safe point
+
+
+def _check(err, what: str) -> None:
+    if int(err) != 0:
+        rt = compat.cudart()
+        rt.cudaGetLastError()  # clear a sticky-free error: ORT checks cudaGetLastError() after its launches
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+def host_alloc(nbytes: int) -> int:
+    """A page-locked (pinned, portable) host block of ``nbytes`` bytes (at least 1); its address. Call under
+    ``CUDA_GATE.shared``. Raises :class:`RuntimeError` (out of pinned memory, no cuda-python)."""
+    rt = compat.cudart()
+    if rt is None:
+        raise RuntimeError("cuda-python is not installed")
+    err, ptr = rt.cudaHostAlloc(max(int(nbytes), 1), HOST_ALLOC_PORTABLE)
+    _check(err, f"cudaHostAlloc({nbytes})")
+    return int(ptr)
+
+
+def release_later(kind: str, handle) -> None:
+    """Queue a pinned block (``"host"``), stream (``"stream"``) or event (``"event"``) for :func:`free_pending`;
+    safe from finalizers (no CUDA call)."""
+    _PENDING.append((kind, handle))
+
+
+def free_pending(capturing: bool) -> None:
+    """Free what :func:`release_later` queued. The caller holds ``CUDA_GATE.shared``; ``capturing``: the calling
+    thread itself is capturing (then nothing is freed: a free inside the capture would break it)."""
+    if capturing or not _PENDING:
+        return
+    rt = compat.cudart()
+    while _PENDING:
+        try:
+            kind, handle = _PENDING.pop()
+        except IndexError:
+            return
+        if rt is None:
+            continue
+        if kind == "host":
+            rt.cudaFreeHost(handle)
+        elif kind == "stream":
+            rt.cudaStreamDestroy(handle)
+        elif kind == "event":
+            rt.cudaEventDestroy(handle)
+
+
+def new_stream(device: int):
+    """A non-blocking CUDA stream on ``device`` (``cudaStreamCreateWithFlags``); call under ``CUDA_GATE.shared``."""
+    rt = compat.cudart()
+    with current_device(device):
+        err, stream = rt.cudaStreamCreateWithFlags(STREAM_NON_BLOCKING)
+    _check(err, "cudaStreamCreateWithFlags")
+    return stream
+
+
+def new_event(device: int):
+    """A CUDA event without timing on ``device`` (``cudaEventCreateWithFlags``); call under ``CUDA_GATE.shared``."""
+    rt = compat.cudart()
+    with current_device(device):
+        err, event = rt.cudaEventCreateWithFlags(EVENT_DISABLE_TIMING)
+    _check(err, "cudaEventCreateWithFlags")
+    return event
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream) -> None:
+    """``cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)`` (unified addressing: host <-> device either
+    way); asynchronous only where the host side is page-locked. Raises :class:`RuntimeError`."""
+    rt = compat.cudart()
+    (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
+    _check(err, "cudaMemcpyAsync")
+
+
+def record(event, stream) -> None:
+    """``cudaEventRecord(event, stream)``."""
+    (err,) = compat.cudart().cudaEventRecord(event, stream)
+    _check(err, "cudaEventRecord")
+
+
+def wait_event(event) -> None:
+    """Block the host until ``event``'s work is done (``cudaEventSynchronize``)."""
+    (err,) = compat.cudart().cudaEventSynchronize(event)
+    _check(err, "cudaEventSynchronize")
+
+
+def sync_stream(stream) -> None:
+    """Block the host until ``stream``'s work is done (``cudaStreamSynchronize``)."""
+    (err,) = compat.cudart().cudaStreamSynchronize(stream)
+    _check(err, "cudaStreamSynchronize")

@@ -1,0 +1,348 @@
+"""Host staging of a CapturedGraph (issue 32): ``host_inputs`` / ``host_outputs``, ``copy_outputs="pinned"``, ``out=``,
+the replay plan's feed cache, page-locked buffers on CUDA (``@pytest.mark.cuda``) and the pageable fallback."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortcapture
+from ortcapture import transfer
+from ortcapture._ort import compat
+from tests import tiny
+from tests.conftest import Backend, cuda_available
+
+
+@pytest.fixture
+def cuda():
+    if not cuda_available():
+        pytest.skip("CUDA EP unavailable (onnxruntime-gpu on an NVIDIA GPU)")
+    return Backend("cuda")
+
+
+def _expected_kind(backend) -> str:
+    return "pinned" if backend.name == "cuda" and compat.has_cuda_python() and transfer.PINNED else "pageable"
+
+
+# -- API surface, every backend ---------------------------------------------------------------------------------
+def test_host_inputs_start_as_the_inputs_and_are_sent_without_a_copy(backend, rng):
+    sess = backend.session(tiny.add_model())
+    a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with sess.capture({"A": a, "B": b}, verify=False) as g:
+        assert g.host_staging == _expected_kind(backend)
+        hi = g.host_inputs
+        assert sorted(hi) == ["A", "B"] and hi["A"].shape == (2, 4) and hi["A"].dtype == np.float32
+        np.testing.assert_array_equal(hi["A"], a)  # the graph's inputs as they are: feeding them all changes nothing
+        np.testing.assert_array_equal(hi["B"], b)
+        assert g.host_inputs["A"] is hi["A"]  # one buffer per input, for the graph's life
+        hi["A"][...] = 5.0
+        np.testing.assert_array_equal(g.run(hi)[0], 5.0 + b)
+        hi["B"][...] = -1.0
+        np.testing.assert_array_equal(g.run({"B": hi["B"]})[0], np.full((2, 4), 4.0, np.float32))
+        np.testing.assert_array_equal(g.run({"A": a})[0], a - 1.0)  # ordinary numpy feeds still work alongside
+        assert g.host_staging == _expected_kind(backend)
+
+
+def test_pinned_outputs_are_the_graphs_own_arrays_until_the_next_replay(backend, rng):
+    sess = backend.session(tiny.affine_model())
+    x = rng.random((2, 4), np.float32)
+    with sess.capture({"X": x}, verify=False) as g:
+        (y,) = g.run({"X": x}, copy_outputs="pinned")
+        assert y is g.host_outputs["Y"]
+        np.testing.assert_array_equal(y, x * 2 + 1)
+        (y2,) = g.run({"X": x + 1}, copy_outputs="pinned")
+        assert y2 is y  # overwritten by the next replay that returns host outputs
+        np.testing.assert_array_equal(y, (x + 1) * 2 + 1)
+        (z,) = g.run({"X": x})
+        assert z is not y and not np.shares_memory(z, y)  # copy_outputs=True: a new array, as before
+        np.testing.assert_array_equal(z, x * 2 + 1)
+
+
+def test_out_arrays_are_filled_and_returned(backend, rng):
+    sess = backend.session(tiny.repeated_output_model(("Y", "Z", "Y")))
+    x = rng.random((2, 4), np.float32)
+    with sess.capture({"X": x}, verify=False) as g:
+        oy = np.full((2, 4), np.nan, np.float32)
+        res = g.run({"X": x}, out={"Y": oy})
+        assert res[0] is oy and res[2] is oy and res[1] is not oy  # a name fills each of its positions
+        np.testing.assert_array_equal(oy, x * 2)
+        np.testing.assert_array_equal(res[1], x + 2)
+        oz = np.empty((2, 4), np.float32)
+        res = g.run({"X": x + 1}, out=[None, oz, None])
+        assert res[1] is oz and res[0] is not res[2]  # unnamed positions: new, separate arrays
+        np.testing.assert_array_equal(oz, x + 3)
+        np.testing.assert_array_equal(res[2], (x + 1) * 2)
+        res = g.run({"X": x}, out=g.host_outputs)  # the graph's own arrays are valid targets
+        assert res[1] is g.host_outputs["Z"]
+        np.testing.assert_array_equal(res[1], x + 2)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "readonly", "name", "length", "type", "mode", "copy_outputs"])
+def test_bad_out_is_refused_before_anything_runs(backend, rng, bad):
+    sess = backend.session(tiny.affine_model())
+    x = rng.random((2, 4), np.float32)
+    with sess.capture({"X": x}, verify=False) as g:
+        before = g.replays
+        ro = np.empty((2, 4), np.float32)
+        ro.flags.writeable = False
+        kw = {"shape": {"out": {"Y": np.empty((4, 2), np.float32)}},
+              "dtype": {"out": {"Y": np.empty((2, 4), np.float64)}},
+              "readonly": {"out": {"Y": ro}},
+              "name": {"out": {"nope": np.empty((2, 4), np.float32)}},
+              "length": {"out": [None, None]},
+              "type": {"out": {"Y": [0.0] * 8}},
+              "mode": {"out": {"Y": np.empty((2, 4), np.float32)}, "copy_outputs": "pinned"},
+              "copy_outputs": {"copy_outputs": "host"}}[bad]
+        with pytest.raises(ortcapture.TransferError):
+            g.run({"X": x + 7}, **kw)
+        assert g.replays == before
+        np.testing.assert_array_equal(ortcapture.to_numpy(g.inputs["X"]), x)  # the feed was not copied either
+
+
+def test_host_buffers_of_a_released_graph_raise(backend, rng):
+    sess = backend.session(tiny.affine_model())
+    g = sess.capture({"X": rng.random((2, 4), np.float32)}, verify=False)
+    hi = g.host_inputs
+    g.release()
+    for attr in ("host_inputs", "host_outputs"):
+        with pytest.raises(ortcapture.GraphReleasedError):
+            getattr(g, attr)
+    hi["X"][...] = 1.0  # an array the user still holds stays valid memory
+    assert float(hi["X"].sum()) == 8.0
+
+
+def test_feed_cache_never_trusts_identity_alone(backend, rng):
+    """The replay plan remembers OrtValue feeds it validated; numpy feeds are checked and copied on every call (an
+    array can change values, shape or dtype in place)."""
+    sess = backend.session(tiny.affine_model())
+    x = rng.random((2, 4), np.float32)
+    with sess.capture({"X": x}, verify=False) as g:
+        src = sess.allocate((2, 4), np.float32)
+        ortcapture.update_inplace(src, x)
+        for _ in range(3):
+            np.testing.assert_array_equal(g.run({"X": src})[0], x * 2 + 1)
+        ortcapture.update_inplace(src, x + 1)  # new values in the remembered source are read
+        np.testing.assert_array_equal(g.run({"X": src})[0], (x + 1) * 2 + 1)
+        h = x.copy()
+        np.testing.assert_array_equal(g.run({"X": h})[0], x * 2 + 1)
+        h += 1
+        np.testing.assert_array_equal(g.run({"X": h})[0], (x + 1) * 2 + 1)
+        h.shape = (4, 2)  # same object, new shape
+        with pytest.raises(ortcapture.TransferError, match="shape"):
+            g.run({"X": h})
+        h.shape = (2, 4)
+        h.dtype = np.int32  # same object and bytes, new dtype
+        with pytest.raises(ortcapture.TransferError, match="dtype"):
+            g.run({"X": h})
+        wrong = sess.allocate((4, 2), np.float32)
+        with pytest.raises(ortcapture.TransferError, match="shape"):
+            g.run({"X": wrong})
+        np.testing.assert_array_equal(g.run({"X": src})[0], (x + 1) * 2 + 1)
+
+
+def test_host_inputs_of_a_multi_input_graph_mixed_with_device_feeds(backend, rng):
+    sess = backend.session(tiny.add_model())
+    a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with sess.capture({"A": a, "B": b}, verify=False) as g:
+        dev = sess.allocate((2, 4), np.float32)
+        ortcapture.update_inplace(dev, b + 1)
+        g.host_inputs["A"][...] = 2.0
+        for _ in range(2):  # the second call takes the remembered device feed
+            np.testing.assert_array_equal(g.run({"A": g.host_inputs["A"], "B": dev})[0], b + 3.0)
+        with pytest.raises(ortcapture.TransferError):  # every feed checked before any is copied
+            g.run({"A": np.zeros((2, 4), np.float32), "B": np.zeros((3, 4), np.float32)})
+        np.testing.assert_array_equal(ortcapture.to_numpy(g.inputs["A"]), np.full((2, 4), 2.0, np.float32))
+
+
+# -- the pinned staging's logic, on the CPU with cuda-python's calls played by memmove ---------------------------
+class _FakeCudart:
+    """cudart's staging calls with host memory standing in for page-locked and device memory (copies are memmoves,
+    done at once); counts the calls and what is still queued for freeing."""
+
+    def __init__(self):
+        self.blocks = {}
+        self.calls = []
+        self.freed = []
+
+    def host_alloc(self, nbytes):
+        buf = (ctypes.c_char * max(nbytes, 1))()
+        self.blocks[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
+
+    def copy_async(self, dst, src, nbytes, stream):
+        self.calls.append(("copy", dst, src, nbytes))
+        ctypes.memmove(dst, src, nbytes)
+
+    def new_stream(self, device):
+        return "stream"
+
+    def new_event(self, device):
+        return object()
+
+    def record(self, event, stream):
+        self.calls.append(("record", event))
+
+    def wait_event(self, event):
+        self.calls.append(("wait", event))
+
+    def sync_stream(self, stream):
+        self.calls.append(("sync",))
+
+    def release_later(self, kind, handle):
+        self.freed.append((kind, handle))
+
+    def free_pending(self, capturing):
+        pass
+
+
+@pytest.fixture
+def fake_pinned(monkeypatch):
+    """HostStaging's pinned branch on CPU OrtValues posing as CUDA buffers (their metadata says cuda)."""
+    from ortcapture._ort import cudart
+    from ortcapture._ort.values import meta
+
+    fake = _FakeCudart()
+    for name in ("host_alloc", "copy_async", "new_stream", "new_event", "record", "wait_event", "sync_stream",
+                 "release_later", "free_pending"):
+        monkeypatch.setattr(cudart, name, getattr(fake, name))
+    monkeypatch.setattr(compat, "has_cuda_python", lambda: True)
+    monkeypatch.setattr(transfer, "PINNED", True)
+
+    def as_cuda(v):
+        m = meta(v)
+        v.__dict__["_ortcapture_meta"] = m._replace(kind="cuda")
+        return v
+    return fake, as_cuda
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, rng, threads):
+    fake, as_cuda = fake_pinned
+    monkeypatch.setattr(transfer, "STAGING_THREADS", threads)
+    monkeypatch.setattr(transfer, "_POOL", [])
+    shape = (3, 1000, 1000)  # 12 MB: chunked
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
+    small = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.int64)))
+    y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.arange(8, dtype=np.float32).reshape(2, 4)))
+    st = transfer.HostStaging({"x": x, "s": small}, {"y": y}, pinned=True)
+    assert st.kind == "pinned" and st.pinned
+    np.testing.assert_array_equal(st.host_inputs["x"], 0)  # started as the device values
+    feed = rng.random(shape, dtype=np.float32)
+    assert st.takes("x", feed) and not st.takes("x", feed[:, ::2]) and not st.takes("x", feed.astype(np.float64))
+    fake.calls.clear()
+    st.upload({"x": feed, "s": np.full((2, 4), 7, np.int64)})
+    np.testing.assert_array_equal(x.numpy(), feed)
+    np.testing.assert_array_equal(small.numpy(), 7)
+    copies = [c for c in fake.calls if c[0] == "copy"]
+    assert len(copies) == 12 + 1  # 1 MiB chunks of the big feed, one copy of the small one
+    assert sum(c[3] for c in copies) == feed.nbytes + 64
+    assert fake.calls[-1] == ("sync",)  # done when upload returns
+    fake.calls.clear()
+    st.upload_async({"s": np.ones((2, 4), np.int64)})
+    st.upload_async({"s": np.full((2, 4), 2, np.int64)})  # the refill waits for the previous copy's event
+    assert [c[0] for c in fake.calls] == ["copy", "record", "wait", "copy", "record"]
+    st.wait()
+    fake.calls.clear()
+    st.host_inputs["x"][0, 0, 0] = 42.0
+    st.upload({"x": st.host_inputs["x"]})  # its own buffer: no host copy, one DMA
+    assert [c[0] for c in fake.calls] == ["copy", "record", "sync"] and x.numpy()[0, 0, 0] == 42.0
+    st.read(["y"])
+    np.testing.assert_array_equal(st.host_outputs["y"], np.arange(8).reshape(2, 4))
+    # frees: the blocks go once no array views them (queued, never freed from the finalizer itself)
+    view = st.host_inputs["x"]
+    del st
+    gc.collect()
+    kinds = sorted(k for k, _ in fake.freed)
+    assert kinds.count("stream") == 1 and kinds.count("event") == 2 and kinds.count("host") == 2  # s and y
+    del view
+    gc.collect()
+    assert sorted(k for k, _ in fake.freed).count("host") == 3
+
+
+def test_pageable_staging_where_no_pinned_memory(backend, monkeypatch, rng):
+    """WebGPU has no page-locked memory; with ORTCAPTURE_PINNED=0 (transfer.PINNED) CUDA graphs stage in ordinary
+    host memory too: same API, same results."""
+    monkeypatch.setattr(transfer, "PINNED", False)
+    sess = backend.session(tiny.affine_model())
+    x = rng.random((2, 4), np.float32)
+    with sess.capture({"X": x}, verify=False) as g:
+        assert g.host_staging == "pageable"
+        g.host_inputs["X"][...] = x + 1
+        (y,) = g.run(g.host_inputs, copy_outputs="pinned")
+        assert y is g.host_outputs["Y"] and isinstance(y, np.ndarray)
+        np.testing.assert_array_equal(y, (x + 1) * 2 + 1)
+        np.testing.assert_array_equal(g.run({"X": x})[0], x * 2 + 1)
+
+
+# -- CUDA: page-locked buffers ------------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_cuda_host_buffers_are_page_locked(cuda, rng):
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    rt = compat.cudart()
+    sess = cuda.session(tiny.affine_model())
+    with sess.capture({"X": rng.random((2, 4), np.float32)}) as g:
+        assert g.host_staging == "pinned"
+        for arr in (*g.host_inputs.values(), *g.host_outputs.values()):
+            err, attrs = rt.cudaPointerGetAttributes(arr.ctypes.data)
+            assert int(err) == 0 and int(attrs.type) == 1  # cudaMemoryTypeHost: page-locked
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("threads", [1, 4])
+def test_cuda_big_numpy_feeds_through_pinned_staging(cuda, rng, monkeypatch, threads):
+    """A 12 MB feed goes in 1 MiB chunks (threads filling, DMA per chunk); every replay reads exactly its feed,
+    through plain numpy, host_inputs, out= and pinned views, alternating with device feeds."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    monkeypatch.setattr(transfer, "STAGING_THREADS", threads)
+    monkeypatch.setattr(transfer, "_POOL", [])
+    shape = (3, 1000, 1000)
+    sess = cuda.session(tiny.affine_model(shape))
+    with sess.capture({"X": np.zeros(shape, np.float32)}) as g:
+        assert g.host_staging == "pinned"
+        out = np.empty(shape, np.float32)
+        for i in range(6):
+            x = rng.random(shape, dtype=np.float32)
+            np.testing.assert_array_equal(g.run({"X": x})[0], x * 2 + 1)
+            g.host_inputs["X"][...] = x + 1
+            (y,) = g.run(g.host_inputs, copy_outputs="pinned")
+            assert y is g.host_outputs["Y"]
+            np.testing.assert_array_equal(y, (x + 1) * 2 + 1)
+            g.run({"X": x - 1}, out=[out])
+            np.testing.assert_array_equal(out, (x - 1) * 2 + 1)
+            dev = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+            np.testing.assert_array_equal(ortcapture.to_numpy(g.run({"X": dev}, copy_outputs=False)[0]), x * 2 + 1)
+
+
+@pytest.mark.cuda
+def test_cuda_staging_beside_captures_in_another_thread(cuda, rng):
+    """Pinned allocations and copies of one thread while another thread captures (CUDA global capture mode: a
+    cudaHostAlloc from another thread would break it) — the gate orders them; no capture fails."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    sess_a, sess_b = cuda.session(tiny.affine_model()), cuda.session(tiny.add_model())
+    errors = []
+    stop = threading.Event()
+
+    def stage():
+        try:
+            while not stop.is_set():
+                with sess_a.capture({"X": rng.random((2, 4), np.float32)}, verify=False) as g:  # new staging each
+                    x = np.full((2, 4), 3.0, np.float32)
+                    np.testing.assert_array_equal(g.run({"X": x}, copy_outputs="pinned")[0], x * 2 + 1)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=stage)
+    t.start()
+    try:
+        for k in range(10):
+            a = np.full((2, 4), float(k), np.float32)
+            with sess_b.capture({"A": a, "B": a}, verify=False) as gb:
+                np.testing.assert_array_equal(gb.run({"A": a})[0], 2 * a)
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
