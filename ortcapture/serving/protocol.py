@@ -1,0 +1,451 @@
+"""The Open Inference Protocol (KServe v2) over HTTP: parsing and encoding, nothing else (no server, no Ray).
+
+Pure functions over bytes, numpy arrays and plain dicts, so clients that exist already (Triton's
+``tritonclient.http``, KServe's clients) work unchanged and every rule here is unit-testable and fuzzable quickly:
+
+* :func:`parse_infer_request` turns an ``/infer`` body (JSON, or JSON plus the *binary tensor data extension*: the
+  ``Inference-Header-Content-Length`` header says how many leading bytes are JSON; each input with
+  ``parameters.binary_data_size`` takes that many of the bytes after it, in input order) into ``{input: numpy array}``
+  checked against the model: every input once, its datatype exactly (no casts), its rank and fixed dims, the rows
+  along the batch axis within ``1..max_rows``. The declared shape x datatype size is checked against the bytes sent
+  (and against the body cap) **before** anything is allocated. Nothing is ever unpickled: tensors are built from
+  JSON numbers or raw little-endian bytes with ``numpy.frombuffer``.
+* :func:`encode_infer_response` writes the response: JSON ``data`` (flat, row-major) or binary outputs when the
+  request asked for them (``outputs[i].parameters.binary_data`` or the request's ``parameters.binary_data_output``).
+* :func:`model_metadata`, :func:`statistics`, :func:`error_body` give the other endpoints' bodies; shapes use -1
+  for dynamic dims; the statistics follow Triton's statistics extension.
+
+Every client mistake raises :class:`ProtocolError` with the HTTP status the protocol gives it (400 bad request,
+413 past the body cap); a server maps it to ``{"error": message}``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+#: the header of the binary tensor data extension: bytes of the JSON part at the start of the body
+HEADER_LENGTH = "Inference-Header-Content-Length"
+#: the default cap on a request body (bytes, after decompression): 64 MiB
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+#: KServe v2 datatype -> numpy dtype name (little-endian, as the binary extension sends them); BYTES (strings) is not
+#: a numeric tensor and is not served
+DATATYPES = {
+    "BOOL": "bool", "UINT8": "uint8", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "INT8": "int8",
+    "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8",
+}
+_BY_NAME = {np.dtype(v).name: k for k, v in DATATYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A request the protocol refuses: ``status`` is its HTTP status (400, 404, 413, ...), ``str()`` the message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output: ``name``, numpy ``dtype``, ``shape`` (ints, -1 for a dynamic dim)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def datatype(self) -> str:
+        """The protocol's datatype name (``FP32``, ``INT64``, ``BF16`` for ``ml_dtypes.bfloat16``...)."""
+        return datatype_of(self.dtype)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the protocol needs to know of a served model.
+
+    Attributes:
+        name: the model name in the URLs.
+        inputs / outputs: :class:`TensorSpec` s in the model's order.
+        batch_axes: ``{input name: axis}`` of the inputs that carry the batched dim.
+        max_rows: the most rows one request may have along the batched dim.
+        version: the one version served (``"1"``); URLs without a version mean it.
+        platform: the metadata's ``platform``.
+        max_body_bytes: the request body cap in bytes (after decompression); past it: 413.
+    """
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batch_axes: Mapping[str, int] = field(default_factory=dict)
+    max_rows: int = 2 ** 31 - 1
+    version: str = "1"
+    platform: str = "onnxruntime_onnx"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    @classmethod
+    def from_runner(cls, name: str, runner, **kwargs) -> "ModelSpec":
+        """The spec of a :class:`ortcapture.serving.BatchRunner` (its ``inputs``, ``outputs``, ``input_axes`` and
+        ``max_rows``)."""
+        return cls(name=name, inputs=tuple(TensorSpec(n, np.dtype(t), tuple(s)) for n, t, s in runner.inputs),
+                   outputs=tuple(TensorSpec(n, np.dtype(t), tuple(s)) for n, t, s in runner.outputs),
+                   batch_axes=dict(runner.input_axes), max_rows=int(runner.max_rows), **kwargs)
+
+
+@dataclass
+class InferRequest:
+    """A parsed ``/infer`` request: ``id`` (echoed back, or ``None``), ``inputs`` ``{name: numpy array}``, and
+    ``outputs``: ``[(output name, binary)]`` to return, in order."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: list[tuple[str, bool]]
+
+
+def datatype_of(dtype) -> str:
+    """The protocol datatype of a numpy dtype. Raises :class:`ValueError` for one the protocol has no name for."""
+    dt = np.dtype(dtype)
+    if dt.name == "bfloat16":
+        return "BF16"
+    name = _BY_NAME.get(dt.name)
+    if name is None:
+        raise ValueError(f"numpy dtype {dt} has no Open Inference Protocol datatype")
+    return name
+
+
+def _dtype_for(spec: TensorSpec) -> np.dtype:
+    """The little-endian numpy dtype the wire carries for ``spec`` (``BF16`` is the model's own dtype)."""
+    if spec.datatype == "BF16":
+        return spec.dtype
+    return np.dtype(DATATYPES[spec.datatype])
+
+
+def error_body(message: str) -> bytes:
+    """``{"error": message}`` as JSON bytes (the protocol's error body)."""
+    return json.dumps({"error": str(message)}).encode()
+
+
+def model_metadata(spec: ModelSpec) -> dict:
+    """The body of ``GET /v2/models/{name}``: name, versions, platform, and inputs/outputs with datatypes and shapes
+    (-1 for dynamic dims)."""
+    def t(s: TensorSpec) -> dict:
+        return {"name": s.name, "datatype": s.datatype, "shape": [int(d) for d in s.shape]}
+    return {"name": spec.name, "versions": [spec.version], "platform": spec.platform,
+            "inputs": [t(s) for s in spec.inputs], "outputs": [t(s) for s in spec.outputs]}
+
+
+def decode_body(body: bytes, content_encoding: str | None, cap: int) -> bytes:
+    """``body`` decompressed per ``Content-Encoding`` (``gzip``, ``deflate`` (zlib), ``identity`` or none), at most
+    ``cap`` bytes. Raises :class:`ProtocolError`: 413 past the cap (checked while decompressing: a small body that
+    inflates past it is refused without inflating it all), 400 for bad compressed data or another encoding."""
+    enc = (content_encoding or "identity").strip().lower()
+    if enc in ("", "identity"):
+        if len(body) > cap:
+            raise ProtocolError(f"request body of {len(body)} bytes is past the cap of {cap} bytes", 413)
+        return body
+    if enc not in ("gzip", "deflate"):
+        raise ProtocolError(f"Content-Encoding {content_encoding!r} is not supported (gzip, deflate, identity)")
+    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
+    try:
+        out = d.decompress(body, cap + 1)
+        if len(out) > cap or d.unconsumed_tail:
+            raise ProtocolError(f"request body inflates past the cap of {cap} bytes", 413)
+        out += d.flush()
+    except zlib.error as exc:
+        raise ProtocolError(f"request body is not valid {enc} data: {exc}") from None
+    if len(out) > cap:
+        raise ProtocolError(f"request body inflates past the cap of {cap} bytes", 413)
+    if not d.eof:
+        raise ProtocolError(f"request body is truncated {enc} data")
+    return out
+
+
+def _header_length(value, body_len: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {str(value)[:40]!r}") from None
+    if n < 0 or n > body_len:
+        raise ProtocolError(f"{HEADER_LENGTH} is {n}, but the body has {body_len} bytes")
+    return n
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError(f"the request is not valid JSON: {str(exc)[:200]}") from None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parameters(obj: Mapping, where: str) -> Mapping:
+    p = obj.get("parameters", {})
+    if p is None:
+        return {}
+    if not isinstance(p, Mapping):
+        raise ProtocolError(f"{where} 'parameters' must be an object")
+    return p
+
+
+def _flatten(data: Any, count: int, name: str, kind: str) -> list:
+    """The JSON ``data`` of an input (flat or nested lists) as a flat list of ``count`` elements, each checked for
+    ``kind`` (``b`` bool, ``i`` integer, ``f`` number). Walks iteratively and stops past ``count``."""
+    if not isinstance(data, list):
+        raise ProtocolError(f"input {name!r}: 'data' must be a list")
+    out: list = []
+    stack = [iter(data)]
+    while stack:
+        for x in stack[-1]:
+            if isinstance(x, list):
+                stack.append(iter(x))
+                break
+            ok = (isinstance(x, bool) if kind == "b" else _is_int(x) if kind == "i"
+                  else (_is_int(x) or isinstance(x, float)))
+            if not ok:
+                want = {"b": "true/false", "i": "integers", "f": "numbers"}[kind]
+                raise ProtocolError(f"input {name!r}: 'data' holds {type(x).__name__} {str(x)[:20]!r}; this "
+                                    f"datatype takes {want}")
+            out.append(x)
+            if len(out) > count:
+                raise ProtocolError(f"input {name!r}: 'data' has more than the {count} elements its shape declares")
+        else:
+            stack.pop()
+    if len(out) != count:
+        raise ProtocolError(f"input {name!r}: 'data' has {len(out)} elements, its shape declares {count}")
+    return out
+
+
+def _check_shape(tensor: Mapping, spec: TensorSpec, model: ModelSpec) -> tuple[int, ...]:
+    shape = tensor.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise ProtocolError(f"input {spec.name!r}: 'shape' must be a list of integers >= 0")
+    if len(shape) != len(spec.shape):
+        raise ProtocolError(f"input {spec.name!r}: rank {len(shape)} (shape {shape}); the model's is "
+                            f"{len(spec.shape)} (shape {list(spec.shape)})")
+    for ax, (want, got) in enumerate(zip(spec.shape, shape)):
+        if want >= 0 and got != want:
+            raise ProtocolError(f"input {spec.name!r}: axis {ax} is {got}; the model fixes it at {want} "
+                                f"(shape {list(spec.shape)})")
+    axis = model.batch_axes.get(spec.name)
+    if axis is not None and not 1 <= shape[axis] <= model.max_rows:
+        raise ProtocolError(f"input {spec.name!r}: {shape[axis]} rows along axis {axis}; a request has 1 to "
+                            f"{model.max_rows}")
+    return tuple(shape)
+
+
+def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRequest:
+    """Parse and check an ``/infer`` body against ``model``.
+
+    Args:
+        body: the (decompressed, capped: :func:`decode_body`) request body.
+        header_length: the ``Inference-Header-Content-Length`` header's value, or ``None`` (all JSON).
+        model: the served model.
+
+    Returns:
+        :class:`InferRequest` whose arrays have exactly the model's dtypes and the declared shapes (read-only
+        views of ``body`` for binary inputs).
+
+    Raises:
+        ProtocolError: (400) not JSON / not an object; a bad header length; ``inputs`` missing, not a list, an input
+            twice, unknown or missing; a datatype other than the model's; a bad shape, rank or fixed dim; rows
+            outside ``1..max_rows``; neither or both of ``data`` and ``binary_data_size``; a ``binary_data_size``
+            other than shape x datatype size; binary bytes short of or beyond what the inputs declare; JSON data of
+            the wrong count or kind, or out of the datatype's range; unknown or non-boolean output requests;
+            ``classification`` outputs. (413) a declared tensor larger than the body cap.
+    """
+    n_header = _header_length(header_length, len(body))
+    raw_json = body if n_header is None else body[:n_header]
+    binary = memoryview(body)[n_header:] if n_header is not None else memoryview(b"")
+    req = _load_json(raw_json)
+    if not isinstance(req, dict):
+        raise ProtocolError("the request must be a JSON object")
+    rid = req.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise ProtocolError("'id' must be a string")
+    params = _parameters(req, "the request's")
+    inputs = req.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ProtocolError("'inputs' must be a non-empty list")
+    specs = {s.name: s for s in model.inputs}
+    seen: dict[str, Mapping] = {}
+    for t in inputs:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ProtocolError("each input must be an object with a string 'name'")
+        name = t["name"]
+        if name not in specs:
+            raise ProtocolError(f"input {name[:100]!r} is not an input of model {model.name!r} "
+                                f"({[s.name for s in model.inputs]})")
+        if name in seen:
+            raise ProtocolError(f"input {name!r} appears twice")
+        seen[name] = t
+    missing = [n for n in specs if n not in seen]
+    if missing:
+        raise ProtocolError(f"input(s) {missing} missing: model {model.name!r} takes {list(specs)}")
+    arrays: dict[str, np.ndarray] = {}
+    offset = 0
+    for t in inputs:  # binary data is consumed in the order the inputs are listed
+        spec = specs[t["name"]]
+        if t.get("datatype") != spec.datatype:
+            raise ProtocolError(f"input {spec.name!r}: datatype {str(t.get('datatype'))[:20]!r}; the model takes "
+                                f"{spec.datatype}")
+        shape = _check_shape(t, spec, model)
+        count = math.prod(shape)
+        wire = _dtype_for(spec)
+        nbytes = count * wire.itemsize
+        if nbytes > model.max_body_bytes:
+            raise ProtocolError(f"input {spec.name!r}: shape {list(shape)} is {nbytes} bytes, past the body cap of "
+                                f"{model.max_body_bytes}", 413)
+        tparams = _parameters(t, f"input {spec.name!r}")
+        size = tparams.get("binary_data_size")
+        has_data = "data" in t
+        if size is not None:
+            if has_data:
+                raise ProtocolError(f"input {spec.name!r}: both 'data' and binary_data_size")
+            if n_header is None:
+                raise ProtocolError(f"input {spec.name!r}: binary_data_size without the {HEADER_LENGTH} header")
+            if not _is_int(size) or size != nbytes:
+                raise ProtocolError(f"input {spec.name!r}: binary_data_size {str(size)[:20]}; shape {list(shape)} "
+                                    f"of {spec.datatype} is {nbytes} bytes")
+            if offset + nbytes > len(binary):
+                raise ProtocolError(f"input {spec.name!r}: {nbytes} binary bytes declared, {len(binary) - offset} "
+                                    "sent")
+            arr = np.frombuffer(binary[offset:offset + nbytes], dtype=wire).reshape(shape)
+            if not arr.flags.aligned:  # an odd offset in the body: ORT reads aligned buffers
+                arr = arr.copy()
+            offset += nbytes
+        elif has_data:
+            kind = "b" if spec.datatype == "BOOL" else "f" if wire.kind == "f" or spec.datatype == "BF16" else "i"
+            flat = _flatten(t["data"], count, spec.name, kind)
+            try:
+                if kind == "i":
+                    info = np.iinfo(wire)
+                    if flat and not (info.min <= min(flat) and max(flat) <= info.max):
+                        raise OverflowError
+                with np.errstate(over="ignore"):
+                    arr = np.asarray(flat, dtype=spec.dtype if spec.datatype == "BF16" else wire).reshape(shape)
+            except (OverflowError, ValueError, TypeError):
+                raise ProtocolError(f"input {spec.name!r}: 'data' holds values out of {spec.datatype}'s range") from None
+        else:
+            raise ProtocolError(f"input {spec.name!r}: neither 'data' nor binary_data_size")
+        if arr.dtype != spec.dtype:  # a big-endian host, or the wire's explicit endianness
+            arr = arr.astype(spec.dtype)
+        arrays[spec.name] = arr
+    if offset != len(binary):
+        raise ProtocolError(f"{len(binary) - offset} bytes after the tensors that no input declares")
+    return InferRequest(rid, arrays, _requested_outputs(req, params, model))
+
+
+def _requested_outputs(req: Mapping, params: Mapping, model: ModelSpec) -> list[tuple[str, bool]]:
+    default = params.get("binary_data_output", False)
+    if not isinstance(default, bool):
+        raise ProtocolError("parameters.binary_data_output must be true or false")
+    outputs = req.get("outputs")
+    names = [s.name for s in model.outputs]
+    if outputs is None:
+        return [(n, default) for n in names]
+    if not isinstance(outputs, list):
+        raise ProtocolError("'outputs' must be a list")
+    out = []
+    for o in outputs:
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise ProtocolError("each requested output must be an object with a string 'name'")
+        if o["name"] not in names:
+            raise ProtocolError(f"output {o['name'][:100]!r} is not an output of model {model.name!r} ({names})")
+        op = _parameters(o, f"output {o['name']!r}")
+        if op.get("classification") not in (None, 0):
+            raise ProtocolError(f"output {o['name']!r}: the classification extension is not supported")
+        binary = op.get("binary_data", default)
+        if not isinstance(binary, bool):
+            raise ProtocolError(f"output {o['name']!r}: binary_data must be true or false")
+        if any(n == o["name"] for n, _ in out):
+            raise ProtocolError(f"output {o['name']!r} requested twice")
+        out.append((o["name"], binary))
+    return out or [(n, default) for n in names]
+
+
+def _json_data(a: np.ndarray) -> list:
+    if a.dtype.name == "bfloat16" or a.dtype.kind == "f":
+        return a.astype(np.float64).ravel().tolist()
+    return a.ravel().tolist()
+
+
+def encode_infer_response(model: ModelSpec, request: InferRequest, outputs: Mapping[str, np.ndarray]
+                          ) -> tuple[bytes, dict[str, str]]:
+    """The ``/infer`` response for ``request`` from the model's ``outputs``.
+
+    Returns:
+        ``(body, headers)``: JSON only (``Content-Type: application/json``), or with any binary output the JSON
+        header followed by the outputs' raw little-endian bytes in output order (``Content-Type:
+        application/octet-stream`` and ``Inference-Header-Content-Length``).
+
+    Raises:
+        KeyError: a requested output missing from ``outputs`` (a server error, not the client's).
+    """
+    specs = {s.name: s for s in model.outputs}
+    tensors, blobs = [], []
+    for name, binary in request.outputs:
+        a = np.asarray(outputs[name])
+        spec = specs.get(name)
+        datatype = spec.datatype if spec is not None else datatype_of(a.dtype)
+        t: dict[str, Any] = {"name": name, "datatype": datatype, "shape": [int(d) for d in a.shape]}
+        if binary:
+            wire = a.dtype if datatype == "BF16" else np.dtype(DATATYPES[datatype])
+            blob = np.ascontiguousarray(a, dtype=wire).tobytes()
+            t["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            t["data"] = _json_data(a)
+        tensors.append(t)
+    head: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
+    if request.id is not None:
+        head["id"] = request.id
+    head["outputs"] = tensors
+    raw = json.dumps(head).encode()
+    if not blobs:
+        return raw, {"Content-Type": "application/json"}
+    return raw + b"".join(blobs), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(raw))}
+
+
+def _duration(count: int = 0, ns: int = 0) -> dict:
+    return {"count": int(count), "ns": int(ns)}
+
+
+def statistics(model: ModelSpec, replicas: Sequence[Mapping]) -> dict:
+    """The body of ``GET /v2/models/{name}/stats`` in the shape of Triton's statistics extension, summed over the
+    ``replicas``' reports, plus ``model_stats[0]["ortcapture"] = {"replicas": [...]}`` with each report as given.
+
+    A report may hold (all optional, counts and nanoseconds): ``success``/``fail``/``queue``/``compute_infer``
+    ``{"count", "ns"}``, ``inference_count`` (rows), ``execution_count`` (batches), ``last_inference`` (ms since the
+    epoch) and ``batch_stats`` ``{rows: {"count", "ns"}}``.
+    """
+    keys = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
+    infer = {k: _duration() for k in keys}
+    batches: dict[int, dict] = {}
+    inference_count = execution_count = last = 0
+    for r in replicas:
+        for k in keys:
+            d = r.get(k) or {}
+            infer[k]["count"] += int(d.get("count", 0))
+            infer[k]["ns"] += int(d.get("ns", 0))
+        inference_count += int(r.get("inference_count", 0))
+        execution_count += int(r.get("execution_count", 0))
+        last = max(last, int(r.get("last_inference", 0)))
+        for size, d in (r.get("batch_stats") or {}).items():
+            b = batches.setdefault(int(size), _duration())
+            b["count"] += int(d.get("count", 0))
+            b["ns"] += int(d.get("ns", 0))
+    batch_stats = [{"batch_size": s, "compute_input": _duration(), "compute_infer": batches[s],
+                    "compute_output": _duration()} for s in sorted(batches)]
+    return {"model_stats": [{
+        "name": model.name, "version": model.version, "last_inference": last,
+        "inference_count": inference_count, "execution_count": execution_count, "inference_stats": infer,
+        "batch_stats": batch_stats, "memory_usage": [], "ortcapture": {"replicas": list(replicas)},
+    }]}

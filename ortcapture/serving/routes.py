@@ -1,0 +1,173 @@
+"""The Open Inference Protocol's HTTP endpoints over any backend: routing, status codes, the body cap (no Ray).
+
+:class:`Router` answers one HTTP request given its method, path, headers and a way to read the body; the backend
+(the Ray ingress deployment, or a test double) says whether the model is ready and runs one request. Endpoints:
+
+==============================================  ======================================================
+``GET  /v2/health/live``                        200 while the server runs
+``GET  /v2/health/ready``                       200 once the model's replicas are warm, 503 before
+``GET  /v2``                                    server metadata
+``GET  /v2/models/{name}[/versions/{v}]``       model metadata (shapes with -1 for dynamic dims)
+``GET  /v2/models/{name}[/versions/{v}]/ready`` 200 / 503
+``POST /v2/models/{name}[/versions/{v}]/infer`` inference (JSON tensors, binary tensor data extension)
+``GET  /v2/models[/{name}[/versions/{v}]]/stats`` Triton's statistics extension + ``ortcapture`` per replica
+==============================================  ======================================================
+
+Errors are ``{"error": "..."}`` with 400 (bad request), 404 (unknown model, version or endpoint), 405 (method),
+413 (body past the cap), 503 (not ready, or no replica could take the request). Nothing a client sends gets a 5xx:
+every client mistake is caught by :mod:`ortcapture.serving.protocol` or the replica's own check
+(:meth:`ortcapture.serving.BatchRunner.rows`) first; an unexpected failure inside the server is a 500 naming it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+from urllib.parse import unquote
+
+from ortcapture.serving import protocol
+from ortcapture.serving.protocol import ModelSpec, ProtocolError
+
+#: a replica report older than this (seconds) is dropped from ``/stats`` (replicas push one every second or so)
+STALE_S = 10.0
+
+
+@dataclass
+class Response:
+    """An HTTP response: ``status``, ``body`` bytes and ``headers``."""
+
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=lambda: {"Content-Type": "application/json"})
+
+
+def json_response(status: int, obj: Any) -> Response:
+    return Response(status, json.dumps(obj).encode())
+
+
+def error(status: int, message: str) -> Response:
+    """``{"error": message}`` with ``status``."""
+    return Response(status, protocol.error_body(message))
+
+
+class Router:
+    """The endpoints of one served model.
+
+    Args:
+        spec: the model (:class:`ortcapture.serving.protocol.ModelSpec`), with the body cap.
+        ready: ``async () -> bool``: whether a warm replica can take requests.
+        infer: ``async (feeds) -> {"outputs": {name: numpy array}}`` or ``{"error": str, "status": int}`` (a 4xx for
+            what the replica refuses, 503 where no replica could run it).
+        server_name / server_version: ``GET /v2``'s ``name`` and ``version``.
+    """
+
+    def __init__(self, spec: ModelSpec, ready: Callable[[], Awaitable[bool]],
+                 infer: Callable[[dict], Awaitable[Mapping]], *, server_name: str = "ortcapture",
+                 server_version: str = ""):
+        self.spec = spec
+        self._ready = ready
+        self._infer = infer
+        self._server = {"name": server_name, "version": server_version,
+                        "extensions": ["binary_tensor_data", "statistics"]}
+        self._reports: dict[str, tuple[float, dict]] = {}
+        self.http_errors: dict[int, int] = {}
+
+    # -- replica reports ----------------------------------------------------------------------------------------
+    def report(self, replica: str, data: Mapping, now: float | None = None) -> None:
+        """Keep replica ``replica``'s latest report (shown under ``/stats``' ``ortcapture`` section)."""
+        self._reports[str(replica)] = (time.monotonic() if now is None else now, dict(data))
+
+    def replicas(self, now: float | None = None) -> list[dict]:
+        """The reports of the replicas heard from in the last :data:`STALE_S` seconds, by replica id."""
+        now = time.monotonic() if now is None else now
+        for k in [k for k, (t, _) in self._reports.items() if now - t > STALE_S]:
+            del self._reports[k]
+        return [{"replica": k, **d} for k, (_, d) in sorted(self._reports.items())]
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    async def handle(self, method: str, path: str, headers: Mapping[str, str],
+                     read_body: Callable[[int], Awaitable[bytes]]) -> Response:
+        """Answer one request. ``headers``: lower-case names. ``read_body(cap)``: the raw body, raising
+        :class:`~ortcapture.serving.protocol.ProtocolError` (413) past ``cap`` bytes. Never raises."""
+        try:
+            response = await self._route(method.upper(), path, headers, read_body)
+        except ProtocolError as exc:
+            response = error(exc.status, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a server fault: say what, keep serving
+            response = error(500, f"internal error: {type(exc).__name__}: {exc}")
+        if response.status >= 400:
+            self.http_errors[response.status] = self.http_errors.get(response.status, 0) + 1
+        return response
+
+    async def _route(self, method: str, path: str, headers, read_body) -> Response:
+        parts = [unquote(p) for p in path.split("?", 1)[0].strip("/").split("/")]
+        if not parts or parts[0] != "v2":
+            return error(404, f"unknown endpoint {path[:200]!r}: the Open Inference Protocol lives under /v2")
+        rest = parts[1:]
+        if rest in ([], [""]):
+            return self._get(method) or json_response(200, self._server)
+        if rest[0] == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
+            if method != "GET":
+                return error(405, f"{path} takes GET")
+            if rest[1] == "live":
+                return json_response(200, {"live": True})
+            return await self._readiness()
+        if rest[0] != "models":
+            return error(404, f"unknown endpoint {path[:200]!r}")
+        if rest == ["models", "stats"]:
+            return self._get(method) or self._stats()
+        if len(rest) < 2:
+            return error(404, f"unknown endpoint {path[:200]!r}")
+        name, tail = rest[1], rest[2:]
+        if name != self.spec.name:
+            return error(404, f"unknown model {name[:100]!r}: this server serves {self.spec.name!r}")
+        if tail[:1] == ["versions"]:
+            if len(tail) < 2 or tail[1] != self.spec.version:
+                return error(404, f"model {name!r} has no version {(tail[1] if len(tail) > 1 else '')[:40]!r}: "
+                             f"it serves version {self.spec.version!r}")
+            tail = tail[2:]
+        if tail == []:
+            return self._get(method) or json_response(200, protocol.model_metadata(self.spec))
+        if tail == ["ready"]:
+            return self._get(method) or await self._readiness()
+        if tail == ["stats"]:
+            return self._get(method) or self._stats()
+        if tail == ["infer"]:
+            if method != "POST":
+                return error(405, f"{path} takes POST")
+            return await self._infer_request(headers, read_body)
+        return error(404, f"unknown endpoint {path[:200]!r}")
+
+    @staticmethod
+    def _get(method: str) -> Response | None:
+        return None if method == "GET" else error(405, "this endpoint takes GET")
+
+    async def _readiness(self) -> Response:
+        if await self._ready():
+            return json_response(200, {"ready": True})
+        return error(503, f"model {self.spec.name!r} is not ready: its replicas are not warm yet")
+
+    def _stats(self) -> Response:
+        return json_response(200, protocol.statistics(self.spec, self.replicas()))
+
+    async def _infer_request(self, headers: Mapping[str, str], read_body) -> Response:
+        cap = self.spec.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return error(400, f"Content-Length {length[:40]!r} is not an integer")
+            if declared > cap:
+                return error(413, f"request body of {declared} bytes is past the cap of {cap} bytes")
+        if not await self._ready():
+            return error(503, f"model {self.spec.name!r} is not ready: its replicas are not warm yet")
+        body = await read_body(cap)
+        body = protocol.decode_body(body, headers.get("content-encoding"), cap)
+        request = protocol.parse_infer_request(body, headers.get(protocol.HEADER_LENGTH.lower()), self.spec)
+        result = await self._infer(request.inputs)
+        if "error" in result:
+            return error(int(result.get("status", 500)), str(result["error"]))
+        payload, out_headers = protocol.encode_infer_response(self.spec, request, result["outputs"])
+        return Response(200, payload, out_headers)
