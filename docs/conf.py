@@ -109,10 +109,10 @@ def _check_public_surface(app, env):
 
 
 def _no_property_type(app, what, name, obj, options, lines):
-    """``autodoc-process-docstring``, before napoleon: napoleon reads a property's first line ``X: Y`` as
-    ``type: description`` (``Whether a later replay (or a re-capture: ...)`` lost its first half). ortcapture's
-    property docstrings state the type in their annotation, so an empty type is put first (napoleon drops it)."""
-    if what == "property" and lines and ":" in lines[0]:
+    """``autodoc-process-docstring``, before napoleon: napoleon reads the first line ``X: Y`` of a property's,
+    attribute's or constant's docstring as ``type: description`` (``Whether a later replay (or a re-capture: ...)``
+    lost its first half). ortcapture states types in annotations, so an empty type is put first (napoleon drops it)."""
+    if what in ("property", "attribute", "data") and lines and ":" in lines[0]:
         lines[0] = ": " + lines[0]
 
 
@@ -127,9 +127,68 @@ def _list_every_guide(app, docname, source):
         source[0] += "\n```{toctree}\n:caption: More guides\n:maxdepth: 2\n\n" + "\n".join(extra) + "\n```\n"
 
 
+def _data_comment(app, what, name, obj, options, lines):
+    """``autodoc-process-docstring`` of a public constant: its ``#:`` comment where it is defined.
+
+    autodoc looks for the comment in the module the directive names (``ortcapture`` for ``ortcapture.DEFAULT_RTOL``,
+    defined in ``ortcapture._verify.compare``) and otherwise shows the docstring of the value's type (``float``'s).
+    Without a comment the build warns: a public constant needs one (interrogate does not check constants).
+    """
+    if what != "data" or not name.startswith("ortcapture."):
+        return
+    import ortcapture
+    from sphinx.pycode import ModuleAnalyzer
+    from sphinx.util import logging
+
+    module, short = name.rsplit(".", 1)
+    source = ortcapture._EXPORTS.get(short, module) if module == "ortcapture" else module
+    doc = ModuleAnalyzer.for_module(source).find_attr_docs().get(("", short))
+    if doc:
+        lines[:] = [line for line in doc if line.strip() or lines]
+    else:
+        lines[:] = []
+        logging.getLogger("ortcapture.docs").warning("public constant %s has no #: comment in %s", name, source)
+
+
+#: reference page -> the public modules whose names it documents (tools/public_api.py's surface)
+REFERENCE_PAGES = {"reference/api": ("ortcapture", "ortcapture.dropin"), "reference/serving": ("ortcapture.serving",)}
+
+
+def _document_new_names(app, docname, source):
+    """``source-read`` of a reference page: a public name the page does not name yet is appended to it (section
+    "More names"), so a name added to ``__all__`` is in the reference the day it lands (give it its place on the
+    page by naming it there). Its docstring is interrogate's business (tools/docs.sh)."""
+    modules = REFERENCE_PAGES.get(docname)
+    if modules is None:
+        return
+    import inspect
+
+    import public_api
+
+    text = source[0]
+    extra = []
+    for name, value in public_api.surface().items():
+        module, short = name.rsplit(".", 1)
+        if module not in modules or inspect.ismodule(value):
+            continue
+        if re.search(rf":: (ortcapture\.)?({re.escape(module)}\.)?{re.escape(short)}\s*$", text, re.M):
+            continue
+        if inspect.isclass(value):
+            kind = "autoexception" if issubclass(value, BaseException) else "autoclass"
+        elif callable(value):
+            kind = "autofunction"
+        else:
+            kind = "autodata"
+        extra.append(f".. {kind}:: {name}")
+    if extra:
+        source[0] = text + "\nMore names\n----------\n\n" + "\n\n".join(extra) + "\n"
+
+
 def setup(app):
     app.connect("source-read", _list_every_guide)
-    app.connect("autodoc-process-docstring", _no_property_type, priority=400)  # napoleon's runs at 500
+    app.connect("source-read", _document_new_names)
+    app.connect("autodoc-process-docstring", _data_comment, priority=400)
+    app.connect("autodoc-process-docstring", _no_property_type, priority=450)  # napoleon's runs at 500
     app.connect("missing-reference", _resolve_facade_names)
     app.connect("env-check-consistency", _check_public_surface)
     return {"parallel_read_safe": True}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 
+#: the package version (the one source: pyproject.toml reads it)
 __version__ = "0.1.0"
 
 _EXPORTS = {

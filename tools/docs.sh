@@ -21,5 +21,6 @@ if ! "$venv/bin/interrogate" -c pyproject.toml "${files[@]}"; then
   exit 1
 fi
 # -E: a fresh environment every time (a stale one would hide a warning of a page that did not change)
+rm -rf build/docs  # no page of an earlier build left behind
 "$venv/bin/sphinx-build" -W -n -E --keep-going -q -b html docs build/docs
 echo "docs: API reference and guides in build/docs/index.html, built in $(( $(date +%s) - start )) s"
