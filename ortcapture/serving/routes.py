@@ -43,6 +43,7 @@ class Response:
 
 
 def json_response(status: int, obj: Any) -> Response:
+    """``obj`` (anything :func:`json.dumps` takes) as a JSON body with ``status``."""
     return Response(status, json.dumps(obj).encode())
 
 
