@@ -362,7 +362,7 @@ class CapturedGraph:
         page-locked on CUDA with cuda-python — :attr:`host_staging`). Fill them in place and feed them, as torch's
         ``pin_memory``: ``g.host_inputs["images"][...] = batch; g.run(g.host_inputs)`` sends each with one
         asynchronous host-to-device copy, no host copy (made on first use; they live as long as the graph or an
-        array viewing them). Do not write one while a :meth:`run_many` of this graph is running.
+        array viewing them). Do not write one while a ``run_many()`` of this graph is running.
 
         Raises:
             GraphReleasedError: after ``release()``.
