@@ -84,7 +84,7 @@ def refuse_int64_arithmetic(model) -> None:
 
     # the graph only: external weights are not needed (nor loaded) for the analysis
     proto = onnx.load(os.fspath(model), load_external_data=False) if isinstance(model, (str, os.PathLike)) \
-        else shapes.load_model(model)
+        else _inspect.load_structure(model)
     nodes = int64_arithmetic_nodes(proto)
     if nodes:
         more = f" ... ({len(nodes) - 12} more)" if len(nodes) > 12 else ""
@@ -101,7 +101,7 @@ def trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options):
     """TensorRT: optimisation profiles covering the buckets (``ortcapture._buckets.spec.trt_profile_options``)."""
     from ortcapture._buckets import spec as _buckets
 
-    dims = shapes.input_dims(shapes.load_model(path_or_bytes))
+    dims = shapes.input_dims(_inspect.load_structure(path_or_bytes))  # the graph only: no external weights
     profiles = _buckets.trt_profile_options(_buckets.parse_buckets(buckets, dims), dims)
     if profiles is None:
         return providers, provider_options

@@ -29,6 +29,7 @@ from ortcapture._ort import specialize as shapes
 from ortcapture._core.binding import IOBinding
 from ortcapture._buckets.run import BucketRunner
 from ortcapture._ort.compat import OrtInferenceSession
+from ortcapture._ort.model import ModelSource, external_folder
 from ortcapture import transfer
 from ortcapture._ort.providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
 from ortcapture._core.reference import check_ep_accuracy, reference_runner, verify_graph
@@ -120,21 +121,47 @@ class InferenceSession(OrtInferenceSession):
     ) -> None:
         self._oc_verify = level_of(verify)
         self._oc_allow_int64 = bool(allow_int64_as_int32)
-        self._oc_ref_cache: dict = {}  # the WebGPU verification's CPU EP reference session (ortcapture._core.reference)
+        self._oc_ref_cache: dict = {}  # the EP-accuracy check's CPU EP session, once (ortcapture._core.reference)
         self._oc_lock = threading.RLock()
         self._oc_refusal: str | None = None
-        self._oc_args = (path_or_bytes, sess_options, providers, provider_options, dict(kwargs))
         self._oc_providers = (providers, provider_options)  # what the C session was last built with
         requested = requested_capture(providers, provider_options, sess_options)
+        # the model as it is now: every later build (siblings, references, rebuilds) starts from it (ortcapture._ort.model)
+        source = path_or_bytes if isinstance(path_or_bytes, ModelSource) else \
+            ModelSource(path_or_bytes, keep=requested is not None)
+        self._oc_args = (source, sess_options, providers, provider_options, dict(kwargs))
         check_version(requested)
         if buckets is not None and requested is not None and requested.ep.name == "TensorrtExecutionProvider":
-            providers, provider_options = trt_bucket_profiles(path_or_bytes, buckets, providers, provider_options)
-        model = shapes.fix_input_shapes(path_or_bytes, static_shapes) if static_shapes else path_or_bytes
+            providers, provider_options = trt_bucket_profiles(source, buckets, providers, provider_options)
+        model = shapes.fix_input_shapes(source, static_shapes) if static_shapes else source
         if requested is not None and requested.device_type == "webgpu":
             model = _inspect.rewrite_view_outputs(model)  # view outputs computed inside the graph (_inspect)
         static_sig = shapes.shape_signature(static_shapes) if static_shapes else None
         if requested is not None and requested.device_type == "webgpu" and not self._oc_allow_int64:
             refuse_int64_arithmetic(model)
+        # ORT gets what the caller gave, unless ortcapture rewrote it: then the graph's bytes, with the folder of
+        # the model's external data (the rewrite keeps the weights on disk)
+        rewritten = model is not source
+        model = model if rewritten else source.given
+        self._oc_folder = source.build_kwargs()["folder"]
+        with external_folder(sess_options, self._oc_folder if rewritten else None) as build_options:
+            deferred = self._oc_build(model, build_options, providers, provider_options, kwargs, requested,
+                                      static_shapes, static_sig, source)
+        self._oc_setup(requested, deferred, static_sig, _oc_family)
+        self._oc_bucket_args = dict(output_axes=output_axes, oversize=oversize, verify=verify,
+                                    max_graphs=max_graphs, replay_thread=replay_thread, pad_values=pad_values)
+        self._oc_buckets = None
+        if buckets is not None:
+            self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, buckets,
+                                            reference=self._oc_bucket_reference, **self._oc_bucket_args)
+        elif (output_axes is not None or oversize != "uncaptured" or max_graphs is not None or replay_thread
+              or pad_values is not None):
+            raise CaptureError("output_axes=, oversize=, max_graphs=, replay_thread= and pad_values= go with buckets=")
+        self._oc_buckets_spec = buckets
+
+    def _oc_build(self, model, sess_options, providers, provider_options, kwargs, requested, static_shapes,
+                  static_sig, source) -> bool:
+        """ORT's constructor (capture deferred where ORT refuses it for dynamic dims); True when deferred."""
         deferred = False
         if requested is not None:
             # ORT silently falls back to the CPU EP when a session fails to build; under capture that fallback
@@ -148,7 +175,7 @@ class InferenceSession(OrtInferenceSession):
             except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail/EPFail types, not RuntimeError
                 if requested is None or not shapes.is_capture_refusal(exc):
                     raise
-                if static_shapes or not shapes.specializable_inputs(_inspect.load_structure(path_or_bytes)):
+                if static_shapes or not shapes.specializable_inputs(_inspect.load_structure(source)):
                     why = "" if static_shapes else " (it has no dynamic input dims to specialise)"
                     raise CaptureUnsupportedError(
                         refusal_text(model, sess_options, providers, provider_options, kwargs, requested,
@@ -157,17 +184,7 @@ class InferenceSession(OrtInferenceSession):
                 self._oc_init_deferred(model, sess_options, providers, provider_options, kwargs, requested)
                 deferred = True
                 self._oc_refusal = str(exc)
-        self._oc_setup(requested, deferred, static_sig, _oc_family)
-        self._oc_bucket_args = dict(output_axes=output_axes, oversize=oversize, verify=verify,
-                                    max_graphs=max_graphs, replay_thread=replay_thread, pad_values=pad_values)
-        self._oc_buckets = None
-        if buckets is not None:
-            self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, buckets,
-                                            reference=self._oc_bucket_reference, **self._oc_bucket_args)
-        elif (output_axes is not None or oversize != "uncaptured" or max_graphs is not None or replay_thread
-              or pad_values is not None):
-            raise CaptureError("output_axes=, oversize=, max_graphs=, replay_thread= and pad_values= go with buckets=")
-        self._oc_buckets_spec = buckets
+        return deferred
 
     # -- construction helpers -------------------------------------------------------------------------------
     def _oc_create(self, model, sess_options, providers, provider_options, kwargs, requested, static_sig) -> None:
@@ -210,11 +227,20 @@ class InferenceSession(OrtInferenceSession):
         self._oc_state = CaptureState(self, info, requested, deferred, static_sig, self._oc_lock, family)
         self._oc_state.constant_outputs = constant_outputs_of(self._oc_args[0], static_sig)
         self._oc_state.rebuild_session = self._oc_rebuild_c_session
+        self._oc_state.check_model = self._oc_check_model
         if old is not None:  # set_providers: the compaction threshold stays
             self._oc_state.ledger.threshold = old.ledger.threshold
 
     def _oc_rebuild_c_session(self) -> None:
-        compat.rebuild_c_session(self, *self._oc_providers)
+        """ORT's re-creation of the C session (``compact()``), from the model as it was loaded (ORT's
+        ``_reset_session`` would read ``_model_path`` again)."""
+        source = self._oc_args[0]
+        compat.rebuild_c_session(self, *self._oc_providers, model=source.data, folder=self._oc_folder)
+
+    def _oc_check_model(self, what: str = "rebuild the C session") -> None:
+        """Raise :class:`CaptureError` when the model's external data files changed or are gone since construction
+        (:meth:`ortcapture._ort.model.ModelSource.check_external`)."""
+        self._oc_args[0].check_external(what)
 
     # -- capture state ----------------------------------------------------------------------------------------
     @property
@@ -495,6 +521,7 @@ class InferenceSession(OrtInferenceSession):
         """
         sess_options = self._oc_args[1]
         requested = requested_capture(providers, provider_options, sess_options if not providers else None)
+        self._oc_check_model("rebuild the C session (set_providers)")  # before anything is touched
         st = self._oc_state
         with st.capture_guard:  # a new C session: no other CUDA work meanwhile
             st.reset()
@@ -603,14 +630,20 @@ class InferenceSession(OrtInferenceSession):
         """ORT's ``set_providers``; when ORT refuses capture for the model's dynamic dims, the session is made
         without capture and defers to shape-specialised siblings, as the constructor does. True when deferred."""
         path_or_bytes, sess_options, _, _, kwargs = self._oc_args
+        if requested is not None:
+            path_or_bytes.keep()  # capture from now on: later builds start from the model as it is now
+        model = path_or_bytes.data  # the model as it was loaded (None: a session without capture keeps ORT's way)
         try:
-            OrtInferenceSession.set_providers(self, providers, provider_options)
+            with compat.built_from(self, model, self._oc_folder):
+                OrtInferenceSession.set_providers(self, providers, provider_options)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own Fail type
             if (requested is None or not providers or not shapes.is_capture_refusal(exc)
                     or self._oc_state.static_shapes
                     or not shapes.specializable_inputs(_inspect.load_structure(path_or_bytes))):
                 raise
-            OrtInferenceSession.set_providers(self, without_capture(providers, provider_options, requested), None)
+            with compat.built_from(self, model, self._oc_folder):
+                OrtInferenceSession.set_providers(self, without_capture(providers, provider_options, requested),
+                                                  None)
             self._oc_refusal = str(exc)
             self._oc_args = (path_or_bytes, sess_options, providers, provider_options, kwargs)
             return True
@@ -640,8 +673,12 @@ class InferenceSession(OrtInferenceSession):
         Raises:
             CaptureUnsupportedError: the session does not capture.
             CaptureError: raw IOBinding graphs are captured (their IOBinding belongs to the old C session; release
-                them first), or on WebGPU, buffers from :meth:`allocate` are alive; or a graph failed to capture
-                again (that graph is released; the rest are compacted).
+                them first), or on WebGPU, buffers from :meth:`allocate` are alive; or an external data file of the
+                model changed or is gone since construction; or a graph failed to capture again (that graph is
+                released; the rest are compacted).
+
+        The C session is built from the model as it was loaded (the bytes read at construction; ORT's own
+        ``_reset_session`` reads the model file again): a file replaced or deleted since changes nothing.
         """
         st = self._oc_state
         if st.info is None and not st.deferred:
@@ -790,6 +827,7 @@ class InferenceSession(OrtInferenceSession):
             sib = fam.siblings.get(sig)
             if sib is None:
                 path_or_bytes, sess_options, providers, provider_options, kwargs = self._oc_args
+                self._oc_check_model("build a shape-specialised session for these shapes")
                 sess = InferenceSession(path_or_bytes, sess_options, providers, provider_options,
                                         static_shapes=dict(sig), allow_int64_as_int32=self._oc_allow_int64,
                                         _oc_family=fam, **kwargs)

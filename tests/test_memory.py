@@ -344,32 +344,42 @@ def test_capture_while_another_thread_compacts(backend):
     assert sess.graph_memory["compactions"] == 8
 
 
-def test_compact_without_its_model_file_refuses_or_says_what_it_lost(backend, tmp_path):
-    """compact() builds the C session again from the model file, and ORT destroys the old C session first (as in
-    set_providers). A file that is gone: refused, nothing touched. A file that no longer loads: ORT's build fails
-    after the old C session is gone, so compact() says so and the graphs are released (instead of failing later
-    with ORT's AttributeError/ValueError); automatic compaction then warns instead of raising into release() and
-    turns itself off."""
+def test_compact_without_its_model_file_or_with_a_failed_build(backend, tmp_path, monkeypatch):
+    """compact() builds the C session again from the bytes read at construction (issue 30.6): a model file that is
+    gone or no longer loads changes nothing. Where ORT's build itself fails (after ORT destroyed the old C session,
+    as in set_providers), compact() says so and the graphs are released (instead of failing later with ORT's
+    AttributeError/ValueError); automatic compaction then warns instead of raising into release() and turns itself
+    off."""
+    from ortcapture._ort import compat
+
     x = np.full((2, 4), 3, np.float32)
     sessions = []
-    for name in ("gone", "corrupt", "automatic"):
+    for name in ("gone", "corrupt", "failing", "automatic"):
         path = tmp_path / f"{name}.onnx"
         path.write_bytes(tiny.affine_model())
         sess = backend.session(str(path))
         sessions.append((sess, sess.capture({"X": x}), path))
-    (gone, g_gone, p_gone), (bad, g_bad, p_bad), (auto, g_auto, p_auto) = sessions
+    (gone, g_gone, p_gone), (bad, g_bad, p_bad), (fail, g_fail, _), (auto, g_auto, _) = sessions
     p_gone.unlink()
-    with pytest.raises(ortcapture.CaptureError, match="is gone"):
-        gone.compact()
-    np.testing.assert_allclose(g_gone.run({"X": x})[0], x * 2 + 1)  # untouched
+    gone.compact()
+    np.testing.assert_allclose(g_gone.run({"X": x})[0], x * 2 + 1)
     p_bad.write_bytes(b"not an onnx model")
+    bad.compact()
+    np.testing.assert_allclose(g_bad.run({"X": x})[0], x * 2 + 1)
+
+    real = compat.rebuild_c_session
+
+    def failing(session, *args, **kwargs):
+        real(session, *args, **kwargs)
+        raise compat.RebuildFailed(RuntimeError("injected build failure"), False)
+
+    monkeypatch.setattr(compat, "rebuild_c_session", failing)
     with pytest.raises(ortcapture.CaptureError, match="could not build the C session again"):
-        bad.compact()
-    assert g_bad.released
+        fail.compact()
+    assert g_fail.released
     with pytest.raises(ortcapture.GraphReleasedError):
-        g_bad.run()
+        g_fail.run()
     np.testing.assert_allclose(g_auto.run({"X": x})[0], x * 2 + 1)  # another session: untouched
-    p_auto.write_bytes(b"not an onnx model")
     auto.compact_threshold = 0
     auto._oc_state.ledger.released(-9, freed=False, pinned_bytes=1)  # a retired graph past the threshold
     with pytest.warns(RuntimeWarning, match="automatic compaction failed"):

@@ -75,11 +75,26 @@ def cpu_reference(model_source: Any, cache: dict):
 
 
 def _build_cpu(model_source: Any, so):
+    from ortcapture._ort.model import ModelSource, external_folder
     from ortcapture._ort.specialize import load_model
+
+    if isinstance(model_source, ModelSource):  # the model as the session loaded it (issue 30.6)
+        model_source.check_external("build the CPU EP session of the EP-accuracy check")
+        model = model_source.model()
+        if isinstance(model, onnx_proto()):
+            model = model.SerializeToString()
+        with external_folder(so, model_source.build_kwargs()["folder"]) as so:
+            return compat.OrtInferenceSession(model, so, providers=["CPUExecutionProvider"])
 
     model = load_model(model_source).SerializeToString() if not isinstance(model_source, (str, bytes)) \
         else model_source
     return compat.OrtInferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def onnx_proto():
+    import onnx
+
+    return onnx.ModelProto
 
 
 def check_ep_accuracy(cs, graph, model_source: Any, cache: dict) -> None:
@@ -176,11 +191,11 @@ def verify_graph(graph, level: str, reference: Callable[[dict], list], rtol: flo
 
 
 def _name_copy_only(exc: VerificationError, model_source: Any, graph) -> None:
+    from ortcapture._verify.inspect import load_structure
     from ortcapture._verify.model_checks import copy_only_nodes
-    from ortcapture._ort.specialize import load_model
 
-    try:
-        nodes = copy_only_nodes(load_model(model_source), exc.outputs, list(graph.state_inputs))
+    try:  # the graph as the session loaded it, without external weights
+        nodes = copy_only_nodes(load_structure(model_source), exc.outputs, list(graph.state_inputs))
     except Exception:  # noqa: BLE001 - naming is a help, the refusal stands without it
         return
     if nodes:

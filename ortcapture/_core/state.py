@@ -185,6 +185,9 @@ class CaptureState:
         self.ledger = family.ledger if family is not None else DeviceLedger()
         #: ``() -> None``: rebuild this member's C session (same model, options, providers); set by the session
         self.rebuild_session = None
+        #: ``(what) -> None``: raise CaptureError when the model's external data changed since construction (set by
+        #: the session; ortcapture._ort.model)
+        self.check_model = None
         if family is not None and info is not None and static_shapes is not None:
             family.siblings[static_shapes] = self  # a shape-specialised sibling joins its family
 

@@ -27,7 +27,8 @@ device (``cudaDeviceGraphMemTrim`` and ``cudaMemPoolTrimTo`` return none of it e
 Raw-path graphs (``run_with_iobinding`` with a ``gpu_graph_id``) cannot survive a rebuild: their IOBinding belongs
 to the old C session (ORT >= 1.30 ties it there) and only the caller can bind again. While any is captured,
 :func:`compact` refuses (:class:`~ortcapture.errors.CaptureError`) and the automatic one does not run. It also
-refuses when the model file the session was built from is gone. ORT destroys the old C session before it builds the
+refuses when an external data file of the model changed or is gone since construction (the graph itself is rebuilt
+from the bytes read then: a model file replaced or deleted since changes nothing). ORT destroys the old C session before it builds the
 new one (as ``set_providers`` does; on CUDA the new one then reuses the old one's memory), so a build that fails
 leaves no C session: the graphs are released and :class:`RebuildError` says so; an automatic compaction warns
 instead and turns itself off (:func:`maybe_compact`).
@@ -55,14 +56,13 @@ def raw_path_graphs(family) -> list[int]:
 
 
 def _refusal(family) -> str | None:
-    import os
-
-    for st in family.members():
-        path = compat.model_path(st.session) if st.rebuild_session is not None else None
-        if path is not None and not os.path.isfile(path):
-            return (f"the model file {path!r} the session was built from is gone; ORT reads it again to rebuild the "
-                    "C session (and destroys the old one first). Create the session from the model's bytes to "
-                    "compact without the file")
+    for st in family.members():  # the model is rebuilt from the bytes read at construction; its weights from disk
+        check = getattr(st, "check_model", None) if st.rebuild_session is not None else None
+        if check is not None:
+            try:
+                check("rebuild the C session (compact())")
+            except CaptureError as exc:
+                return str(exc).rstrip(".")
     raw = raw_path_graphs(family)
     if raw:
         return (f"raw IOBinding graph(s) {raw} are captured; their IOBinding belongs to the C session that "
@@ -134,7 +134,7 @@ class RebuildError(CaptureError):
 
 
 def _rebuild_failed(family, st, graphs, exc) -> None:
-    """ORT could not build the new C session (e.g. the model file is gone); it had destroyed the old one first, as
+    """ORT could not build the new C session (e.g. out of device memory); it had destroyed the old one first, as
     in ``set_providers``. The member's graphs are released (their replays would reach no C session) and
     :class:`RebuildError` says so."""
     for g in graphs:
@@ -152,8 +152,7 @@ def _rebuild_failed(family, st, graphs, exc) -> None:
 def maybe_compact(family) -> bool:
     """:func:`compact` when the family's retired graph memory passed its threshold and nothing forbids it (call
     outside any guard). True when it compacted. It never raises into the ``release()``/``capture()`` that triggered
-    it: a failure is a ``RuntimeWarning`` instead, and where the C session could not be built again (e.g. the model
-    file is gone) automatic compaction is turned off for the family (``compact_threshold`` becomes ``None``)."""
+    it: a failure is a ``RuntimeWarning`` instead, and where the C session could not be built again automatic compaction is turned off for the family (``compact_threshold`` becomes ``None``)."""
     if not family.ledger.due():
         return False
     try:

@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import importlib.util
 import re
@@ -193,12 +195,6 @@ def torch_raw_stream_getter(torch):
     return getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def model_path(session: OrtInferenceSession) -> str | None:
-    """The model file ORT builds ``session``'s C session from again (``_model_path``), or ``None`` (bytes)."""
-    path = getattr(session, "_model_path", None)
-    return path if isinstance(path, str) else None
-
-
 class RebuildFailed(Exception):
     """:func:`rebuild_c_session` could not build the new C session: ``cause`` is ORT's exception; ``ort_released``
     whether ORT's own pins had been released first."""
@@ -208,9 +204,34 @@ class RebuildFailed(Exception):
         self.cause, self.ort_released = cause, ort_released
 
 
-def rebuild_c_session(session: OrtInferenceSession, providers, provider_options) -> None:
+@contextlib.contextmanager
+def built_from(session: OrtInferenceSession, model: bytes | None, folder: str | None):
+    """For ORT's re-creation of ``session``'s C session in the block (``_reset_session``: ``set_providers``,
+    :func:`rebuild_c_session`): build it from ``model`` (the bytes read when the session was built) instead of
+    reading ``_model_path`` again, and find external data in ``folder``
+    (:func:`ortcapture._ort.model.external_folder` on the session's ``SessionOptions``). ORT's own attributes
+    (``_model_path``, ``_model_bytes``) are put back afterwards. ``model=None``: ORT's own model source (a session
+    built from bytes keeps them in ``_model_bytes``)."""
+    from ortcapture._ort.model import external_folder
+
+    saved = (session._model_path, session._model_bytes, session._sess_options_initial)
+    if model is not None and session._model_path:
+        session._model_path, session._model_bytes = None, model
+    try:
+        with external_folder(session._sess_options_initial, folder) as so:
+            session._sess_options_initial = so  # a new SessionOptions only where the session had none
+            yield
+    finally:
+        session._model_path, session._model_bytes = saved[0], saved[1]
+        if saved[2] is not None:
+            session._sess_options_initial = saved[2]
+
+
+def rebuild_c_session(session: OrtInferenceSession, providers, provider_options, model: bytes | None = None,
+                      folder: str | None = None) -> None:
     """Replace ``session``'s C session with a new one built from the same model, ``SessionOptions`` and the given
-    providers — ORT's own re-creation (``_reset_session``, what ``set_providers`` calls). Graphs captured by the
+    providers — ORT's own re-creation (``_reset_session``, what ``set_providers`` calls; ``model``/``folder``: see
+    :func:`built_from`, so a model file replaced or deleted since changes nothing). Graphs captured by the
     old C session die with it. ORT >= 1.30's own WebGPU pins (``_captured_graph_bindings``) are released first
     through ORT's method, not through a subclass's override.
 
@@ -227,7 +248,8 @@ def rebuild_c_session(session: OrtInferenceSession, providers, provider_options)
     for graph_id in pinned:
         OrtInferenceSession.release_captured_graph(session, graph_id)
     try:
-        OrtInferenceSession._reset_session(session, providers, provider_options)
+        with built_from(session, model, folder):
+            OrtInferenceSession._reset_session(session, providers, provider_options)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own types (e.g. NoSuchFile: the model file is gone)
         raise RebuildFailed(exc, bool(pinned)) from exc
 

@@ -81,6 +81,12 @@ def shape_signature(shapes: Mapping[str, Sequence[int]]) -> tuple:
 def fix_input_shapes(path_or_bytes, static_shapes: Mapping[str, Sequence[int]]) -> bytes:
     """Serialized copy of the model with the named inputs' dims fixed to ``static_shapes``.
 
+    ``path_or_bytes``: a path, ``bytes``, ``ModelProto`` (never changed), or a session's
+    :class:`~ortcapture._ort.model.ModelSource` — then the model as it was loaded, and only its graph is serialised:
+    tensors stored as external data keep their references (protobuf cannot serialise a message over 2 GB, so
+    loading the weights first failed with ``EncodeError`` for large models); build the session with
+    :func:`ortcapture._ort.model.external_folder`. A path is loaded with its external data (a self-contained copy).
+
     Raises :class:`~ortcapture.errors.CaptureError` for an unknown input name, a rank mismatch, or a dim that
     contradicts a dim already fixed in the model.
     """
@@ -88,7 +94,15 @@ def fix_input_shapes(path_or_bytes, static_shapes: Mapping[str, Sequence[int]]) 
 
     if not isinstance(static_shapes, Mapping):
         raise CaptureError(f"static_shapes must be a mapping {{input name: shape}}, got {type(static_shapes).__name__}")
-    model = load_model(path_or_bytes)
+    from ortcapture._ort.model import ModelSource
+
+    if isinstance(path_or_bytes, ModelSource):
+        model = path_or_bytes.structure()
+    elif isinstance(path_or_bytes, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(path_or_bytes)
+    else:
+        model = load_model(path_or_bytes)
     dims = input_dims(model)
     shapeless = set(shapeless_inputs(model))
     for name, shape in static_shapes.items():

@@ -35,7 +35,12 @@ VIEW_SUFFIX = "__ortcapture_view"
 
 
 def load_structure(path_or_bytes) -> onnx.ModelProto:
-    """The model without its external data (a path, ``bytes`` or ``ModelProto``): enough to inspect it."""
+    """The model without its external data (a path, ``bytes``, ``ModelProto`` or a session's
+    :class:`~ortcapture._ort.model.ModelSource`: the model as it was loaded): enough to inspect it."""
+    from ortcapture._ort.model import ModelSource
+
+    if isinstance(path_or_bytes, ModelSource):
+        return path_or_bytes.structure()
     if isinstance(path_or_bytes, onnx.ModelProto):
         return path_or_bytes
     if isinstance(path_or_bytes, (bytes, bytearray)):
@@ -124,7 +129,10 @@ def _elem_types(model: onnx.ModelProto, names: Iterable[str]) -> dict[str, int]:
 def rewrite_view_outputs(path_or_bytes):
     """For WebGPU capture: the model with every view output (:func:`view_outputs`) computed by an in-graph
     ``Cast(to=its own type)`` after the view, as serialized bytes; ``path_or_bytes`` itself when there is none to
-    rewrite. Output names, shapes, types and values are unchanged. External data is loaded into the bytes."""
+    rewrite. Output names, shapes, types and values are unchanged. A session's
+    :class:`~ortcapture._ort.model.ModelSource` is rewritten as it was loaded and only its graph is serialised
+    (external data keeps its references: past 2 GB of weights protobuf cannot serialise the whole model); a plain
+    path gets its external data loaded into the bytes."""
     model = try_load_structure(path_or_bytes)
     views = view_outputs(model) if model is not None else {}
     if not views:
@@ -134,7 +142,7 @@ def rewrite_view_outputs(path_or_bytes):
     if not views:
         return path_or_bytes
     model = onnx.ModelProto.FromString(model.SerializeToString()) if isinstance(path_or_bytes, onnx.ModelProto) \
-        else model
+        else model  # load_structure gives a ModelSource's model as a fresh copy
     if isinstance(path_or_bytes, (str, os.PathLike)):
         from onnx.external_data_helper import load_external_data_for_model, uses_external_data
 
