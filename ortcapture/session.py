@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import onnxruntime as ort
 
 from ortcapture._memory import compact as _compact
-from ortcapture._ort import compat
+from ortcapture._ort import compat, cuda_probe
 from ortcapture._verify import inspect as _inspect
 from ortcapture._memory import ledger as _ledger
 from ortcapture._ort import specialize as shapes
@@ -169,6 +169,8 @@ class InferenceSession(OrtInferenceSession):
             kwargs.setdefault("enable_fallback", 0)
         # building a CUDA session allocates and initialises on the device: never while another thread captures
         cuda = (requested is not None and requested.device_type == "cuda") or names_cuda_ep(providers)
+        if cuda:  # once per process: onnxruntime.preload_dlls() where NVIDIA's pip packages are installed, and why
+            cuda_probe.status()  # the CUDA EP would not load (told if the session then runs without capture)
         with CUDA_GATE.exclusive if cuda else _NULL:
             try:
                 self._oc_create(model, sess_options, providers, provider_options, kwargs, requested, static_sig)
@@ -212,9 +214,12 @@ class InferenceSession(OrtInferenceSession):
         check_version(requested)
         info = None if deferred else detect_capture(self, requested)
         if requested is not None and info is None and not deferred:
-            if requested.device_type == "cuda" and requested.ep.name not in ort.get_available_providers():
+            load = cuda_probe.status(requested.ep.name) if requested.device_type == "cuda" else None
+            if load is not None and not load.offered:
                 why = (f"this onnxruntime has no {requested.ep.name} (install onnxruntime-gpu, e.g. pip install "
                        "'ortcapture[cuda]', on a machine with an NVIDIA GPU)")
+            elif load is not None and not load.loads:
+                why = load.refusal  # ORT logged the failed load and made a CPU session
             else:
                 why = ("on ORT 1.30 naming a plugin EP in providers=[...] can silently give a CPU-only session: "
                        "register the plugin library and add it with SessionOptions.add_provider_for_devices("

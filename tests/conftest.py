@@ -44,7 +44,10 @@ def webgpu_available() -> bool:
 
 
 def cuda_available() -> bool:
-    return "CUDAExecutionProvider" in ort.get_available_providers()
+    """The CUDA EP is offered and really loads (onnxruntime-gpu with its CUDA libraries, a driver and a GPU)."""
+    from ortcapture._ort import cuda_probe
+
+    return cuda_probe.cuda_ep_loads()
 
 
 class Backend:

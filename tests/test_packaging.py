@@ -96,7 +96,9 @@ def test_pyproject_pins_no_ort_distribution_and_ships_the_patches():
     assert not {"onnxruntime", "onnxruntime-gpu"} & set(names)
     extras = meta["optional-dependencies"]
     assert any(d.startswith("onnxruntime>=") for d in extras["cpu"])
-    assert any(d.startswith("onnxruntime-gpu>=") for d in extras["cuda"])
+    for extra in ("cuda", "cuda12"):  # ORT's own CUDA extras, and cuda-python of one CUDA major (test_gpu_extras)
+        assert any(d.startswith("onnxruntime-gpu[cuda,cudnn]>=") for d in extras[extra])
+        assert any(d.startswith("cuda-python>=") and ",<" in d for d in extras[extra])
     # the plugin EP declares no ORT dependency and needs Python >= 3.11
     assert len(extras["webgpu"]) == 1 and "python_version >= '3.11'" in extras["webgpu"][0]
     assert {"bf16", "bench", "test"} <= set(extras)

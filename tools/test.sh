@@ -2,7 +2,8 @@
 # README command 2: set everything up and run the test suite against the newest and the oldest supported
 # onnxruntime, plus 1.27.0 (the first whose WebGPU plugin EP captures): CPU unit tests and real WebGPU capture
 # on the software adapter; CUDA tests skip without a GPU. Once, in the newest-ORT environment: ruff, the import
-# contracts, and the API reference with its docstring coverage (tools/docs.sh).
+# contracts, and the API reference with its docstring coverage (tools/docs.sh); once (with the first version): a GPU
+# user's venv without CUDA libraries (tools/bootstrap.sh --gpu-nocuda) and the pip resolution of the [cuda] extras.
 # Extra arguments go to pytest. ORTCAPTURE_ORT_VERSIONS="1.32.0" limits the matrix.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,10 +15,15 @@ docs_done=0
 for v in $versions; do
   { read -r venv; read -r env_file; } < <(bash tools/bootstrap.sh --ort "$v")
   echo "=== onnxruntime $v ($venv) ==="
+  once=""
   if [ $lint_done = 0 ]; then  # the architecture's contracts (once): layers, and no reaching into private members
     lint_done=1
     "$venv/bin/ruff" check ortcapture benchmarks || status=1
     "$venv/bin/lint-imports" .importlinter || status=1
+    # once, not per ORT version: a GPU user's venv without CUDA (tests/test_gpu_nocuda.py) and the pip resolution
+    # of the [cuda] extras (tests/test_gpu_extras.py)
+    once=$(bash tools/bootstrap.sh --gpu-nocuda) || status=1
+    once=${once%%$'\n'*}  # its first line: the venv
   fi
   if [ $docs_done = 0 ] && [ "$venv" = "$root/.venv" ]; then  # the API reference (once: .venv has the docs extra)
     docs_done=1
@@ -25,6 +31,7 @@ for v in $versions; do
   fi
   (
     [ -n "$env_file" ] && source "$env_file"
+    if [ -n "$once" ]; then export ORTCAPTURE_NOCUDA_VENV=$once ORTCAPTURE_PIP_RESOLVE=1; fi
     # WebGPU must really run here: a missing adapter fails the WebGPU tests instead of skipping them.
     export ORTCAPTURE_REQUIRE_WEBGPU=${ORTCAPTURE_REQUIRE_WEBGPU:-1}
     "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -220,22 +220,29 @@ def session_args(provider: str, capture: bool, sess_options=None, device_id: int
 
 
 def pick_provider(requested: str = "auto") -> str:
-    """``"cuda"`` when onnxruntime-gpu offers the CUDA EP (and ``requested`` allows it), else ``"webgpu"`` when a
-    child-process probe captures on WebGPU (ORT aborts the process when Dawn finds no adapter, so it is probed in a
-    child). Raises :class:`~ortcapture.errors.CaptureUnsupportedError` saying why when neither is usable."""
-    import onnxruntime as ort
-
+    """``"cuda"`` when the CUDA EP really loads here (:func:`ortcapture._ort.cuda_probe.status`: onnxruntime-gpu, its
+    CUDA libraries, an NVIDIA driver and a device) and ``requested`` allows it, else ``"webgpu"`` when a child-process
+    probe captures on WebGPU (ORT aborts the process when Dawn finds no adapter, so it is probed in a child).
+    ``"auto"`` skips a CUDA EP that onnxruntime-gpu lists but that does not load (ORT itself would log the load
+    failure and run on the CPU). Raises :class:`~ortcapture.errors.CaptureUnsupportedError` saying why when neither
+    is usable: ``"cuda"`` names the cause of the failed load; ``"auto"`` names both causes."""
     from ortcapture import webgpu
+    from ortcapture._ort import cuda_probe
     from ortcapture.errors import CaptureUnsupportedError
 
-    if requested in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+    cuda = cuda_probe.status() if requested in ("auto", "cuda") else None
+    if cuda is not None and cuda.loads:
         return "cuda"
     if requested == "cuda":
+        if cuda.refusal:
+            raise CaptureUnsupportedError(cuda.refusal)
         raise CaptureUnsupportedError("the CUDA EP is not available (install onnxruntime-gpu on a machine with a GPU)")
+    why_cuda = cuda.refusal if cuda is not None and cuda.refusal else "no CUDA EP"
     if not webgpu.plugin_installed():
         raise CaptureUnsupportedError(
-            "no capture-capable provider: no CUDA EP, and onnxruntime-ep-webgpu is not installed")
+            f"no capture-capable provider: {why_cuda}, and onnxruntime-ep-webgpu is not installed")
     result = webgpu.probe()
     if not result.get("ok"):
-        raise CaptureUnsupportedError(f"WebGPU is not usable here: {result.get('error')}")
+        first = f"{why_cuda}, and " if cuda is not None and cuda.refusal else ""
+        raise CaptureUnsupportedError(f"{first}WebGPU is not usable here: {result.get('error')}")
     return "webgpu"

@@ -81,18 +81,34 @@ def webgpu_env_hint() -> str:
     return f" (without a GPU, run `source {env}` first: it sets up the software adapter)"
 
 
-def pick_provider(requested: str = "auto") -> str:
+def pick_provider(requested: str = "auto", cuda_must_load: bool = False) -> str:
     """:func:`ortcapture._ort.providers.pick_provider` with its refusal as one line (the WebGPU probe's traceback tail
-    reduced to its message, plus where the software adapter's settings are). Raises
+    reduced to its message, plus where the software adapter's settings are). ``cuda_must_load``: ``"auto"`` refuses
+    instead of falling back to WebGPU when onnxruntime-gpu's CUDA EP is there but does not load (``bench``,
+    ``serve``: numbers or a service on another EP than the machine was set up for would mislead). Raises
     :class:`~ortcapture.errors.CaptureUnsupportedError`."""
+    from ortcapture._ort import cuda_probe
     from ortcapture._ort.providers import pick_provider as _pick
     from ortcapture.errors import CaptureUnsupportedError
 
+    if cuda_must_load and requested == "auto":
+        why = cuda_probe.refusal()
+        if why:
+            raise CaptureUnsupportedError(f"{why}; --provider webgpu runs on WebGPU instead")
     try:
         return _pick(requested)
     except CaptureUnsupportedError as exc:
         hint = webgpu_env_hint() if "WebGPU" in str(exc) else ""
         raise CaptureUnsupportedError(one_line(exc) + hint) from None
+
+
+def cuda_fallback_note(requested: str, provider: str) -> str | None:
+    """The one line to print when ``requested`` ``"auto"`` gave ``provider`` ``"webgpu"`` because onnxruntime-gpu's
+    CUDA EP does not load (``None`` otherwise)."""
+    from ortcapture._ort import cuda_probe
+
+    why = cuda_probe.refusal() if requested == "auto" and provider != "cuda" else None
+    return f"{why}; falling back to WebGPU" if why else None
 
 
 def _is_ort_error(exc: BaseException) -> bool:

@@ -369,7 +369,7 @@ def _run(args) -> int:
     except Exception as exc:  # noqa: BLE001 - onnx load errors
         raise BenchError(f"cannot read the input shapes of {args.model}: {exc}") from None
     try:
-        provider = pick_provider(args.provider)
+        provider = pick_provider(args.provider, cuda_must_load=True)
     except CaptureUnsupportedError as exc:
         raise BenchError(str(exc)) from None
     if args.sync == "device":

@@ -169,7 +169,7 @@ def run_command(args) -> int:
         raise BenchError(f"--axis/--pad-value: {exc}") from None
     try:
         shp = example_shapes(args.model, 1, args.shape)
-        provider = pick_provider(args.provider)
+        provider = pick_provider(args.provider, cuda_must_load=True)
     except (CaptureError, CaptureUnsupportedError) as exc:
         raise BenchError(str(exc)) from None
     print(f"ortcapture bench --stream {lo}-{hi} --axis {args.axis}: {args.model} on {provider}, inputs "

@@ -224,7 +224,7 @@ def run_command(args) -> int:
         raise BenchError(str(exc)) from None
     try:
         shp = example_shapes(args.model, 1, args.shape)
-        provider = pick_provider(args.provider)
+        provider = pick_provider(args.provider, cuda_must_load=True)
     except (CaptureError, CaptureUnsupportedError) as exc:
         raise BenchError(str(exc)) from None
     if len(shp) != 1:

@@ -181,7 +181,7 @@ def run(args) -> int:
     from ortcapture._ort import specialize as shapes
     from ortcapture import transfer
     from ortcapture.cli import models
-    from ortcapture.cli import one_line, pick_provider
+    from ortcapture.cli import cuda_fallback_note, one_line, pick_provider
     from ortcapture.cli import timing
     from ortcapture.cli.doctor_live import _compare
     from ortcapture.errors import CaptureError
@@ -209,6 +209,9 @@ def run(args) -> int:
     _say(f"choosing the provider ({args.provider}" + ("; WebGPU is probed in a child process)"
                                                        if args.provider in ("auto", "webgpu") else ")"))
     provider = pick_provider(args.provider)
+    note = cuda_fallback_note(args.provider, provider)
+    if note:
+        print(f"ortcapture demo: {note}", file=sys.stderr, flush=True)
     if args.iters is None:
         args.iters = 200 if provider == "cuda" else 10
     _say(f"creating sessions on {provider}")

@@ -35,9 +35,9 @@ Static checks (the ``onnx`` library; no execution provider needed):
 
 Nodes without a kernel on the EP cannot be known statically; the dynamic checks find them.
 
-Dynamic checks, when a capture-capable EP is present (``auto``: the CUDA EP when onnxruntime-gpu offers it, else
-the WebGPU plugin EP when a child-process probe captures on it — Dawn without an adapter ends the process — else
-none):
+Dynamic checks, when a capture-capable EP is present (``auto``: the CUDA EP when onnxruntime-gpu offers it — one
+that does not load is exit 2, below — else the WebGPU plugin EP when a child-process probe captures on it — Dawn
+without an adapter ends the process — else none):
 
 * **node placement** — an uncaptured session created with ``session.record_ep_graph_assignment_info=1`` lists
   the nodes ORT placed on the CPU EP (``get_provider_graph_assignment_info()``, where ORT has it), and the
@@ -62,7 +62,8 @@ none):
 
 Verdict and exit code (:data:`EXIT_CODES`): 0 capturable (a real capture and replay succeeded), 1 not capturable
 (the capture attempt failed, or a static check found a blocker), 2 error (model unreadable, bad ``--shape`` or
-``--provider-option``, requested provider missing), 3 unknown (no capture was attempted — ``--provider none``, or no
+``--provider-option``, requested provider missing, or onnxruntime-gpu's CUDA EP does not load — the report names the
+cause and keeps the static findings, without the placement findings that would follow from it), 3 unknown (no capture was attempted — ``--provider none``, or no
 capture-capable EP here, e.g. WebGPU without an adapter — and the static checks found no blocker), with "what to
 change" lines. ``--json`` prints one JSON object instead of the report.
 
@@ -91,7 +92,8 @@ EXIT_CAPTURABLE, EXIT_NOT_CAPTURABLE, EXIT_ERROR, EXIT_UNKNOWN = 0, 1, 2, 3
 EXIT_CODES = {
     EXIT_CAPTURABLE: "capturable: a real capture on the EP succeeded and its replay matched an uncaptured run",
     EXIT_NOT_CAPTURABLE: "not capturable: the capture attempt failed, or a static check found a blocker",
-    EXIT_ERROR: "error: unreadable model, bad --shape or --provider-option, requested provider unusable",
+    EXIT_ERROR: "error: unreadable model, bad --shape or --provider-option, requested provider unusable, or the "
+                "CUDA EP of onnxruntime-gpu does not load (the cause is named)",
     EXIT_UNKNOWN: "unknown: no capture was attempted (--provider none, or no capture-capable EP here) and the "
                   "static checks found no blocker",
 }
@@ -168,9 +170,23 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     for f in findings:
         if f.kind == "dynamic_dims" and f.severity == "warning":
             f.fix = dims_fix(model, example)
-    chosen, why_none = choose_provider(provider)
+    from ortcapture._ort import cuda_probe
+
+    # onnxruntime-gpu's CUDA EP that does not load: ORT would place every node on the CPU EP, so placement findings
+    # and a capture attempt would only restate that; the cause is the finding (exit 2), the static checks stand
+    broken = cuda_probe.refusal() if provider in ("auto", "cuda") else None
+    chosen, why_none = ("none", broken) if broken else choose_provider(provider)
     capture: dict[str, Any] = {"attempted": False, "outcome": "not_attempted", "reason": why_none}
-    if chosen != "none" and any(f.kind in ("input_type", "output_type") for f in findings):
+    cuda = cuda_probe.status() if chosen == "cuda" or broken else None
+    if cuda is not None and cuda.note:  # a cuda-python for another CUDA major than ORT's
+        findings.append(Finding("cuda_python", "warning", cuda.note,
+                                f"pip install 'cuda-python>={cuda.ort_cuda_major},<{cuda.ort_cuda_major + 1}'"))
+    if broken:
+        findings.append(Finding(
+            "provider", "error", f"{broken}: no placement check or capture attempted",
+            "make the CUDA EP load (docs/GPU.md) and run doctor again, or check on WebGPU: --provider webgpu",
+            {"cuda_ep": cuda.as_dict()}))
+    elif chosen != "none" and any(f.kind in ("input_type", "output_type") for f in findings):
         why_none = "some inputs or outputs cannot live in device buffers (see input_type/output_type)"
         capture["reason"] = why_none
         findings.append(Finding("provider", "info", f"no capture attempted on {_EP_NAMES[chosen]}: {why_none}"))
@@ -194,7 +210,9 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
                     f.details["overruled_by_capture"] = True
                     f.message += " (yet the capture attempt succeeded and its replay matched: ORT copes here)"
     errors = any(f.severity == "error" for f in findings)
-    if capture["attempted"]:
+    if broken:
+        verdict, code, basis = "error", EXIT_ERROR, "the CUDA EP does not load"
+    elif capture["attempted"]:
         ok = capture["outcome"] in ("captured", "captured_specialized") and not errors
         verdict, code = ("capturable", EXIT_CAPTURABLE) if ok else ("not capturable", EXIT_NOT_CAPTURABLE)
         basis = f"capture attempt on {_EP_NAMES[chosen]}"

@@ -92,8 +92,13 @@ def case_webgpu_io_guards(np, ort) -> None:
 
 
 def case_cancopy_vendor_guard(np, ort) -> None:
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
+    from ortcapture._ort import cuda_probe
+
+    cuda = cuda_probe.status()
+    if not cuda.offered:
         done("not testable", "needs one build holding both the CUDA and the WebGPU EP; this build has no CUDA EP")
+    if not cuda.loads:  # ORT would log the failed load and fail the CUDA OrtValue below
+        done("not testable", f"CUDA EP does not load ({cuda.cause})")
     if not hasattr(ort, "copy_tensors"):
         done("not testable", "onnxruntime.copy_tensors does not exist in this build")
     from ortcapture import webgpu

@@ -224,7 +224,7 @@ def run(args) -> int:
     from ortcapture.errors import CaptureUnsupportedError
 
     try:
-        provider = pick_provider(args.provider)
+        provider = pick_provider(args.provider, cuda_must_load=True)
     except CaptureUnsupportedError as exc:
         print(f"ortcapture bench: {exc}", file=sys.stderr)
         return 2
