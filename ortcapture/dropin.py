@@ -290,8 +290,9 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
 
     Args:
         provider: the capture provider for sessions whose caller names none: ``"cuda"``, ``"webgpu"``, ``"auto"``
-            (CUDA where onnxruntime-gpu has a GPU, else WebGPU where a child-process probe captures), or ``None``
-            (leave such sessions as the caller made them).
+            (CUDA where onnxruntime-gpu's CUDA EP really loads — its CUDA libraries, a driver and a GPU:
+            ``ortcapture._ort.cuda_probe`` — else WebGPU where a child-process probe captures), or ``None`` (leave
+            such sessions as the caller made them).
         provider_options: further EP options for that provider, ``{key: str}`` (e.g. ``{"device_id": "1"}``).
         max_graphs: distinct input-shape sets captured per session; runs beyond it are uncaptured.
         buckets: batch buckets for some models (``InferenceSession(buckets=...)``, docs/BUCKETS.md): a dict
