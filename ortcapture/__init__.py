@@ -19,6 +19,7 @@ _EXPORTS = {
     "CaptureUnsupportedError": "ortcapture.errors", "GraphReleasedError": "ortcapture.errors",
     "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
     "CaptureAbortedError": "ortcapture.errors", "PointerLifetimeWarning": "ortcapture.errors",
+    "VerificationError": "ortcapture._verify.compare",
     "EPAccuracyWarning": "ortcapture.errors",
     "VerificationError": "ortcapture._verify.compare",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",

@@ -21,6 +21,14 @@ _registered = False
 LOCK = WEBGPU_LOCK
 
 
+def _onnxruntime():
+    """``onnxruntime``; where none is installed, the ``ModuleNotFoundError`` that names the extras (as every other
+    first use of ORT through ``ortcapture`` raises it) instead of a bare one."""
+    from ortcapture import _import
+
+    return _import("onnxruntime")
+
+
 def plugin_installed() -> bool:
     """Whether the ``onnxruntime-ep-webgpu`` package is importable."""
     return importlib.util.find_spec("onnxruntime_ep_webgpu") is not None
@@ -36,7 +44,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import onnxruntime as ort
+    ort = _onnxruntime()
 
     from ortcapture._ort import compat
     from ortcapture.errors import CaptureUnsupportedError
@@ -65,7 +73,7 @@ def ep_device():
         CaptureUnsupportedError: the plugin is missing, or ORT offers no WebGPU EP device (without a GPU:
             ``ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1`` and a software Vulkan driver, ``tools/setup_webgpu.sh``).
     """
-    import onnxruntime as ort
+    ort = _onnxruntime()
 
     from ortcapture.errors import CaptureUnsupportedError
 
@@ -97,8 +105,9 @@ def session_options(capture: bool = True, sess_options=None, ep_options=None):
     Raises:
         CaptureError: ``sess_options`` already holds the WebGPU EP (ORT refuses to register it twice).
         CaptureUnsupportedError: no WebGPU EP device (see :func:`ep_device`).
+        ModuleNotFoundError: no onnxruntime installed (the message names the extras that install it).
     """
-    import onnxruntime as ort
+    ort = _onnxruntime()
 
     from ortcapture.errors import CaptureError
 

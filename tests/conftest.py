@@ -74,7 +74,7 @@ class Backend:
         return self.name
 
 
-@pytest.fixture(params=["webgpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=[pytest.param("webgpu", marks=pytest.mark.webgpu), pytest.param("cuda", marks=pytest.mark.cuda)])
 def backend(request) -> Backend:
     if request.param == "cuda":
         if not cuda_available():

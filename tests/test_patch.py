@@ -371,3 +371,14 @@ def test_patch_command_does_not_import_onnxruntime_even_when_blocked(tmp_path):
             f"rc = cli.main(['patch', 'check', '--ort-src', {str(src)!r}])\n"
             "print({'rc': rc, 'ort': 'onnxruntime' in sys.modules})\n")
     assert _python(code, repo) == {"rc": 1, "ort": False}
+
+
+def test_a_missing_file_is_missing_not_drifted(tmp_path, capsys):
+    src = make_tree(tmp_path, "1.24", git=False)
+    (src / CC).unlink()
+    before = snapshot(src)
+    for action in ("check", "apply", "revert"):
+        rc, out = ortcapture(capsys, action, "--ort-src", str(src))
+        assert rc == 2 and "missing" in out and "drifted" not in out, (action, out)
+        assert f"{CC} is missing from the tree" in out and "matches neither" not in out
+    assert snapshot(src) == before

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import re
+import shlex
 import threading
 import time
 import warnings
@@ -146,7 +148,10 @@ class BucketRunner:
         if feeds is None or names is None:
             return self._plain(output_names, input_feed, run_options, ort_values)
         sizes = self._request_sizes(feeds)
-        if sizes is None:
+        if sizes is None or 0 in sizes.values():
+            # an empty request (batch 0): what plain ORT does with it, always — padded into bucket 1 it came back
+            # empty where ORT raises (measured, WebGPU: Softmax "Invalid dispatch group size (0, 1, 1)"), and a
+            # fresh session's first probe raised ORT's error instead
             return self._plain(output_names, input_feed, run_options, ort_values)
         bucket = {d.label: d.bucket_for(sizes[d.label]) for d in self.dims}
         if any(b is None for b in bucket.values()):
@@ -420,7 +425,13 @@ class BucketRunner:
                                 "the uncaptured run of the unpadded request; where padding changes outputs the model "
                                 "is not padding-neutral for this dim: mask the padded positions, choose neutral "
                                 "pad_values=, or drop this bucket — see docs/BUCKETS.md; verify=False would return "
-                                "those outputs wrong)")
+                                "those outputs wrong)", doctor=self.doctor_command())
+
+    def doctor_command(self) -> str:
+        """The ``ortcapture doctor`` command line that reports these buckets' padding neutrality: ``--buckets
+        DIM=SIZES`` per bucketed dim (a dim_param, ``INPUT:AXIS``, or several joined by ``+``)."""
+        items = [re.sub(r"\[(\d+)\]", r":\1", d.label) + "=" + ",".join(map(str, d.sizes)) for d in self.dims]
+        return "ortcapture doctor MODEL " + " ".join(f"--buckets {shlex.quote(i)}" for i in items)
 
     def _most_padded(self, bucket: Mapping[str, int], sizes: Mapping[str, int]) -> dict[str, int]:
         """Per bucketed dim, the smallest request size ``bucket`` serves (one more than the next smaller bucket, or

@@ -153,7 +153,8 @@ def vary(feeds: Mapping[str, np.ndarray], keep: Sequence[str] = (), seed: int = 
 
 def verify(replay: Callable[[dict], Sequence[np.ndarray]], reference: Callable[[dict], Sequence[np.ndarray]],
            feeds: Mapping[str, np.ndarray], names: Sequence[str], *, level: str = "full",
-           rtol: float | None = None, keep: Sequence[str] = (), what: str = "the captured graph") -> Report:
+           rtol: float | None = None, keep: Sequence[str] = (), what: str = "the captured graph",
+           doctor: str = "ortcapture doctor MODEL") -> Report:
     """Run the check at ``level`` (see the module docstring); return its :class:`Report`.
 
     Args:
@@ -165,6 +166,7 @@ def verify(replay: Callable[[dict], Sequence[np.ndarray]], reference: Callable[[
         rtol: None for exact, else the relative tolerance of :func:`compare`.
         keep: inputs never varied (host-read inputs).
         what: the subject named in the error.
+        doctor: the ``doctor`` command line the error recommends (buckets: with ``--buckets SPEC``).
 
     Raises:
         VerificationError: outputs differ (named, with the input set and the error).
@@ -193,7 +195,7 @@ def verify(replay: Callable[[dict], Sequence[np.ndarray]], reference: Callable[[
                     "an output written only in part)." if label == "varied" else "")
             raise VerificationError(
                 f"{what}: output(s) {bad} differ from the reference run on the {label} inputs ({tol}): {detail}."
-                f"{hint} Run `ortcapture doctor MODEL` for the cause; verify=False skips this check.",
+                f"{hint} Run `{doctor}` for the cause; verify=False skips this check.",
                 bad, label, report)
     report.seconds = time.perf_counter() - t0
     return report

@@ -3,7 +3,7 @@
 It says so before anyone waits for a failed capture.
 
 ``ortcapture doctor MODEL.onnx [--provider auto|cuda|webgpu|none] [--shape NAME=1x3x320x320 ...]
-[--provider-option KEY=VALUE ...] [--json]``. ``--provider-option`` gives every session doctor creates the EP options
+[--provider-option KEY=VALUE ...] [--buckets DIM=1,2,4 ...] [--json]``. ``--provider-option`` gives every session doctor creates the EP options
 you will run with (validated as ``ortcapture bench`` validates them): they can change the verdict — measured on
 onnxruntime-gpu 1.31.1 (H200), the reference model with ``prefer_nhwc=1`` and its dims dynamic is refused capture
 by the CUDA EP ("all compute graph nodes have not been partitioned"), so it captures only via shape specialization.
@@ -60,6 +60,10 @@ without an adapter ends the process — else none):
   refusal is reported by its kind, with the fix: ``int64_as_int32`` (nodes named), ``partly_written_output``
   (outputs named), ``copy_only_kernel`` (nodes named), ``varied``/``example`` (outputs named).
 
+**padding neutrality** (``--buckets DIM=1,2,4``, :mod:`ortcapture.cli.doctor_buckets`): one bucket session capture
+per bucket, each verified on its most padded request against the unpadded uncaptured run; a bucket whose padding
+changes an output is an ``error`` naming the outputs (the model is then not capturable with those buckets).
+
 Verdict and exit code (:data:`EXIT_CODES`): 0 capturable (a real capture and replay succeeded), 1 not capturable
 (the capture attempt failed, or a static check found a blocker), 2 error (model unreadable, bad ``--shape`` or
 ``--provider-option``, requested provider missing, or onnxruntime-gpu's CUDA EP does not load — the report names the
@@ -79,6 +83,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Sequence
 
+from ortcapture.cli.doctor_buckets import padding_checks, parse_bucket_items
 from ortcapture.cli.doctor_live import (  # noqa: F401 - re-exported
     _EP_NAMES, RECORD_ASSIGNMENT_KEY, OrtLogCapture, _compare, choose_provider, dynamic_checks,
 )
@@ -116,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an execution provider option for every session doctor creates (repeatable), e.g. "
                         "prefer_nhwc=1; check with the options you will run")
+    p.add_argument("--buckets", action="append", default=[], metavar="DIM=1,2,4",
+                   help="check padding neutrality for these batch buckets (DIM: a dim_param or INPUT:AXIS; repeat "
+                        "per bucketed dim): one capture per bucket, each verified padded vs unpadded")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
@@ -124,10 +132,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # verdict and report
 # ---------------------------------------------------------------------------------------------------------------
 def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str] = (), progress=None,
-             option_items: Sequence[str] = ()) -> dict:
+             option_items: Sequence[str] = (), bucket_items: Sequence[str] = ()) -> dict:
     """Run the static checks, then (with a capture-capable EP) the dynamic ones; return the report (the object
     ``--json`` prints). ``option_items``: ``--provider-option`` strings (``KEY=VALUE``) for every session doctor
-    creates, validated by :func:`ortcapture._ort.providers.parse_provider_options`. Raises :class:`DoctorError`
+    creates, validated by :func:`ortcapture._ort.providers.parse_provider_options`. ``bucket_items``: ``--buckets``
+    strings: padding neutrality per bucket (:mod:`ortcapture.cli.doctor_buckets`). Raises :class:`DoctorError`
     (exit 2) for an unreadable model, a bad ``--shape`` or ``--provider-option``, or an unusable requested
     provider."""
     import onnx
@@ -154,6 +163,7 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     if not model.graph.output:
         raise DoctorError(f"{model_path} has no graph outputs: not a usable ONNX model")
     given = parse_shapes(shape_items)
+    bucket_spec = parse_bucket_items(bucket_items)
     findings = static_checks(model, given)
     dims = shapes.input_dims(model)
     try:
@@ -209,6 +219,8 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
                     f.severity = "warning" if f.severity == "error" else "info"
                     f.details["overruled_by_capture"] = True
                     f.message += " (yet the capture attempt succeeded and its replay matched: ORT copes here)"
+    if bucket_spec:
+        findings += _bucket_findings(model_path, model, chosen, capture, bucket_spec, example, ep_options, progress)
     errors = any(f.severity == "error" for f in findings)
     if broken:
         verdict, code, basis = "error", EXIT_ERROR, "the CUDA EP does not load"
@@ -244,6 +256,19 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         "capture": capture,
         "what_to_change": list(dict.fromkeys(fixes)),
     }
+
+
+def _bucket_findings(model_path, model, chosen, capture, spec, example, ep_options, progress) -> list[Finding]:
+    """``--buckets``: padding neutrality per bucket where the model captures here; one ``padding`` finding saying
+    why not otherwise."""
+    from ortcapture.cli.doctor_live import random_feeds
+
+    if chosen == "none" or capture.get("outcome") not in ("captured", "captured_specialized"):
+        why = "no capture-capable EP here" if chosen == "none" else "the model did not capture here (see above)"
+        return [Finding("padding", "info", f"--buckets: padding neutrality not checked: {why}")]
+    if progress:
+        progress(f"buckets: one capture per bucket of {spec}")
+    return padding_checks(model_path, chosen, spec, random_feeds(model, example, 2), ep_options)
 
 
 _OUTCOME_WORDS = {"captured": "captured directly", "captured_specialized": "captured via shape specialization",
@@ -295,7 +320,8 @@ def run(args) -> int:
         print(f"ortcapture doctor: {exc}", file=sys.stderr)
         return EXIT_ERROR
     try:
-        report = diagnose(args.model, args.provider, args.shape, progress, getattr(args, "provider_option", ()))
+        report = diagnose(args.model, args.provider, args.shape, progress, getattr(args, "provider_option", ()),
+                          getattr(args, "buckets", ()))
     except Exception as exc:  # noqa: BLE001 - DoctorError (the request) or anything unexpected: exit 2
         from ortcapture.cli import one_line
 

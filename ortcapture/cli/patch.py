@@ -17,9 +17,10 @@ Every hunk of every file is judged on its own (``git apply --check`` at the top 
 * ``contains the fix`` - every hunk's patched text is present (applied here, or the same text upstream);
 * ``applicable`` - every hunk's original text is present;
 * ``partial`` - some hunks patched, the others original (e.g. only the ``.h`` half of a patch);
-* ``drifted`` - some hunk matches neither text (e.g. a context line edited after applying).
+* ``drifted`` - some hunk matches neither text (e.g. a context line edited after applying);
+* ``missing`` - a file the patch changes is not in the tree (a wrong ``--ort-src``, a file moved upstream).
 
-Partial and drifted patches are refused, naming every file and hunk that is not in the patched state. Files with
+Partial, drifted and missing patches are refused, naming every file and hunk that is not in the patched state. Files with
 CRLF line endings (Windows checkouts) are matched with CRLF hunks and said so. Changes are all or none: nothing is
 written unless every pending patch checks cleanly, a tool failure midway restores the files it touched, and the
 result is judged again after writing. For release lines that took ORT #32317/#32315 upstream (1.30 and later, and
@@ -30,7 +31,7 @@ Exit codes:
 * 0 - ``check``: every patch contains the fix; ``apply``/``revert``: done, or nothing to do.
 * 1 - ``check`` only: patches are applicable (run ``apply``).
 * 2 - usage error or refusal: unknown series, no/unrecognised ``VERSION_NUMBER``, a partial or drifted patch
-  (named by file and hunk), upstream fixes missing on a 1.30+ tree, a missing tool, a tool failure.
+  or missing file (named by file and hunk), upstream fixes missing on a 1.30+ tree, a missing tool, a tool failure.
 
 Raises nothing to its caller: :class:`ortcapture.errors.PatchError` becomes the exit-2 message. This module never
 imports onnxruntime.
@@ -116,8 +117,8 @@ def _run(action: str, src: Path, series: str | None) -> int:
         print(f"  {name}: {s}")
     bad = [name for name, s in state.items() if s not in (FIXED, APPLICABLE)]
     if bad:
-        raise PatchError("refusing: these patches are partly applied or their files have changed; no file was "
-                         "changed.\n" + "\n".join(_explain(name, state[name], hunks[name]) for name in bad))
+        raise PatchError("refusing: these patches are partly applied, or their files have changed or are missing; "
+                         "no file was changed.\n" + "\n".join(_explain(name, state[name], hunks[name]) for name in bad))
     if action == "check":
         pending = [name for name, s in state.items() if s == APPLICABLE]
         if pending:
@@ -198,12 +199,18 @@ def _patch_state(hunks: list[HunkState]) -> str:
         return FIXED
     if states == {"original"}:
         return APPLICABLE
+    if "missing" in states:
+        return "missing"
     return "drifted" if "neither" in states else "partial"
 
 
 def _explain(name: str, state: str, hunks: list[HunkState]) -> str:
     lines = [f"  {name} ({state}):"]
+    for path in dict.fromkeys(h.path for h in hunks if h.state == "missing"):
+        lines.append(f"    {path} is missing from the tree")
     for h in hunks:
+        if h.state == "missing":
+            continue
         if h.state == "neither":
             lines.append(f"    {h.name()} matches neither the original nor the patched text")
         elif state == "partial":

@@ -43,7 +43,7 @@ class HunkState:
     path: str
     number: int  # 1-based, within its file
     head: str  # the hunk's ``@@ ... @@`` line
-    state: str  # "patched", "original" or "neither"
+    state: str  # "patched", "original", "neither" or "missing" (the file the hunk changes is not in the tree)
 
     def name(self) -> str:
         return f"{self.path}: hunk #{self.number} ({self.head})"
@@ -117,7 +117,10 @@ class Tool:
 
 
 def judge(tool: Tool, fp: FilePatch) -> list[HunkState]:
-    """The state of every hunk of ``fp`` in the tree, each hunk dry-run alone in both directions."""
+    """The state of every hunk of ``fp`` in the tree, each hunk dry-run alone in both directions; ``"missing"`` for
+    every hunk of a file the patch changes (not creates) that the tree does not have."""
+    if not fp.new_file and not (tool.src / fp.path).is_file():
+        return [HunkState(fp.path, number, hunk[0], "missing") for number, hunk in enumerate(fp.hunks, 1)]
     eol = line_ending(tool.src / fp.path)
     states = []
     for number, hunk in enumerate(fp.hunks, 1):
