@@ -300,9 +300,9 @@ class CapturedGraph:
         Raises:
             TransferError: an unknown input or a shape/dtype/device mismatch (before any buffer is touched); an
                 ``out`` array of the wrong type, shape or dtype, or read-only, or ``out`` with ``copy_outputs`` not
-                True (before anything is copied or run).
-            TypeError: ``copy_outputs`` is not True, False or ``"pinned"`` (a truthy or falsy value of another
-                type is no answer), before anything is copied or run.
+                True, or an unknown ``copy_outputs`` string (before anything is copied or run).
+            TypeError: ``copy_outputs`` is neither a bool nor a string (a truthy or falsy value of another type,
+                e.g. 1 or ``None``, is no answer), before anything is copied or run.
             GraphReleasedError: after ``release()``.
             StaleOutputError: a feed that is a ``copy_outputs=False`` output of another graph replayed meanwhile
                 (in another thread) while it was being copied; with several feeds, the ones copied before it are
@@ -408,9 +408,11 @@ class CapturedGraph:
     def _check_outputs_arg(self, copy_outputs, out):
         """Validate ``copy_outputs`` (not True/False) and ``out`` before anything runs; ``(mode, {position:
         array})``."""
-        if (copy_outputs is not True and copy_outputs is not False
-                and (type(copy_outputs) is not str or copy_outputs != "pinned")):  # 1, 0, "no", None, np.bool_
-            raise TypeError(f"copy_outputs must be True, False or 'pinned', got {copy_outputs!r}")
+        if copy_outputs is not True and copy_outputs is not False:
+            if type(copy_outputs) is not str:  # 1, 0, None, np.bool_: a truthy or falsy value is no answer
+                raise TypeError(f"copy_outputs must be True, False or 'pinned', got {copy_outputs!r}")
+            if copy_outputs != "pinned":
+                raise TransferError(f"copy_outputs must be True, False or 'pinned', got {copy_outputs!r}")
         if out is None:
             return copy_outputs, None
         if copy_outputs is not True:
