@@ -30,6 +30,7 @@ _EXPORTS = {
     "can_copy": "ortcapture.transfer", "copy": "ortcapture.transfer", "to_numpy": "ortcapture.transfer",
     "update_inplace": "ortcapture.transfer",
     "DEFAULT_RTOL": "ortcapture._verify.compare",
+    "pick_provider": "ortcapture._ort.providers",
 }
 #: public submodules, importable as attributes after a plain ``import ortcapture``
 _PUBLIC_MODULES = {"dropin", "errors", "graph", "session", "transfer", "webgpu", "serving", "cli"}

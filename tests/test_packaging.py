@@ -148,6 +148,12 @@ def test_the_wheel_ships_every_package_and_the_patches(tmp_path):
     assert not missing, f"packages missing from the wheel (add them to pyproject.toml's packages): {missing}"
     modules = {p.relative_to(ROOT).as_posix() for pkg in packages for p in pkg.glob("*.py")}
     assert modules <= names, sorted(modules - names)
+    # the serving subpackage (issue 29) and its extra
+    assert {"ortcapture/serving/__init__.py", "ortcapture/serving/deployment.py", "ortcapture/serving/protocol.py",
+            "ortcapture/cli/serve.py"} <= names
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+    assert "Provides-Extra: serve" in metadata
     assert "ortcapture/py.typed" in names
     patch_files = {"ortcapture/patches/" + p.relative_to(ROOT / "patches").as_posix()
                    for p in (ROOT / "patches").rglob("*") if p.is_file()}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with ortcapture (editable, extras test, bench, webgpu; docs in .venv), the pinned
-# onnxruntime and WebGPU plugin EP, and set up software WebGPU on machines without a GPU. Idempotent.
+# Create (or reuse) a virtual environment with ortcapture (editable, extras test, bench, webgpu; docs and serve-test
+# in .venv), the pinned onnxruntime and WebGPU plugin EP, and set up software WebGPU on machines without a GPU.
+# Idempotent.
 #
 # Usage: tools/bootstrap.sh [--ort VERSION] [--venv DIR] [--gpu-nocuda]
 #   --ort   onnxruntime version to install (default: the newest supported, 1.32.0)
@@ -71,7 +72,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     ort_req=""
   fi
   extras=test,bench,webgpu
-  if [ "$venv" = "$root/.venv" ]; then extras=$extras,docs; fi  # tools/test.sh builds the reference there only
+  # tools/test.sh builds the API reference there only; Ray Serve and tritonclient (the serving tests' server and
+  # client) are large and serving does not depend on the ORT version: the older venvs skip the serving tests
+  if [ "$venv" = "$root/.venv" ]; then extras=$extras,docs,serve-test; fi
   "$venv/bin/python" -m pip install -q --disable-pip-version-check $ort_req \
     "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root[$extras]" >&2
   # a library that builds its own ORT sessions, for the patch_onnxruntime example; its onnxruntime requirement is

@@ -34,6 +34,13 @@ for v in $versions; do
     if [ -n "$once" ]; then export ORTCAPTURE_NOCUDA_VENV=$once ORTCAPTURE_PIP_RESOLVE=1; fi
     # WebGPU must really run here: a missing adapter fails the WebGPU tests instead of skipping them.
     export ORTCAPTURE_REQUIRE_WEBGPU=${ORTCAPTURE_REQUIRE_WEBGPU:-1}
+    # The serving tests (Ray Serve + tritonclient, installed for the newest ORT only) must really run there: a
+    # missing ray fails them instead of skipping them; the older venvs skip them.
+    if [ "$v" = "$(sed -n 's/^NEWEST_ORT=//p' tools/bootstrap.sh)" ]; then
+      export ORTCAPTURE_REQUIRE_SERVE=${ORTCAPTURE_REQUIRE_SERVE:-1}
+    else
+      export ORTCAPTURE_REQUIRE_SERVE=0
+    fi
     "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
   ) || status=1
 done

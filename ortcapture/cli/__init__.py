@@ -1,4 +1,4 @@
-"""The ``ortcapture`` command: ``demo``, ``bench``, ``doctor``, ``patch``, ``selftest``.
+"""The ``ortcapture`` command: ``demo``, ``bench``, ``doctor``, ``patch``, ``selftest``, ``serve``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up. No subcommand module imports onnxruntime at import time, so ``--help`` always works; ``patch``
@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "doctor": ("ortcapture.cli.doctor", "say whether (and why not) a model can be captured"),
     "patch": ("ortcapture.cli.patch", "check/apply/revert ortcapture's patches on an ORT source tree"),
     "selftest": ("ortcapture.cli.selftest", "check that the installed ORT build carries the patched fixes"),
+    "serve": ("ortcapture.cli.serve", "serve a model's captured graphs over HTTP (Open Inference Protocol, Ray Serve)"),
 }
 #: subcommands that run without onnxruntime
 WITHOUT_ORT = {"patch"}

@@ -1,0 +1,100 @@
+"""``ortcapture serve MODEL``: serve a model's captured graphs over HTTP (the Open Inference Protocol, KServe v2).
+
+Starts a new local Ray cluster (or joins ``--address``), Ray Serve's HTTP proxy on ``--host:--port``, an ingress and
+``--replicas`` model replicas (one session each, every bucket warmed up and captured once); prints the URL once the
+replicas are warm; serves until SIGINT or SIGTERM, then shuts down gracefully (requests in flight finish, graphs are
+released) and exits 0. A bad argument or a model that cannot be served: one line, exit 2. Needs
+``pip install 'ortcapture[serve]'`` (Ray Serve). See docs/SERVING.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model file with a dynamic batch (first) dim")
+    p.add_argument("--name", help="model name in the URLs (default: the file stem)")
+    p.add_argument("--buckets", default="1,2,4,8", help="batch sizes with a captured graph each (default 1,2,4,8)")
+    p.add_argument("--provider", default="auto", choices=["auto", "cuda", "webgpu", "cpu"],
+                   help="auto: CUDA if onnxruntime-gpu has it, else WebGPU; cpu: the CPU EP without capture "
+                        "(a baseline)")
+    p.add_argument("--replicas", type=int, default=1, help="model replicas, one session each (default 1)")
+    p.add_argument("--gpus-per-replica", type=float, default=None,
+                   help="Ray GPUs per replica (default 1 for cuda, 0 otherwise; 0.5 puts two on one GPU)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="rows per batch (default: the largest bucket)")
+    p.add_argument("--batch-wait-ms", type=float, default=2.0,
+                   help="how long a batch waits for more requests after its first (default 2 ms)")
+    p.add_argument("--max-concurrent-batches", type=int, default=1, help="batches in flight per replica (default 1)")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                   help="fix another dynamic input dim, e.g. --dim height=320 --dim width=320")
+    p.add_argument("--max-body-mib", type=float, default=64.0, help="request body cap in MiB (default 64)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--address", default=None,
+                   help="join this running Ray cluster (default: start a new local one, never attach by accident)")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the new local Ray cluster (default: all)")
+    p.add_argument("--graceful-shutdown-s", type=float, default=10.0,
+                   help="how long stopping replicas let requests in flight finish (default 10 s)")
+
+
+def options_from(args):
+    """:class:`ortcapture.serving.config.ServeOptions` (checked) from parsed arguments; raises ``CaptureError``."""
+    from ortcapture.cli.options import parse_key_values
+    from ortcapture.errors import CaptureError
+    from ortcapture.serving.config import ServeOptions
+
+    dims = {}
+    for k, v in parse_key_values(args.dim, "--dim", "height=320").items():
+        try:
+            dims[k] = int(v)
+        except ValueError:
+            raise CaptureError(f"--dim {k}={v}: SIZE must be an int >= 1") from None
+    if not 0 < args.max_body_mib <= 1 << 20:
+        raise CaptureError(f"--max-body-mib must be in (0, 1048576], got {args.max_body_mib}")
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise CaptureError(f"--num-cpus must be >= 1, got {args.num_cpus}")
+    return ServeOptions(
+        model=args.model, name=args.name, buckets=args.buckets, provider=args.provider, replicas=args.replicas,
+        gpus_per_replica=args.gpus_per_replica, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
+        max_concurrent_batches=args.max_concurrent_batches, host=args.host, port=args.port, address=args.address,
+        dims=dims, max_body_bytes=int(args.max_body_mib * 1024 * 1024),
+        graceful_shutdown_s=args.graceful_shutdown_s).checked()
+
+
+def _say(msg: str) -> None:
+    print(f"ortcapture serve: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from ortcapture.cli import pick_provider
+    from ortcapture.errors import CaptureError
+    from ortcapture.serving import config
+
+    options = options_from(args)
+    config.model_layout(options)  # the model's layout is servable: checked before Ray starts
+    try:
+        import ray  # noqa: F401 - only to say what is missing
+        from ray import serve  # noqa: F401
+    except ModuleNotFoundError:
+        raise CaptureError("serving needs Ray Serve: pip install 'ortcapture[serve]'") from None
+    if options.provider in ("auto", "cuda", "webgpu"):
+        if options.provider != "cuda":
+            _say(f"choosing the provider ({options.provider}; WebGPU is probed in a child process)")
+        provider = pick_provider(options.provider)
+    else:
+        provider = "cpu"
+    from ortcapture.serving import deployment
+
+    def ready(url: str) -> None:
+        print(f"ortcapture serve: {options.name} on {provider} ({options.replicas} replica(s), buckets "
+              f"{list(options.buckets)}) at {url}/v2/models/{options.name}", file=sys.stderr, flush=True)
+        print(url, flush=True)
+
+    ray_init = {"num_cpus": args.num_cpus} if args.num_cpus and not options.address else None
+    try:
+        return deployment.serve(options=dataclasses.replace(options, provider=provider), on_ready=ready,
+                                on_status=_say, ray_init=ray_init)
+    except deployment.ServeFailed as exc:
+        raise CaptureError(f"cannot serve {options.model}: {exc}") from None

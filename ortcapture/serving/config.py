@@ -1,0 +1,277 @@
+"""What ``ortcapture serve`` and :func:`ortcapture.serving.build_app` take, checked before anything starts (no Ray).
+
+:class:`ServeOptions` holds every option; :meth:`ServeOptions.checked` resolves the defaults (name from the file
+stem, GPUs per replica from the provider, max batch size from the buckets) and refuses bad values with one clear
+:class:`~ortcapture.errors.CaptureError` each. :func:`model_spec` reads the model's inputs and outputs with onnx (no
+session, no device) so the HTTP ingress can answer metadata before any replica is warm.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ortcapture.errors import CaptureError
+from ortcapture.serving.protocol import DEFAULT_MAX_BODY_BYTES, ModelSpec, TensorSpec
+
+PROVIDERS = ("auto", "cuda", "webgpu", "cpu")
+#: environment variables replicas get through ``runtime_env`` when set in the driver (workers that join a cluster
+#: do not inherit the driver's environment): the software WebGPU adapter, ortcapture's cache and switches, CUDA's
+ENV_PASSED = ("VK_ICD_FILENAMES", "VK_DRIVER_FILES", "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "ORTCAPTURE_CACHE",
+              "ORTCAPTURE_DEBUG", "ORTCAPTURE_COPY_BACKEND", "XDG_RUNTIME_DIR", "LD_LIBRARY_PATH",
+              "CUDA_MODULE_LOADING", "MESA_SHADER_CACHE_DIR")
+#: server-side arms for benchmarks: ``ortcapture`` (buckets, captured graphs), ``plain`` (ORT's plain run of each
+#: batch), ``padded`` (plain run, every batch padded to the largest bucket), ``noop`` (no model run: Ray's ceiling)
+ARMS = ("ortcapture", "plain", "padded", "noop")
+
+
+@dataclass
+class ServeOptions:
+    """Options of a served model (``ortcapture serve --help`` says the same).
+
+    Attributes:
+        model: path of the ONNX model (readable on every node that runs a replica).
+        name: the model's name in the URLs; default the file stem.
+        buckets: batch sizes with a captured graph each, ascending (default ``[1, 2, 4, 8]``).
+        provider: ``auto`` (CUDA when onnxruntime-gpu offers it, else WebGPU when it captures here), ``cuda``,
+            ``webgpu``, or ``cpu`` (the CPU EP without capture: a baseline; requests are still batched).
+        replicas: model replicas (one session each).
+        gpus_per_replica: Ray's ``num_gpus`` per replica; default 1 for CUDA, 0 otherwise (Ray sets
+            ``CUDA_VISIBLE_DEVICES``; 0.5 puts two replicas on one GPU).
+        cpus_per_replica: Ray's ``num_cpus`` per replica (default 1).
+        max_batch_size: rows one batch may hold; default the largest bucket (larger batches run uncaptured).
+        batch_wait_ms: how long a batch waits for more requests after its first (milliseconds).
+        max_concurrent_batches: batches in flight per replica (the next forms while the device works).
+        host / port: where HTTP listens (default 127.0.0.1:8000).
+        address: a running Ray cluster to join (``ray.init(address=...)``); default ``None``: start a new local
+            one, never attach to one by accident.
+        dims: ``{dim_param: size}`` fixing the model's other dynamic dims (e.g. ``{"height": 320, "width": 320}``).
+        max_body_bytes: the request body cap (bytes, after decompression); past it: 413.
+        graceful_shutdown_s: how long a stopping replica lets requests in flight finish.
+        env: extra environment variables for the replicas (added to those of :data:`ENV_PASSED` set here).
+        arm: what the replicas run (:data:`ARMS`; benchmarks).
+        app_name: the Ray Serve application name (default ``ortcapture-<name>``).
+    """
+
+    model: str
+    name: str | None = None
+    buckets: Sequence[int] = (1, 2, 4, 8)
+    provider: str = "auto"
+    replicas: int = 1
+    gpus_per_replica: float | None = None
+    cpus_per_replica: float = 1.0
+    max_batch_size: int | None = None
+    batch_wait_ms: float = 2.0
+    max_concurrent_batches: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    address: str | None = None
+    dims: Mapping[str, int] = field(default_factory=dict)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    graceful_shutdown_s: float = 10.0
+    env: Mapping[str, str] = field(default_factory=dict)
+    arm: str = "ortcapture"
+    app_name: str | None = None
+
+    def checked(self) -> "ServeOptions":
+        """A copy with defaults resolved (``provider`` stays as given; resolve ``auto`` with
+        :func:`ortcapture.pick_provider` before starting replicas).
+
+        Raises:
+            CaptureError: a missing/empty model file; a name the URL cannot carry; buckets not ascending ints >= 1;
+                an unknown provider or arm; replicas < 1; negative GPUs or CPUs; max batch size < 1; negative waits;
+                a port outside 1..65535; a bad dims entry or body cap.
+        """
+        o = dataclasses.replace(self)
+        path = Path(str(o.model))
+        if path.is_dir() or not path.is_file():
+            raise CaptureError(f"no such model file: {o.model}" if not path.exists() else
+                               f"{o.model} is not a regular file; give the path of an .onnx model")
+        if path.stat().st_size == 0:
+            raise CaptureError(f"{o.model} is empty (0 bytes), not an ONNX model")
+        o.model = str(path)
+        o.name = path.stem if o.name is None else o.name
+        if not isinstance(o.name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", o.name):
+            raise CaptureError(f"--name {o.name!r}: use 1-128 letters, digits, '_', '.', '-' (it goes into URLs)")
+        o.buckets = check_buckets(o.buckets)
+        if o.provider not in PROVIDERS:
+            raise CaptureError(f"--provider {o.provider!r}: one of {', '.join(PROVIDERS)}")
+        if o.arm not in ARMS:
+            raise CaptureError(f"arm {o.arm!r}: one of {ARMS}")
+        if _not_int(o.replicas) or o.replicas < 1:
+            raise CaptureError(f"--replicas must be an int >= 1, got {o.replicas!r}")
+        for what, v in (("--gpus-per-replica", o.gpus_per_replica), ("cpus_per_replica", o.cpus_per_replica)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6):
+                raise CaptureError(f"{what} must be a number >= 0, got {v!r}")
+        if o.max_batch_size is None:
+            o.max_batch_size = o.buckets[-1]
+        if _not_int(o.max_batch_size) or o.max_batch_size < 1:
+            raise CaptureError(f"--max-batch-size must be an int >= 1, got {o.max_batch_size!r}")
+        if isinstance(o.batch_wait_ms, bool) or not isinstance(o.batch_wait_ms, (int, float)) or \
+                not 0 <= o.batch_wait_ms <= 60_000:
+            raise CaptureError(f"--batch-wait-ms must be a number in 0..60000, got {o.batch_wait_ms!r}")
+        if _not_int(o.max_concurrent_batches) or o.max_concurrent_batches < 1:
+            raise CaptureError(f"max_concurrent_batches must be an int >= 1, got {o.max_concurrent_batches!r}")
+        if _not_int(o.port) or not 1 <= o.port <= 65535:
+            raise CaptureError(f"--port must be in 1..65535, got {o.port!r}")
+        if not isinstance(o.host, str) or not o.host:
+            raise CaptureError(f"--host must be a host name or address, got {o.host!r}")
+        if _not_int(o.max_body_bytes) or o.max_body_bytes < 1024:
+            raise CaptureError(f"the body cap must be an int >= 1024 bytes, got {o.max_body_bytes!r}")
+        if isinstance(o.graceful_shutdown_s, bool) or not isinstance(o.graceful_shutdown_s, (int, float)) or \
+                o.graceful_shutdown_s < 0:
+            raise CaptureError(f"graceful_shutdown_s must be a number >= 0, got {o.graceful_shutdown_s!r}")
+        dims = {}
+        for k, v in dict(o.dims).items():
+            if not isinstance(k, str) or _not_int(v) or v < 1:
+                raise CaptureError(f"--dim {k}={v}: give DIM_PARAM=SIZE with SIZE an int >= 1")
+            dims[k] = int(v)
+        o.dims = dims
+        o.env = {str(k): str(v) for k, v in dict(o.env).items()}
+        o.app_name = o.app_name or f"ortcapture-{o.name}"
+        return o
+
+    def replica_env(self) -> dict[str, str]:
+        """The ``runtime_env`` environment of the replicas: :data:`ENV_PASSED` as set here, plus :attr:`env`."""
+        env = {k: os.environ[k] for k in ENV_PASSED if os.environ.get(k)}
+        env.update(self.env)
+        return env
+
+    def gpus(self, provider: str) -> float:
+        """GPUs per replica for the resolved ``provider``: the option, else 1 for CUDA, 0 otherwise."""
+        if self.gpus_per_replica is not None:
+            return float(self.gpus_per_replica)
+        return 1.0 if provider == "cuda" else 0.0
+
+
+def _not_int(v) -> bool:
+    return isinstance(v, bool) or not isinstance(v, (int, np.integer))
+
+
+def check_buckets(buckets) -> tuple[int, ...]:
+    """``buckets`` (ints, or a comma-separated string ``"1,2,4,8"``) as an ascending tuple of distinct ints >= 1.
+    Raises :class:`CaptureError` otherwise."""
+    if isinstance(buckets, str):
+        try:
+            buckets = [int(b) for b in buckets.split(",") if b.strip()]
+        except ValueError:
+            raise CaptureError(f"--buckets {buckets!r}: comma-separated ints, e.g. 1,2,4,8") from None
+    try:
+        sizes = tuple(buckets)
+    except TypeError:
+        raise CaptureError(f"buckets must be a list of ints, got {buckets!r}") from None
+    if not sizes or any(_not_int(b) or b < 1 for b in sizes) or list(sizes) != sorted(set(sizes)):
+        raise CaptureError(f"--buckets {list(sizes)}: distinct ascending ints >= 1, e.g. 1,2,4,8")
+    return tuple(int(b) for b in sizes)
+
+
+def _dims(vi) -> list:
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        return []
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+
+
+def _np_dtype(elem: int, where: str) -> np.dtype:
+    import onnx
+
+    if elem == onnx.TensorProto.BFLOAT16:
+        try:
+            import ml_dtypes
+        except ModuleNotFoundError:
+            raise CaptureError(f"{where} is bfloat16: install ml_dtypes (pip install 'ortcapture[bf16]')") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    except Exception:  # noqa: BLE001 - onnx raises KeyError/ValueError for types numpy has no dtype for
+        dt = None
+    if dt is None or dt.kind not in "biuf":
+        raise CaptureError(f"{where} is ONNX type {onnx.TensorProto.DataType.Name(elem)}, not a numeric tensor the "
+                           "Open Inference Protocol can carry here")
+    return dt
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The served model as read from the file: ``spec`` (:class:`~ortcapture.serving.protocol.ModelSpec`),
+    ``bucket_key`` (what ``InferenceSession(buckets={key: sizes})`` takes: the batch dim's ``dim_param``, or
+    ``(input, 0)`` sites), and ``example`` shapes ``{input: shape}`` at batch 1."""
+
+    spec: ModelSpec
+    bucket_key: Any
+    example: dict
+
+
+def model_layout(options: ServeOptions) -> ModelLayout:
+    """Read ``options.model`` (checked options) with onnx: the batch dim is axis 0 of every input whose axis 0 is
+    dynamic; every other dynamic input dim must be fixed by ``options.dims``.
+
+    Raises:
+        CaptureError: not an ONNX model; no input with a dynamic axis 0; inputs whose dynamic axis 0 carry different
+            dim names; another dynamic input dim not in ``dims`` (named: ``--dim NAME=SIZE``) or unnamed; a ``dims``
+            name the model does not have; a non-numeric input or output.
+    """
+    import onnx
+
+    try:
+        model = onnx.load(options.model, load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf decode errors
+        raise CaptureError(f"cannot read {options.model} as an ONNX model: {type(exc).__name__}: {exc}") from None
+    inits = {i.name for i in model.graph.initializer}
+    ins = [vi for vi in model.graph.input if vi.name not in inits]
+    if not ins:
+        raise CaptureError(f"{options.model} has no inputs to serve")
+    names = {d for vi in ins for d in _dims(vi) if isinstance(d, str)}
+    unknown = sorted(set(options.dims) - names)
+    if unknown:
+        raise CaptureError(f"--dim {unknown[0]}: the model has no input dim named so (its dims: {sorted(names)})")
+    batch_names, sites = [], []
+    for vi in ins:
+        ds = _dims(vi)
+        if ds and not isinstance(ds[0], int) and ds[0] not in options.dims:
+            if ds[0] is None:
+                sites.append((vi.name, 0))
+            elif ds[0] not in batch_names:
+                batch_names.append(ds[0])
+    if not batch_names and not sites:
+        raise CaptureError(f"{options.model}: no input has a dynamic first (batch) dim; nothing to batch")
+    if len(batch_names) > 1:
+        raise CaptureError(f"{options.model}: the inputs' batch dims have different names {batch_names}; serving "
+                           "batches along one dim")
+    parts = batch_names + sites
+    bucket_key = parts[0] if len(parts) == 1 else tuple(parts)
+    batch_axes, inputs, example = {}, [], {}
+    for vi in ins:
+        ds = _dims(vi)
+        is_batch = bool(ds) and not isinstance(ds[0], int) and ds[0] not in options.dims
+        shape = []
+        for ax, d in enumerate(ds):
+            if ax == 0 and is_batch:
+                shape.append(-1)
+            elif isinstance(d, int):
+                shape.append(d)
+            elif d in options.dims:
+                shape.append(options.dims[d])
+            else:
+                raise CaptureError(f"input {vi.name!r} axis {ax} is dynamic ({d or 'unnamed'}) and not the batch dim: "
+                                   + (f"fix it with --dim {d}=SIZE" if d else "give it a fixed size in the model "
+                                      "(onnxruntime.tools.make_dynamic_shape_fixed)"))
+        if is_batch:
+            batch_axes[vi.name] = 0
+        dtype = _np_dtype(vi.type.tensor_type.elem_type, f"input {vi.name!r}")
+        inputs.append(TensorSpec(vi.name, dtype, tuple(shape)))
+        example[vi.name] = tuple(1 if d == -1 else d for d in shape)
+    outputs = []
+    for vi in model.graph.output:
+        ds = _dims(vi)
+        shape = tuple(d if isinstance(d, int) else options.dims.get(d, -1) if isinstance(d, str) else -1
+                      for d in ds)
+        outputs.append(TensorSpec(vi.name, _np_dtype(vi.type.tensor_type.elem_type, f"output {vi.name!r}"), shape))
+    spec = ModelSpec(name=options.name, inputs=tuple(inputs), outputs=tuple(outputs), batch_axes=batch_axes,
+                     max_rows=int(options.max_batch_size), max_body_bytes=int(options.max_body_bytes))
+    return ModelLayout(spec, bucket_key, example)

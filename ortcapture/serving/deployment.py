@@ -1,0 +1,413 @@
+"""Ray Serve deployments: model replicas on captured graphs, and an Open Inference Protocol HTTP ingress.
+
+``build_app(options, provider)`` returns a Ray Serve application of two deployments:
+
+* ``Model`` — ``options.replicas`` replicas, each one :class:`ortcapture.serving.replica.ReplicaCore` (one session
+  with ``buckets=`` and ``replay_thread=True``, every bucket warmed up in the constructor, one graph per bucket
+  asserted). Requests are checked alone (:meth:`BatchRunner.rows`: a bad one is a 400 before it enters the batch
+  queue — Serve itself would raise a bare ``RuntimeError``, a 500, for an item past ``max_batch_size``), then
+  batched by ``@ray_serve.batch`` with ``max_batch_size`` = the largest bucket and a ``batch_size_fn`` that counts rows;
+  ``max_ongoing_requests`` is raised to fit (its default 5 would silently cap batches at 5). A batch runs on a
+  worker thread that hands the replay to the session's own thread, so the replica's event loop keeps forming the
+  next batch meanwhile. GPUs per replica: 1 for CUDA, 0 otherwise (Ray sets ``CUDA_VISIBLE_DEVICES``).
+  ``check_health()`` replays the smallest bucket and checks its answer; shutting down lets requests in flight finish
+  (``graceful_shutdown_s``) and releases the graphs. Per-replica metrics go through ``ray.serve.metrics``; every
+  second each replica also pushes its counters to the ingress for ``/stats``.
+* ``Ingress`` — one replica, no GPU, up before the model replicas are warm: the routes of
+  :mod:`ortcapture.serving.routes` (readiness 503 until a model replica runs, 200 after).
+
+The environment the replicas need (the software WebGPU adapter, ortcapture's cache, ...; see
+:data:`ortcapture.serving.config.ENV_PASSED`) goes through ``runtime_env``: workers that join a cluster do not
+inherit the driver's environment. This module imports Ray; ``import ortcapture.serving`` does not.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import ray
+from ray import serve as ray_serve
+
+from ortcapture.serving.batch import RequestError
+from ortcapture.serving.config import ServeOptions, model_layout
+from ortcapture.serving.protocol import ProtocolError
+from ortcapture.serving.replica import ReplicaCore
+from ortcapture.serving.routes import Router
+
+MODEL_DEPLOYMENT = "Model"
+INGRESS_DEPLOYMENT = "Ingress"
+#: seconds between a replica's pushes of its counters to the ingress
+REPORT_EVERY_S = 1.0
+#: seconds the ingress waits for a model replica's answer before a 503
+REQUEST_TIMEOUT_S = 120.0
+
+
+def _batch_rows(items) -> int:
+    """``batch_size_fn``: a batch's rows (each item is ``(rows, enqueued_ns, feeds)``)."""
+    return sum(item[0] for item in items)
+
+
+class ModelReplica:
+    """The ``Model`` deployment's class (see the module docstring). Args: checked ``options`` and the resolved
+    ``provider``."""
+
+    def __init__(self, options: ServeOptions, provider: str, ingress_app: str | None = None):
+        self.options = options
+        self.core = ReplicaCore(options, provider)
+        self._pool = ThreadPoolExecutor(options.max_concurrent_batches, "ortcapture-batch")
+        self._batched = ray_serve.batch(max_batch_size=options.max_batch_size,
+                                    batch_wait_timeout_s=options.batch_wait_ms / 1000.0,
+                                    max_concurrent_batches=options.max_concurrent_batches,
+                                    batch_size_fn=_batch_rows)(self._run_batch)
+        ctx = ray_serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self._app = ingress_app or ctx.app_name  # where the ingress runs
+        self._reporter: asyncio.Task | None = None
+        self._ingress = None
+        self._metrics = _Metrics(options.name)
+        self._metrics.graphs(self.core)
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    async def infer(self, feeds: dict) -> dict:
+        """One request: ``{"outputs": {name: array}}`` or ``{"error": message, "status": 400}`` (a bad request,
+        refused before it enters the batch queue) / ``500`` (the run failed)."""
+        self._start_reporter()
+        try:
+            rows = self.core.rows(feeds)
+        except RequestError as exc:
+            self._metrics.requests("bad")
+            return {"error": str(exc), "status": 400}
+        return await self._batched((rows, time.perf_counter_ns(), feeds))
+
+    async def _run_batch(self, items: list) -> list:
+        now = time.perf_counter_ns()
+        feeds = [f for _, _, f in items]
+        queued = [now - t for _, t, _ in items]
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(self._pool, self.core.run, feeds, queued)
+        self._metrics.batch(_batch_rows(items), results)
+        out = []
+        for r in results:
+            if isinstance(r, RequestError):
+                out.append({"error": str(r), "status": 400})
+            elif isinstance(r, Exception):
+                out.append({"error": f"the model failed on this batch: {type(r).__name__}: {r}", "status": 500})
+            else:
+                out.append({"outputs": r})
+        return out
+
+    async def stats(self) -> dict:
+        """This replica's report (:meth:`ReplicaCore.report`) with its replica id."""
+        return {"replica": self.replica_id, **self.core.report()}
+
+    async def check_health(self) -> None:
+        """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the
+        replica unhealthy and Ray replaces it)."""
+        self._start_reporter()
+        await asyncio.get_running_loop().run_in_executor(None, self.core.check_health)
+
+    # -- reports ------------------------------------------------------------------------------------------------
+    def _start_reporter(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                if self._ingress is None:
+                    self._ingress = ray_serve.get_deployment_handle(INGRESS_DEPLOYMENT, self._app)
+                await self._ingress.report.remote(self.replica_id, self.core.report())
+                self._metrics.graphs(self.core)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the ingress restarts or is not up yet: push again later
+                pass
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    def __del__(self):
+        """Graceful shutdown (Serve calls this after requests in flight finished): release the graphs."""
+        task = getattr(self, "_reporter", None)
+        if task is not None:
+            task.cancel()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.close()
+
+
+class _Metrics:
+    """Per-replica metrics through ``ray.serve.metrics`` (Ray adds the deployment, replica and application tags)."""
+
+    def __init__(self, model: str):
+        from ray.serve import metrics
+
+        self.tags = {"model": model}
+        self._requests = metrics.Counter("ortcapture_requests", "requests by outcome (ok, bad, failed)",
+                                         tag_keys=("model", "outcome"))
+        self._rows = metrics.Histogram("ortcapture_batch_rows", "rows per batch run",
+                                       boundaries=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64], tag_keys=("model",))
+        self._graphs = metrics.Gauge("ortcapture_graphs_captured", "graphs captured on this replica",
+                                     tag_keys=("model",))
+        self._uncaptured = metrics.Gauge("ortcapture_uncaptured_runs", "runs not served by a captured graph",
+                                         tag_keys=("model",))
+        self._waste = metrics.Gauge("ortcapture_padding_waste", "padded rows / rows replayed", tag_keys=("model",))
+
+    def requests(self, outcome: str, n: int = 1) -> None:
+        self._requests.inc(n, tags={**self.tags, "outcome": outcome})
+
+    def batch(self, rows: int, results) -> None:
+        self._rows.observe(rows, tags=self.tags)
+        bad = sum(isinstance(r, Exception) for r in results)
+        if len(results) - bad:
+            self.requests("ok", len(results) - bad)
+        if bad:
+            self.requests("failed", bad)
+
+    def graphs(self, core: ReplicaCore) -> None:
+        if core.session is None:
+            return
+        s = core.bucket_stats()
+        self._graphs.set(s["captured"], tags=self.tags)
+        self._uncaptured.set(s["uncaptured"], tags=self.tags)
+        self._waste.set(s["padding_waste"], tags=self.tags)
+
+
+class IngressReplica:
+    """The ``Ingress`` deployment's class: the Open Inference Protocol over HTTP in front of ``model`` (a handle
+    to the ``Model`` deployment), or, with ``model=None``, of the ``Model`` deployment of application
+    ``model_app`` (looked up once it runs)."""
+
+    def __init__(self, options: ServeOptions, model=None, model_app: str | None = None):
+        import ortcapture
+
+        self.spec = model_layout(options).spec
+        self.model = model
+        self._app = model_app or ray_serve.get_replica_context().app_name  # where the model runs
+        self._ready_at = 0.0
+        self._ready = False
+        self._ready_lock = asyncio.Lock()
+        self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__)
+
+    async def __call__(self, request):
+        from starlette.responses import Response
+
+        headers = {k.lower(): v for k, v in request.headers.items()}
+
+        async def read_body(cap: int) -> bytes:
+            chunks, n = [], 0
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > cap:
+                    raise ProtocolError(f"request body is past the cap of {cap} bytes", 413)
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        res = await self.router.handle(request.method, request.url.path, headers, read_body)
+        return Response(res.body, status_code=res.status, headers=res.headers)
+
+    async def report(self, replica: str, data: dict) -> None:
+        """A model replica's counters, shown under ``/stats``."""
+        self.router.report(replica, data)
+
+    async def ready(self) -> bool:
+        """Whether a ``Model`` replica is running (warm), asked of the Serve controller: a yes is trusted for 0.5 s,
+        a no is asked again (at most every 50 ms)."""
+        asked = self._ready_at
+        if self._ready and time.monotonic() - asked < 0.5:
+            return True
+        async with self._ready_lock:
+            if self._ready_at == asked or time.monotonic() - self._ready_at > 0.05:
+                try:
+                    self._ready = await asyncio.get_running_loop().run_in_executor(None, _model_running, self._app)
+                except Exception:  # noqa: BLE001 - the controller is busy: keep the last answer
+                    pass
+                self._ready_at = time.monotonic()
+        return self._ready
+
+    async def infer(self, feeds: dict) -> dict:
+        if self.model is None:
+            self.model = ray_serve.get_deployment_handle(MODEL_DEPLOYMENT, self._app)
+        try:
+            return await asyncio.wait_for(self.model.infer.remote(feeds), REQUEST_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return {"error": f"no model replica answered within {REQUEST_TIMEOUT_S:.0f} s", "status": 503}
+        except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
+            return {"error": f"no model replica could run the request: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:300] if str(exc) else ''}", "status": 503}
+
+
+def _model_running(app: str) -> bool:
+    status = ray_serve.status().applications.get(app)
+    if status is None:
+        return False
+    dep = status.deployments.get(MODEL_DEPLOYMENT)
+    if dep is None:
+        return False
+    return any(str(getattr(k, "value", k)) == "RUNNING" and n > 0 for k, n in dep.replica_states.items())
+
+
+def build_app(options: ServeOptions, provider: str):
+    """The Ray Serve application for checked ``options`` and a resolved ``provider`` (``cuda``, ``webgpu``,
+    ``cpu``): ``serve.run(build_app(...))``, or compose it into your own application.
+
+    Raises:
+        CaptureError: what :func:`ortcapture.serving.config.model_layout` refuses (checked here, in the driver).
+    """
+    model_layout(options)  # refuse an unservable layout before any replica starts
+    model, ingress = _deployments(options, provider)
+    return ingress.bind(options, model.bind(options, provider))
+
+
+def _deployments(options: ServeOptions, provider: str):
+    env = options.replica_env()
+    runtime_env = {"env_vars": env} if env else {}
+    model = ray_serve.deployment(
+        ModelReplica, name=MODEL_DEPLOYMENT, num_replicas=options.replicas,
+        ray_actor_options={"num_gpus": options.gpus(provider), "num_cpus": options.cpus_per_replica,
+                           "runtime_env": runtime_env},
+        max_ongoing_requests=max(options.max_batch_size * (options.max_concurrent_batches + 1), 16),
+        graceful_shutdown_timeout_s=options.graceful_shutdown_s, graceful_shutdown_wait_loop_s=0.2,
+        health_check_period_s=5.0, health_check_timeout_s=60.0)
+    ingress = ray_serve.deployment(
+        IngressReplica, name=INGRESS_DEPLOYMENT, num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env}, max_ongoing_requests=1024,
+        graceful_shutdown_timeout_s=options.graceful_shutdown_s, graceful_shutdown_wait_loop_s=0.2)
+    return model, ingress
+
+
+def model_app_name(options: ServeOptions) -> str:
+    """The application :func:`start` runs the model replicas in (the ingress runs in ``options.app_name``)."""
+    return f"{options.app_name}-model"
+
+
+class ServeFailed(RuntimeError):
+    """The model's deployment failed (its replicas could not start): the message is Serve's reason."""
+
+
+def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
+          on_status: Callable[[str], None] | None = None, startup_timeout_s: float = 900.0) -> str:
+    """Start Ray (a new local cluster, or join ``options.address``), Serve's HTTP proxy on ``host:port`` and the
+    application; return the base URL once the model replicas are warm.
+
+    Raises:
+        ServeFailed: a replica's constructor failed (unservable model: Serve's message, last line first), or the
+            replicas were not warm within ``startup_timeout_s``.
+    """
+    say = on_status or (lambda msg: None)
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        if options.address:
+            kwargs["address"] = options.address
+        else:  # a new local cluster, never RAY_ADDRESS's
+            need = options.replicas * options.cpus_per_replica + 1
+            kwargs.update(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
+            if options.host in ("localhost", "::1") or options.host.startswith("127."):
+                kwargs["_node_ip_address"] = "127.0.0.1"  # served on loopback: the cluster stays on it too
+            gpus = options.gpus(provider) * options.replicas
+            if gpus and provider == "cuda":
+                kwargs["num_gpus"] = None  # Ray counts the GPUs itself
+        kwargs.update(ray_init or {})
+        say("starting Ray" if not options.address else f"joining the Ray cluster at {options.address}")
+        ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+    ray_serve.start(http_options={"host": options.host, "port": options.port}, proxy_location="HeadOnly")
+    model_layout(options)
+    model, ingress = _deployments(options, provider)
+    model_app = model_app_name(options)
+    # the ingress first, in its own application: HTTP answers (readiness 503) before the model replicas are warm
+    ray_serve.run_many([ray_serve.RunTarget(ingress.bind(options, None, model_app), name=options.app_name,
+                                            route_prefix="/")], wait_for_applications_running=True)
+    ray_serve.run_many([ray_serve.RunTarget(model.bind(options, provider, options.app_name), name=model_app,
+                                            route_prefix=None)],
+                       wait_for_ingress_deployment_creation=True, wait_for_applications_running=False)
+    say(f"HTTP up at http://{options.host}:{options.port} (ready: 503 until warm); warming up {options.replicas} "
+        f"replica(s): one graph per bucket {list(options.buckets)}")
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        st = ray_serve.status().applications.get(model_app)
+        state = str(getattr(st.status, "value", st.status)) if st is not None else "NOT_STARTED"
+        if state == "RUNNING":
+            break
+        if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise ServeFailed(_failure(st))
+        if time.monotonic() > deadline:
+            raise ServeFailed(f"the model replicas were not warm after {startup_timeout_s:.0f} s ({state})")
+        time.sleep(0.25)
+    return f"http://{options.host}:{options.port}"
+
+
+def _failure(app_status) -> str:
+    """Serve's reason a deployment failed, reduced to its last exception line."""
+    texts = [app_status.message or ""] + [d.message or "" for d in app_status.deployments.values()]
+    text = "\n".join(t for t in texts if t)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]:
+            return ln
+    return lines[-1] if lines else "the model deployment failed"
+
+
+def stop(options: ServeOptions) -> None:
+    """Shut the application down gracefully (requests in flight finish, graphs are released), then Serve and Ray
+    when this process started them (a joined cluster keeps running: only this application is deleted)."""
+    try:
+        if options.address:
+            ray_serve.delete(model_app_name(options))
+            ray_serve.delete(options.app_name)
+        else:
+            ray_serve.shutdown()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def serve(model: str | None = None, *, options: ServeOptions | None = None, stop_event=None,
+          on_ready: Callable[[str], None] | None = None, on_status: Callable[[str], None] | None = None,
+          ray_init: dict | None = None, **kwargs) -> int:
+    """Serve ``model`` until SIGINT/SIGTERM (or ``stop_event`` is set), then shut down gracefully; returns 0.
+
+    Args:
+        model: the ONNX model path; the other :class:`~ortcapture.serving.config.ServeOptions` fields as keywords
+            (``buckets=``, ``provider=``, ``replicas=``, ``port=``, ...), or a whole ``options=``.
+        stop_event: a ``threading.Event`` that stops the server when set (signals still work in the main thread).
+        on_ready: called with the base URL once the replicas are warm (default: print it).
+        on_status: progress lines (default: none).
+        ray_init: extra ``ray.init`` keywords for the new local cluster (e.g. ``{"num_cpus": 2}``).
+
+    Raises:
+        CaptureError: bad options, an unservable model layout, no usable provider (``ortcapture.pick_provider``).
+        ServeFailed: the model replicas could not start (e.g. the model does not capture), or not in time.
+    """
+    import signal
+    import threading
+
+    import ortcapture
+
+    if options is None:
+        options = ServeOptions(model=model, **kwargs)
+    options = options.checked()
+    model_layout(options)
+    provider = "cpu" if options.provider == "cpu" else ortcapture.pick_provider(options.provider)
+    stop_event = stop_event or threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop_event.set())
+    try:
+        url = start(options, provider, ray_init=ray_init, on_status=on_status)
+        (on_ready or print)(url)
+        while not stop_event.wait(0.5):
+            pass
+        if on_status:
+            on_status("stopping: requests in flight finish, graphs are released")
+        return 0
+    finally:
+        try:
+            stop(options)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,327 @@
+"""One model replica's work, without Ray: its session, batch runner, warm-up, health check and counters.
+
+:class:`ReplicaCore` is what the Ray Serve deployment (:mod:`ortcapture.serving.deployment`) wraps; it is plain
+Python so it can be tested and benchmarked in one process. It builds one :class:`ortcapture.InferenceSession` with
+``buckets=`` on the batch dim and ``replay_thread=True`` (one session-owned thread captures and replays every graph:
+CUDA graphs are per thread), warms every bucket up in the constructor, and asserts one captured graph per bucket.
+Requests go through :class:`ortcapture.serving.BatchRunner` (checked one by one, grouped, concatenated, run, split).
+
+The ``cpu`` provider and the benchmark arms ``plain``/``padded`` serve an uncaptured session with the same runner
+(``BatchRunner(dim=...)``): ORT's plain run of each batch, or of each batch padded to the largest bucket
+(:class:`PaddedSession`).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ortcapture.errors import CaptureError
+from ortcapture.session import InferenceSession
+from ortcapture.serving.config import ModelLayout, ServeOptions, model_layout
+
+#: relative tolerance of the health check's replay against the replay of the same input at start-up (identical
+#: replays of one graph: any difference means the graph or its buffers are broken)
+HEALTH_RTOL = 1e-6
+
+
+def _session_options(options: ServeOptions, layout: ModelLayout):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    for name, size in options.dims.items():  # the other dynamic dims: fixed, so one graph per bucket
+        so.add_free_dimension_override_by_name(name, size)
+    return so
+
+
+def build_session(options: ServeOptions, layout: ModelLayout, provider: str):
+    """The replica's session for ``provider`` (``cuda``, ``webgpu`` or ``cpu``) and ``options.arm``.
+
+    ``ortcapture`` arm on ``cuda``/``webgpu``: ``ortcapture.InferenceSession(..., buckets={batch: buckets},
+    replay_thread=True)`` with capture switched on the ORT way (CUDA ``enable_cuda_graph=1`` on the device Ray gave
+    the replica, device 0 of its ``CUDA_VISIBLE_DEVICES``; WebGPU through :func:`ortcapture.webgpu.session_options`).
+    The ``cpu`` provider and the ``plain`` arm: the same session without capture (it behaves exactly like ORT's);
+    ``padded``: that, wrapped in :class:`PaddedSession`.
+
+    Raises:
+        CaptureUnsupportedError / CaptureError: what ``ortcapture.InferenceSession`` raises (the model does not
+            capture, a bad bucket); onnxruntime's errors for a model it cannot load.
+    """
+    from ortcapture import webgpu
+
+    so = _session_options(options, layout)
+    capture = options.arm == "ortcapture" and provider != "cpu"
+    if provider == "cuda":
+        kwargs = {"providers": [("CUDAExecutionProvider", {"device_id": "0", "enable_cuda_graph": "1" if capture
+                                                           else "0"}), "CPUExecutionProvider"]}
+    elif provider == "webgpu":
+        kwargs = {}
+        so = webgpu.session_options(capture, so)
+    elif provider == "cpu":
+        kwargs = {"providers": ["CPUExecutionProvider"]}
+    else:
+        raise CaptureError(f"provider {provider!r}: resolve 'auto' first (ortcapture.pick_provider)")
+    if capture:
+        return InferenceSession(options.model, so, buckets={layout.bucket_key: list(options.buckets)},
+                                replay_thread=True, **kwargs)
+    sess = InferenceSession(options.model, so, **kwargs)
+    if options.arm == "padded":
+        return PaddedSession(sess, layout.spec.batch_axes, options.buckets[-1], layout.example)
+    return sess
+
+
+class PaddedSession:
+    """A session without capture whose every run is padded to ``pad_to`` rows (zeros) along the batch axes and
+    sliced back: one input shape for the EP, the careful workaround for ORT's cost per batch-size change (the
+    benchmark's arm B). Has what :class:`~ortcapture.serving.BatchRunner` (``dim=``) uses: ``get_inputs``,
+    ``get_outputs``, ``run``; ``bucket_stats()`` counts runs and padding.
+
+    Args:
+        session: an uncaptured ``InferenceSession``.
+        batch_axes: ``{input: axis}`` of the batch dim.
+        pad_to: rows every run is padded to.
+        example: ``{input: shape}`` at batch 1: the two probe runs (1 and 2 rows, unpadded) that find each
+            output's batch axes.
+    """
+
+    def __init__(self, session, batch_axes: Mapping[str, int], pad_to: int, example: Mapping[str, Sequence[int]]):
+        self.session = session
+        self._axes = dict(batch_axes)
+        self.pad_to = int(pad_to)
+        self._names = [o.name for o in session.get_outputs()]
+        types = {m.name: m.type for m in session.get_inputs()}
+
+        def zeros(rows):
+            return {n: np.zeros(tuple(rows if ax == self._axes.get(n) else d for ax, d in enumerate(shape)),
+                                _np(types[n])) for n, shape in example.items()}
+
+        one, two = (dict(zip(self._names, session.run(None, zeros(r)))) for r in (1, 2))
+        self._out_axes = {n: [ax for ax, (x, y) in enumerate(zip(one[n].shape, two[n].shape)) if (x, y) == (1, 2)]
+                          for n in self._names}
+        self._lock = threading.Lock()
+        self._runs = self._rows = self._padded = 0
+
+    def get_inputs(self):
+        return self.session.get_inputs()
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+    def run(self, output_names, input_feed, run_options=None):
+        rows = next(int(input_feed[n].shape[ax]) for n, ax in self._axes.items() if n in input_feed)
+        pad = max(self.pad_to - rows, 0)
+        if pad:
+            input_feed = {n: _pad(v, self._axes[n], pad) if n in self._axes else v for n, v in input_feed.items()}
+        outs = self.session.run(output_names, input_feed, run_options)
+        with self._lock:
+            self._runs += 1
+            self._rows += rows
+            self._padded += pad
+        if not pad:
+            return outs
+        names = output_names or self._names
+        return [_cut(o, self._out_axes[n], rows) for n, o in zip(names, outs)]
+
+    def bucket_stats(self) -> dict:
+        with self._lock:
+            return {"replayed": 0, "uncaptured": self._runs, "captured": 0, "oversize": 0, "buckets": {},
+                    "refused": 0, "padding_waste": self._padded / max(self._rows + self._padded, 1)}
+
+
+def _np(onnx_type: str):
+    from ortcapture.transfer import ONNX_TO_NP
+
+    return ONNX_TO_NP[onnx_type]
+
+
+def _pad(v: np.ndarray, axis: int, extra: int) -> np.ndarray:
+    widths = [(0, 0)] * v.ndim
+    widths[axis] = (0, extra)
+    return np.pad(v, widths)
+
+
+def _cut(o: np.ndarray, axes: Sequence[int], rows: int) -> np.ndarray:
+    for ax in axes:
+        o = o[(slice(None),) * ax + (slice(0, rows),)]
+    return o
+
+
+class ReplicaCore:
+    """A replica's session, runner and counters (see the module docstring).
+
+    Args:
+        options: checked :class:`~ortcapture.serving.config.ServeOptions`.
+        provider: the resolved provider (``cuda``, ``webgpu``, ``cpu``).
+
+    Raises:
+        CaptureError: a bucket was captured more than once or not at all after the warm-up (more graphs than
+            buckets: captures happened on several threads, or the other dynamic dims are not fixed), or the model
+            does not serve (what :class:`~ortcapture.serving.BatchRunner` refuses); what :func:`build_session`
+            raises.
+    """
+
+    def __init__(self, options: ServeOptions, provider: str):
+        from ortcapture.serving import BatchRunner
+
+        t0 = time.perf_counter()
+        self.options = options
+        self.provider = provider
+        self.layout = model_layout(options)
+        self.arm = options.arm
+        self.session = None if self.arm == "noop" else build_session(options, self.layout, provider)
+        self.example = {n: np.zeros(s, t.dtype) for (n, s), t in zip(self.layout.example.items(),
+                                                                       self.layout.spec.inputs)}
+        if self.session is not None:
+            self.captures = self.arm == "ortcapture" and provider != "cpu"
+            dim = None if self.captures else self.layout.bucket_key
+            self.runner = BatchRunner(self.session, max_rows=options.max_batch_size, example_feeds=self.example,
+                                      dim=dim)
+            if self.captures:
+                self.session.warmup(self.example)
+                self.check_graphs()
+            # the health check's input and its answer, replayed once now
+            self._health_feeds = self.example
+            self._health_answer = self.session.run(None, self._health_feeds)
+        else:
+            self.runner = None
+            self.captures = False
+        self.warmup_s = time.perf_counter() - t0
+        self._lock = threading.Lock()
+        self._t = Counter()  # Triton-style totals: counts and nanoseconds
+        self._batch_ns: dict[int, list[int]] = {}
+        self.last_inference_ms = 0
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def check_graphs(self) -> None:
+        """Raise :class:`CaptureError` unless every bucket holds exactly one captured graph (none refused)."""
+        stats = self.session.bucket_stats()
+        per = stats["buckets"]
+        wrong = {label: len(b["gpu_graph_ids"]) for label, b in per.items() if len(b["gpu_graph_ids"]) != 1}
+        if wrong or len(per) != len(self.options.buckets) or stats["refused"]:
+            raise CaptureError(f"after the warm-up the buckets hold {({k: len(b['gpu_graph_ids']) for k, b in per.items()})}"
+                               f" graphs ({stats['refused']} refused); serving needs exactly one graph per bucket "
+                               f"{list(self.options.buckets)}")
+
+    def check_health(self) -> None:
+        """Replay the smallest bucket on the start-up input and compare with the start-up answer; raise
+        :class:`CaptureError` when it differs or the graphs per bucket changed."""
+        if self.session is None:
+            return
+        got = self.session.run(None, self._health_feeds)
+        for i, (a, b) in enumerate(zip(got, self._health_answer)):
+            a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            scale = max(float(np.max(np.abs(b64))) if b64.size else 0.0, 1e-30)
+            if a.shape != b.shape or not np.allclose(a64, b64, rtol=0, atol=HEALTH_RTOL * scale, equal_nan=True):
+                raise CaptureError(f"health check: output {i} of the smallest bucket's replay differs from its answer "
+                                   "at start-up")
+        if self.captures:
+            self.check_graphs()
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def rows(self, feeds: Mapping[str, np.ndarray]) -> int:
+        """:meth:`BatchRunner.rows` (raises :class:`~ortcapture.serving.RequestError`)."""
+        if self.runner is None:  # noop: count the batch dim only
+            return int(next(iter(feeds.values())).shape[0]) if feeds else 1
+        return self.runner.rows(feeds)
+
+    def run(self, requests: Sequence[Mapping[str, np.ndarray]], queued_ns: Sequence[int] = ()) -> list:
+        """:meth:`BatchRunner.run` of ``requests`` plus counters; one result dict or exception per request."""
+        t0 = time.perf_counter_ns()
+        if self.runner is None:
+            results: list = [self._noop(r) for r in requests]
+        else:
+            results = self.runner.run(requests)
+        dt = time.perf_counter_ns() - t0
+        ok = sum(not isinstance(r, Exception) for r in results)
+        rows = sum(self._rows_of(r) for r in requests)
+        with self._lock:
+            t = self._t
+            t["success_count"] += ok
+            t["fail_count"] += len(results) - ok
+            t["compute_infer_count"] += 1
+            t["compute_infer_ns"] += dt
+            t["success_ns"] += dt * ok
+            t["queue_count"] += len(queued_ns)
+            t["queue_ns"] += sum(queued_ns)
+            t["inference_count"] += rows
+            t["execution_count"] += 1
+            b = self._batch_ns.setdefault(rows, [0, 0])
+            b[0] += 1
+            b[1] += dt
+            self.last_inference_ms = int(time.time() * 1000)
+        return results
+
+    def _noop(self, feeds) -> dict:
+        """The ``noop`` arm's answer: zeros shaped like the outputs (dynamic dims = the request's rows)."""
+        rows = self.rows(feeds)
+        return {o.name: np.zeros(tuple(rows if d < 0 else d for d in o.shape), o.dtype)
+                for o in self.layout.spec.outputs}
+
+    def _rows_of(self, feeds) -> int:
+        try:
+            return self.rows(feeds)
+        except Exception:  # noqa: BLE001 - a bad request counts no rows
+            return 0
+
+    # -- reports -----------------------------------------------------------------------------------------------
+    def report(self) -> dict:
+        """This replica's counters: Triton-style totals (``success``, ``fail``, ``queue``, ``compute_infer``,
+        ``inference_count`` rows, ``execution_count`` batches, ``batch_stats`` by rows) and an ``ortcapture``
+        part: graphs captured per bucket, rows replayed per bucket, uncaptured fallbacks, padding waste, the
+        runner's batch-size histogram, the provider, device and warm-up time."""
+        with self._lock:
+            t = dict(self._t)
+            batch = {str(k): {"count": v[0], "ns": v[1]} for k, v in sorted(self._batch_ns.items())}
+            last = self.last_inference_ms
+        rep: dict[str, Any] = {
+            "success": {"count": t.get("success_count", 0), "ns": t.get("success_ns", 0)},
+            "fail": {"count": t.get("fail_count", 0), "ns": 0},
+            "queue": {"count": t.get("queue_count", 0), "ns": t.get("queue_ns", 0)},
+            "compute_infer": {"count": t.get("compute_infer_count", 0), "ns": t.get("compute_infer_ns", 0)},
+            "inference_count": t.get("inference_count", 0), "execution_count": t.get("execution_count", 0),
+            "last_inference": last, "batch_stats": batch,
+            "provider": self.provider, "arm": self.arm, "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "warmup_s": round(self.warmup_s, 3),
+        }
+        if self.session is not None:
+            info = getattr(self.session, "capture_info", None) or getattr(self.session, "requested_capture", None)
+            rep["device"] = (f"{info.device_type}:{info.device_id}" if info is not None
+                             else "cuda:0" if self.provider == "cuda" else self.provider)
+            bs = self.bucket_stats()
+            rep["graphs_per_bucket"] = {k: len(b["gpu_graph_ids"]) for k, b in bs["buckets"].items()}
+            rep["replayed_per_bucket"] = {k: b["replayed"] for k, b in bs["buckets"].items()}
+            rep["padding_waste_per_bucket"] = {k: b["padding_waste"] for k, b in bs["buckets"].items()}
+            rep["graphs_captured"] = bs["captured"]
+            rep["uncaptured"] = bs["uncaptured"]
+            rep["oversize"] = bs.get("oversize", 0)
+            rep["padding_waste"] = bs["padding_waste"]
+            runner = self.runner.stats()
+            rep["batch_size_histogram"] = {str(k): v for k, v in runner["batch_rows"].items()}
+            rep["requests"] = runner["requests"]
+            rep["failed_requests"] = runner["failed_requests"]
+            rep["bad_requests"] = runner["bad_requests"]
+            rep["batches"] = runner["batches"]
+        return rep
+
+    def bucket_stats(self) -> dict:
+        """The session's ``bucket_stats()`` (buckets); an uncaptured session: its runs, counted uncaptured."""
+        if self.captures or isinstance(self.session, PaddedSession):
+            return self.session.bucket_stats()
+        runner = self.runner.stats()
+        return {"replayed": 0, "uncaptured": runner["batches"], "captured": 0, "oversize": 0, "buckets": {},
+                "refused": 0, "padding_waste": 0.0}
+
+    def close(self) -> None:
+        """Release every captured graph (graceful shutdown); the session is unusable afterwards."""
+        sess, self.session = self.session, None
+        if sess is None:
+            return
+        for gid in list(getattr(sess, "captured_graphs", {}) or {}):
+            try:
+                sess.release_captured_graph(gid)
+            except Exception:  # noqa: BLE001 - shutting down: release what can be released
+                pass

@@ -1,0 +1,135 @@
+"""``ortcapture serve``'s refusals (one line, exit 2) and a replica's work without Ray (issue 29, items 2 and 4)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import tiny
+from tests.conftest import webgpu_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _serve(*args, timeout=120):
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([sys.executable, "-m", "ortcapture", "serve", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.fixture
+def bucket_model(tmp_path):
+    p = tmp_path / "m.onnx"
+    p.write_bytes(tiny.bucket_model())
+    return p
+
+
+@pytest.mark.parametrize("make, args, words", [
+    (None, ["/nonexistent/model.onnx"], "no such model file"),
+    ("bucket", ["--buckets", "4,2"], "ascending"),
+    ("bucket", ["--buckets", "a"], "comma-separated"),
+    ("bucket", ["--replicas", "0"], "--replicas"),
+    ("bucket", ["--port", "70000"], "--port"),
+    ("bucket", ["--name", "a/b"], "--name"),
+    ("bucket", ["--dim", "nope=3"], "no input dim named"),
+    ("fixed", [], "no input has a dynamic first"),
+    ("garbage", [], "cannot read"),
+    ("two_dims", [], "--dim n=SIZE"),
+])
+def test_bad_arguments_are_one_line_exit_2(tmp_path, make, args, words):
+    path = tmp_path / "m.onnx"
+    if make == "bucket":
+        path.write_bytes(tiny.bucket_model())
+    elif make == "fixed":
+        path.write_bytes(tiny.add_model((2, 4)))
+    elif make == "garbage":
+        path.write_bytes(b"not an onnx model")
+    elif make == "two_dims":
+        path.write_bytes(tiny.dynamic_model())  # X [batch, n]: n is dynamic and not the batch
+    proc = _serve(args[0] if make is None else path, *(args[1:] if make is None else args))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ortcapture serve: ") and words in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_help_lists_the_options():
+    proc = _serve("--help", timeout=60)
+    assert proc.returncode == 0
+    for opt in ("--name", "--buckets", "--provider", "--replicas", "--gpus-per-replica", "--max-batch-size",
+                "--batch-wait-ms", "--host", "--port", "--address", "--dim"):
+        assert opt in proc.stdout
+
+
+def test_options_defaults(bucket_model):
+    from ortcapture.serving.config import ServeOptions, model_layout
+
+    o = ServeOptions(str(bucket_model)).checked()
+    assert (o.name, o.buckets, o.max_batch_size, o.host, o.port, o.address) == ("m", (1, 2, 4, 8), 8, "127.0.0.1",
+                                                                                 8000, None)
+    assert o.gpus("cuda") == 1 and o.gpus("webgpu") == 0 and o.gpus("cpu") == 0
+    layout = model_layout(o)
+    assert layout.bucket_key == "batch" and layout.example == {"X": (1, 4)}
+    assert layout.spec.batch_axes == {"X": 0} and layout.spec.max_body_bytes == 64 * 1024 * 1024
+
+
+def test_replica_env_passes_the_webgpu_settings(bucket_model, monkeypatch):
+    from ortcapture.serving.config import ServeOptions
+
+    monkeypatch.setenv("VK_ICD_FILENAMES", "/x/icd.json")
+    monkeypatch.setenv("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "1")
+    monkeypatch.setenv("ORTCAPTURE_CACHE", "/c")
+    env = ServeOptions(str(bucket_model), env={"EXTRA": "1"}).checked().replica_env()
+    assert env["VK_ICD_FILENAMES"] == "/x/icd.json" and env["ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER"] == "1"
+    assert env["ORTCAPTURE_CACHE"] == "/c" and env["EXTRA"] == "1"
+
+
+def _requests(rng, sizes):
+    return [{"X": rng.standard_normal((n, 4)).astype(np.float32)} for n in sizes]
+
+
+@pytest.mark.parametrize("provider, arm", [("cpu", "ortcapture"), ("cpu", "padded"), ("cpu", "plain"),
+                                           pytest.param("webgpu", "ortcapture", marks=pytest.mark.webgpu)])
+def test_replica_core(bucket_model, provider, arm):
+    """A replica's core without Ray: warm-up with one graph per bucket (WebGPU), batched answers equal to the model
+    run alone, a bad request failing alone, the health check, the report, and graphs released on close."""
+    from ortcapture.serving import RequestError
+    from ortcapture.serving.config import ServeOptions
+    from ortcapture.serving.replica import ReplicaCore
+
+    if provider == "webgpu" and not webgpu_available():
+        pytest.skip("WebGPU is not usable here")
+    core = ReplicaCore(ServeOptions(str(bucket_model), provider=provider, arm=arm).checked(), provider)
+    reqs = _requests(np.random.default_rng(0), (1, 3, 2, 4, 1))
+    reqs.insert(2, {"X": np.ones((2, 5), np.float32)})
+    results = core.run(reqs)
+    assert isinstance(results[2], RequestError)
+    for req, res in zip(reqs, results):
+        if req["X"].shape[1] != 4:
+            continue
+        want = tiny.bucket_reference(req["X"])
+        for name, w in want.items():
+            np.testing.assert_allclose(res[name], w, rtol=1e-4, atol=1e-5)
+    core.check_health()
+    rep = core.report()
+    assert rep["requests"] == 6 and rep["bad_requests"] == 1 and rep["execution_count"] == 1
+    assert sum(rep["batch_size_histogram"].values()) == rep["batches"]
+    if provider == "webgpu":
+        assert rep["graphs_per_bucket"] == {"batch=1": 1, "batch=2": 1, "batch=4": 1, "batch=8": 1}
+        assert rep["uncaptured"] == 0 and sum(rep["replayed_per_bucket"].values()) >= 2
+        sess = core.session
+        assert len(sess.captured_graphs) == 4
+        core.close()
+        assert sess.captured_graphs == {}
+    else:
+        assert rep["graphs_per_bucket"] == {} and rep["uncaptured"] >= 2
+        if arm == "padded":
+            assert rep["padding_waste"] > 0.3
+        core.close()
+    noop = ReplicaCore(ServeOptions(str(bucket_model), provider="cpu", arm="noop").checked(), "cpu")
+    (out,) = noop.run([{"X": np.ones((3, 4), np.float32)}])
+    assert {n: a.shape for n, a in out.items()} == {"scores": (3, 3), "probs": (3, 3), "feat": (3, 3)}

@@ -1,0 +1,428 @@
+"""``ortcapture serve`` as a user runs it (issue 29): a subprocess on a tiny dynamic-batch model, WebGPU on the
+software adapter inside two Ray Serve replicas, driven by ``tritonclient.http`` from several threads, loopback only.
+
+One server is shared by the module (a real local Ray cluster costs ~15 s to start on 2 cores); the tests run in file
+order and the last one stops it with SIGINT. Every loop is bounded in count and time. Ray Serve and tritonclient are
+installed for the newest ORT only (tools/bootstrap.sh): elsewhere these tests skip, and with
+``ORTCAPTURE_REQUIRE_SERVE=1`` (tools/test.sh, newest ORT) a missing ray fails them instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import tiny
+from tests.conftest import webgpu_available
+
+if os.environ.get("ORTCAPTURE_REQUIRE_SERVE") == "1":
+    import ray  # noqa: F401 - required here: fail, do not skip
+    import tritonclient.http as http
+else:
+    pytest.importorskip("ray")
+    http = pytest.importorskip("tritonclient.http")
+
+pytestmark = [pytest.mark.webgpu, pytest.mark.slow]
+
+MODEL = "tiny"
+STARTUP_S = 150  # a fresh Ray cluster, the ingress, two replicas' warm-up on a loaded 2-core machine
+RTOL = 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _post(url: str, body: bytes, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Server:
+    def __init__(self, tmp: Path):
+        self.model = tmp / f"{MODEL}.onnx"
+        self.model.write_bytes(tiny.bucket_model())
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "serve.log"
+        cmd = [sys.executable, "-m", "ortcapture", "serve", str(self.model), "--provider", "webgpu", "--replicas", "2",
+               "--port", str(self.port), "--num-cpus", "2", "--batch-wait-ms", "20", "--graceful-shutdown-s", "5",
+               "--max-body-mib", "1"]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+        self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, env=env,
+                                     cwd=Path(__file__).resolve().parents[1])
+        self.ready_codes: list[int] = []  # readiness answers seen while starting
+        self.stdout: list[str] = []
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ortcapture serve exited {self.proc.returncode}: {self.tail()}")
+            try:
+                code, _ = _get(f"{self.url}/v2/health/ready", timeout=2)
+            except OSError:
+                code = None  # the proxy or the ingress is not up yet
+            if code is not None and (not self.ready_codes or self.ready_codes[-1] != code):
+                self.ready_codes.append(code)
+            if code == 200:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"not ready within {STARTUP_S} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self._log_file.flush()
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def stats(self) -> dict:
+        code, body = _get(f"{self.url}/v2/models/{MODEL}/stats")
+        assert code == 200, body
+        return json.loads(body)["model_stats"][0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log_file.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not webgpu_available():
+        pytest.skip("WebGPU is not usable here")
+    srv = Server(tmp_path_factory.mktemp("serve"))
+    try:
+        srv.wait_ready()
+        line = srv.proc.stdout.readline().decode().strip()  # the URL, printed once the replicas are warm
+        srv.stdout.append(line)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The CPU EP's answer for a request (the model run alone, uncaptured)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return lambda x: dict(zip(names, sess.run(None, {"X": x})))
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    scale = max(float(np.max(np.abs(want))), 1e-6)
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=RTOL, atol=RTOL * scale))
+
+
+def _infer(client, x: np.ndarray, binary: bool = True):
+    inp = http.InferInput("X", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    outs = None if binary else [http.InferRequestedOutput(n, binary_data=False) for n in ("scores", "probs", "feat")]
+    return client.infer(MODEL, [inp], outputs=outs)
+
+
+def _distinct(thread: int, i: int, rows: int) -> np.ndarray:
+    """Rows no other request has: a cross-talk between requests changes the answer."""
+    base = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) / 16
+    return (base + thread * 0.37 + i * 0.011 - 1).astype(np.float32)
+
+
+def test_started_as_a_user_would(server):
+    """The URL is printed once the replicas are warm; before that, readiness answered 503, then 200."""
+    assert server.stdout == [server.url]
+    assert server.ready_codes[-1] == 200
+    assert 503 in server.ready_codes, f"readiness went {server.ready_codes} (no 503 while warming up)"
+    assert server.ready_codes.index(503) < server.ready_codes.index(200)
+    client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
+
+
+def test_metadata_matches_the_model(server):
+    client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    meta = client.get_model_metadata(MODEL)
+    assert meta["name"] == MODEL and meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "X", "datatype": "FP32", "shape": [-1, 4]}]
+    assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1, 3]},
+                               {"name": "probs", "datatype": "FP32", "shape": [-1, 3]},
+                               {"name": "feat", "datatype": "FP32", "shape": [3, -1]}]
+    assert _get(f"{server.url}/v2/models/nope")[0] == 404
+
+
+def test_mixed_requests_from_8_threads(server, reference):
+    """Requests of 1-4 rows with distinct values, JSON and binary, from 8 threads: each answer equals its own CPU
+    EP reference; /stats shows batches of more than one row and one graph per bucket on every replica."""
+    errors, done = [], []
+
+    def worker(t: int) -> None:
+        client = http.InferenceServerClient(f"127.0.0.1:{server.port}", network_timeout=60)
+        rng = np.random.default_rng(t)
+        for i in range(12):
+            x = _distinct(t, i, int(rng.integers(1, 5)))
+            try:
+                res = _infer(client, x, binary=bool((t + i) % 2))
+                for name, want in reference(x).items():
+                    if not _close(res.as_numpy(name), want):
+                        errors.append((t, i, name))
+                done.append(1)
+            except Exception as exc:  # noqa: BLE001 - collected and reported below
+                errors.append((t, i, repr(exc)))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors[:5]
+    assert len(done) == 96
+    deadline = time.monotonic() + 10
+    while True:  # replicas push their counters every second
+        s = server.stats()
+        reps = s["ortcapture"]["replicas"]
+        if sum(r.get("requests", 0) for r in reps) >= 96 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(reps) == 2
+    assert sum(r["requests"] for r in reps) >= 96
+    for r in reps:
+        assert r["graphs_per_bucket"] == {"batch=1": 1, "batch=2": 1, "batch=4": 1, "batch=8": 1}, r
+        assert r["graphs_captured"] == 4 and r["uncaptured"] == 0 and r["device"].startswith("webgpu")
+    hist = {}
+    for r in reps:
+        for k, v in r["batch_size_histogram"].items():
+            hist[int(k)] = hist.get(int(k), 0) + v
+    assert max(hist) > 4, hist  # several requests (1-4 rows each) shared a batch
+    assert s["execution_count"] < s["inference_stats"]["success"]["count"]
+    assert any(b["batch_size"] > 4 for b in s["batch_stats"])
+
+
+def _bad_bodies(server):
+    """(name, body, headers, expected status) of the bad requests."""
+    good = json.dumps({"inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+    x = np.ones((2, 4), np.float32).tobytes()
+    head = json.dumps({"inputs": [{"name": "X", "shape": [2, 4], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": len(x)}}]}).encode()
+    return [
+        ("wrong datatype", good.replace("FP32", "FP64").encode(), {}, 400),
+        ("wrong rank", json.dumps({"inputs": [{"name": "X", "shape": [4], "datatype": "FP32",
+                                               "data": [1, 2, 3, 4]}]}).encode(), {}, 400),
+        ("missing input", json.dumps({"inputs": [{"name": "Q", "shape": [1, 4], "datatype": "FP32",
+                                                  "data": [1, 2, 3, 4]}]}).encode(), {}, 400),
+        ("no inputs", b'{"inputs": []}', {}, 400),
+        ("malformed binary header", head + x, {"Inference-Header-Content-Length": "abc"}, 400),
+        ("header past the body", head + x, {"Inference-Header-Content-Length": str(len(head) + len(x) + 5)}, 400),
+        ("claims more bytes than sent", head + x[:-4], {"Inference-Header-Content-Length": str(len(head))}, 400),
+        ("too many rows", json.dumps({"inputs": [{"name": "X", "shape": [9, 4], "datatype": "FP32",
+                                                  "data": [0.5] * 36}]}).encode(), {}, 400),
+        ("body past the cap", b" " * (1024 * 1024 + 10) + good.encode(), {}, 413),
+        ("not json", b"\xff\xfe{", {}, 400),
+    ]
+
+
+def test_bad_requests_among_good_ones(server, reference):
+    """Each bad request gets its 4xx with {"error": ...}; the good ones around it get their right answers; an
+    unknown model is a 404; the server stays up."""
+    client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    infer = f"{server.url}/v2/models/{MODEL}/infer"
+    for k, (what, body, headers, status) in enumerate(_bad_bodies(server)):
+        x = _distinct(9, k, 1 + k % 4)
+        res = _infer(client, x)
+        assert all(_close(res.as_numpy(n), w) for n, w in reference(x).items()), what
+        code, answer = _post(infer, body, headers)
+        assert code == status, (what, code, answer[:300])
+        assert set(json.loads(answer)) == {"error"}, what
+    code, answer = _post(f"{server.url}/v2/models/other/infer", b'{"inputs": []}')
+    assert code == 404 and "unknown model" in json.loads(answer)["error"]
+    assert server.proc.poll() is None and client.is_server_ready()
+
+
+def test_fuzzed_bodies_never_get_a_5xx(server):
+    """hypothesis-made bodies at the infer endpoint: never a 5xx, never a crash (bounded examples)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    infer = f"{server.url}/v2/models/{MODEL}/infer"
+    numbers = st.lists(st.floats(width=32, allow_nan=False) | st.integers(-5, 5), max_size=12)
+    tensor = st.fixed_dictionaries({"name": st.sampled_from(["X", "Y", ""])}, optional={
+        "shape": st.lists(st.integers(-1, 5), max_size=3), "datatype": st.sampled_from(["FP32", "FP16", "INT64", "x"]),
+        "data": numbers | st.text(max_size=3), "parameters": st.fixed_dictionaries(
+            {}, optional={"binary_data_size": st.integers(-1, 64)})})
+    request = st.fixed_dictionaries({}, optional={"inputs": st.lists(tensor, max_size=2), "id": st.text(max_size=3),
+                                                  "outputs": st.lists(st.fixed_dictionaries(
+                                                      {"name": st.sampled_from(["scores", "feat", "no"])}),
+                                                      max_size=2)})
+    seen = []
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(req=request, tail=st.binary(max_size=48), header=st.none() | st.integers(-2, 300))
+    def check(req, tail, header):
+        body = json.dumps(req).encode() + tail
+        headers = {} if header is None else {"Inference-Header-Content-Length": str(header)}
+        code, answer = _post(infer, body, headers)
+        seen.append(code)
+        assert code < 500, (req, code, answer[:300])
+
+    check()
+    assert len(seen) == 40 and server.proc.poll() is None
+
+
+def test_replica_killed_under_load_is_replaced(server, reference):
+    """One replica's process is killed (SIGKILL) while 4 threads send: Ray starts a new replica; the requests
+    that fail meanwhile are counted (printed) and every answer that comes back is right."""
+    before = {r["replica"]: r["pid"] for r in server.stats()["ortcapture"]["replicas"]}
+    assert len(before) == 2
+    victim_id, victim_pid = sorted(before.items())[0]
+    stop = threading.Event()
+    ok, failed, wrong = [], [], []
+
+    def worker(t: int) -> None:
+        client = http.InferenceServerClient(f"127.0.0.1:{server.port}", network_timeout=30)
+        for i in range(400):
+            if stop.is_set():
+                return
+            x = _distinct(20 + t, i, 1 + i % 3)
+            try:
+                res = _infer(client, x)
+            except Exception as exc:  # noqa: BLE001 - counted
+                failed.append(repr(exc)[:120])
+                time.sleep(0.05)
+                continue
+            if all(_close(res.as_numpy(n), w) for n, w in reference(x).items()):
+                ok.append(1)
+            else:
+                wrong.append((t, i))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    try:
+        time.sleep(1.0)
+        os.kill(victim_pid, signal.SIGKILL)
+        killed_at = len(ok)
+        deadline = time.monotonic() + 90
+        replaced = None
+        while time.monotonic() < deadline:
+            reps = {r["replica"]: r for r in server.stats()["ortcapture"]["replicas"]}
+            new = [k for k in reps if k not in before]
+            if new and reps[new[0]].get("graphs_per_bucket"):
+                replaced = reps[new[0]]
+                break
+            time.sleep(0.5)
+        served_after = len(ok)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(60)
+    print(f"\nreplica {victim_id} (pid {victim_pid}) killed: {len(failed)} failed requests, {len(ok)} right "
+          f"answers ({served_after - killed_at} while it was replaced); failures: {sorted(set(failed))[:3]}")
+    assert not wrong
+    assert replaced is not None, "no new replica within 90 s"
+    assert replaced["graphs_per_bucket"] == {"batch=1": 1, "batch=2": 1, "batch=4": 1, "batch=8": 1}
+    assert len(ok) > killed_at  # the survivor (and the new replica) kept answering
+    assert len(failed) <= 40, failed[:5]
+    client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    assert client.is_server_ready()
+
+
+def test_sigint_while_clients_send(server, reference):
+    """SIGINT to ``ortcapture serve`` while 4 threads send: every request gets its right answer or is refused (a
+    refused or reset connection, or a 503 while stopping) — never a wrong answer or a hang; exit 0 in time."""
+    stop = threading.Event()
+    ok, refused, wrong, other = [], [], [], []
+
+    def worker(t: int) -> None:
+        client = http.InferenceServerClient(f"127.0.0.1:{server.port}", network_timeout=30)
+        for i in range(300):
+            if stop.is_set():
+                return
+            x = _distinct(40 + t, i, 1 + i % 4)
+            try:
+                res = _infer(client, x)
+            except http.InferenceServerException as exc:
+                (refused if exc.status() in ("503", None) else other).append(str(exc)[:120])
+                time.sleep(0.05)
+                continue
+            except OSError as exc:  # refused, reset, closed: the server is gone
+                refused.append(repr(exc)[:80])
+                time.sleep(0.05)
+                continue
+            except Exception as exc:  # noqa: BLE001 - geventhttpclient's own connection errors
+                if "connect" in repr(exc).lower() or "closed" in repr(exc).lower():
+                    refused.append(repr(exc)[:80])
+                    time.sleep(0.05)
+                    continue
+                other.append(repr(exc)[:120])
+                continue
+            if all(_close(res.as_numpy(n), w) for n, w in reference(x).items()):
+                ok.append(1)
+            else:
+                wrong.append((t, i))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    time.sleep(1.0)
+    sent_at = time.monotonic()
+    server.proc.send_signal(signal.SIGINT)
+    try:
+        code = server.proc.wait(60)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(60)
+    took = time.monotonic() - sent_at
+    assert not any(th.is_alive() for th in threads), "a client hung"
+    assert code == 0, server.tail()
+    assert took < 60
+    assert not wrong and not other, (wrong[:3], other[:3])
+    assert ok
+    print(f"\nSIGINT: exit 0 after {took:.1f} s; {len(ok)} right answers, {len(refused)} refused")
+
+
+def test_a_model_that_cannot_be_served_is_one_line_exit_2(tmp_path):
+    """A model whose replicas cannot start (Round has no WebGPU kernel: capture is refused in the replica's
+    constructor): one line naming why, exit 2, Ray stopped."""
+    if not webgpu_available():
+        pytest.skip("WebGPU is not usable here")
+    model = tmp_path / "round.onnx"
+    model.write_bytes(tiny.round_model())
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.run([sys.executable, "-m", "ortcapture", "serve", str(model), "--provider", "webgpu",
+                           "--port", str(_free_port()), "--num-cpus", "1"], capture_output=True, text=True,
+                          timeout=STARTUP_S, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ortcapture serve: cannot serve") and "Capture" in last, last
+    print("\n" + last)
+    assert "http://" not in proc.stdout  # no URL: it never served
