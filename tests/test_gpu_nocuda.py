@@ -32,8 +32,11 @@ ORT_LOG = ("[E:onnxruntime", "[W:onnxruntime", "[I:onnxruntime")
 WEBGPU_ENV = ("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "VK_ICD_FILENAMES", "VK_DRIVER_FILES")
 
 
-def run(*argv: str, cwd: Path, webgpu: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+def run(*argv: str, cwd: Path, webgpu: bool = True, timeout: float = 120, path: str | None = None
+        ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and (webgpu or k not in WEBGPU_ENV)}
+    if path:
+        env["PYTHONPATH"] = path
     return subprocess.run([str(Path(VENV) / "bin" / "python"), *argv], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -71,6 +74,22 @@ def test_probe_names_the_missing_library(probe):
     assert probe["refusal"] == f"the CUDA EP does not load ({probe['cause']})"
     assert "docs/GPU.md" in probe["cause"]
     assert probe["preload"].startswith("not called")  # no NVIDIA pip packages in this venv
+
+
+def test_preload_dlls_prints_are_captured_and_json_stays_clean(probe, work):
+    """NVIDIA's pip package folder on ``sys.path`` (here outside ORT's site-packages, so ortcapture passes it as
+    ``directory=``) holding a library that cannot load: ORT's ``preload_dlls()`` prints "Failed to load ...", which
+    ortcapture keeps out of ``doctor --json``'s stdout and records in the probe."""
+    lib = work / "site" / "nvidia" / "cu13" / "lib" / "libcublasLt.so.13"
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    lib.write_bytes(b"not a shared library")
+    proc = run("-m", "ortcapture", "doctor", str(work / "add.onnx"), "--json", cwd=work, path=str(work / "site"))
+    assert proc.returncode == 2, proc.stderr
+    report = json.loads(proc.stdout)  # nothing but the JSON object on stdout
+    cuda = report["findings"][0]["details"]["cuda_ep"]
+    assert cuda["preload"] == f"called with directory={lib.parent}"
+    assert f"Failed to load {lib}" in cuda["preload_output"]
+    assert cuda["missing_library"] == probe["missing_library"]
 
 
 def test_demo_falls_back_to_webgpu_with_one_line(probe, work):
