@@ -170,6 +170,8 @@ class CapturedGraph:
         self._captured = bool(capture)
         self._record = None
         self._frozen: dict = {}  # host-read inputs -> their capture-time values (freeze_inputs)
+        self._copies: list = []  # capture(..., copies=N): the other N-1 graphs of run_many's buffer sets
+        self._many = None  # the thread ident of a run_many iterating over this graph now
         #: the capture-time verification's ``ortcapture._verify.compare.Report`` (level, input sets, not varied, max error
         #: per output, seconds); ``None`` before it ran
         self.verification = None
@@ -319,6 +321,8 @@ class CapturedGraph:
             cs.check_foreign_capture()  # raises CaptureError (ORT PR #32081)
         if out is not None or (copy_outputs is not True and copy_outputs is not False):
             copy_outputs, out = self._check_outputs_arg(copy_outputs, out)  # before any copy
+        if self._many is not None:
+            self._refuse_inside_many()
         while True:  # a thread without its CUDA graph of the id (new thread, or after a compaction) captures first
             with cs.guard:
                 if self._released:
@@ -459,6 +463,182 @@ class CapturedGraph:
                 res.append(dst)
         return res
 
+    # -- streams of requests ------------------------------------------------------------------------------------
+    @property
+    def copies(self) -> int:
+        """Buffer sets :meth:`run_many` alternates between (``capture(..., copies=N)``; 1 by default)."""
+        return 1 + len(self._copies)
+
+    def attach_copies(self, graphs) -> None:
+        """Take ``graphs`` (captured like this one, same session and shapes) as :meth:`run_many`'s further buffer
+        sets; they are released with this graph (``InferenceSession.capture(..., copies=N)`` calls this)."""
+        self._copies = list(graphs)
+
+    def run_many(self, requests, *, copy_outputs: bool | str = True):
+        """Run a stream of requests; yield each one's outputs, in order (an iterator).
+
+        Args:
+            requests: an iterable of feeds mappings, each as :meth:`run` takes them. With ``copies > 1`` every
+                request feeds every input (the buffer sets alternate, so an input left out would keep another
+                request's value).
+            copy_outputs: True: new numpy arrays per request; ``"pinned"``: the graph's own :attr:`host_outputs`
+                arrays of the buffer set that ran it, valid until the iterator is advanced again.
+
+        On CUDA with page-locked staging (:attr:`host_staging` ``"pinned"``) requests overlap: while request n
+        replays, a helper thread copies request n+1's numpy feeds into the page-locked buffers and — with
+        ``copies >= 2`` (``capture(..., copies=2)``: a second graph with its own device buffers) — queues their
+        host-to-device copies on that set's own stream, so the copy runs on the copy engine during the replay
+        (events order every refill after the copy before it); request n-1's outputs are copied out of the
+        page-locked buffers meanwhile. Requests are therefore read one ahead and results come one behind. The
+        iterator holds the session's guard from its first item to its end (other threads' runs of the session, and
+        captures, wait; a run of these graphs from the iterating thread inside the loop raises): finish or
+        ``close()`` it. Elsewhere it is one :meth:`run` per request.
+
+        Raises:
+            TransferError: ``copy_outputs`` other than True or ``"pinned"`` (at the call); a request that does not
+                fit (when it is reached; the requests before it were run and yielded, the later ones are not run).
+            GraphReleasedError, CaptureError: as :meth:`run`.
+        """
+        if copy_outputs is not True and copy_outputs != "pinned":
+            raise TransferError(f"run_many's copy_outputs must be True or 'pinned', got {copy_outputs!r}")
+        return self._many_iter(iter(requests), [self, *self._copies], copy_outputs)
+
+    def _refuse_inside_many(self) -> None:
+        import threading
+
+        if self._many == threading.get_ident():
+            raise CaptureError("run() of a graph while a run_many() of it iterates in this thread: its buffers "
+                               "belong to the iterator until it ends (finish or close() it first)")
+
+    def _ensure_thread(self) -> None:
+        """Give the calling thread its CUDA graph of this id (as :meth:`run` does before its first replay)."""
+        cs = self._cs
+        while True:
+            with cs.guard:
+                if self._released:
+                    self._raise_released()
+                if not self._captured or cs.thread_has(self.graph_id):
+                    return
+            with cs.capture_guard:
+                self._generation += 1
+                try:
+                    cs.ensure_thread(self._binding, self.graph_id, self._run_options)
+                finally:
+                    self._generation += 1
+
+    def _many_iter(self, it, graphs, mode):
+        n = len(graphs)
+        if not self._pin_ok:  # no asynchronous copies to overlap: one run per request
+            for k, feeds in enumerate(it):
+                if n > 1:
+                    _check_complete(graphs[0], feeds)
+                yield graphs[k % n].run(feeds, copy_outputs=mode)
+            return
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        cs = self._cs
+        probe = cs.capture_probe
+        me = threading.get_ident()
+        while True:  # every graph captured for this thread, checked again under the guard
+            for g in graphs:
+                g._ensure_thread()  # noqa: SLF001
+            cs.guard.__enter__()
+            if all(not g._captured or cs.thread_has(g.graph_id) for g in graphs if not g._released):  # noqa: SLF001
+                break
+            cs.guard.__exit__(None, None, None)
+        ex = None
+        stagings: list = []
+        owned = False
+        try:
+            for g in graphs:
+                if g._released:  # noqa: SLF001
+                    g._raise_released()  # noqa: SLF001
+                if g._many is not None:  # noqa: SLF001
+                    raise CaptureError("run_many() of a graph that a run_many() iterates already")
+            stagings = [g._staging_now() for g in graphs]  # noqa: SLF001
+            for g in graphs:
+                g._many = me  # noqa: SLF001
+            owned = True
+            ex = ThreadPoolExecutor(1, thread_name_prefix="ortcapture-run-many")
+            yield from self._pipeline(it, graphs, stagings, mode, ex, probe)
+        finally:
+            if ex is not None:
+                ex.shutdown(wait=True)  # the helper's copies queued, then waited for: none in flight after the guard
+                for st in stagings:
+                    st.wait()
+            if owned:
+                for g in graphs:
+                    g._many = None  # noqa: SLF001
+            cs.guard.__exit__(None, None, None)
+
+    def _pipeline(self, it, graphs, stagings, mode, ex, probe):
+        """run_many's steps, the guard held (see there). Step k: wait for request k's copies; hand request k+1 to
+        the helper (page-locked fill, and its upload into the other buffer set with copies >= 2; request k-1's
+        outputs copied out); replay k; read k's outputs back; yield k-1's (``"pinned"``: k's)."""
+        n = len(graphs)
+        names = self._output_names
+        end = object()
+        feeds = next(it, end)
+        if feeds is end:
+            return
+        host, rest = _split_request(graphs[0], stagings[0], feeds, n)
+        stagings[0].upload_async(host)
+        pending = None  # request k-1's buffer set index, outputs not yet copied out (copy_outputs=True)
+        k = 0
+        while True:
+            i = k % n
+            g, st = graphs[i], stagings[i]
+            if probe is not None and probe():
+                g._cs.check_foreign_capture()  # noqa: SLF001
+            if g._released:  # noqa: SLF001
+                g._raise_released()  # noqa: SLF001
+            if n == 1 and k:  # the helper filled the page-locked buffers during the last replay: send them now
+                st.upload_async({name: st.host_inputs[name] for name in host})
+            st.wait()
+            if rest:
+                transfer.copy_feeds(g._targets, rest)  # noqa: SLF001
+            nxt = next(it, end)
+            error = None
+            job = None
+            if nxt is not end:
+                j = (k + 1) % n
+                try:
+                    host, rest = _split_request(graphs[j], stagings[j], nxt, n)
+                except Exception as exc:  # noqa: BLE001 - raised once request k's outputs are out
+                    error, nxt = exc, end
+            if nxt is not end:
+                job = ex.submit(_stage_job, stagings[j], host, n > 1,
+                                stagings[pending] if pending is not None else None, names)
+            elif pending is not None:
+                job = ex.submit(_stage_job, None, {}, False, stagings[pending], names)
+            g._generation += 1  # noqa: SLF001
+            try:
+                g._replay()  # noqa: SLF001
+                if g._state:  # noqa: SLF001
+                    transfer.copy(g._state_src, g._state_dst)  # noqa: SLF001
+                done = job.result() if job is not None else None  # before k's readback: n == 1 reuses the buffers
+                st.read(dict.fromkeys(names))
+            finally:
+                g._generation += 1  # noqa: SLF001
+            if done is not None:
+                yield done
+            if mode == "pinned":
+                yield [st.host_outputs[name] for name in names]
+                pending = None
+            else:
+                pending = i
+            if error is not None:
+                if pending is not None:
+                    yield [st.host_outputs[name].copy() for name in names]
+                raise error
+            if nxt is end:
+                if pending is not None:
+                    yield [st.host_outputs[name].copy() for name in names]
+                return
+            feeds = nxt
+            k += 1
+
     def replay(self) -> None:
         """Replay the graph on its fixed buffers as they are now (no feeds copied, outputs left in :attr:`outputs`,
         declared state carried). For callers that fill :attr:`inputs` themselves (``ortcapture.update_inplace``) and
@@ -539,6 +719,9 @@ class CapturedGraph:
     def release(self) -> None:
         """Release the captured graph (idempotent, thread-safe). CUDA/TensorRT: the ``gpu_graph_id`` is retired.
         The graph's buffers are freed once no :class:`ReplayOutput` or other reference holds them."""
+        copies, self._copies = self._copies, []
+        for twin in copies:
+            twin.release()
         with self._cs.guard:  # two concurrent releases must not release a graph re-captured under the id
             if self._released:
                 return
@@ -693,3 +876,52 @@ class _NotCaptured:
     def __init__(self) -> None:
         self.replays = 0
         self.frozen: dict = {}  # as CapturedGraphRecord.frozen: nothing bound with bind_cpu_input
+
+
+def _check_complete(graph, feeds) -> None:
+    """run_many with several buffer sets: every request feeds every input."""
+    if not isinstance(feeds, Mapping):
+        raise TransferError(f"each request must be a mapping {{input name: value}}, got {type(feeds).__name__}")
+    missing = [n for n in graph.inputs if n not in feeds]
+    if missing:
+        raise TransferError(f"run_many over {graph.copies} buffer sets needs every input in every request; "
+                            f"missing {missing}")
+
+
+def _split_request(graph, staging, feeds, n: int) -> tuple[dict, dict]:
+    """A request checked in full before anything of it is copied: ``(numpy feeds the staging takes, the rest)``;
+    the rest are checked as :meth:`CapturedGraph.run` checks them (host-read values included)."""
+    if not isinstance(feeds, Mapping):
+        raise TransferError(f"each request must be a mapping {{input name: value}}, got {type(feeds).__name__}")
+    if n > 1:
+        _check_complete(graph, feeds)
+    if graph._frozen:  # noqa: SLF001 - the graph module's own helper
+        check_frozen(graph._frozen, feeds)  # noqa: SLF001
+    host, rest = {}, {}
+    for name, v in feeds.items():
+        dst = graph.inputs.get(name)
+        if dst is None:
+            raise TransferError(f"unknown input {name!r}; the inputs are {list(graph.inputs)}")
+        if type(v) is np.ndarray and staging.takes(name, v):
+            host[name] = v
+        else:
+            transfer.check_source(dst, v)  # the checks of the copy made later
+            rest[name] = v
+    return host, rest
+
+
+def _stage_job(staging, host, send: bool, previous, names):
+    """run_many's helper thread (the iterating thread holds the guard, so the CUDA gate, and waits for this):
+    request n+1's numpy feeds into ``staging``'s page-locked buffers (``send``: and their host-to-device copies
+    queued), then ``previous``'s outputs copied out as new arrays (or ``None``)."""
+    if staging is not None and host:
+        from ortcapture._ort.cudart import current_device
+
+        with current_device(staging.device_id):
+            if send:
+                staging.upload_async(host, settle_first=False)
+            else:
+                staging.fill(host)
+    if previous is None:
+        return None
+    return [previous.host_outputs[name].copy() for name in names]

@@ -719,7 +719,7 @@ class InferenceSession(OrtInferenceSession):
 
     # -- high level -------------------------------------------------------------------------------------------
     def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None, *,
-                state: Mapping[str, str] | None = None, verify: Any = None):
+                state: Mapping[str, str] | None = None, verify: Any = None, copies: int = 1):
         """Capture a graph for ``example_feeds``' shapes and dtypes and return a
         :class:`~ortcapture.graph.CapturedGraph` (see there).
 
@@ -740,6 +740,10 @@ class InferenceSession(OrtInferenceSession):
                 beyond that tolerance give one :class:`~ortcapture.errors.EPAccuracyWarning` (the EP's accuracy,
                 never a refusal). Cost: two replays and two reference runs at ``"full"`` (see
                 benchmarks/bench_verify.py).
+            copies: buffer sets for :meth:`~ortcapture.graph.CapturedGraph.run_many` (``copies=2``: a second graph
+                of the same shapes under the next free id, captured and verified the same way, with its own device
+                and host buffers, so the host-to-device copy of one request overlaps the replay of the one before);
+                released with the returned graph. Not with ``state=``.
 
         Raises:
             VerificationError: (a ``CaptureError``) the replay differs from the reference (outputs named; for the
@@ -747,7 +751,8 @@ class InferenceSession(OrtInferenceSession):
             CaptureUnsupportedError: the session cannot capture, or not even with the example's shapes fixed (the
                 message names the nodes ORT placed off the EP and dtypes or non-tensor inputs/outputs it cannot
                 take), or an input/output is not a numeric tensor (strings, sequences, maps, optional values).
-            CaptureError: ``graph_id`` taken or invalid; a refused capture (see CapturedGraph).
+            CaptureError: ``graph_id`` taken or invalid; a refused capture (see CapturedGraph); ``copies`` not an
+                int >= 1, or ``copies > 1`` with ``state=``.
             GraphReleasedError: ``graph_id`` was released on CUDA/TensorRT (retired).
             TransferError: feeds that do not match the model's inputs.
 
@@ -756,6 +761,22 @@ class InferenceSession(OrtInferenceSession):
         """
         from ortcapture.graph import CapturedGraph
 
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+            raise CaptureError(f"copies must be an int >= 1, got {copies!r}")
+        if copies > 1:
+            if state:
+                raise CaptureError("copies > 1 cannot carry state= (each buffer set would hold its own state)")
+            graph = self.capture(example_feeds, graph_id, verify=verify)
+            twins = []
+            try:
+                for _ in range(copies - 1):
+                    twins.append(self.capture(example_feeds, None, verify=verify))
+            except BaseException:
+                for g in (*twins, graph):
+                    g.release()
+                raise
+            graph.attach_copies(twins)
+            return graph
         fam = self._oc_state
         fam.release_collected()
         _compact.maybe_compact(fam)

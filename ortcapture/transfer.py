@@ -599,6 +599,12 @@ def prepare(dst: OrtValue, src: Any, *, cast: bool = False):
     return (dst, dm, src, _checked_value_source(src, dst, dm))
 
 
+def check_source(dst: OrtValue, src: Any) -> None:
+    """Raise exactly what :func:`update_inplace` would raise for ``src`` into ``dst``, without copying anything (a
+    request checked in full before any of it is staged: ``CapturedGraph.run_many``)."""
+    prepare(dst, src)
+
+
 def commit(token) -> None:
     """Perform a copy validated by :func:`prepare`."""
     dst, dm, src, sm = token
@@ -1075,12 +1081,13 @@ class HostStaging:
         self.upload_async(host)
         self.wait()
 
-    def upload_async(self, host: Mapping[str, np.ndarray]) -> None:
+    def upload_async(self, host: Mapping[str, np.ndarray], *, settle_first: bool = True) -> None:
         """:meth:`upload` without the final wait (pinned only): the copies are queued on the copy stream; call
-        :meth:`wait` before the device buffers are read."""
+        :meth:`wait` before the device buffers are read. ``settle_first=False``: the caller settled unsynchronised
+        runs (a helper thread must not: settling takes the CUDA gate, which its waiting caller holds)."""
         from ortcapture._ort import cudart
 
-        if UNSETTLED:
+        if settle_first and UNSETTLED:
             settle()
         stream = self._stream
         for name, arr in host.items():
@@ -1095,6 +1102,18 @@ class HostStaging:
                     _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n, stream)
             cudart.record(self._events[name], stream)
             self._busy.add(name)
+
+    def fill(self, host: Mapping[str, np.ndarray]) -> None:
+        """Copy each array into its page-locked host input buffer only (pinned; no device copy), once the buffer's
+        previous host-to-device copy is done; :meth:`upload_async` of :attr:`host_inputs` sends them later."""
+        from ortcapture._ort import cudart
+
+        for name, arr in host.items():
+            if name in self._busy:
+                cudart.wait_event(self._events[name])
+                self._busy.discard(name)
+            if arr is not self.host_inputs[name]:
+                _fill(self._flat[("in", name)], arr)
 
     def wait(self) -> None:
         """Wait for every queued copy of this staging (pinned; a no-op otherwise)."""
@@ -1152,6 +1171,20 @@ def _release_handles(handles) -> None:
 
     for kind, h in handles:
         cudart.release_later(kind, h)
+
+
+def _fill(flat: np.ndarray, arr: np.ndarray) -> None:
+    """Copy ``arr``'s bytes into ``flat``, in chunks spread over the staging threads where there are several."""
+    src = arr.reshape(-1).view(np.uint8)
+    n = flat.size
+    pool = _pool() if n > 2 * STAGING_CHUNK else None
+    if pool is None:
+        np.copyto(flat, src)
+        return
+    futures = [pool.submit(np.copyto, flat[a:a + STAGING_CHUNK], src[a:a + STAGING_CHUNK])
+               for a in range(0, n, STAGING_CHUNK)]
+    for fut in futures:
+        fut.result()
 
 
 def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream) -> None:

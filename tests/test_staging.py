@@ -346,3 +346,147 @@ def test_cuda_staging_beside_captures_in_another_thread(cuda, rng):
         stop.set()
         t.join(60)
     assert not errors, errors
+
+
+# -- run_many and copies= -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("copies", [1, 2])
+def test_run_many_yields_every_request_in_order(backend, rng, copies):
+    sess = backend.session(tiny.add_model())
+    a0 = rng.random((2, 4), np.float32)
+    with sess.capture({"A": a0, "B": a0}, verify=False, copies=copies) as g:
+        assert g.copies == copies
+        reqs = [{"A": rng.random((2, 4), np.float32), "B": np.full((2, 4), float(k), np.float32)} for k in range(7)]
+        got = list(g.run_many(reqs))
+        assert len(got) == 7
+        for r, (out,) in zip(reqs, got):
+            np.testing.assert_array_equal(out, r["A"] + r["B"])
+        assert list(g.run_many([])) == []
+        views = [out[0].copy() for out in g.run_many(iter(reqs[:3]), copy_outputs="pinned")]
+        for r, v in zip(reqs, views):
+            np.testing.assert_array_equal(v, r["A"] + r["B"])
+        np.testing.assert_array_equal(g.run({"A": a0, "B": a0})[0], 2 * a0)  # run() after the iterator ended
+
+
+def test_run_many_refusals(backend, rng):
+    sess = backend.session(tiny.add_model())
+    a = rng.random((2, 4), np.float32)
+    with pytest.raises(ortcapture.CaptureError, match="copies"):
+        sess.capture({"A": a, "B": a}, verify=False, copies=0)
+    with pytest.raises(ortcapture.CaptureError, match="copies"):
+        sess.capture({"A": a, "B": a}, verify=False, copies=True)
+    rec = backend.session(tiny.recurrent_model())
+    with pytest.raises(ortcapture.CaptureError, match="state"):
+        rec.capture({"x": np.zeros((1, 8), np.float32), "state_in": np.zeros((1, 8), np.float32)},
+                    state={"state_out": "state_in"}, verify=False, copies=2)
+    g = sess.capture({"A": a, "B": a}, verify=False, copies=2)
+    with pytest.raises(ortcapture.TransferError, match="copy_outputs"):
+        g.run_many([], copy_outputs=False)
+    it = g.run_many([{"A": a, "B": a}, {"A": a}, {"A": a, "B": a}])  # the second misses B
+    np.testing.assert_array_equal(next(it)[0], 2 * a)
+    with pytest.raises(ortcapture.TransferError, match="every input"):
+        next(it)
+    it = g.run_many([{"A": a, "B": a}, {"A": a, "B": np.zeros((3, 4), np.float32)}])
+    np.testing.assert_array_equal(next(it)[0], 2 * a)
+    with pytest.raises(ortcapture.TransferError):
+        next(it)
+    twin = g._copies[0]
+    g.release()
+    assert twin.released  # the copies go with the graph
+    with pytest.raises(ortcapture.GraphReleasedError):
+        list(g.run_many([{"A": a, "B": a}]))
+
+
+class _ModelStaging:
+    """A stand-in for pinned staging on any backend (its copies done by the thread that waits), to check run_many's
+    pipeline: the order of its steps, the lookahead and lag, and who may touch which buffers when."""
+
+    kind = "pinned"
+    pinned = True
+    device_id = 0
+
+    def __init__(self, graph, log):
+        self.g = graph
+        self.log = log
+        self.host_inputs = {n: ortcapture.to_numpy(v) for n, v in graph.inputs.items()}
+        self.host_outputs = {n: ortcapture.to_numpy(v) for n, v in graph.outputs.items()}
+        self.queued = {}
+
+    def takes(self, name, arr):
+        own = self.host_inputs[name]
+        return arr.shape == own.shape and arr.dtype == own.dtype
+
+    def upload_async(self, host, settle_first=True):
+        self.log.append(("send", id(self), threading.current_thread().name))
+        for n, arr in host.items():
+            if arr is not self.host_inputs[n]:
+                np.copyto(self.host_inputs[n], arr)
+            self.queued[n] = self.host_inputs[n].copy()  # what a DMA of that moment would carry
+
+    def fill(self, host):
+        self.log.append(("fill", id(self), threading.current_thread().name))
+        for n, arr in host.items():
+            np.copyto(self.host_inputs[n], arr)
+
+    def wait(self):
+        for n, arr in self.queued.items():
+            ortcapture.update_inplace(self.g.inputs[n], arr)
+        self.queued.clear()
+
+    def read(self, names):
+        self.log.append(("read", id(self)))
+        for n in names:
+            np.copyto(self.host_outputs[n], ortcapture.to_numpy(self.g.outputs[n]))
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+@pytest.mark.parametrize("mode", [True, "pinned"])
+def test_run_many_pipeline_logic(backend, rng, copies, mode):
+    sess = backend.session(tiny.affine_model())
+    x0 = rng.random((2, 4), np.float32)
+    log = []
+    with sess.capture({"X": x0}, verify=False, copies=copies) as g:
+        for member in (g, *g._copies):
+            member._pin_ok = True
+            member._staging = _ModelStaging(member, log)
+        xs = [rng.random((2, 4), np.float32) for _ in range(6)]
+        seen = []
+        for k, (y,) in enumerate(g.run_many(({"X": x} for x in xs), copy_outputs=mode)):
+            np.testing.assert_array_equal(y, xs[k] * 2 + 1)
+            seen.append(y if mode is True else None)
+            with pytest.raises(ortcapture.CaptureError, match="run_many"):  # its buffers are the iterator's
+                g.run({"X": x0})
+        assert len(seen) == 6
+        helper = [e for e in log if e[0] in ("send", "fill") and e[2].startswith("ortcapture-run-many")]
+        assert len(helper) == 5  # every request after the first is staged by the helper during a replay
+        assert {e[0] for e in helper} == ({"send"} if copies > 1 else {"fill"})
+        np.testing.assert_array_equal(g.run({"X": x0})[0], x0 * 2 + 1)  # the iterator let go of the graph
+        # a bad request: every one before it comes out (the lagging one included), then the error
+        bad = [{"X": xs[0]}, {"X": xs[1]}, {"X": xs[2]}, {"X": np.zeros((3, 4), np.float32)}, {"X": xs[3]}]
+        it = g.run_many(bad, copy_outputs=mode)
+        for k in range(3):
+            np.testing.assert_array_equal(next(it)[0], xs[k] * 2 + 1)
+        with pytest.raises(ortcapture.TransferError):
+            next(it)
+        np.testing.assert_array_equal(g.run({"X": x0})[0], x0 * 2 + 1)
+        it = g.run_many({"X": x} for x in xs)  # closed half way: the graph is free again
+        next(it)
+        it.close()
+        np.testing.assert_array_equal(g.run({"X": x0})[0], x0 * 2 + 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("copies", [1, 2])
+def test_cuda_run_many_overlapped_is_exact(cuda, rng, copies):
+    """Real page-locked staging, streams and events: 40 requests of a 12 MB input through run_many give exactly
+    the outputs of one run each (a refill racing its previous copy, or a readback racing the replay, would not)."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    shape = (3, 1000, 1000)
+    sess = cuda.session(tiny.affine_model(shape))
+    with sess.capture({"X": np.zeros(shape, np.float32)}, copies=copies) as g:
+        assert g.host_staging == "pinned" and g.copies == copies
+        xs = [rng.random(shape, dtype=np.float32) for _ in range(4)]
+        reqs = [{"X": xs[k % 4] + k} for k in range(40)]
+        for mode in (True, "pinned"):
+            for k, (y,) in enumerate(g.run_many(reqs, copy_outputs=mode)):
+                np.testing.assert_array_equal(y, reqs[k]["X"] * 2 + 1)
+        np.testing.assert_array_equal(g.run({"X": xs[0]})[0], xs[0] * 2 + 1)

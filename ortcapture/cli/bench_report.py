@@ -14,8 +14,10 @@ ARMS = {
     "raw_capture": "raw ORT capture (IOBinding)",
     "captured_ortvalue": "CapturedGraph.run(OrtValue)",
     "captured_numpy": "CapturedGraph.run(numpy)",
+    "captured_pinned": "run(host_inputs, copy_outputs='pinned')",
+    "captured_overlap": "run_many(numpy), copies=2, per request",
 }
-CAPTURE_ARMS = ("raw_capture", "captured_ortvalue", "captured_numpy")
+CAPTURE_ARMS = ("raw_capture", "captured_ortvalue", "captured_numpy", "captured_pinned", "captured_overlap")
 
 
 def _stats(per_process: list[dict]) -> dict:
@@ -25,7 +27,7 @@ def _stats(per_process: list[dict]) -> dict:
     from ortcapture.cli import timing
 
     stats = {}
-    for arm in ARMS:
+    for arm in [a for a in ARMS if all(a in w["samples_us"] for w in per_process)]:  # older workers: fewer arms
         runs = [np.asarray(w["samples_us"][arm], dtype=np.float64) for w in per_process]
         s = timing.summary(np.concatenate(runs))
         p50s = [float(np.percentile(r, 50)) for r in runs]
@@ -38,6 +40,8 @@ def _stats(per_process: list[dict]) -> dict:
         for i in range(len(per_process))
     ]
     speedup = {
+        **({"pinned_vs_numpy": p["captured_numpy"] / p["captured_pinned"]} if "captured_pinned" in p else {}),
+        **({"overlap_vs_numpy": p["captured_numpy"] / p["captured_overlap"]} if "captured_overlap" in p else {}),
         "captured_vs_iobinding": p["iobinding"] / p["captured_ortvalue"],
         "captured_numpy_vs_plain": p["plain"] / p["captured_numpy"],
         "captured_vs_plain": p["plain"] / p["captured_ortvalue"],
@@ -86,6 +90,11 @@ def _print_batch(entry: dict, procs: int, iters: int, capture: bool) -> None:
     sp, ov = entry["speedup"], entry["overhead"]
     print(f"  captured vs IOBinding without graph: {sp['captured_vs_iobinding']:.2f}x; captured(numpy) vs plain "
           f"run: {sp['captured_numpy_vs_plain']:.2f}x; raw capture vs IOBinding: {sp['raw_capture_vs_iobinding']:.2f}x")
+    if "captured_pinned" in stats and "captured_overlap" in stats:
+        dev = stats["captured_ortvalue"]["p50_us"]
+        print(f"  host I/O over CapturedGraph.run(OrtValue): host_inputs + pinned views "
+              f"{stats['captured_pinned']['p50_us'] / dev:.2f}x, numpy {stats['captured_numpy']['p50_us'] / dev:.2f}x;"
+              f" run_many throughput {100 * dev / stats['captured_overlap']['p50_us']:.0f}% of it")
     per = ", ".join(f"{r:.3f}" for r in ov["ortcapture_over_raw_per_process"])
     print(f"  ortcapture / raw capture (p50): {ov['ortcapture_over_raw']:.3f}x "
           f"({ov['ortcapture_minus_raw_us']:+.1f} µs);"
@@ -109,9 +118,9 @@ def plot(result: dict, path: str) -> None:
 
     batches = result["batches"]
     capture = result["graph_capture"]
-    arms = list(ARMS)
+    arms = [a for a in ARMS if a in batches[0]["samples_us"]]
     colors = {"plain": "#9e9e9e", "iobinding": "#616161", "raw_capture": "#1f77b4", "captured_ortvalue": "#ff7f0e",
-              "captured_numpy": "#ffbb78"}
+              "captured_numpy": "#ffbb78", "captured_pinned": "#2ca02c", "captured_overlap": "#98df8a"}
     fig = Figure(figsize=(11, 4.2 * len(batches)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(batches), 1, squeeze=False)[:, 0]
