@@ -174,3 +174,12 @@ def _concurrent(name: str) -> None:
 
 def test_run_async_is_serialised_beside_another_sessions_replays(backend):
     _concurrent(backend.name)
+
+
+def test_run_options_of_the_wrong_type_get_orts_error_type(patched_session, rng):
+    sess, raw = patched_session
+    x = rng.random((2, 4), np.float32)
+    for bad in ({"gpu_graph_id": "-1"}, "terminate"):
+        want = _ort_error(lambda: raw.run(None, {"X": x}, bad))
+        got = _ort_error(lambda: sess.run(None, {"X": x}, bad))
+        assert type(got) is type(want) is TypeError

@@ -57,6 +57,7 @@ def graph_id_of(run_options: ort.RunOptions | None) -> int:
     """The ``gpu_graph_id`` a run uses: the run config entry, default 0. Raises :class:`CaptureError` if not an int."""
     if run_options is None:
         return 0
+    _check_run_options(run_options)
     try:
         entry = run_options.get_run_config_entry(GRAPH_ID_KEY)
     except RuntimeError:
@@ -67,6 +68,13 @@ def graph_id_of(run_options: ort.RunOptions | None) -> int:
         return check_graph_id(int(entry))
     except ValueError:
         raise CaptureError(f"run option {GRAPH_ID_KEY!r} must be an integer, got {entry!r}") from None
+
+
+def _check_run_options(run_options) -> None:
+    """``TypeError`` (the type ORT's ``run`` raises for it) for run options that are no ``onnxruntime.RunOptions``,
+    before ortcapture reads them (a builtin ``AttributeError`` otherwise)."""
+    if not isinstance(run_options, ort.RunOptions):
+        raise TypeError(f"run_options must be an onnxruntime.RunOptions or None, got {type(run_options).__name__}")
 
 
 #: ORT parses gpu_graph_id as a 32-bit int ("Failed to parse the cuda graph annotation id" beyond that).
@@ -99,6 +107,7 @@ def explicit_graph_id(run_options) -> bool:
     """Whether ``run_options`` names a ``gpu_graph_id`` at all (ORT's default, 0, is then not what the caller meant)."""
     if run_options is None:
         return False
+    _check_run_options(run_options)
     try:
         return bool(run_options.get_run_config_entry(GRAPH_ID_KEY))
     except RuntimeError:
