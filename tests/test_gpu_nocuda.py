@@ -138,9 +138,12 @@ def test_serve_refuses_naming_the_cause(probe, work):
     proc = run("-m", "ortcapture", "serve", "--help", cwd=work)
     if proc.returncode != 0:
         pytest.skip("no `ortcapture serve` in this checkout")
-    proc = run("-m", "ortcapture", "serve", str(work / "add.onnx"), cwd=work, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert own_lines(proc.stderr)[-1].startswith(f"ortcapture serve: {probe['refusal']}"), proc.stderr
+    (work / "batch.onnx").write_bytes(tiny.round_model(("batch", 4)))  # serve needs a dynamic batch dim
+    for provider in ("auto", "cuda"):  # refused before Ray is needed (this venv has none)
+        proc = run("-m", "ortcapture", "serve", str(work / "batch.onnx"), "--provider", provider, cwd=work,
+                   timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert own_lines(proc.stderr)[-1].startswith(f"ortcapture serve: {probe['refusal']}"), proc.stderr
 
 
 def test_selftest_says_not_testable_with_the_full_cause(probe, work):

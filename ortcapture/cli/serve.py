@@ -18,8 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="model name in the URLs (default: the file stem)")
     p.add_argument("--buckets", default="1,2,4,8", help="batch sizes with a captured graph each (default 1,2,4,8)")
     p.add_argument("--provider", default="auto", choices=["auto", "cuda", "webgpu", "cpu"],
-                   help="auto: CUDA if onnxruntime-gpu has it, else WebGPU; cpu: the CPU EP without capture "
-                        "(a baseline)")
+                   help="auto: CUDA if onnxruntime-gpu's CUDA EP loads (refused when it is installed and does "
+                        "not), else WebGPU; cpu: the CPU EP without capture (a baseline)")
     p.add_argument("--replicas", type=int, default=1, help="model replicas, one session each (default 1)")
     p.add_argument("--gpus-per-replica", type=float, default=None,
                    help="Ray GPUs per replica (default 1 for cuda, 0 otherwise; 0.5 puts two on one GPU)")
@@ -74,6 +74,13 @@ def run(args) -> int:
 
     options = options_from(args)
     config.model_layout(options)  # the model's layout is servable: checked before Ray starts
+    if options.provider in ("auto", "cuda"):
+        from ortcapture._ort import cuda_probe
+
+        broken = cuda_probe.refusal()  # onnxruntime-gpu whose CUDA EP does not load: the machine's set-up, said first
+        if broken:
+            raise CaptureError(broken + ("; --provider webgpu serves on WebGPU instead" if options.provider == "auto"
+                                         else ""))
     try:
         import ray  # noqa: F401 - only to say what is missing
         from ray import serve  # noqa: F401
@@ -82,7 +89,7 @@ def run(args) -> int:
     if options.provider in ("auto", "cuda", "webgpu"):
         if options.provider != "cuda":
             _say(f"choosing the provider ({options.provider}; WebGPU is probed in a child process)")
-        provider = pick_provider(options.provider)
+        provider = pick_provider(options.provider, cuda_must_load=True)
     else:
         provider = "cpu"
     from ortcapture.serving import deployment
