@@ -43,6 +43,10 @@ def worker(opts) -> dict:
         print(f"{_PROGRESS} {done} {total} {phase}", file=sys.stderr, flush=True)
 
     progress(0, 0, "sessions and capture")
+    if provider == "cuda":  # NVIDIA's pip libraries preloaded before the raw arms' first CUDA session: every arm
+        from ortcapture._ort import cuda_probe  # then runs on the same library copies (not the loader cache's)
+
+        cuda_probe.status()
 
     plain = ort.InferenceSession(model, **session_args(provider, False, ep_options, **sess_kw))  # plain, iobinding
     raw = ort.InferenceSession(model, **session_args(provider, capture, ep_options, **sess_kw))  # raw_capture arm
