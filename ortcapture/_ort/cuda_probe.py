@@ -7,8 +7,9 @@ file" and silently gives a CPU session (measured: onnxruntime-gpu 1.31.1 on a ma
 Parsing that log is not reliable, so :func:`status` asks the dynamic loader and the CUDA runtime itself:
 
 1. ``onnxruntime.preload_dlls()`` (ORT >= 1.21) first, where NVIDIA's pip packages (``nvidia/cu13/lib``,
-   ``nvidia/cublas/lib``, ``nvidia/cudnn/lib`` ...) are installed, as ORT documents for pip-installed CUDA. It
-   prints to stdout, which is captured (``--json`` output stays clean). ORT only looks beside its own
+   ``nvidia/cublas/lib``, ``nvidia/cudnn/lib`` ...) are installed and no other cuBLASLt is loaded yet (ORT got
+   there first: the pip copies would only be mapped beside it), as ORT documents for pip-installed CUDA. It prints to
+   stdout, which is captured (``--json`` output stays clean). ORT only looks beside its own
    site-packages; when the packages live in another ``sys.path`` entry (ORT installed with ``--target`` or put on
    ``PYTHONPATH``), their CUDA >= 13 folder is passed as ``directory=``;
 2. ``ctypes.CDLL`` of ``libonnxruntime_providers_shared.so`` (``RTLD_GLOBAL``, as ORT loads it) and then of ORT's
@@ -227,6 +228,11 @@ def _preload(ort, major: int | None) -> tuple[str, str]:
     cudnn = next((r for r in roots if os.path.isfile(os.path.join(r, "nvidia/cudnn/lib", CUDNN_LIBRARY))), None)
     if where is None and cudnn is None:
         return "not called: no NVIDIA pip packages (nvidia/...) on sys.path", ""
+    loaded = _maps().get(f"libcublasLt.so.{major}")
+    pip_copy = os.path.join(where, cuda_dir, f"libcublasLt.so.{major}") if where else None
+    if loaded and (pip_copy is None or os.path.realpath(loaded) != os.path.realpath(pip_copy)):
+        # ORT (or torch) loaded another copy already: preloading the pip ones by path would map a second one beside it
+        return f"not called: libcublasLt.so.{major} was loaded already, from {loaded}", ""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         if where in (None, own) and cudnn in (None, own):
