@@ -52,6 +52,11 @@ without an adapter ends the process — else none):
 * **int64 beyond int32** (WebGPU) — int64 inputs fed ``2**32 + v`` to a capture-enabled session (uncaptured run)
   and to one without capture: ORT's WebGPU EP runs int64 as 32-bit under ``enableGraphCapture=1``, so a difference
   is reported (``int64_as_int32``; ortcapture refuses such feeds, and int64 arithmetic nodes at construction).
+* **EP accuracy** (``ep_accuracy``, a warning) — the uncaptured EP run against ORT's CPU EP on the same feeds; where
+  they differ beyond tolerance, the first node whose output differs (intermediate outputs added to a copy of the
+  model, bisected in topological order; nodes inside ``If``/``Loop`` bodies and fusions an extra output changes are
+  out of its reach, and it says so). Never a refusal: verification judges a capture against the same EP
+  (:mod:`ortcapture.cli.doctor_accuracy`).
 * **a real capture** — ``ortcapture.InferenceSession(MODEL, <capture on>).capture(feeds)`` with random feeds of
   the given (or derived) shapes, one replay with other random feeds, compared with an uncaptured run. Outcome:
   captured directly, captured via shape specialization, refused (with ORT's reason), or replay mismatch. A
@@ -71,7 +76,8 @@ cause and keeps the static findings, without the placement findings that would f
 capture-capable EP here, e.g. WebGPU without an adapter — and the static checks found no blocker), with "what to
 change" lines. ``--json`` prints one JSON object instead of the report.
 
-Layout: the static checks are in :mod:`ortcapture.cli.doctor_static`, the dynamic ones in :mod:`ortcapture.cli.doctor_live`;
+Layout: the static checks are in :mod:`ortcapture.cli.doctor_static`, the dynamic ones in :mod:`ortcapture.cli.doctor_live`
+(the EP-accuracy search in :mod:`ortcapture.cli.doctor_accuracy`);
 this module parses the command line, combines their findings into the verdict and prints the report.
 """
 from __future__ import annotations

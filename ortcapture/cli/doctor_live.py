@@ -579,6 +579,7 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
 
     Raises :class:`DoctorError` when ORT cannot even create an uncaptured session for the model."""
     from ortcapture._ort import specialize as shapes
+    from ortcapture.cli.doctor_accuracy import ep_accuracy
 
     say = progress or (lambda msg: None)
     ep = _EP_NAMES[provider]
@@ -624,6 +625,8 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
         log.set_phase(_PHASE_CAPTURE)
         capture = attempt_capture(model_path, provider, feeds0, feeds1, want, tol, ep_options)
         probe = int64_probe(model_path, model, provider, feeds1, ep_options)
+    say("EP accuracy: the uncaptured run against the CPU EP")
+    accuracy = ep_accuracy(model_path, provider, ep, feeds1, want, ep_options, progress)
     # ORT logs its refusal before raising: a more precise reason than the wrapped exception
     refusals = [m for sev, _, m, ph in log.records if ph == _PHASE_CAPTURE and sev >= 3 and "graph capture" in m]
     if refusals and capture["outcome"] == "refused":
@@ -639,6 +642,8 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
     if not stable[0]:
         findings.append(_unstable_finding(ep, stable, ep_options))
     findings += _log_findings(log.records)
+    if accuracy is not None:  # the EP's own results against the CPU EP: a warning, never a refusal
+        findings.append(accuracy)
     if probe is not None and not (probe.kind == "int64_as_int32" and capture.get("kind") == "int64_as_int32"):
         findings.append(probe)
     findings.append(_capture_finding(model, ep, example, capture, list(static) + findings))
