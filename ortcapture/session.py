@@ -736,7 +736,7 @@ class InferenceSession(OrtInferenceSession):
                 graph's own session with ``gpu_graph_id=-1``, exactly; a graph on a shape-specialised sibling the
                 shape-deferred base session, within ``ortcapture._verify.compare.DEFAULT_RTOL`` relative to each
                 output's max. The example is then restored exactly into the inputs, the ``state=`` inputs and the
-                outputs. At ``"full"`` on WebGPU the example is also run once per session on ORT's CPU EP: outputs
+                outputs. At ``"full"`` the example is also run once per session on ORT's CPU EP: outputs
                 beyond that tolerance give one :class:`~ortcapture.errors.EPAccuracyWarning` (the EP's accuracy,
                 never a refusal). Cost: two replays and two reference runs at ``"full"`` (see
                 benchmarks/bench_verify.py).

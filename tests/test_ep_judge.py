@@ -39,10 +39,10 @@ def test_chaotic_recurrence_captures_on_its_ep_and_reports_cpu_difference_once(b
     ep_state = sess.run(["state_out"], {"state_in": x0}, run_options_for(-1))[0]
     differs = np.abs(cpu_state - ep_state).max() > 1e-2
     if backend.device_type == "webgpu":
-        assert differs  # the model does what it is for: the EPs disagree after one run of 32 steps
-        assert len(ep_warnings) == 1 and "not a capture fault" in str(ep_warnings[0].message)
-    else:
-        assert not ep_warnings  # CUDA's judge was always the same session; no CPU comparison there
+        assert differs  # the model does what it is for: the EPs disagree after one run of 32 steps (measured)
+    assert len(ep_warnings) == int(differs)  # reported apart, once, exactly where the EP differs from the CPU EP
+    if differs:
+        assert "not a capture fault" in str(ep_warnings[0].message)
     # many steps carried as state=: the replay equals the uncaptured run of the same EP bit for bit
     state = x0
     for _ in range(20):
