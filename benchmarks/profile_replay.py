@@ -47,7 +47,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 #: case name -> (model, batch)
-CASES = {"tiny": ("tiny", 1), "yolo1": ("reference", 1), "yolo8": ("reference", 8)}
+CASES = {"tiny": ("tiny", 1), "yolo1": ("reference", 1), "yolo8": ("reference", 8),
+         "affine8": ("affine", 8)}  # YOLOv8n's batch-8 input (8x3x320x320) through a 2-node model: transfers only
+#: the cases that also time numpy in -> numpy out and a stream of requests
+HOST_IO_CASES = ("yolo8", "affine8")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,6 +139,12 @@ def worker(args) -> dict:
 
         model = tiny.affine_model((1, 64))
         name, shape = "X", (1, 64)
+    elif model_kind == "affine":
+        from tests import tiny
+
+        shape = (batch, 3, 320, 320)
+        model = tiny.affine_model(shape)
+        name = "X"
     else:
         from ortcapture.cli import models
 
@@ -323,7 +332,7 @@ def _spawn(tree: str | None, case: str, args) -> dict | None:
            "--iters", str(args.iters), "--json-out", path]
     if tree:
         cmd += ["--pkg", tree]
-    if case == "yolo8":
+    if case in HOST_IO_CASES:
         cmd += ["--numpy", "--stream", str(args.stream), "--stream-rounds", str(args.stream_rounds)]
     else:
         cmd += ["--stream", "0"]
@@ -375,7 +384,7 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=5)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--cases", default="tiny,yolo1,yolo8", help=f"comma list of {sorted(CASES)}")
-    ap.add_argument("--stream", type=int, default=64, help="requests per stream pass (yolo8)")
+    ap.add_argument("--stream", type=int, default=64, help="requests per stream pass (yolo8, affine8)")
     ap.add_argument("--stream-rounds", type=int, default=3)
     ap.add_argument("--worker-timeout", type=float, default=300)
     ap.add_argument("--out", help="JSON path (default $OUT/profile_replay.json, else none)")

@@ -82,6 +82,21 @@ class ReplayOutput(OrtValue):
         return super().__dlpack__(stream=stream)
 
 
+_new = object.__new__
+
+
+def _wrap(value: OrtValue, cvalue, session, graph: "CapturedGraph", generation: int) -> ReplayOutput:
+    """``ReplayOutput(value, graph, generation)`` with the fields read from ``value`` given (the replay plan's)."""
+    r = _new(ReplayOutput)
+    r._ortvalue = cvalue  # noqa: SLF001 - the same writes as ReplayOutput.__init__
+    r._numpy_obj = None  # noqa: SLF001
+    r._session = session  # noqa: SLF001
+    r._fixed = value  # noqa: SLF001
+    r._graph = graph  # noqa: SLF001
+    r._generation = generation  # noqa: SLF001
+    return r
+
+
 def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, numpy dtype) of an example feed: numpy array (0-d included), OrtValue or DLPack tensor; raises
     :class:`TransferError` naming the input and the type for anything else (:func:`ortcapture.transfer.source_spec`)."""
@@ -346,7 +361,7 @@ class CapturedGraph:
                             transfer.copy(self._state_src, self._state_dst)
                         if copy_outputs is False:
                             gen = self._generation + 1  # its value once this returns
-                            return [ReplayOutput(v, self, gen) for v in self._output_list]
+                            return [_wrap(v, c, s, self, gen) for v, c, s in self._wrap_list]
                         if out is None and copy_outputs is True and not self._pin_ok:
                             return [transfer.to_numpy(v) for v in self._output_list]
                         return self._host_outputs(copy_outputs, out)
@@ -725,9 +740,12 @@ class CapturedGraph:
         with self._cs.guard:  # two concurrent releases must not release a graph re-captured under the id
             if self._released:
                 return
+            pinned = self._staging is not None and self._staging.pinned
             if self._captured:
                 self._cs.release(self.graph_id)  # ends in detach()
             self.detach()
+            if pinned:  # its page-locked buffers (unless an array still views them), stream and events
+                transfer.free_released_staging()
         if self._captured:
             _compact.maybe_compact(self._cs.family)  # outside the guard: it takes the capture guard
 
@@ -809,6 +827,8 @@ class CapturedGraph:
         ref = weakref.ref(self)
         factory = (lambda: ref()._staging_now()) if self._pin_ok else None  # noqa: SLF001 - no graph <-> targets cycle
         self._targets = transfer.FeedTargets(self.inputs, gate, st, factory)
+        # ReplayOutput's fields known ahead: (buffer, its C OrtValue, its session)
+        self._wrap_list = [(v, compat.c_value(v), getattr(v, "_session", None)) for v in self._output_list]
         self._replay = cs.replayer(self._binding, self._run_options, self._record) if self._record is not None \
             else None
 
@@ -824,6 +844,7 @@ class CapturedGraph:
     def _drop_buffers(self) -> None:
         self._binding = None
         self._targets = None
+        self._wrap_list = []
         self._replay = None
         self._staging = None
         self._state_src = self._state_dst = []

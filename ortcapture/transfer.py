@@ -424,7 +424,7 @@ class FeedTargets:
         self.staging = staging
         #: ``() -> HostStaging``: makes the staging on the first numpy feed (graphs with pinned staging), or None
         self.make_staging = make_staging
-        self._last: dict[str, tuple] = {}  # name -> (weakref to the source, copy(dst, src), dst)
+        self._last: dict[str, tuple] = {}  # name -> (weakref to the source, copy(src) into the buffer)
 
     def __getitem__(self, name: str) -> OrtValue:
         return self.buffers[name]
@@ -446,7 +446,7 @@ class FeedTargets:
                 if hit is not None and hit[0]() is value and COPY_BACKEND is None:
                     if UNSETTLED:
                         settle()
-                    hit[1](hit[2], value)
+                    hit[1](value)
                     return
                 dst = self.buffers.get(name)
                 if dst is None:
@@ -470,7 +470,7 @@ class FeedTargets:
             if UNSETTLED:
                 settle()
             for h, v in zip(hits, feeds.values()):
-                h[1](h[2], v)
+                h[1](v)
             return
         staging = self.staging
         if staging is None and self.make_staging is not None and any(type(v) is np.ndarray for v in feeds.values()):
@@ -501,28 +501,15 @@ class FeedTargets:
             self._last.pop(name, None)
             return
         try:
-            self._last[name] = (weakref.ref(src), fn, dst)
+            self._last[name] = (weakref.ref(src), fn)
         except TypeError:
             self._last.pop(name, None)
 
 
-def _d2d_gated(dst: OrtValue, src: OrtValue) -> None:
-    with _CUDA_SHARED:
-        dst.update_inplace(src)
-
-
-def _d2d_held(dst: OrtValue, src: OrtValue) -> None:  # the caller holds CUDA_GATE.shared
-    dst.update_inplace(src)
-
-
-def _webgpu_copy(dst: OrtValue, src: OrtValue) -> None:
-    with WEBGPU_LOCK:
-        compat.ort_copy_tensors([src], [dst], None)
-
-
 def _direct_copier(dst: OrtValue, src: Any, gate_held: bool):
-    """How :class:`FeedTargets` copies ``src`` into ``dst`` next time without checking it again, or ``None`` where
-    it must be checked every time (see there). Called after :func:`update_inplace` accepted the pair."""
+    """``copy(src)`` into ``dst`` for :class:`FeedTargets` to use next time without checking ``src`` again, or
+    ``None`` where it must be checked every time (see there). Called after :func:`update_inplace` accepted the pair.
+    The caller holding the CUDA gate: ORT's ``dst.update_inplace`` itself."""
     if type(src) is not _ORTVALUE:
         return None
     sm = getattr(src, "_ortcapture_meta", None)
@@ -530,10 +517,21 @@ def _direct_copier(dst: OrtValue, src: Any, gate_held: bool):
     if sm is None or dm is None or sm.dtype is None or sm.dtype != dm.dtype or sm.shape != dm.shape:
         return None
     if _fast_pair(sm, dm, src):
-        return _d2d_held if gate_held else _d2d_gated
+        if gate_held:
+            return dst.update_inplace
+
+        def d2d(s, dst=dst):
+            with _CUDA_SHARED:
+                dst.update_inplace(s)
+        return d2d
     if (sm.kind == "webgpu" == dm.kind and COPY_BACKEND is None and compat.has_copy_tensors()
             and _alias(src, sm, dst, dm) is None):
-        return _webgpu_copy
+        targets, copy_tensors = [dst], compat.ort_copy_tensors
+
+        def webgpu(s):
+            with WEBGPU_LOCK:
+                copy_tensors([s], targets, None)
+        return webgpu
     return None
 
 
@@ -553,6 +551,14 @@ def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> Non
             which also precede its copy), so a refused call changes nothing.
     """
     if type(buffers) is FeedTargets:  # a graph's replay: sources validated before are copied straight away
+        if type(feeds) is dict and len(feeds) == 1 and COPY_BACKEND is None:
+            for name, value in feeds.items():  # the replay hot path: one remembered source
+                hit = buffers._last.get(name)  # noqa: SLF001 - FeedTargets is this module's
+                if hit is not None and hit[0]() is value:
+                    if UNSETTLED:
+                        settle()
+                    hit[1](value)
+                    return
         buffers.copy(feeds)
         return
     if type(feeds) is not dict and not isinstance(feeds, Mapping):
@@ -1164,6 +1170,16 @@ class HostStaging:
         names = list(self.outputs)
         out["readback of every output (device -> host buffers)"] = lambda: self.read(names)
         return out
+
+
+def free_released_staging() -> None:
+    """Free the page-locked blocks, streams and events of staging that is gone (queued by finalizers), now: under
+    ``CUDA_GATE.shared`` and not inside a capture (``CapturedGraph.release`` calls it; new staging does too)."""
+    from ortcapture._ort import cudart
+
+    if cudart.has_pending():
+        with CUDA_GATE.shared:
+            cudart.free_pending(CUDA_GATE.capturing)
 
 
 def _release_handles(handles) -> None:

@@ -276,9 +276,17 @@ class CaptureState:
         does for these arguments (a graph rebuilds it whenever its binding, run options or record change). Without
         host-read ``bind_cpu_input`` values to check and without WebGPU queue drains it is ORT's call and the
         count alone."""
-        if record.frozen or self.drain_every:
+        if record.frozen:
             return lambda: self.replay(binding, run_options, record)
         run = bound_runner(self.session, binding, run_options)
+        drain = self.drain_every
+        if drain:
+            def replay() -> None:
+                run()
+                record.replays += 1
+                if not record.replays % drain:
+                    _drain(record)
+            return replay
 
         def replay() -> None:
             run()

@@ -239,6 +239,11 @@ def release_later(kind: str, handle) -> None:
     _PENDING.append((kind, handle))
 
 
+def has_pending() -> bool:
+    """Whether :func:`release_later` queued anything not freed yet."""
+    return bool(_PENDING)
+
+
 def free_pending(capturing: bool) -> None:
     """Free what :func:`release_later` queued. The caller holds ``CUDA_GATE.shared``; ``capturing``: the calling
     thread itself is capturing (then nothing is freed: a free inside the capture would break it)."""
