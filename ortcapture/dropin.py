@@ -12,8 +12,8 @@ manager) replaces that name with :class:`AutoCaptureSession`, an :class:`ortcapt
   against the reference run: on CUDA the same session uncaptured), replayed afterwards;
 * never raises what ORT would not: a ``run()`` it cannot serve captured (more distinct shapes than ``max_graphs``, a
   graph whose check failed, an input missing, a refused capture) runs uncaptured (``gpu_graph_id=-1``) with one
-  warning per session and reason; ``run_with_ort_values``/``run_async`` and ``run_with_iobinding`` without an
-  explicit ``gpu_graph_id`` run uncaptured too;
+  warning per session and reason; ``run_with_ort_values``/``run_with_ortvaluevector``/``run_async`` and
+  ``run_with_iobinding`` without an explicit ``gpu_graph_id`` run uncaptured too;
 * behaves as ORT does for what no graph can serve, before any replay: run options a replay cannot honour
   (``terminate``), output names ORT refuses (an unknown name, a string), feeds that are no arrays (a numpy scalar
   ``np.float32(0.5)``; 0-d arrays are served) go to ORT's own run, which returns or raises as it does; ``run_async``
@@ -139,6 +139,16 @@ class AutoCaptureSession(InferenceSession):
             return super().run_with_ort_values(output_names, input_dict_ort_values, run_options)
         self._oc_warn("run_with_ort_values", "OrtValue feeds run uncaptured under patch_onnxruntime")
         return super().run_with_ort_values(output_names, input_dict_ort_values, _uncaptured(run_options))
+
+    def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices):
+        """ORT's ``run_with_ortvaluevector``: without an explicit ``gpu_graph_id`` uncaptured (one
+        ``RuntimeWarning`` per session), as ORT runs it, never a ``CaptureError``."""
+        if _explicit_graph_id(run_options) or not (self.capture_enabled or self.capture_deferred):
+            return super().run_with_ortvaluevector(run_options, feed_names, feeds, fetch_names, fetches,
+                                                   fetch_devices)
+        self._oc_warn("run_with_ortvaluevector", "run_with_ortvaluevector runs uncaptured under patch_onnxruntime")
+        return super().run_with_ortvaluevector(_uncaptured(run_options), feed_names, feeds, fetch_names, fetches,
+                                               fetch_devices)
 
     def run_async(self, output_names, input_feed, callback, user_data, run_options=None):
         """ORT's ``run_async``. It returns before the run, so it is never captured: without an explicit

@@ -183,3 +183,24 @@ def test_run_options_of_the_wrong_type_get_orts_error_type(patched_session, rng)
         want = _ort_error(lambda: raw.run(None, {"X": x}, bad))
         got = _ort_error(lambda: sess.run(None, {"X": x}, bad))
         assert type(got) is type(want) is TypeError
+
+
+def test_run_with_ortvaluevector_runs_as_ort_runs_it(patched_session, rng):
+    """A library's ``run_with_ortvaluevector`` (no gpu_graph_id) is ORT's run, not a CaptureError."""
+    from onnxruntime.capi import _pybind_state as C
+
+    from ortcapture._ort.compat import c_device
+
+    sess, raw = patched_session
+    x = rng.random((2, 4), np.float32)
+    out = sess.get_outputs()[0].name
+    cpu = c_device(ort.OrtDevice.make("cpu", 0))
+    results = []
+    for s in (raw, sess):
+        feeds, fetches = C.OrtValueVector(), C.OrtValueVector()
+        feeds.push_back(ort.OrtValue.ortvalue_from_numpy(x)._ortvalue)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            s.run_with_ortvaluevector(ort.RunOptions(), ["X"], feeds, [out], fetches, [cpu])
+        results.append(np.array(fetches[0].numpy()))
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6)
