@@ -171,12 +171,13 @@ def _memcpy_nodes(path: str) -> list[tuple[str, str, str]] | None:
 
 
 def placement_session(model, provider: str, tmpdir: str, tag: str, list_memcpy: bool,
-                      ep_options: Mapping[str, str] | None = None):
-    """An uncaptured session on ``provider`` that records node placement; returns ``(session, Placement)``."""
+                      ep_options: Mapping[str, str] | None = None, config: Mapping[str, str] = ()):
+    """An uncaptured session on ``provider`` that records node placement; returns ``(session, Placement)``.
+    ``config``: more session config entries (e.g. the external data folder of a model given as bytes)."""
     import onnxruntime as ort
 
     opt_path = os.path.join(tmpdir, f"optimized_{tag}.onnx") if list_memcpy else None
-    config = {RECORD_ASSIGNMENT_KEY: "1"}
+    config = {RECORD_ASSIGNMENT_KEY: "1", **dict(config)}
     try:
         sess = ort.InferenceSession(model, **_session_args(provider, False, config, opt_path, ep_options))
     except Exception:  # noqa: BLE001 - writing the optimized model can fail (compiled nodes): retry without it
@@ -579,6 +580,7 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
 
     Raises :class:`DoctorError` when ORT cannot even create an uncaptured session for the model."""
     from ortcapture._ort import specialize as shapes
+    from ortcapture._ort.model import EXTERNAL_FOLDER_KEY, ModelSource
     from ortcapture.cli.doctor_accuracy import ep_accuracy
 
     say = progress or (lambda msg: None)
@@ -601,8 +603,13 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
             say("placement: uncaptured session with the dims fixed")
             log.set_phase(_PHASE_FIXED)
             try:
-                fixed = shapes.fix_input_shapes(model_path, {n: example[n] for n in dynamic})
-                _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy, ep_options)
+                # the graph only (external weights stay on disk, found through their folder: past 2 GB protobuf
+                # cannot serialise the model with them)
+                source = ModelSource(model_path)
+                fixed = shapes.fix_input_shapes(source, {n: example[n] for n in dynamic})
+                folder = source.build_kwargs()["folder"]
+                _, fixed_placement = placement_session(fixed, provider, tmp, "fixed", list_memcpy, ep_options,
+                                                       {EXTERNAL_FOLDER_KEY: folder} if folder else {})
             except Exception:  # noqa: BLE001 - the capture attempt reports what ORT says
                 fixed_placement = None
         host = _host_read(plain, feeds0)
