@@ -33,6 +33,10 @@ has pytest_bench && step pytest_bench 120 python3 -m pytest -q -p no:cacheprovid
 has bench_nhwc && step bench_nhwc 300 $B --procs 5 --iters 300 --sync device --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc.json" --plot "$OUT/bench_nhwc.png"
 has bench_nhwc_rb && step bench_nhwc_rb 300 $B --procs 5 --iters 300 --provider-option prefer_nhwc=1 --json "$OUT/bench_nhwc_rb.json" --plot "$OUT/bench_nhwc_rb.png"
 has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/models/nudenet-3.4.2/320n.onnx" --provider cuda --json
+# issue 32: replay hot path and host staging, old code (.baseline/ortcapture = git archive 014dc30 ortcapture) vs new
+has profile_replay && step profile_replay 590 python3 benchmarks/profile_replay.py --provider cuda --baseline .baseline --procs 5 --cases tiny,yolo1 --out "$OUT/profile_replay_small.json"
+has profile_replay && step profile_replay_b8 590 python3 benchmarks/profile_replay.py --provider cuda --baseline .baseline --procs 5 --cases yolo8,affine8 --out "$OUT/profile_replay_b8.json"
+has pytest_staging && step pytest_staging 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_staging.py tests/test_cuda.py tests/test_capture.py tests/test_transfer.py tests/test_architecture.py
 has profile && step profile 200 python3 benchmarks/profile_gpu.py --json "$OUT/profile_gpu.json"
 has bench_multi && step bench_multi 180 python3 benchmarks/bench_multi_gpu.py --iters 300 --json "$OUT/bench_multi_gpu.json"
 # ORT's own Python tests (carried in the git-ignored .ort_tests/): raw ORT vs ortcapture installed
