@@ -130,3 +130,18 @@ def test_interrupted_state_graph_capture_keeps_initial_state(backend, interrupt_
     g = sess.capture({"state_in": s0}, state={"state_out": "state_in"})
     for k in range(1, 4):
         np.testing.assert_array_equal(g.run({})[0], s0 + k)
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["capturing_run", "bucket_verification"])
+def test_interrupted_bucket_capture_keeps_no_graph_and_blames_nothing(backend, interrupt_at, at):
+    """A bucket's capture or verification interrupted: the graph is released, the bucket is not marked refused,
+    and the next run captures it."""
+    sess = backend.session(tiny.dynamic_model(), buckets={"batch": [4]})
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    sess.run(None, {"X": x[:1]}, run_options_for(-1))  # warm, uncaptured
+    interrupt_at(at)
+    with pytest.raises(KeyboardInterrupt):
+        sess.run(None, {"X": x})
+    assert sess.captured_graphs == {} and sess.bucket_stats()["refused"] == 0
+    np.testing.assert_array_equal(sess.run(None, {"X": x})[0], x * 3)
+    assert sess.bucket_stats()["replayed"] == 1 and len(sess.captured_graphs) == 1

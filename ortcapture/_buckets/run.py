@@ -316,9 +316,10 @@ class BucketRunner:
             entry.threads.add(threading.get_ident())
             try:
                 self._verify(entry, feeds, sizes)
-            except CaptureError as exc:
+            except BaseException as exc:  # an interrupt too: no graph is left behind, and only a refusal is kept
                 graph.release()
-                self._entries[key] = _Refused(exc)
+                if isinstance(exc, CaptureError):
+                    self._entries[key] = _Refused(exc)
                 raise
             self._entries[key] = entry
             self._counts["captured"] += 1
