@@ -13,6 +13,9 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: optional dependencies that public modules import at import time (ortcapture.serving.deployment imports Ray):
+#: mocked while the surface is read, as in the docs build (``autodoc_mock_imports``); never needed installed
+OPTIONAL = ["ray"]
 #: public module -> ``"__all__"`` (its exported names) or ``None`` (every public function and class defined in it)
 PUBLIC = {"ortcapture": "__all__", "ortcapture.webgpu": None, "ortcapture.dropin": "__all__",
           "ortcapture.serving": "__all__"}
@@ -28,7 +31,16 @@ def _modules():
 
 
 def surface() -> dict[str, object]:
-    """``{dotted public name: object}``: every name a user can import from the public modules (modules included)."""
+    """``{dotted public name: object}``: every name a user can import from the public modules (modules included).
+
+    Names whose modules import an :data:`OPTIONAL` dependency resolve with it mocked (Sphinx's autodoc mock)."""
+    from sphinx.ext.autodoc.mock import mock
+
+    with mock(OPTIONAL):
+        return _surface()
+
+
+def _surface() -> dict[str, object]:
     out = {}
     for name, attr, module in _modules():
         if attr is None:

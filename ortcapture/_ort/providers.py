@@ -50,6 +50,7 @@ class CaptureInfo:
 
     @property
     def device_type(self) -> str:
+        """The OrtValue device name of the capturing EP's buffers: ``"cuda"`` or ``"webgpu"``."""
         return self.ep.device_type
 
     @property

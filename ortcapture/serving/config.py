@@ -2,7 +2,7 @@
 
 :class:`ServeOptions` holds every option; :meth:`ServeOptions.checked` resolves the defaults (name from the file
 stem, GPUs per replica from the provider, max batch size from the buckets) and refuses bad values with one clear
-:class:`~ortcapture.errors.CaptureError` each. :func:`model_spec` reads the model's inputs and outputs with onnx (no
+:class:`~ortcapture.errors.CaptureError` each. :func:`model_layout` reads the model's inputs and outputs with onnx (no
 session, no device) so the HTTP ingress can answer metadata before any replica is warm.
 """
 from __future__ import annotations

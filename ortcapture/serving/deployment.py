@@ -230,6 +230,8 @@ class IngressReplica:
         return self._ready
 
     async def infer(self, feeds: dict) -> dict:
+        """Run one request's checked ``feeds`` on a model replica: its answer, or ``{"error", "status": 503}`` when
+        no replica answers within :data:`REQUEST_TIMEOUT_S` seconds or none could run it."""
         if self.model is None:
             self.model = ray_serve.get_deployment_handle(MODEL_DEPLOYMENT, self._app)
         try:

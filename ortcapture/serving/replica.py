@@ -106,12 +106,16 @@ class PaddedSession:
         self._runs = self._rows = self._padded = 0
 
     def get_inputs(self):
+        """The wrapped session's ``get_inputs()`` (ORT's ``NodeArg`` list)."""
         return self.session.get_inputs()
 
     def get_outputs(self):
+        """The wrapped session's ``get_outputs()`` (ORT's ``NodeArg`` list)."""
         return self.session.get_outputs()
 
     def run(self, output_names, input_feed, run_options=None):
+        """The wrapped session's ``run``, with every input padded with zero rows along its batch axis to
+        :attr:`pad_to` rows and the outputs cut back to the request's rows (along the axes the probe runs found)."""
         rows = next(int(input_feed[n].shape[ax]) for n, ax in self._axes.items() if n in input_feed)
         pad = max(self.pad_to - rows, 0)
         if pad:
@@ -127,6 +131,8 @@ class PaddedSession:
         return [_cut(o, self._out_axes[n], rows) for n, o in zip(names, outs)]
 
     def bucket_stats(self) -> dict:
+        """Counts in the shape of :meth:`ortcapture.InferenceSession.bucket_stats`: every run is ``uncaptured``;
+        ``padding_waste`` is padded rows / rows run (0..1)."""
         with self._lock:
             return {"replayed": 0, "uncaptured": self._runs, "captured": 0, "oversize": 0, "buckets": {},
                     "refused": 0, "padding_waste": self._padded / max(self._rows + self._padded, 1)}

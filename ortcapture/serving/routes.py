@@ -3,15 +3,15 @@
 :class:`Router` answers one HTTP request given its method, path, headers and a way to read the body; the backend
 (the Ray ingress deployment, or a test double) says whether the model is ready and runs one request. Endpoints:
 
-==============================================  ======================================================
-``GET  /v2/health/live``                        200 while the server runs
-``GET  /v2/health/ready``                       200 once the model's replicas are warm, 503 before
-``GET  /v2``                                    server metadata
-``GET  /v2/models/{name}[/versions/{v}]``       model metadata (shapes with -1 for dynamic dims)
-``GET  /v2/models/{name}[/versions/{v}]/ready`` 200 / 503
-``POST /v2/models/{name}[/versions/{v}]/infer`` inference (JSON tensors, binary tensor data extension)
-``GET  /v2/models[/{name}[/versions/{v}]]/stats`` Triton's statistics extension + ``ortcapture`` per replica
-==============================================  ======================================================
+=================================================  ==========================================================
+``GET  /v2/health/live``                           200 while the server runs
+``GET  /v2/health/ready``                          200 once the model's replicas are warm, 503 before
+``GET  /v2``                                       server metadata
+``GET  /v2/models/{name}[/versions/{v}]``          model metadata (shapes with -1 for dynamic dims)
+``GET  /v2/models/{name}[/versions/{v}]/ready``    200 / 503
+``POST /v2/models/{name}[/versions/{v}]/infer``    inference (JSON tensors, binary tensor data extension)
+``GET  /v2/models[/{name}[/versions/{v}]]/stats``  Triton's statistics extension + ``ortcapture`` per replica
+=================================================  ==========================================================
 
 Errors are ``{"error": "..."}`` with 400 (bad request), 404 (unknown model, version or endpoint), 405 (method),
 413 (body past the cap), 503 (not ready, or no replica could take the request). Nothing a client sends gets a 5xx:
@@ -60,7 +60,8 @@ class Router:
         ready: ``async () -> bool``: whether a warm replica can take requests.
         infer: ``async (feeds) -> {"outputs": {name: numpy array}}`` or ``{"error": str, "status": int}`` (a 4xx for
             what the replica refuses, 503 where no replica could run it).
-        server_name / server_version: ``GET /v2``'s ``name`` and ``version``.
+        server_name: ``GET /v2``'s ``name``.
+        server_version: ``GET /v2``'s ``version``.
     """
 
     def __init__(self, spec: ModelSpec, ready: Callable[[], Awaitable[bool]],
