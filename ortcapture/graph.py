@@ -471,10 +471,10 @@ class CapturedGraph:
         for i, n in enumerate(self._output_names):
             dst = out.get(i) if out else None
             if dst is None:
-                res.append(host[n].copy())
+                res.append(transfer.host_copy(host[n]))
             else:
                 if dst is not host[n]:
-                    np.copyto(dst, host[n])
+                    transfer.host_copy(host[n], dst)
                 res.append(dst)
         return res
 
@@ -645,11 +645,11 @@ class CapturedGraph:
                 pending = i
             if error is not None:
                 if pending is not None:
-                    yield [st.host_outputs[name].copy() for name in names]
+                    yield [transfer.host_copy(st.host_outputs[name]) for name in names]
                 raise error
             if nxt is end:
                 if pending is not None:
-                    yield [st.host_outputs[name].copy() for name in names]
+                    yield [transfer.host_copy(st.host_outputs[name]) for name in names]
                 return
             feeds = nxt
             k += 1
@@ -945,4 +945,4 @@ def _stage_job(staging, host, send: bool, previous, names):
                 staging.fill(host)
     if previous is None:
         return None
-    return [previous.host_outputs[name].copy() for name in names]
+    return [transfer.host_copy(previous.host_outputs[name]) for name in names]

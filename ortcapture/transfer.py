@@ -1190,18 +1190,34 @@ def _release_handles(handles) -> None:
         cudart.release_later(kind, h)
 
 
+#: Host copies bigger than four times this are split over the staging threads (the calling thread takes a part)
+PARALLEL_MIN = 256 << 10
+
+
+def host_copy(src: np.ndarray, dst: np.ndarray | None = None) -> np.ndarray:
+    """``src`` (a host array) copied into ``dst`` (same shape and dtype; default a new array), split over the staging
+    threads where it is big and both are C-contiguous (numpy releases the GIL for the copies); returns ``dst``."""
+    if dst is None:
+        dst = np.empty_like(src)
+    n = src.nbytes
+    pool = _pool() if n > 4 * PARALLEL_MIN else None
+    if pool is None or not (src.flags.c_contiguous and dst.flags.c_contiguous):
+        np.copyto(dst, src)
+        return dst
+    s, d = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+    step = max(PARALLEL_MIN, -(-n // STAGING_THREADS))
+    futures = [pool.submit(np.copyto, d[a:a + step], s[a:a + step]) for a in range(step, n, step)]
+    try:
+        np.copyto(d[:step], s[:step])
+    finally:
+        for fut in futures:
+            fut.result()
+    return dst
+
+
 def _fill(flat: np.ndarray, arr: np.ndarray) -> None:
     """Copy ``arr``'s bytes into ``flat``, in chunks spread over the staging threads where there are several."""
-    src = arr.reshape(-1).view(np.uint8)
-    n = flat.size
-    pool = _pool() if n > 2 * STAGING_CHUNK else None
-    if pool is None:
-        np.copyto(flat, src)
-        return
-    futures = [pool.submit(np.copyto, flat[a:a + STAGING_CHUNK], src[a:a + STAGING_CHUNK])
-               for a in range(0, n, STAGING_CHUNK)]
-    for fut in futures:
-        fut.result()
+    host_copy(arr.reshape(-1).view(np.uint8), flat)
 
 
 def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream) -> None:

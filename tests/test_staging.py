@@ -263,6 +263,23 @@ def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, 
     assert sorted(k for k, _ in fake.freed).count("host") == 3
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_host_copy_splits_big_copies_exactly(monkeypatch, rng, threads):
+    monkeypatch.setattr(transfer, "STAGING_THREADS", threads)
+    monkeypatch.setattr(transfer, "_POOL", [])
+    for shape in [(), (0, 3), (7,), (3, 333, 1001)]:  # the last: ~4 MB, split over the threads
+        src = rng.random(shape).astype(np.float32)
+        out = transfer.host_copy(src)
+        assert out.shape == src.shape and out.dtype == src.dtype and not np.shares_memory(out, src)
+        np.testing.assert_array_equal(out, src)
+        into = np.empty_like(src)
+        assert transfer.host_copy(src, into) is into
+        np.testing.assert_array_equal(into, src)
+    strided = np.empty((3, 333, 2002), np.float32)[:, :, ::2]  # a non-contiguous target: numpy's own copy
+    transfer.host_copy(src, strided)
+    np.testing.assert_array_equal(strided, src)
+
+
 def test_pageable_staging_where_no_pinned_memory(backend, monkeypatch, rng):
     """WebGPU has no page-locked memory; with ORTCAPTURE_PINNED=0 (transfer.PINNED) CUDA graphs stage in ordinary
     host memory too: same API, same results."""
