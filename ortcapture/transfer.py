@@ -1019,8 +1019,10 @@ class HostStaging:
         if pinned:
             try:
                 self._make(inputs, outputs, metas, True)
-            except RuntimeError:  # out of page-locked memory: ordinary host memory works too
+            except Exception as exc:  # noqa: BLE001 - out of page-locked memory, a cuda-python that differs: pageable
                 pinned = False
+                self._stream, self._events = None, {}
+                _warn_pinned_once(exc)
         if not pinned:
             self._make(inputs, outputs, metas, False)
         self.pinned = pinned
@@ -1052,6 +1054,9 @@ class HostStaging:
                 self._events[name] = cudart.new_event(self.device_id)
                 handles.append(("event", self._events[name]))
             weakref.finalize(self, _release_handles, handles)
+            for event in self._events.values():  # every call the copies make, once: a failure shows here
+                cudart.record(event, self._stream)
+                cudart.wait_event(event)
         # the host inputs start as the graph's inputs are now (feeding all of them after filling one changes one)
         if pinned:
             if UNSETTLED:
@@ -1181,6 +1186,21 @@ def free_released_staging() -> None:
     if cudart.has_pending():
         with CUDA_GATE.shared:
             cudart.free_pending(CUDA_GATE.capturing)
+
+
+_WARNED: list = []
+
+
+def _warn_pinned_once(exc: BaseException) -> None:
+    """One RuntimeWarning per process when page-locked staging could not be set up (the graph stages in ordinary
+    host memory instead, as without cuda-python)."""
+    if not _WARNED:
+        _WARNED.append(exc)
+        import warnings
+
+        warnings.warn(f"ortcapture: page-locked host staging is unavailable ({type(exc).__name__}: {exc}); graphs "
+                      "stage host data in ordinary memory (slower host <-> device copies)", RuntimeWarning,
+                      stacklevel=4)
 
 
 def _release_handles(handles) -> None:

@@ -263,6 +263,26 @@ def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, 
     assert sorted(k for k, _ in fake.freed).count("host") == 3
 
 
+def test_pinned_staging_falls_back_to_pageable_when_cuda_refuses(fake_pinned, monkeypatch):
+    """Page-locked staging that cannot be set up (no pinned memory left, a cuda-python whose calls differ) leaves
+    the graph on ordinary host memory, with one RuntimeWarning, instead of failing its runs."""
+    from ortcapture._ort import cudart
+
+    _, as_cuda = fake_pinned
+
+    def refuse(*a):
+        raise TypeError("argument 'flags' has an incorrect type")
+    monkeypatch.setattr(cudart, "new_event", refuse)
+    monkeypatch.setattr(transfer, "_WARNED", [])
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.arange(8, dtype=np.float32)))
+    y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(8, np.float32)))
+    with pytest.warns(RuntimeWarning, match="page-locked host staging is unavailable"):
+        st = transfer.HostStaging({"x": x}, {"y": y}, pinned=True)
+    assert st.kind == "pageable" and not st.pinned
+    np.testing.assert_array_equal(st.host_inputs["x"], np.arange(8))
+    transfer.HostStaging({"x": x}, {"y": y}, pinned=True)  # warned once per process
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_host_copy_splits_big_copies_exactly(monkeypatch, rng, threads):
     monkeypatch.setattr(transfer, "STAGING_THREADS", threads)

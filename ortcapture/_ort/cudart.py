@@ -184,9 +184,9 @@ def make_capture_probe():
                 return True
         if query is not None:
             err, status = query(0)
-            if int(err) != 0:
+            if err:  # cudaSuccess is 0 (IntEnum or int alike)
                 return int(err) in _CAPTURE_ERRORS
-            return int(status) != 0
+            return bool(status)  # cudaStreamCaptureStatusNone is 0
         return False
 
     return probe
