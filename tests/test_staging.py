@@ -514,7 +514,7 @@ def test_run_many_pipeline_logic(backend, rng, copies, mode):
 @pytest.mark.cuda
 @pytest.mark.parametrize("copies", [1, 2])
 def test_cuda_run_many_overlapped_is_exact(cuda, rng, copies):
-    """Real page-locked staging, streams and events: 40 requests of a 12 MB input through run_many give exactly
+    """Real page-locked staging, streams and events: 16 requests of a 12 MB input through run_many give exactly
     the outputs of one run each (a refill racing its previous copy, or a readback racing the replay, would not)."""
     pytest.importorskip("cuda.bindings", reason="cuda-python")
     shape = (3, 1000, 1000)
@@ -522,7 +522,7 @@ def test_cuda_run_many_overlapped_is_exact(cuda, rng, copies):
     with sess.capture({"X": np.zeros(shape, np.float32)}, copies=copies) as g:
         assert g.host_staging == "pinned" and g.copies == copies
         xs = [rng.random(shape, dtype=np.float32) for _ in range(4)]
-        reqs = [{"X": xs[k % 4] + k} for k in range(40)]
+        reqs = [{"X": xs[k % 4] + k} for k in range(16)]
         for mode in (True, "pinned"):
             for k, (y,) in enumerate(g.run_many(reqs, copy_outputs=mode)):
                 np.testing.assert_array_equal(y, reqs[k]["X"] * 2 + 1)
