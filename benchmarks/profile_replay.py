@@ -421,13 +421,49 @@ def main() -> int:
                     print(f"{case:6} {t:4} proc {p}: raw {ov['raw_p50_us']:8.1f} µs, ours {ov['ours_p50_us']:8.1f} µs,"
                           f" paired extra {ov['paired_extra_us']:+6.2f} µs", flush=True)
         report["cases"][case] = {t: {"median": _aggregate(rs), "runs": rs} for t, rs in runs.items()}
+    report["goals"] = goals(report)
     _print_summary(report)
+    for g in report["goals"]:
+        print(f"GOAL {'PASS' if g['pass'] else 'FAIL'}: {g['goal']}: {g['value']:.3f} (limit {g['limit']})")
     out = args.out or (os.path.join(os.environ["OUT"], "profile_replay.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as fh:
             json.dump(report, fh, indent=2)
         print(f"wrote {out}")
     return 0
+
+
+#: issue 32's goals on the new code: (case, what, limit, at most?)
+GOALS = [("tiny", "extra µs per call over the same graph driven raw", 3.0, True),
+         ("yolo1", "extra µs per call over the same graph driven raw", 5.0, True),
+         ("yolo8", "extra µs per call over the same graph driven raw", 5.0, True),
+         ("yolo8", "host_inputs + pinned views / device-resident replay", 1.25, True),
+         ("yolo8", "plain numpy in and out / device-resident replay", 1.45, True),
+         ("yolo8", "run_many(numpy), copies=2 throughput / device-resident replays'", 0.90, False)]
+
+
+def goals(report: dict) -> list[dict]:
+    """The goals that the run measured, each with its value and whether it holds (the new tree's medians)."""
+    out = []
+    for case, what, limit, at_most in GOALS:
+        m = report["cases"].get(case, {}).get("new", {}).get("median")
+        if not m:
+            continue
+        np_, st = m.get("numpy_us", {}), m.get("stream_per_s", {})
+        dev, base = np_.get("device-resident replay"), st.get("device-resident replays")
+        if what.startswith("extra"):
+            v = m.get("overhead", {}).get("paired_extra_us")
+        elif what.startswith("host_inputs"):
+            v = np_.get("g.run(g.host_inputs, copy_outputs='pinned')", 0) / dev if dev else None
+        elif what.startswith("plain"):
+            v = np_.get("g.run(numpy)", 0) / dev if dev else None
+        else:
+            v = st.get("g.run_many(numpy), copies=2", 0) / base if base else None
+        if v is None:
+            continue
+        out.append({"case": case, "goal": f"{case}: {what} {'<=' if at_most else '>='} {limit}", "value": v,
+                    "limit": limit, "pass": bool(v <= limit if at_most else v >= limit)})
+    return out
 
 
 def _print_summary(report: dict) -> None:
