@@ -598,6 +598,8 @@ class CapturedGraph:
         if feeds is end:
             return
         host, rest = _split_request(graphs[0], stagings[0], feeds, n)
+        if probe is not None and probe():  # before the first copy, as every step checks before its replay
+            self._cs.check_foreign_capture()
         stagings[0].upload_async(host)
         pending = None  # request k-1's buffer set index, outputs not yet copied out (copy_outputs=True)
         k = 0
