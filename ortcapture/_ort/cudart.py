@@ -175,6 +175,17 @@ def make_capture_probe():
     rt = compat.cudart()
     query = getattr(rt, "cudaStreamIsCapturing", None) if rt is not None else None
     modules = sys.modules
+    legacy = 0  # the legacy default stream; as cuda-python's own handle type where it takes one (no conversion per call)
+    if query is not None:
+        try:
+            from ortcapture._ort.sync import CUDA_GATE
+
+            handle = rt.cudaStream_t(0)
+            with CUDA_GATE.shared:  # never beside another thread's capture
+                query(handle)
+            legacy = handle
+        except Exception:  # noqa: BLE001 - an older cuda-python: the int works everywhere
+            legacy = 0
 
     def probe() -> bool:
         torch = modules.get("torch")
@@ -183,7 +194,7 @@ def make_capture_probe():
             if cuda.is_initialized() and cuda.is_current_stream_capturing():
                 return True
         if query is not None:
-            err, status = query(0)
+            err, status = query(legacy)
             if err:  # cudaSuccess is 0 (IntEnum or int alike)
                 return int(err) in _CAPTURE_ERRORS
             return bool(status)  # cudaStreamCaptureStatusNone is 0
