@@ -459,6 +459,11 @@ class _ModelStaging:
                 np.copyto(self.host_inputs[n], arr)
             self.queued[n] = self.host_inputs[n].copy()  # what a DMA of that moment would carry
 
+    def upload(self, host):
+        self.log.append(("upload", id(self), threading.current_thread().name))
+        self.upload_async(host)
+        self.wait()
+
     def fill(self, host):
         self.log.append(("fill", id(self), threading.current_thread().name))
         for n, arr in host.items():
@@ -509,6 +514,36 @@ def test_run_many_pipeline_logic(backend, rng, copies, mode):
         next(it)
         it.close()
         np.testing.assert_array_equal(g.run({"X": x0})[0], x0 * 2 + 1)
+
+
+def test_graph_wiring_of_pinned_staging(backend, rng, monkeypatch):
+    """The graph's side of pinned staging (what CUDA with cuda-python does), with the staging played by a model:
+    numpy feeds are uploaded through it (alone and beside device feeds), host outputs are read back through it
+    (copy_outputs=True, "pinned", out=), device feeds and copy_outputs=False never touch it."""
+    log = []
+    sess = backend.session(tiny.add_model())
+    a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
+    with sess.capture({"A": a, "B": b}, verify=False) as g:
+        made = []
+        monkeypatch.setattr(transfer, "HostStaging", lambda i, o, pinned: made.append(pinned) or _ModelStaging(g, log))
+        g._pin_ok = True  # as _plan decides for CUDA buffers, a CUDA guard and cuda-python
+        g._targets.make_staging = g._staging_now
+        np.testing.assert_array_equal(g.run({"A": b})[0], 2 * b)  # numpy feed: staging made, feed uploaded
+        assert made == [True] and [e[0] for e in log] == ["upload", "send", "read"]
+        log.clear()
+        dev = sess.allocate((2, 4), np.float32)
+        ortcapture.update_inplace(dev, a)
+        np.testing.assert_array_equal(g.run({"A": a, "B": dev})[0], 2 * a)  # mixed: only A through the staging
+        assert [e[0] for e in log] == ["upload", "send", "read"]
+        log.clear()
+        (out,) = g.run({"B": dev}, copy_outputs=False)  # device in, device out: no staging at all
+        assert log == [] and isinstance(out, ortcapture.ReplayOutput)
+        np.testing.assert_array_equal(out.numpy(), 2 * a)
+        (y,) = g.run(None, copy_outputs="pinned")
+        assert y is g.host_outputs["C"] and made == [True]  # one staging for the graph's life
+        mine = np.empty((2, 4), np.float32)
+        assert g.run(out=[mine])[0] is mine
+        np.testing.assert_array_equal(mine, 2 * a)
 
 
 @pytest.mark.cuda
