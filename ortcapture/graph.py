@@ -310,7 +310,10 @@ class CapturedGraph:
         is copied into its buffer in chunks, each sent with ``cudaMemcpyAsync`` on the graph's copy stream as soon
         as it is in, and outputs come back into their buffers the same way (measured on the H200: the 9.8 MB
         YOLOv8n batch-8 input 680 µs from pageable memory through ``update_inplace``, 186 µs from a page-locked
-        buffer). Elsewhere (WebGPU has no page-locked memory; CPU; no cuda-python; ``ORTCAPTURE_PINNED=0``) the
+        buffer). Plain numpy feeds and ``copy_outputs=True`` take that path once the graph's inputs and outputs hold
+        ``ortcapture.transfer.PINNED_AUTO_MIN`` bytes (1 MiB; ``ORTCAPTURE_PINNED_MIN``), or once its host buffers
+        were asked for; smaller graphs copy as before and pin nothing. Elsewhere (WebGPU has no page-locked memory;
+        CPU; no cuda-python; ``ORTCAPTURE_PINNED=0``) the
         buffers are ordinary numpy arrays (``host_staging == "pageable"``), numpy feeds take ``update_inplace``'s
         path as before, and host outputs are read straight into the graph's arrays.
 
@@ -362,7 +365,7 @@ class CapturedGraph:
                         if copy_outputs is False:
                             gen = self._generation + 1  # its value once this returns
                             return [_wrap(v, c, s, self, gen) for v, c, s in self._wrap_list]
-                        if out is None and copy_outputs is True and not self._pin_ok:
+                        if out is None and copy_outputs is True and self._staging is None and not self._stage_auto:
                             return [transfer.to_numpy(v) for v in self._output_list]
                         return self._host_outputs(copy_outputs, out)
                     finally:
@@ -824,10 +827,15 @@ class CapturedGraph:
         self._staging = st
         gate = cs.guard.holds_cuda_gate
         where = self._device.device_type if self._device is not None else None
-        #: host data in and out goes through pinned staging: CUDA buffers, a CUDA session's guard, cuda-python
+        #: host data in and out can go through pinned staging: CUDA buffers, a CUDA session's guard, cuda-python
         self._pin_ok = bool(gate and where == "cuda" and transfer.PINNED and compat.has_cuda_python())
+        #: ... and plain numpy feeds and copy_outputs=True take it unasked: inputs and outputs of at least
+        #: transfer.PINNED_AUTO_MIN bytes (below, pageable copies cost as much; a graph of small buffers pins nothing
+        #: until host_inputs, host_outputs, copy_outputs="pinned", out= or run_many ask for staging)
+        io_bytes = sum(transfer.meta(v).nbytes for v in (*self.inputs.values(), *self.outputs.values()))
+        self._stage_auto = self._pin_ok and io_bytes >= transfer.PINNED_AUTO_MIN
         ref = weakref.ref(self)
-        factory = (lambda: ref()._staging_now()) if self._pin_ok else None  # noqa: SLF001 - no graph <-> targets cycle
+        factory = (lambda: ref()._staging_now()) if self._stage_auto else None  # noqa: SLF001 - no graph <-> targets cycle
         self._targets = transfer.FeedTargets(self.inputs, gate, st, factory)
         # ReplayOutput's fields known ahead: (buffer, its C OrtValue, its session)
         self._wrap_list = [(v, compat.c_value(v), getattr(v, "_session", None)) for v in self._output_list]

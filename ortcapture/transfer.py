@@ -945,6 +945,10 @@ STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(
 STAGING_CHUNK = 1 << 20
 #: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
 PINNED = os.environ.get("ORTCAPTURE_PINNED", "1") != "0"
+#: A graph whose inputs and outputs hold at least this many bytes ($ORTCAPTURE_PINNED_MIN, default 1 MiB) stages
+#: plain numpy feeds and ``copy_outputs=True`` outputs through page-locked memory unasked; smaller graphs only once
+#: their host buffers are asked for (``host_inputs``, ``copy_outputs="pinned"``, ``out=``, ``run_many``)
+PINNED_AUTO_MIN = int(os.environ.get("ORTCAPTURE_PINNED_MIN") or (1 << 20))
 _POOL: list = []
 _POOL_LOCK = threading.Lock()
 

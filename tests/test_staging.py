@@ -329,6 +329,28 @@ def test_cuda_host_buffers_are_page_locked(cuda, rng):
 
 
 @pytest.mark.cuda
+def test_cuda_staging_is_unasked_only_for_big_graphs(cuda, rng):
+    """A graph of small buffers copies numpy feeds and outputs as before and pins nothing until its host buffers are
+    asked for; one of at least PINNED_AUTO_MIN bytes stages through page-locked memory from the first numpy feed."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    small = cuda.session(tiny.affine_model())
+    x = rng.random((2, 4), np.float32)
+    with small.capture({"X": x}) as g:
+        np.testing.assert_array_equal(g.run({"X": x})[0], x * 2 + 1)
+        assert g._staging is None
+        assert g.host_staging == "pinned"  # what asking would give
+        g.run({"X": x}, copy_outputs="pinned")
+        assert g._staging is not None and g._staging.kind == "pinned"
+    shape = (1, 3, 320, 320)  # 1.2 MB in, 1.2 MB out
+    big = cuda.session(tiny.affine_model(shape))
+    xb = rng.random(shape, dtype=np.float32)
+    with big.capture({"X": xb}, verify=False) as g:
+        assert g._staging is None
+        np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
+        assert g._staging is not None and g._staging.kind == "pinned"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("threads", [1, 4])
 def test_cuda_big_numpy_feeds_through_pinned_staging(cuda, rng, monkeypatch, threads):
     """A 12 MB feed goes in 1 MiB chunks (threads filling, DMA per chunk); every replay reads exactly its feed,
