@@ -314,7 +314,7 @@ def test_replica_killed_under_load_is_replaced(server, reference):
             try:
                 res = _infer(client, x)
             except Exception as exc:  # noqa: BLE001 - counted
-                failed.append(repr(exc)[:120])
+                failed.append(f"{type(exc).__name__}: {exc}"[:160])
                 time.sleep(0.05)
                 continue
             if all(_close(res.as_numpy(n), w) for n, w in reference(x).items()):

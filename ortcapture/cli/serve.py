@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 
@@ -81,6 +82,8 @@ def run(args) -> int:
         if broken:
             raise CaptureError(broken + ("; --provider webgpu serves on WebGPU instead" if options.provider == "auto"
                                          else ""))
+    if options.loopback():  # the new local cluster stays on 127.0.0.1 too (read when Ray is imported)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray  # noqa: F401 - only to say what is missing
         from ray import serve  # noqa: F401

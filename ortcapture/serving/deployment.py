@@ -308,8 +308,6 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
         else:  # a new local cluster, never RAY_ADDRESS's
             need = options.replicas * options.cpus_per_replica + 1
             kwargs.update(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
-            if options.host in ("localhost", "::1") or options.host.startswith("127."):
-                kwargs["_node_ip_address"] = "127.0.0.1"  # served on loopback: the cluster stays on it too
             gpus = options.gpus(provider) * options.replicas
             if gpus and provider == "cuda":
                 kwargs["num_gpus"] = None  # Ray counts the GPUs itself

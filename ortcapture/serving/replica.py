@@ -311,6 +311,8 @@ class ReplicaCore:
             rep["failed_requests"] = runner["failed_requests"]
             rep["bad_requests"] = runner["bad_requests"]
             rep["batches"] = runner["batches"]
+        else:  # noop: the batches Serve formed
+            rep["batch_size_histogram"] = {k: v["count"] for k, v in batch.items()}
         return rep
 
     def bucket_stats(self) -> dict:

@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""Serving numbers for issue 29 (and issue 34's single-GPU part): the same deployment code as ``ortcapture serve``,
+YOLOv8n (nudenet 320n), clients in separate processes sending one image per request.
+
+Arms (server side; one Ray Serve application each, deployed in turn on one local Ray cluster):
+  A     plain ORT session, ORT's defaults (CUDA: cuDNN searches again on every batch-size change)
+  B     plain ORT, every batch padded to the largest bucket (one input shape: the careful workaround)
+  C     ortcapture buckets [1,2,4,8] (captured graphs), max_concurrent_batches=1
+  C2    C with max_concurrent_batches=2 (the next batch forms while the GPU works)
+  noop  no model run (Ray Serve's own ceiling)
+  C-2rep  (--two-replicas) C with 2 replicas on one GPU, --gpus-per-replica 0.5
+Per arm, client level (1, 8, 32 concurrent clients) and path (a Ray ``DeploymentHandle`` to the model deployment,
+and HTTP through ``tritonclient.http`` to the Open Inference Protocol ingress): images/s, p50/p99 latency (ms),
+the batch-size histogram (rows per batch run, from the replicas' reports), and every response checked against the
+CPU EP's answer for the same image (4 fixed images; a response off by more than 1e-2 of the output's max counts as
+wrong). Clients: up to 8 processes (one thread per client each: 32 clients = 8 x 4), started once, connected to
+the cluster once. Writes serving.json (+ serving.png with matplotlib) to --out (default $OUT).
+
+Usage (H200): python benchmarks/bench_serving.py --model PATH/320n.onnx [--seconds 3] [--two-replicas]
+Quick CPU check: python benchmarks/bench_serving.py --provider cpu --arms C,noop --levels 1,4 --seconds 1 ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ARMS = {"A": {"arm": "plain"}, "B": {"arm": "padded"}, "C": {"arm": "ortcapture"},
+        "C2": {"arm": "ortcapture", "max_concurrent_batches": 2}, "noop": {"arm": "noop"},
+        "C-2rep": {"arm": "ortcapture", "replicas": 2, "gpus_per_replica": 0.5}}
+TOL = 1e-2
+
+
+def _images(shape, n=4):
+    rng = np.random.default_rng(0)
+    return [rng.random(shape, dtype=np.float32) for _ in range(n)]
+
+
+# -- client processes -----------------------------------------------------------------------------------------------
+def _client_main(conn, address, shape, refs, input_name, output_name, model_name):
+    """A client process: waits for ("handle"|"http", app, url, threads, seconds) and answers with the latencies (s)
+    of every request each thread sent in a closed loop, and the count of wrong answers."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    images = _images(shape)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        path, app, url, threads, seconds, warm, check = msg
+        lat, wrong, errors = [], [0], []
+        lock = threading.Lock()
+        t_end = time.perf_counter() + warm + seconds
+        t_meas = time.perf_counter() + warm
+
+        def run_thread(k):
+            mine = []
+            if path == "handle":
+                handle = serve.get_deployment_handle("Model", app)
+
+                def call(x):
+                    r = handle.infer.remote({input_name: x}).result(timeout_s=60)
+                    if "error" in r:
+                        raise RuntimeError(r["error"])
+                    return r["outputs"][output_name]
+            else:
+                import tritonclient.http as http
+
+                client = http.InferenceServerClient(url.replace("http://", ""), network_timeout=60,
+                                                    connection_timeout=60)
+
+                def call(x):
+                    inp = http.InferInput(input_name, list(x.shape), "FP32")
+                    inp.set_data_from_numpy(x, binary_data=True)
+                    out = http.InferRequestedOutput(output_name, binary_data=True)
+                    return client.infer(model_name, [inp], outputs=[out]).as_numpy(output_name)
+            i = k
+            while True:
+                t0 = time.perf_counter()
+                if t0 > t_end:
+                    break
+                j = i % len(images)
+                try:
+                    y = call(images[j])
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    with lock:
+                        errors.append(repr(exc)[:200])
+                    time.sleep(0.01)
+                    continue
+                t1 = time.perf_counter()
+                ref = refs[j]
+                if check and y.shape != ref.shape or not np.allclose(y, ref, rtol=0, atol=TOL * float(np.abs(ref).max())):
+                    with lock:
+                        wrong[0] += 1
+                if t0 >= t_meas:
+                    mine.append(t1 - t0)
+                i += 1
+            with lock:
+                lat.extend(mine)
+
+        ts = [threading.Thread(target=run_thread, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        conn.send({"latencies": lat, "wrong": wrong[0], "errors": errors[:5], "n_errors": len(errors)})
+    ray.shutdown()
+
+
+def _stats(url, model_name):
+    try:
+        with urllib.request.urlopen(f"{url}/v2/models/{model_name}/stats", timeout=10) as r:
+            return json.loads(r.read())["model_stats"][0]
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        return {"error": repr(exc)}
+
+
+def _histogram(stats) -> dict:
+    h = {}
+    for rep in stats.get("ortcapture", {}).get("replicas", []):
+        for k, v in (rep.get("batch_size_histogram") or {}).items():
+            h[int(k)] = h.get(int(k), 0) + v
+    return h
+
+
+def _diff(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] - before.get(k, 0)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="YOLOv8n ONNX file (default: the cached reference model, nudenet 320n)")
+    ap.add_argument("--provider", default="cuda", choices=["cuda", "webgpu", "cpu"])
+    ap.add_argument("--arms", default="A,B,C,C2,noop", help=f"comma-separated, from {list(ARMS)}")
+    ap.add_argument("--two-replicas", action="store_true", help="also C-2rep: 2 replicas, 0.5 GPU each")
+    ap.add_argument("--levels", default="1,8,32", help="concurrent clients")
+    ap.add_argument("--paths", default="handle,http")
+    ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per arm, level and path")
+    ap.add_argument("--warm", type=float, default=0.7, help="unmeasured seconds before each measurement")
+    ap.add_argument("--procs", type=int, default=8, help="client processes (at most)")
+    ap.add_argument("--buckets", default="1,2,4,8")
+    ap.add_argument("--batch-wait-ms", type=float, default=2.0)
+    ap.add_argument("--dims", default="height=320,width=320",
+                    help="the model's other dynamic dims, NAME=SIZE,... (default the 320x320 images)")
+    ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="only start Ray, one noop replica, one request; say where "
+                    "Ray's object store and session live")
+    args = ap.parse_args()
+
+    import onnxruntime as ort
+    import ray
+
+    from ortcapture.cli import models
+    from ortcapture.serving import deployment
+    from ortcapture.serving.config import ServeOptions, model_layout
+
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model or str(models.reference_model())
+    dims = {k: int(v) for k, v in (kv.split("=") for kv in args.dims.split(",") if kv)}
+    levels = [int(x) for x in args.levels.split(",")]
+    arms = [a for a in args.arms.split(",") if a] + (["C-2rep"] if args.two_replicas else [])
+    paths = [p for p in args.paths.split(",") if p]
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
+
+    base = ServeOptions(model, name="yolo", buckets=args.buckets, provider=args.provider, port=args.port,
+                        batch_wait_ms=args.batch_wait_ms, dims=dims,
+                        graceful_shutdown_s=2.0).checked()
+    layout = model_layout(base)
+    (input_name, _, in_shape), = [(s.name, s.dtype, s.shape) for s in layout.spec.inputs]
+    output_name = layout.spec.outputs[0].name
+    shape = tuple(1 if d < 0 else d for d in in_shape)
+    cpu = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    refs = [cpu.run([output_name], {input_name: x})[0] for x in _images(shape)]
+    log(f"model {model}, input {input_name} {shape}, CPU EP references for 4 images")
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    ctx = ray.get_runtime_context()
+    address = ray.get_runtime_context().gcs_address
+    node = ray.nodes()[0]
+    import shutil
+
+    where = {"gcs": address, "dev_shm_free_bytes": shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm")
+             else None,
+             "object_store_bytes": node.get("Resources", {}).get("object_store_memory"),
+             "plasma": node.get("ObjectStoreSocketName"), "resources": ray.cluster_resources(),
+             "job": ctx.get_job_id()}
+    log(f"Ray up: {where}")
+    results = {"model": model, "provider": args.provider, "dims": dims, "buckets": list(base.buckets),
+               "batch_wait_ms": args.batch_wait_ms, "seconds": args.seconds, "ray": where, "runs": [],
+               "onnxruntime": ort.__version__, "ray_version": ray.__version__}
+    if args.smoke:
+        opts = ServeOptions(**{**base.__dict__, "arm": "noop", "app_name": "smoke"}).checked()
+        url = deployment.start(opts, args.provider, on_status=log)
+        x = _images(shape, 1)[0]
+        r = deployment.ray_serve.get_deployment_handle("Model", deployment.model_app_name(opts)).infer.remote(
+            {input_name: x}).result(timeout_s=60)
+        log(f"smoke: one noop request answered {sorted(r.get('outputs', r))}; stats {_stats(url, 'yolo').get('name')}")
+        results["smoke"] = {"ok": "outputs" in r}
+        deployment.stop(opts)
+        json.dump(results, open(os.path.join(args.out, "serving_smoke.json"), "w"), indent=1, default=str)
+        return 0
+
+    nproc = min(args.procs, max(levels))
+    ctx_mp = mp.get_context("spawn")
+    clients = []
+    for _ in range(nproc):
+        a, b = ctx_mp.Pipe()
+        p = ctx_mp.Process(target=_client_main, args=(b, address, shape, refs, input_name, output_name, "yolo"),
+                           daemon=True)
+        p.start()
+        clients.append((p, a))
+    log(f"{nproc} client processes")
+
+    for arm in arms:
+        spec = ARMS[arm]
+        opts = ServeOptions(**{**base.__dict__, **spec, "app_name": f"bench-{arm}".replace("_", "-")}).checked()
+        t0 = time.perf_counter()
+        try:
+            url = deployment.start(opts, args.provider, on_status=None, startup_timeout_s=300)
+        except Exception as exc:  # noqa: BLE001 - recorded, next arm
+            log(f"arm {arm}: failed to start: {exc}")
+            results["runs"].append({"arm": arm, "error": str(exc)})
+            deployment.ray_serve.shutdown()
+            continue
+        startup = time.perf_counter() - t0
+        log(f"arm {arm} up in {startup:.1f} s ({spec})")
+        app = deployment.model_app_name(opts)
+        for level in levels:
+            if arm == "C-2rep" and level == 1:
+                continue
+            procs = min(nproc, level)
+            per = [level // procs + (1 if k < level % procs else 0) for k in range(procs)]
+            for path in paths:
+                before = _stats(url, "yolo")
+                for (p, conn), n in zip(clients, per):
+                    conn.send((path, app, url, n, args.seconds, args.warm, arm != "noop"))
+                outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
+                time.sleep(1.3)  # the replicas push their counters every second
+                after = _stats(url, "yolo")
+                lat = np.array(sorted(x for o in outs for x in o["latencies"]))
+                run = {"arm": arm, "level": level, "path": path, "startup_s": round(startup, 2),
+                       "requests": int(lat.size), "images_per_s": round(lat.size / args.seconds, 1),
+                       "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3) if lat.size else None,
+                       "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3) if lat.size else None,
+                       "wrong": sum(o["wrong"] for o in outs) if arm != "noop" else None, "errors": sum(o["n_errors"] for o in outs),
+                       "error_sample": [e for o in outs for e in o["errors"]][:3],
+                       "batch_histogram": _diff(_histogram(after), _histogram(before)),
+                       "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
+                                                           "graphs_per_bucket", "uncaptured", "padding_waste")}
+                                    for r in after.get("ortcapture", {}).get("replicas", [])]}
+                results["runs"].append(run)
+                log(f"{arm:6} {level:3} clients {path:6}: {run['images_per_s']:8.1f} img/s  p50 {run['p50_ms']} ms  "
+                    f"p99 {run['p99_ms']} ms  wrong {run['wrong']} errors {run['errors']}  "
+                    f"batches {run['batch_histogram']}")
+        deployment.ray_serve.delete(app)
+        deployment.ray_serve.delete(opts.app_name)
+        json.dump(results, open(os.path.join(args.out, "serving.json"), "w"), indent=1, default=str)
+    for p, conn in clients:
+        conn.send(None)
+    for p, _ in clients:
+        p.join(30)
+    deployment.ray_serve.shutdown()
+    ray.shutdown()
+    results["total_s"] = round(time.perf_counter() - t_start, 1)
+    json.dump(results, open(os.path.join(args.out, "serving.json"), "w"), indent=1, default=str)
+    _plot(results, os.path.join(args.out, "serving.png"))
+    log(f"done: {os.path.join(args.out, 'serving.json')}")
+    return 0
+
+
+def _plot(results, png: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    runs = [r for r in results["runs"] if "error" not in r]
+    paths = sorted({r["path"] for r in runs})
+    fig, axes = plt.subplots(2, len(paths), figsize=(6 * len(paths), 8), squeeze=False)
+    for j, path in enumerate(paths):
+        for arm in dict.fromkeys(r["arm"] for r in runs):
+            rs = [r for r in runs if r["arm"] == arm and r["path"] == path]
+            if not rs:
+                continue
+            lv = [r["level"] for r in rs]
+            axes[0][j].plot(lv, [r["images_per_s"] for r in rs], marker="o", label=arm)
+            axes[1][j].plot(lv, [r["p50_ms"] for r in rs], marker="o", label=f"{arm} p50")
+        levels = sorted({r["level"] for r in runs})
+        axes[0][j].set(title=f"{path}: images/s", xscale="log", xlabel="concurrent clients")
+        axes[1][j].set(title=f"{path}: p50 latency (ms)", xscale="log", yscale="log", xlabel="concurrent clients")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xticks(levels, [str(v) for v in levels])
+            ax.minorticks_off()
+        axes[0][j].legend()
+        axes[1][j].legend()
+    fig.suptitle(f"ortcapture serve, {results['model'].rsplit('/', 1)[-1]} {results['dims']} on "
+                 f"{results['provider']}, buckets {results['buckets']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
