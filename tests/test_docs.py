@@ -13,9 +13,9 @@ README = ROOT / "README.md"
 MAX_README_WORDS = 1200
 
 
-def prose_words(markdown: str) -> list[str]:
-    """The words of ``markdown`` outside fenced code blocks (```` ``` ```` or ``~~~`` fences)."""
-    words, fence = [], None
+def prose_lines(markdown: str) -> list[str]:
+    """The lines of ``markdown`` outside fenced code blocks (```` ``` ```` or ``~~~`` fences)."""
+    lines, fence = [], None
     for line in markdown.splitlines():
         m = re.match(r"^\s*(```|~~~)", line)
         if fence is None and m:
@@ -23,8 +23,13 @@ def prose_words(markdown: str) -> list[str]:
         elif fence is not None and line.strip().startswith(fence):
             fence = None
         elif fence is None:
-            words += line.split()
-    return words
+            lines.append(line)
+    return lines
+
+
+def prose_words(markdown: str) -> list[str]:
+    """The whitespace-separated words of ``markdown`` outside fenced code blocks."""
+    return [w for line in prose_lines(markdown) for w in line.split()]
 
 
 def test_prose_words_leave_out_code_blocks():
@@ -109,3 +114,35 @@ def test_module_map_check_fails_on_a_stale_map(tmp_path, monkeypatch):
     assert mm.main(["--check"]) == 1
     assert mm.main([]) == 0 and mm.main(["--check"]) == 0  # rewritten: now up to date
     assert "`session.py`" in stale.read_text() and "old.py" not in stale.read_text()
+
+
+def _local_links(path: Path) -> list[tuple[str, Path]]:
+    """``(link, resolved file)`` for every relative Markdown link of ``path`` outside code blocks (no URLs, no
+    in-page anchors)."""
+    out = []
+    for word in re.findall(r"\]\(([^)\s]+)\)", " ".join(prose_words(path.read_text(encoding="utf-8")))):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", word) or word.startswith("#"):
+            continue
+        out.append((word, (path.parent / word.split("#", 1)[0]).resolve()))
+    return out
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's (and MyST's ``myst_heading_anchors``) anchors of a Markdown file's headings."""
+    heads = [m.group(1) for line in prose_lines(path.read_text(encoding="utf-8"))
+             if (m := re.match(r"^#+\s+(.*)$", line))]
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_local_links_of_the_readme_and_the_guides_resolve():
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for link, target in _local_links(page):
+            anchor = link.split("#", 1)[1] if "#" in link else None
+            if not target.exists() or (anchor and target.suffix == ".md" and anchor not in _anchors(target)):
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+    assert not broken, broken
+    readme_links = {target for _link, target in _local_links(README)}
+    guides = {p.resolve() for p in (ROOT / "docs").glob("*.md") if p.name != "index.md"}
+    assert guides <= readme_links, f"guides the README does not link: {sorted(g.name for g in guides - readme_links)}"
