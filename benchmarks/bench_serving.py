@@ -161,6 +161,8 @@ def main() -> int:
     args = ap.parse_args()
 
     import onnxruntime as ort
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # the cluster on 127.0.0.1 (see `ortcapture serve`)
     import ray
 
     from ortcapture.cli import models
@@ -187,8 +189,7 @@ def main() -> int:
     refs = [cpu.run([output_name], {input_name: x})[0] for x in _images(shape)]
     log(f"model {model}, input {input_name} {shape}, CPU EP references for 4 images")
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     ctx = ray.get_runtime_context()
     address = ray.get_runtime_context().gcs_address
     node = ray.nodes()[0]
@@ -231,7 +232,7 @@ def main() -> int:
         opts = ServeOptions(**{**base.__dict__, **spec, "app_name": f"bench-{arm}".replace("_", "-")}).checked()
         t0 = time.perf_counter()
         try:
-            url = deployment.start(opts, args.provider, on_status=None, startup_timeout_s=300)
+            url = deployment.start(opts, args.provider, on_status=None, startup_timeout_s=150)
         except Exception as exc:  # noqa: BLE001 - recorded, next arm
             log(f"arm {arm}: failed to start: {exc}")
             results["runs"].append({"arm": arm, "error": str(exc)})
