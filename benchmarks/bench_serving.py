@@ -155,6 +155,8 @@ def main() -> int:
     ap.add_argument("--dims", default="height=320,width=320",
                     help="the model's other dynamic dims, NAME=SIZE,... (default the 320x320 images)")
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--num-gpus", type=int, default=None,
+                    help="GPUs of the local Ray cluster (default: Ray detects them; 0 without CUDA)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="only start Ray, one noop replica, one request; say where "
                     "Ray's object store and session live")
@@ -189,7 +191,12 @@ def main() -> int:
     refs = [cpu.run([output_name], {input_name: x})[0] for x in _images(shape)]
     log(f"model {model}, input {input_name} {shape}, CPU EP references for 4 images")
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    num_gpus = args.num_gpus if args.num_gpus is not None else (None if args.provider == "cuda" else 0)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             **({} if num_gpus is None else {"num_gpus": num_gpus}))
+    if args.provider == "cuda" and not ray.cluster_resources().get("GPU"):
+        log("Ray sees no GPU: pass --num-gpus N")
+        return 2
     ctx = ray.get_runtime_context()
     address = ray.get_runtime_context().gcs_address
     node = ray.nodes()[0]
