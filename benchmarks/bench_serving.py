@@ -148,6 +148,8 @@ def main() -> int:
     ap.add_argument("--levels", default="1,8,32", help="concurrent clients")
     ap.add_argument("--paths", default="handle,http")
     ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per arm, level and path")
+    ap.add_argument("--repeats", type=int, default=1, help="measurements per arm, level and path (the JSON keeps "
+                    "each; the log and plot show the median images/s)")
     ap.add_argument("--warm", type=float, default=0.7, help="unmeasured seconds before each measurement")
     ap.add_argument("--procs", type=int, default=8, help="client processes (at most)")
     ap.add_argument("--buckets", default="1,2,4,8")
@@ -253,7 +255,7 @@ def main() -> int:
                 continue
             procs = min(nproc, level)
             per = [level // procs + (1 if k < level % procs else 0) for k in range(procs)]
-            for path in paths:
+            for path, rep in ((p, k) for p in paths for k in range(args.repeats)):
                 before = _stats(url, "yolo")
                 for (p, conn), n in zip(clients, per):
                     conn.send((path, app, url, n, args.seconds, args.warm, arm != "noop"))
@@ -261,7 +263,7 @@ def main() -> int:
                 time.sleep(1.3)  # the replicas push their counters every second
                 after = _stats(url, "yolo")
                 lat = np.array(sorted(x for o in outs for x in o["latencies"]))
-                run = {"arm": arm, "level": level, "path": path, "startup_s": round(startup, 2),
+                run = {"arm": arm, "level": level, "path": path, "repeat": rep, "startup_s": round(startup, 2),
                        "requests": int(lat.size), "images_per_s": round(lat.size / args.seconds, 1),
                        "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3) if lat.size else None,
                        "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3) if lat.size else None,
@@ -287,8 +289,34 @@ def main() -> int:
     results["total_s"] = round(time.perf_counter() - t_start, 1)
     json.dump(results, open(os.path.join(args.out, "serving.json"), "w"), indent=1, default=str)
     _plot(results, os.path.join(args.out, "serving.png"))
+    print(_table(results), flush=True)
     log(f"done: {os.path.join(args.out, 'serving.json')}")
     return 0
+
+
+def _medians(results) -> dict:
+    """``{(arm, level, path): run}``: the median-throughput repeat of each."""
+    groups: dict = {}
+    for r in results["runs"]:
+        if "error" not in r:
+            groups.setdefault((r["arm"], r["level"], r["path"]), []).append(r)
+    return {k: sorted(v, key=lambda x: x["images_per_s"])[len(v) // 2] for k, v in groups.items()}
+
+
+def _table(results) -> str:
+    """A markdown table for docs/SERVING.md: images/s (p50 / p99 ms) per arm, level and path."""
+    med = _medians(results)
+    arms = list(dict.fromkeys(k[0] for k in med))
+    rows = sorted({(k[2], k[1]) for k in med})
+    out = ["| clients | path | " + " | ".join(arms) + " |", "| --- | --- | " + " | ".join("---" for _ in arms) + " |"]
+    for path, level in rows:
+        cells = []
+        for arm in arms:
+            r = med.get((arm, level, path))
+            cells.append(f"{r['images_per_s']:.0f} ({r['p50_ms']:.1f} / {r['p99_ms']:.1f})" if r and r["p50_ms"]
+                         else "")
+        out.append(f"| {level} | {path} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def _plot(results, png: str) -> None:
@@ -300,7 +328,7 @@ def _plot(results, png: str) -> None:
     except ModuleNotFoundError:
         print("matplotlib missing: no plot", flush=True)
         return
-    runs = [r for r in results["runs"] if "error" not in r]
+    runs = list(_medians(results).values())
     paths = sorted({r["path"] for r in runs})
     fig, axes = plt.subplots(2, len(paths), figsize=(6 * len(paths), 8), squeeze=False)
     for j, path in enumerate(paths):
