@@ -118,6 +118,7 @@ def test_replica_core(bucket_model, provider, arm):
     rep = core.report()
     assert rep["requests"] == 6 and rep["bad_requests"] == 1 and rep["execution_count"] == 1
     assert sum(rep["batch_size_histogram"].values()) == rep["batches"]
+    assert sum(rep["rows_per_bucket"].values()) == 11  # the valid requests' rows, by the bucket they ran in
     if provider == "webgpu":
         assert rep["graphs_per_bucket"] == {"batch=1": 1, "batch=2": 1, "batch=4": 1, "batch=8": 1}
         assert rep["uncaptured"] == 0 and sum(rep["replayed_per_bucket"].values()) >= 2

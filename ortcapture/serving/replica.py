@@ -261,6 +261,17 @@ class ReplicaCore:
             self.last_inference_ms = int(time.time() * 1000)
         return results
 
+    def _rows_per_bucket(self, histogram: Mapping[int, int]) -> dict:
+        """Request rows run per bucket (``{"batch=4": rows}``, the bucket a run of r rows pads to; runs past the
+        largest bucket under ``"uncaptured"``), from the runner's histogram of rows per run."""
+        label = next(iter(self.session.bucket_dims())) if self.captures else "batch"
+        out: dict[str, int] = {}
+        for rows, runs in histogram.items():
+            size = next((b for b in self.options.buckets if b >= int(rows)), None)
+            key = f"{label}={size}" if size is not None else "uncaptured"
+            out[key] = out.get(key, 0) + int(rows) * int(runs)
+        return out
+
     def _noop(self, feeds) -> dict:
         """The ``noop`` arm's answer: zeros shaped like the outputs (dynamic dims = the request's rows)."""
         rows = self.rows(feeds)
@@ -307,6 +318,7 @@ class ReplicaCore:
             rep["padding_waste"] = bs["padding_waste"]
             runner = self.runner.stats()
             rep["batch_size_histogram"] = {str(k): v for k, v in runner["batch_rows"].items()}
+            rep["rows_per_bucket"] = self._rows_per_bucket(runner["batch_rows"])
             rep["requests"] = runner["requests"]
             rep["failed_requests"] = runner["failed_requests"]
             rep["bad_requests"] = runner["bad_requests"]
