@@ -66,15 +66,16 @@ def _post(url: str, body: bytes, headers: dict | None = None, timeout: float = 3
 
 
 class Server:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, provider: str = PROVIDER, replicas: int = 2):
         self.model = tmp / f"{MODEL}.onnx"
         self.model.write_bytes(tiny.bucket_model())
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "serve.log"
-        cmd = [sys.executable, "-m", "ortcapture", "serve", str(self.model), "--provider", PROVIDER, "--replicas", "2",
+        cmd = [sys.executable, "-m", "ortcapture", "serve", str(self.model), "--provider", provider,
+               "--replicas", str(replicas),
                "--port", str(self.port), "--num-cpus", "2", "--batch-wait-ms", "20", "--graceful-shutdown-s", "5",
-               "--max-body-mib", "1"] + (["--gpus-per-replica", "0.5"] if PROVIDER == "cuda" else [])
+               "--max-body-mib", "1"] + (["--gpus-per-replica", "0.5"] if provider == "cuda" else [])
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
         self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, env=env,
@@ -436,3 +437,20 @@ def test_a_model_that_cannot_be_served_is_one_line_exit_2(tmp_path):
     assert last.startswith("ortcapture serve: cannot serve") and "Capture" in last, last
     print("\n" + last)
     assert "http://" not in proc.stdout  # no URL: it never served
+
+
+def test_sigterm_stops_it_cleanly(tmp_path, reference):
+    """SIGTERM (what a process manager sends) stops ``ortcapture serve`` like SIGINT: exit 0, not Ray's abort on
+    SIGTERM. The CPU EP (no capture): requests are still batched and right."""
+    srv = Server(tmp_path, provider="cpu", replicas=1)
+    try:
+        srv.wait_ready()
+        client = http.InferenceServerClient(f"127.0.0.1:{srv.port}")
+        x = _distinct(60, 0, 3)
+        res = _infer(client, x)
+        assert all(_close(res.as_numpy(n), w) for n, w in reference(x).items())
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0, srv.tail()
+        assert "SIGTERM received" not in srv.tail()
+    finally:
+        srv.stop()

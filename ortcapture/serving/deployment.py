@@ -313,7 +313,14 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
                 kwargs["num_gpus"] = None  # Ray counts the GPUs itself
         kwargs.update(ray_init or {})
         say("starting Ray" if not options.address else f"joining the Ray cluster at {options.address}")
+        import signal
+        import threading
+
+        main = threading.current_thread() is threading.main_thread()
+        term = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        if callable(term):  # ray.init replaces a Python SIGTERM handler with its own (it aborts the process)
+            signal.signal(signal.SIGTERM, term)
     ray_serve.start(http_options={"host": options.host, "port": options.port}, proxy_location="HeadOnly")
     model_layout(options)
     model, ingress = _deployments(options, provider)
@@ -394,11 +401,19 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
     provider = "cpu" if options.provider == "cpu" else ortcapture.pick_provider(options.provider)
     stop_event = stop_event or threading.Event()
     previous = {}
-    if threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+
+    def on_signal(signum, frame):  # noqa: ARG001 - the signal module's signature
+        stop_event.set()
+
+    if main:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda signum, frame: stop_event.set())
+            previous[sig] = signal.signal(sig, on_signal)
     try:
         url = start(options, provider, ray_init=ray_init, on_status=on_status)
+        if main:  # ray.init installs its own SIGTERM handler (it aborts the process): ours again
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, on_signal)
         (on_ready or print)(url)
         while not stop_event.wait(0.5):
             pass
