@@ -96,7 +96,7 @@ class GraphRegistry:
         return (f"gpu_graph_id={graph_id} was released, but this onnxruntime cannot free a captured {ep} graph "
                 "(release_captured_graph is a no-op for CUDA/TensorRT, and WebGPU gains it in ORT 1.30): replaying "
                 "it would write into the old buffers and ignore the new binding. Capture under a new gpu_graph_id "
-                f"(e.g. {self.free_id(graph_id)}), or create a new session")
+                f"(a new id, e.g. {self.free_id(graph_id)}; graph_id=None picks one), or create a new session")
 
     def free_id(self, start: int = FIRST_AUTO_ID) -> int:
         """The smallest id >= ``start`` neither captured nor retired."""
