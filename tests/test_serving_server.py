@@ -279,6 +279,7 @@ def test_bad_requests_among_good_ones(server, reference):
 
 def test_fuzzed_bodies_never_get_a_5xx(server):
     """hypothesis-made bodies at the infer endpoint: never a 5xx, never a crash (bounded examples)."""
+    pytest.importorskip("hypothesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage Ray Serve + tritonclient (+ matplotlib for the plot) for the H200 device machine (no network there), in
+# Stage Ray Serve + tritonclient (+ matplotlib for the plot, hypothesis for the tests) for the H200 device machine (no network there), in
 # parts of < 58 MiB: .gpu/s0, .gpu/s1, ... (one device call carries one part; the ray wheel itself is split).
 # The H200 has Python 3.12 (/opt/torch/.venv) with torch, numpy, cuda-python, cupy, onnx and pytest: those and their
 # dependencies that could clash when shadowed (numpy, torch, nvidia-*, triton, onnx, protobuf, ml_dtypes, cupy,
@@ -14,35 +14,43 @@ mkdir -p "$cache"
 python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
-  -d "$cache" "ray[serve]>=2.40" "tritonclient[http]>=2.40" "matplotlib>=3.7" >&2
+  -d "$cache" "ray[serve]>=2.40" "tritonclient[http]>=2.40" "matplotlib>=3.7" "hypothesis>=6" >&2
 skip='^(numpy|torch|triton|nvidia_|onnx|protobuf|ml_dtypes|cupy|fastrlock|cuda_|sympy|mpmath|networkx|jinja2|markupsafe|fsspec|pytest|pluggy|iniconfig|pygments|setuptools)-'
-rm -rf .gpu/s[0-9]*
+rm -rf .gpu/s[0-9]* .gpu/stmp
 mkdir -p .gpu/stmp
-limit=$((56 * 1024 * 1024))  # < 58 MiB a part (the working tree, ~2 MiB, travels with it in one 64 MiB call)
-n=0; used=0; mkdir -p .gpu/s0
-add() {  # add FILE to the current part, opening a new one when it would pass the limit
-  local f=$1 size
-  size=$(stat -c %s "$f")
-  if [ $((used + size)) -gt $limit ] && [ $used -gt 0 ]; then n=$((n + 1)); used=0; mkdir -p ".gpu/s$n"; fi
-  cp "$f" ".gpu/s$n/"; used=$((used + size))
-}
-wheels=()
+# the wheels to ship (the ray wheel cut into 50 MiB pieces), packed first-fit-decreasing into parts of < 58 MiB
+# (the working tree, ~2 MiB, travels with a part in one 64 MiB call)
 for whl in "$cache"/*.whl; do
   base=$(basename "$whl")
   if echo "$base" | grep -qiE "$skip"; then continue; fi
-  wheels+=("$base")
-  size=$(stat -c %s "$whl")
-  if [ "$size" -gt $limit ]; then  # the ray wheel: split into pieces, each its own part
+  if [ "$(stat -c %s "$whl")" -gt $((50 * 1024 * 1024)) ]; then
     split -b $((50 * 1024 * 1024)) -d "$whl" ".gpu/stmp/$base.part"
-    for piece in .gpu/stmp/"$base".part*; do
-      if [ $used -gt 0 ]; then n=$((n + 1)); used=0; mkdir -p ".gpu/s$n"; fi
-      mv "$piece" ".gpu/s$n/"; used=$(stat -c %s ".gpu/s$n/$(basename "$piece")")
-    done
   else
-    add "$whl"
+    ln -s "$whl" ".gpu/stmp/$base"
   fi
 done
-rmdir .gpu/stmp
+n=$(python3 - <<'PY'
+import os, shutil
+limit = 56 * 1024 * 1024
+files = sorted(os.listdir(".gpu/stmp"), key=lambda f: -os.path.getsize(os.path.join(".gpu/stmp", f)))
+parts = []  # [bytes used, [files]]
+for f in files:
+    size = os.path.getsize(os.path.join(".gpu/stmp", f))
+    part = next((p for p in parts if p[0] + size <= limit), None)
+    if part is None:
+        part = [0, []]
+        parts.append(part)
+    part[0] += size
+    part[1].append(f)
+for i, (_, fs) in enumerate(parts):
+    os.makedirs(f".gpu/s{i}")
+    for f in fs:
+        shutil.copyfile(os.path.join(".gpu/stmp", f), f".gpu/s{i}/{f}")  # follows the links to the cache
+print(len(parts) - 1)
+PY
+)
+wheels=($(ls .gpu/stmp | sed 's/\.part[0-9]*$//' | sort -u))
+rm -rf .gpu/stmp
 echo "staged ${#wheels[@]} wheels in $((n + 1)) parts (.gpu/s0 .. .gpu/s$n):"
 du -sh .gpu/s[0-9]* | sed 's/^/  /'
 echo
