@@ -260,6 +260,9 @@ def worker(args) -> dict:
                 for k, fn in stage.profile(name, host).items():
                     arms["staging: " + k] = fn
             res["staging_kind"] = getattr(g, "host_staging", None)
+            res["staging_threads"] = getattr(transfer, "STAGING_THREADS", None)
+            if hasattr(os, "sched_getaffinity"):
+                res["usable_cpus"] = len(os.sched_getaffinity(0))
         times = {}
         for _ in range(3):
             for k, fn in arms.items():
@@ -482,6 +485,8 @@ def _print_summary(report: dict) -> None:
                                                       for t in names))
         for t in names:
             m = trees[t]["median"]
+            if "staging_threads" in m:
+                print(f"  {t}: staging threads {m['staging_threads']:.0f} of {m.get('usable_cpus', 0):.0f} usable CPUs")
             np_ = m.get("numpy_us", {})
             dev = np_.get("device-resident replay")
             if dev:

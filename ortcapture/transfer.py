@@ -937,10 +937,19 @@ def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: Value
 # ---------------------------------------------------------------------------------------------------------------
 # host staging: a graph's own host buffers for host feeds and host outputs
 # ---------------------------------------------------------------------------------------------------------------
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one: a container's cpuset, ``taskset``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 #: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
-#: each chunk's host-to-device copy starting as soon as it is in): $ORTCAPTURE_STAGING_THREADS, default a quarter of
-#: the cores, at most 4 (1: the calling thread alone). numpy releases the GIL for the copies.
-STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(4, max(1, (os.cpu_count() or 1) // 4))
+#: each chunk's host-to-device copy starting as soon as it is in; the calling thread copies chunks too):
+#: $ORTCAPTURE_STAGING_THREADS, default half the usable cores, at most 8 (1: the calling thread alone). numpy
+#: releases the GIL for the copies. ``benchmarks/profile_replay.py`` times the fill at 1, 2, 4 and 8 threads.
+STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(8, max(1, _usable_cpus() // 2))
 #: Chunk of a pipelined fill (bytes); feeds up to twice this go in one piece
 STAGING_CHUNK = 1 << 20
 #: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
@@ -953,17 +962,25 @@ _POOL: list = []
 _POOL_LOCK = threading.Lock()
 
 
-def _pool():
-    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1)."""
-    if STAGING_THREADS <= 1:
+def _pool(threads: int | None = None):
+    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1); ``threads``: a pool of that
+    many instead (the profile's scaling runs), made once per count. The pool holds ``threads - 1`` workers: the
+    calling thread copies a share itself."""
+    threads = STAGING_THREADS if threads is None else int(threads)
+    if threads <= 1:
         return None
-    if not _POOL:
-        from concurrent.futures import ThreadPoolExecutor
+    for n, pool in _POOL:
+        if n == threads:
+            return pool
+    from concurrent.futures import ThreadPoolExecutor
 
-        with _POOL_LOCK:
-            if not _POOL:
-                _POOL.append(ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix="ortcapture-staging"))
-    return _POOL[0]
+    with _POOL_LOCK:
+        for n, pool in _POOL:
+            if n == threads:
+                return pool
+        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ortcapture-staging")
+        _POOL.append((threads, pool))
+    return pool
 
 
 class _PinnedBlock:
@@ -1179,6 +1196,16 @@ class HostStaging:
             out["upload of a numpy feed (host copy + host -> device)"] = lambda: self.upload({name: arr})
         names = list(self.outputs)
         out["readback of every output (device -> host buffers)"] = lambda: self.read(names)
+        if self.pinned and self.takes(name, arr):  # the threads' effect: fill alone, fill pipelined with the DMA
+            flat = self._flat[("in", name)]
+            hptr, dptr, n = self._ptr[("in", name)]
+            for t in sorted({1, 2, 4, 8, STAGING_THREADS}):
+                out[f"fill, {t} threads (host copy only)"] = lambda t=t: _fill(flat, arr, t)
+
+                def send(t=t):
+                    _fill_and_send(flat, arr, hptr, dptr, n, self._stream, t)
+                    self.wait()
+                out[f"fill + upload, {t} threads (pipelined)"] = send
         return out
 
 
@@ -1218,36 +1245,43 @@ def _release_handles(handles) -> None:
 PARALLEL_MIN = 256 << 10
 
 
-def host_copy(src: np.ndarray, dst: np.ndarray | None = None) -> np.ndarray:
+def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | None = None) -> np.ndarray:
     """``src`` (a host array) copied into ``dst`` (same shape and dtype; default a new array), split over the staging
-    threads where it is big and both are C-contiguous (numpy releases the GIL for the copies); returns ``dst``."""
+    threads (``threads``, default :data:`STAGING_THREADS`) where it is big and both are C-contiguous (numpy releases
+    the GIL for the copies; the calling thread copies the first part); returns ``dst``."""
     if dst is None:
         dst = np.empty_like(src)
     n = src.nbytes
-    pool = _pool() if n > 4 * PARALLEL_MIN else None
+    pool = _pool(threads) if n > 4 * PARALLEL_MIN else None
     if pool is None or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         np.copyto(dst, src)
         return dst
     s, d = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
-    step = max(PARALLEL_MIN, -(-n // STAGING_THREADS))
+    step = max(PARALLEL_MIN, -(-n // (STAGING_THREADS if threads is None else threads)))
     futures = [pool.submit(np.copyto, d[a:a + step], s[a:a + step]) for a in range(step, n, step)]
     try:
         np.copyto(d[:step], s[:step])
+        for a, fut in zip(range(step, n, step), futures):  # a part no worker has started yet: copied here
+            if fut.cancel():
+                np.copyto(d[a:a + step], s[a:a + step])
     finally:
         for fut in futures:
-            fut.result()
+            fut.cancel() or fut.exception()
     return dst
 
 
-def _fill(flat: np.ndarray, arr: np.ndarray) -> None:
+def _fill(flat: np.ndarray, arr: np.ndarray, threads: int | None = None) -> None:
     """Copy ``arr``'s bytes into ``flat``, in chunks spread over the staging threads where there are several."""
-    host_copy(arr.reshape(-1).view(np.uint8), flat)
+    host_copy(arr.reshape(-1).view(np.uint8), flat, threads=threads)
 
 
-def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream) -> None:
+def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream,
+                   threads: int | None = None) -> None:
     """Copy ``arr``'s bytes into the page-locked ``flat`` and queue their host-to-device copy to ``dptr``: in
-    chunks, each sent as soon as it is in (the DMA of one overlaps the host copy of the next), the host copies
-    spread over the staging threads where there are several."""
+    chunks of :data:`STAGING_CHUNK`, each sent as soon as it is in (the DMA of one overlaps the host copy of the
+    next), the host copies spread over the staging threads where there are several (the calling thread copies the
+    first chunk and every chunk no worker has started when its turn to be sent comes). The DMAs are queued by the
+    calling thread alone, in order."""
     from ortcapture._ort import cudart
 
     src = arr.reshape(-1).view(np.uint8)
@@ -1256,16 +1290,22 @@ def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: i
         cudart.copy_async(dptr, hptr, n, stream)
         return
     bounds = [(a, min(a + STAGING_CHUNK, n)) for a in range(0, n, STAGING_CHUNK)]
-    pool = _pool()
+    pool = _pool(threads)
     if pool is None:
         for a, b in bounds:
             np.copyto(flat[a:b], src[a:b])
             cudart.copy_async(dptr + a, hptr + a, b - a, stream)
         return
-    futures = [pool.submit(np.copyto, flat[a:b], src[a:b]) for a, b in bounds]
+    a, b = bounds[0]
+    futures = [pool.submit(np.copyto, flat[a:b], src[a:b]) for a, b in bounds[1:]]
     try:
-        for (a, b), fut in zip(bounds, futures):
-            fut.result()
+        np.copyto(flat[a:b], src[a:b])
+        cudart.copy_async(dptr + a, hptr + a, b - a, stream)
+        for (a, b), fut in zip(bounds[1:], futures):
+            if fut.cancel():  # no worker took it yet: copied here rather than waited for
+                np.copyto(flat[a:b], src[a:b])
+            else:
+                fut.result()
             cudart.copy_async(dptr + a, hptr + a, b - a, stream)
     finally:
         for fut in futures:  # nothing may still write the buffer once this returns (an error above included)

@@ -584,3 +584,28 @@ def test_cuda_run_many_overlapped_is_exact(cuda, rng, copies):
             for k, (y,) in enumerate(g.run_many(reqs, copy_outputs=mode)):
                 np.testing.assert_array_equal(y, reqs[k]["X"] * 2 + 1)
         np.testing.assert_array_equal(g.run({"X": xs[0]})[0], xs[0] * 2 + 1)
+
+
+def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng):
+    """The default staging thread count is half the usable CPUs, 1 to 8; the profile's fills at 1, 2, 4 and 8
+    threads (host copy alone and pipelined with the chunks' DMA) each leave exactly the feed in the device buffer."""
+    import os
+
+    assert 1 <= transfer.STAGING_THREADS <= 8 or os.environ.get("ORTCAPTURE_STAGING_THREADS")
+    fake, as_cuda = fake_pinned
+    shape = (3, 1000, 1000)
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
+    y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2,), np.float32)))
+    st = transfer.HostStaging({"x": x}, {"y": y}, pinned=True)
+    feed = rng.random(shape, dtype=np.float32)
+    prof = st.profile("x", feed)
+    for t in (1, 2, 4, 8):
+        st.host_inputs["x"][...] = 0
+        prof[f"fill, {t} threads (host copy only)"]()
+        np.testing.assert_array_equal(st.host_inputs["x"], feed)
+        np.testing.assert_array_equal(x.numpy(), 0)  # the host copy alone: nothing sent
+        fake.calls.clear()
+        prof[f"fill + upload, {t} threads (pipelined)"]()
+        np.testing.assert_array_equal(x.numpy(), feed)
+        assert sum(c[3] for c in fake.calls if c[0] == "copy") == feed.nbytes and fake.calls[-1] == ("sync",)
+        x.update_inplace(np.zeros(shape, np.float32))
