@@ -352,14 +352,30 @@ class CapturedGraph:
                     if feeds is not None:
                         if self._frozen:
                             check_frozen(self._frozen, feeds)
-                        transfer.copy_feeds(self._targets, feeds)
+                        # copy_feeds' first test inlined: one feed, the source this input was last fed (its
+                        # remembered device-to-device copy); anything else (or a run to settle) takes copy_feeds
+                        hit = None
+                        if type(feeds) is dict and len(feeds) == 1 and not UNSETTLED:
+                            for name, value in feeds.items():
+                                hit = self._targets._last.get(name)  # noqa: SLF001 - the graph's own targets
+                            if hit is not None and (hit[0]() is not value or transfer.COPY_BACKEND is not None):
+                                hit = None
+                        if hit is not None:
+                            hit[1](value)
+                        else:
+                            transfer.copy_feeds(self._targets, feeds)
                     # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so
                     # a read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before
                     # and after). Feeds were copied above, before it turned odd: this graph's own previous outputs may
                     # be fed back.
                     self._generation += 1
                     try:
-                        self._replay()
+                        count = self._replay_count
+                        if count is not None:  # ORT's call and the replay count, no frame of ours between
+                            self._replay_run()
+                            count.replays += 1
+                        else:
+                            self._replay()
                         if self._state:
                             transfer.copy(self._state_src, self._state_dst)
                         if copy_outputs is False:
@@ -841,6 +857,10 @@ class CapturedGraph:
         self._wrap_list = [(v, compat.c_value(v), getattr(v, "_session", None)) for v in self._output_list]
         self._replay = cs.replayer(self._binding, self._run_options, self._record) if self._record is not None \
             else None
+        #: the replay with nothing to add to ORT's call but the count (no host-read inputs to check, no queue
+        #: drains): run() calls ORT's bound run itself and counts into this record; else None (run() calls _replay)
+        self._replay_run, self._replay_count = cs.replay_parts(self._binding, self._run_options, self._record) \
+            if self._record is not None else (None, None)
 
     def detach(self) -> None:
         """Called by the session when the graph is gone (:meth:`release`, ``release_captured_graph``,
@@ -856,6 +876,7 @@ class CapturedGraph:
         self._targets = None
         self._wrap_list = []
         self._replay = None
+        self._replay_run = self._replay_count = None
         self._staging = None
         self._state_src = self._state_dst = []
         for d in ("inputs", "outputs", "_initial_state"):

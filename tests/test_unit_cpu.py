@@ -259,6 +259,62 @@ def test_capture_gate_readers_share_writer_excludes_and_is_preferred():
                 pass
 
 
+
+def test_cuda_session_guard_inline_reader_path_keeps_the_gate_protocol():
+    """SessionGuard(cuda=True) does the gate's reader fast path inline (issue 32: two Python frames less per replay);
+    with the process's real CUDA_GATE it still nests, lets the capturing thread's own work through, waits behind a
+    pending writer (writer preference) and leaves the gate as it found it."""
+    import threading
+    import time
+
+    from ortcapture._ort.sync import CUDA_GATE, CaptureGuard, SessionGuard
+
+    a, b, c, d = (SessionGuard(threading.RLock(), True) for _ in range(4))
+    cap = CaptureGuard(threading.RLock(), True)
+    log, inside, release = [], threading.Event(), threading.Event()
+
+    def reader():
+        with a:
+            with b:  # nested: depth 2, the gate's own path, then back to the inline exit of the outermost
+                with a:
+                    log.append("r1 in")
+                    inside.set()
+                    release.wait(5)
+        log.append("r1 out")
+
+    def writer():
+        with cap:
+            with c:  # the capturing thread's own copies pass straight through
+                log.append("write")
+
+    def late_reader():
+        with c:
+            log.append("r2 in")
+
+    r1 = threading.Thread(target=reader)
+    r1.start()
+    assert inside.wait(5)
+    with d:  # another reader shares the gate
+        log.append("main in")
+    assert CUDA_GATE.tls.slot.depth == 0 and not CUDA_GATE.tls.slot.active
+    w = threading.Thread(target=writer)
+    w.start()
+    deadline = time.monotonic() + 5
+    while not CUDA_GATE.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert CUDA_GATE.pending and not CUDA_GATE.capturing  # waits for r1
+    r2 = threading.Thread(target=late_reader)
+    r2.start()
+    time.sleep(0.1)
+    assert "r2 in" not in log  # the inline path saw the pending writer
+    release.set()
+    for t in (r1, w, r2):
+        t.join(5)
+    assert log.index("r1 out") < log.index("write") < log.index("r2 in")
+    assert CUDA_GATE.readers == 0 and not CUDA_GATE.capturing and not CUDA_GATE.pending
+    with pytest.raises(RuntimeError, match="exited without being entered"):
+        a.__exit__(None, None, None) if a._lock.acquire() else None  # noqa: SLF001 - an exit without an enter
+
 def test_names_cuda_ep():
     from ortcapture._ort.providers import names_cuda_ep
 

@@ -293,6 +293,14 @@ class CaptureState:
             record.replays += 1
         return replay
 
+    def replay_parts(self, binding, run_options, record: CapturedGraphRecord):
+        """``(run, record)`` where :meth:`replayer`'s replay is ORT's bound call plus ``record.replays += 1`` (the
+        caller does both, saving a Python frame on the hot path); ``(None, None)`` where it does more (host-read
+        ``bind_cpu_input`` values to check, WebGPU queue drains)."""
+        if record.frozen or self.drain_every:
+            return None, None
+        return bound_runner(self.session, binding, run_options), record
+
     # ORT's CUDA/TensorRT EPs keep captured graphs per thread: a captured id run from a new thread would re-run the
     # warm-ups (state advances) and capture again, racing other threads' CUDA work.
     def thread_has(self, graph_id: int) -> bool:

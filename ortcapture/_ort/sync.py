@@ -218,18 +218,71 @@ CUDA_GATE = CaptureGate()
 
 class SessionGuard:
     """``with guard:`` = ``CUDA_GATE.shared`` then the session's lock (the one lock order used everywhere).
-    For sessions whose EP is not CUDA-based it is just the lock."""
+    For sessions whose EP is not CUDA-based it is just the lock.
 
-    _slots__ = ("_lock", "_gate")
+    The replay hot path enters it on every call: the gate's reader fast path (the thread's first, unnested entry
+    while no writer is pending) is done here inline, exactly as :class:`_Shared` does it, and every other case
+    (nested, a pending writer, free-threaded CPython, the thread's first entry ever) is handed to the gate's own
+    code."""
+
+    _slots__ = ("_lock", "_gate", "_cg")
 
     def __init__(self, lock, cuda: bool) -> None:
         self._lock = lock
         self._gate = CUDA_GATE.shared if cuda else None
+        self._cg = CUDA_GATE if cuda and not NO_GIL else None  # the inline reader fast path's gate
 
     @property
     def holds_cuda_gate(self) -> bool:
         """Whether ``with guard:`` holds :data:`CUDA_GATE` (shared or exclusive) inside the block."""
         return self._gate is not None
+
+    def __enter__(self) -> None:
+        g = self._cg
+        if g is not None:
+            slot = getattr(g.tls, "slot", None)
+            if slot is not None and not slot.depth and not g.pending:  # _Shared.__enter__'s fast path
+                slot.depth = 1
+                slot.active = True  # publish first, then look (see CaptureGate)
+                if g.pending:  # a writer came meanwhile: back out, and take the gate's own path
+                    slot.depth, slot.active = 0, False
+                    self._gate.__enter__()
+            else:
+                self._gate.__enter__()
+        elif self._gate is not None:
+            self._gate.__enter__()
+        try:
+            self._lock.acquire()
+        except BaseException:
+            if self._gate is not None:
+                self._gate.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+        g = self._cg
+        if g is not None:
+            slot = getattr(g.tls, "slot", None)
+            if slot is not None and slot.depth == 1:  # _Shared.__exit__ of the outermost entry
+                slot.depth = 0
+                slot.active = False
+                if g.pending:
+                    with g.cond:
+                        g.cond.notify_all()
+                return
+        if self._gate is not None:
+            self._gate.__exit__(*exc)
+
+
+class CaptureGuard(SessionGuard):
+    """``CUDA_GATE.exclusive`` then the session's lock: around a capture."""
+
+    _slots__ = ()
+
+    def __init__(self, lock, cuda: bool) -> None:
+        self._lock = lock
+        self._gate = CUDA_GATE.exclusive if cuda else None
+        self._cg = None  # no inline path: the writer's side is the gate's own code
 
     def __enter__(self) -> None:
         if self._gate is not None:
@@ -245,16 +298,6 @@ class SessionGuard:
         self._lock.release()
         if self._gate is not None:
             self._gate.__exit__(*exc)
-
-
-class CaptureGuard(SessionGuard):
-    """``CUDA_GATE.exclusive`` then the session's lock: around a capture."""
-
-    _slots__ = ()
-
-    def __init__(self, lock, cuda: bool) -> None:
-        self._lock = lock
-        self._gate = CUDA_GATE.exclusive if cuda else None
 
 
 #: One lock for all WebGPU work of the process (see the module docstring). Re-entrant.
