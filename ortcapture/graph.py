@@ -85,18 +85,6 @@ class ReplayOutput(OrtValue):
 _new = object.__new__
 
 
-def _wrap(value: OrtValue, cvalue, session, graph: "CapturedGraph", generation: int) -> ReplayOutput:
-    """``ReplayOutput(value, graph, generation)`` with the fields read from ``value`` given (the replay plan's)."""
-    r = _new(ReplayOutput)
-    r._ortvalue = cvalue  # noqa: SLF001 - the same writes as ReplayOutput.__init__
-    r._numpy_obj = None  # noqa: SLF001
-    r._session = session  # noqa: SLF001
-    r._fixed = value  # noqa: SLF001
-    r._graph = graph  # noqa: SLF001
-    r._generation = generation  # noqa: SLF001
-    return r
-
-
 def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, numpy dtype) of an example feed: numpy array (0-d included), OrtValue or DLPack tensor; raises
     :class:`TransferError` naming the input and the type for anything else (:func:`ortcapture.transfer.source_spec`)."""
@@ -380,7 +368,17 @@ class CapturedGraph:
                             transfer.copy(self._state_src, self._state_dst)
                         if copy_outputs is False:
                             gen = self._generation + 1  # its value once this returns
-                            return [_wrap(v, c, s, self, gen) for v, c, s in self._wrap_list]
+                            res = []
+                            for v, c, s in self._wrap_list:  # _wrap inlined: ReplayOutput's fields written here
+                                r = _new(ReplayOutput)
+                                r._ortvalue = c  # noqa: SLF001 - the same writes as ReplayOutput.__init__
+                                r._numpy_obj = None  # noqa: SLF001
+                                r._session = s  # noqa: SLF001
+                                r._fixed = v  # noqa: SLF001
+                                r._graph = self  # noqa: SLF001
+                                r._generation = gen  # noqa: SLF001
+                                res.append(r)
+                            return res
                         if out is None and copy_outputs is True and self._staging is None and not self._stage_auto:
                             return [transfer.to_numpy(v) for v in self._output_list]
                         return self._host_outputs(copy_outputs, out)
