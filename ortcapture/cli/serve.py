@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=None, help="rows per batch (default: the largest bucket)")
     p.add_argument("--batch-wait-ms", type=float, default=2.0,
                    help="how long a batch waits for more requests after its first (default 2 ms)")
-    p.add_argument("--max-concurrent-batches", type=int, default=1, help="batches in flight per replica (default 1)")
+    p.add_argument("--max-concurrent-batches", type=int, default=2,
+                   help="batches in flight per replica (default 2: the next batch forms while the GPU works)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="fix another dynamic input dim, e.g. --dim height=320 --dim width=320")
     p.add_argument("--max-body-mib", type=float, default=64.0, help="request body cap in MiB (default 64)")

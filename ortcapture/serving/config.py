@@ -67,7 +67,7 @@ class ServeOptions:
     cpus_per_replica: float = 1.0
     max_batch_size: int | None = None
     batch_wait_ms: float = 2.0
-    max_concurrent_batches: int = 1
+    max_concurrent_batches: int = 2
     host: str = "127.0.0.1"
     port: int = 8000
     address: str | None = None
