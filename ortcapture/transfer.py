@@ -962,24 +962,53 @@ _POOL: list = []
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(threads: int | None = None):
-    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1); ``threads``: a pool of that
-    many instead (the profile's scaling runs), made once per count. The pool holds ``threads - 1`` workers: the
-    calling thread copies a share itself."""
+#: $ORTCAPTURE_STAGING_PIN=1: each staging worker thread runs on one CPU of its own (spread over the process's
+#: affinity mask) instead of wherever the scheduler wakes it. Off by default; the profile measures both. A burst of
+#: copies shorter than the scheduler's load balancing can otherwise land a woken worker on its waker's busy CPU.
+STAGING_PIN = os.environ.get("ORTCAPTURE_STAGING_PIN", "0") == "1"
+
+
+def _pinning_initializer(threads: int):
+    """A ThreadPoolExecutor initializer putting worker i (1 .. threads-1) on CPU ``cpus[i * len(cpus) // threads]``
+    of the process's affinity mask at the time (nothing where the OS has no affinity call or refuses it)."""
+    import itertools
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    counter = itertools.count(1)
+
+    def init() -> None:
+        i = next(counter)
+        try:
+            os.sched_setaffinity(0, {cpus[(i * len(cpus) // threads) % len(cpus)]})
+        except OSError:
+            pass
+    return init
+
+
+def _pool(threads: int | None = None, pin: bool | None = None):
+    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1); ``threads``/``pin``: a pool of
+    that many (pinned or not: :data:`STAGING_PIN`) instead (the profile's scaling runs), made once per choice. The
+    pool holds ``threads - 1`` workers: the calling thread copies a share itself."""
     threads = STAGING_THREADS if threads is None else int(threads)
+    pin = STAGING_PIN if pin is None else bool(pin)
     if threads <= 1:
         return None
-    for n, pool in _POOL:
-        if n == threads:
+    key = (threads, pin)
+    for k, pool in _POOL:
+        if k == key:
             return pool
     from concurrent.futures import ThreadPoolExecutor
 
     with _POOL_LOCK:
-        for n, pool in _POOL:
-            if n == threads:
+        for k, pool in _POOL:
+            if k == key:
                 return pool
-        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ortcapture-staging")
-        _POOL.append((threads, pool))
+        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ortcapture-staging",
+                                  initializer=_pinning_initializer(threads) if pin else None)
+        _POOL.append((key, pool))
     return pool
 
 
@@ -1199,13 +1228,14 @@ class HostStaging:
         if self.pinned and self.takes(name, arr):  # the threads' effect: fill alone, fill pipelined with the DMA
             flat = self._flat[("in", name)]
             hptr, dptr, n = self._ptr[("in", name)]
-            for t in sorted({1, 2, 4, 8, STAGING_THREADS}):
-                out[f"fill, {t} threads (host copy only)"] = lambda t=t: _fill(flat, arr, t)
+            for t, pin in [(t, False) for t in sorted({1, 2, 4, 8, STAGING_THREADS})] + [(8, True)]:
+                tag = f"{t} threads{', pinned' if pin else ''}"
+                out[f"fill, {tag} (host copy only)"] = lambda t=t, pin=pin: _fill(flat, arr, t, pin)
 
-                def send(t=t):
-                    _fill_and_send(flat, arr, hptr, dptr, n, self._stream, t)
+                def send(t=t, pin=pin):
+                    _fill_and_send(flat, arr, hptr, dptr, n, self._stream, t, pin)
                     self.wait()
-                out[f"fill + upload, {t} threads (pipelined)"] = send
+                out[f"fill + upload, {tag} (pipelined)"] = send
         return out
 
 
@@ -1245,14 +1275,15 @@ def _release_handles(handles) -> None:
 PARALLEL_MIN = 256 << 10
 
 
-def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | None = None) -> np.ndarray:
+def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | None = None,
+              pin: bool | None = None) -> np.ndarray:
     """``src`` (a host array) copied into ``dst`` (same shape and dtype; default a new array), split over the staging
     threads (``threads``, default :data:`STAGING_THREADS`) where it is big and both are C-contiguous (numpy releases
     the GIL for the copies; the calling thread copies the first part); returns ``dst``."""
     if dst is None:
         dst = np.empty_like(src)
     n = src.nbytes
-    pool = _pool(threads) if n > 4 * PARALLEL_MIN else None
+    pool = _pool(threads, pin) if n > 4 * PARALLEL_MIN else None
     if pool is None or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         np.copyto(dst, src)
         return dst
@@ -1270,13 +1301,13 @@ def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | 
     return dst
 
 
-def _fill(flat: np.ndarray, arr: np.ndarray, threads: int | None = None) -> None:
+def _fill(flat: np.ndarray, arr: np.ndarray, threads: int | None = None, pin: bool | None = None) -> None:
     """Copy ``arr``'s bytes into ``flat``, in chunks spread over the staging threads where there are several."""
-    host_copy(arr.reshape(-1).view(np.uint8), flat, threads=threads)
+    host_copy(arr.reshape(-1).view(np.uint8), flat, threads=threads, pin=pin)
 
 
 def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream,
-                   threads: int | None = None) -> None:
+                   threads: int | None = None, pin: bool | None = None) -> None:
     """Copy ``arr``'s bytes into the page-locked ``flat`` and queue their host-to-device copy to ``dptr``: in
     chunks of :data:`STAGING_CHUNK`, each sent as soon as it is in (the DMA of one overlaps the host copy of the
     next), the host copies spread over the staging threads where there are several (the calling thread copies the
@@ -1290,7 +1321,7 @@ def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: i
         cudart.copy_async(dptr, hptr, n, stream)
         return
     bounds = [(a, min(a + STAGING_CHUNK, n)) for a in range(0, n, STAGING_CHUNK)]
-    pool = _pool(threads)
+    pool = _pool(threads, pin)
     if pool is None:
         for a, b in bounds:
             np.copyto(flat[a:b], src[a:b])

@@ -599,13 +599,18 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
     st = transfer.HostStaging({"x": x}, {"y": y}, pinned=True)
     feed = rng.random(shape, dtype=np.float32)
     prof = st.profile("x", feed)
-    for t in (1, 2, 4, 8):
+    for t in (1, 2, 4, 8, "8 pinned"):
+        t = "8 threads, pinned" if t == "8 pinned" else f"{t} threads"
         st.host_inputs["x"][...] = 0
-        prof[f"fill, {t} threads (host copy only)"]()
+        prof[f"fill, {t} (host copy only)"]()
         np.testing.assert_array_equal(st.host_inputs["x"], feed)
         np.testing.assert_array_equal(x.numpy(), 0)  # the host copy alone: nothing sent
         fake.calls.clear()
-        prof[f"fill + upload, {t} threads (pipelined)"]()
+        prof[f"fill + upload, {t} (pipelined)"]()
         np.testing.assert_array_equal(x.numpy(), feed)
         assert sum(c[3] for c in fake.calls if c[0] == "copy") == feed.nbytes and fake.calls[-1] == ("sync",)
         x.update_inplace(np.zeros(shape, np.float32))
+    if hasattr(os, "sched_setaffinity"):  # the pinned pool's workers each run on one CPU of the process's mask
+        pool = transfer._pool(8, True)  # noqa: SLF001
+        cpus = [pool.submit(os.sched_getaffinity, 0).result() for _ in range(20)]
+        assert all(len(c) == 1 and c <= os.sched_getaffinity(0) for c in cpus)
