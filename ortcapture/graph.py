@@ -358,15 +358,7 @@ class CapturedGraph:
                     # be fed back.
                     self._generation += 1
                     try:
-                        count = self._replay_count
-                        if count is not None:  # ORT's call and the replay count, no frame of ours between
-                            self._replay_run()
-                            count.replays += 1
-                        else:
-                            self._replay()
-                        if self._state:
-                            transfer.copy(self._state_src, self._state_dst)
-                        if copy_outputs is False:
+                        if copy_outputs is False:  # the wrappers made before ORT's call, not after its GPU wait
                             gen = self._generation + 1  # its value once this returns
                             res = []
                             for v, c, s in self._wrap_list:  # _wrap inlined: ReplayOutput's fields written here
@@ -378,6 +370,15 @@ class CapturedGraph:
                                 r._graph = self  # noqa: SLF001
                                 r._generation = gen  # noqa: SLF001
                                 res.append(r)
+                        count = self._replay_count
+                        if count is not None:  # ORT's call and the replay count, no frame of ours between
+                            self._replay_run()
+                            count.replays += 1
+                        else:
+                            self._replay()
+                        if self._state:
+                            transfer.copy(self._state_src, self._state_dst)
+                        if copy_outputs is False:
                             return res
                         if out is None and copy_outputs is True and self._staging is None and not self._stage_auto:
                             return [transfer.to_numpy(v) for v in self._output_list]
