@@ -333,7 +333,9 @@ class CapturedGraph:
             with cs.guard:
                 if self._released:
                     self._raise_released()
-                if not self._captured or cs.thread_has(self.graph_id):
+                # cs.thread_has(graph_id) inlined: off CUDA every thread may replay; on CUDA the thread's own set
+                if not self._captured or not cs.per_thread or self.graph_id in (
+                        getattr(cs._tls, "graphs", None) or ()):  # noqa: SLF001 - CaptureState's per-thread graphs
                     if not self._captured and compat.binding_c_session(self._binding) is not compat.c_session(
                             cs.session):
                         self._rebind()  # uncaptured_graph(): compact() or set_providers() replaced the C session
@@ -550,7 +552,9 @@ class CapturedGraph:
             with cs.guard:
                 if self._released:
                     self._raise_released()
-                if not self._captured or cs.thread_has(self.graph_id):
+                # cs.thread_has(graph_id) inlined: off CUDA every thread may replay; on CUDA the thread's own set
+                if not self._captured or not cs.per_thread or self.graph_id in (
+                        getattr(cs._tls, "graphs", None) or ()):  # noqa: SLF001 - CaptureState's per-thread graphs
                     return
             with cs.capture_guard:
                 self._generation += 1
