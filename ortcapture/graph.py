@@ -298,9 +298,11 @@ class CapturedGraph:
         is copied into its buffer in chunks, each sent with ``cudaMemcpyAsync`` on the graph's copy stream as soon
         as it is in, and outputs come back into their buffers the same way (measured on the H200: the 9.8 MB
         YOLOv8n batch-8 input 680 µs from pageable memory through ``update_inplace``, 186 µs from a page-locked
-        buffer). Plain numpy feeds and ``copy_outputs=True`` take that path once the graph's inputs and outputs hold
-        ``ortcapture.transfer.PINNED_AUTO_MIN`` bytes (1 MiB; ``ORTCAPTURE_PINNED_MIN``), or once its host buffers
-        were asked for; smaller graphs copy as before and pin nothing. Elsewhere (WebGPU has no page-locked memory;
+        buffer). Plain numpy feeds and ``copy_outputs=True`` take that path once its host buffers were asked for
+        (``host_inputs``, ``host_outputs``, ``copy_outputs="pinned"``, ``out=``, ``run_many``), or unasked where
+        ``ORTCAPTURE_PINNED_MIN=BYTES`` is set and the graph's inputs and outputs hold that many bytes; otherwise
+        they copy through ORT's own pageable path as before and pin nothing (on the H200 the unasked staging of a
+        plain numpy YOLOv8n b8 feed measured no faster than that path: the host copy costs what the upload saves). Elsewhere (WebGPU has no page-locked memory;
         CPU; no cuda-python; ``ORTCAPTURE_PINNED=0``) the
         buffers are ordinary numpy arrays (``host_staging == "pageable"``), numpy feeds take ``update_inplace``'s
         path as before, and host outputs are read straight into the graph's arrays.
@@ -848,11 +850,13 @@ class CapturedGraph:
         where = self._device.device_type if self._device is not None else None
         #: host data in and out can go through pinned staging: CUDA buffers, a CUDA session's guard, cuda-python
         self._pin_ok = bool(gate and where == "cuda" and transfer.PINNED and compat.has_cuda_python())
-        #: ... and plain numpy feeds and copy_outputs=True take it unasked: inputs and outputs of at least
-        #: transfer.PINNED_AUTO_MIN bytes (below, pageable copies cost as much; a graph of small buffers pins nothing
-        #: until host_inputs, host_outputs, copy_outputs="pinned", out= or run_many ask for staging)
+        #: ... and plain numpy feeds and copy_outputs=True take it unasked only where $ORTCAPTURE_PINNED_MIN is set
+        #: and the inputs and outputs hold that many bytes (transfer.PINNED_AUTO_MIN: measured no faster than ORT's
+        #: pageable path on the H200); otherwise nothing is pinned until host_inputs, host_outputs,
+        #: copy_outputs="pinned", out= or run_many ask for staging
         io_bytes = sum(transfer.meta(v).nbytes for v in (*self.inputs.values(), *self.outputs.values()))
-        self._stage_auto = self._pin_ok and io_bytes >= transfer.PINNED_AUTO_MIN
+        self._stage_auto = (self._pin_ok and transfer.PINNED_AUTO_MIN is not None
+                            and io_bytes >= transfer.PINNED_AUTO_MIN)
         ref = weakref.ref(self)
         factory = (lambda: ref()._staging_now()) if self._stage_auto else None  # noqa: SLF001 - no graph <-> targets cycle
         self._targets = transfer.FeedTargets(self.inputs, gate, st, factory)
