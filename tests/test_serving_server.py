@@ -119,6 +119,27 @@ class Server:
         self._log_file.close()
 
 
+def _listening_beyond_loopback() -> set[tuple[str, int]]:
+    """``(address hex, port)`` of every TCP socket listening on an address other than loopback (127/8, ::1,
+    ::ffff:127/104), from /proc/net/tcp and tcp6 (empty where /proc has no such files)."""
+    found = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            v4 = addr[-8:] if name == "tcp" or addr.startswith("0000000000000000FFFF0000") else None
+            if (v4 is not None and v4[6:8] == "7F") or addr == "00000000000000000000000001000000":
+                continue
+            found.add((addr, int(port, 16)))
+    return found
+
+
 def _provider_usable() -> bool:
     if PROVIDER == "cuda":
         import onnxruntime as ort
@@ -131,9 +152,11 @@ def _provider_usable() -> bool:
 def server(tmp_path_factory):
     if not _provider_usable():
         pytest.skip(f"{PROVIDER} is not usable here")
+    before = _listening_beyond_loopback()
     srv = Server(tmp_path_factory.mktemp("serve"))
     try:
         srv.wait_ready()
+        srv.beyond_loopback = _listening_beyond_loopback() - before  # what the server added
         line = srv.proc.stdout.readline().decode().strip()  # the URL, printed once the replicas are warm
         srv.stdout.append(line)
         yield srv
@@ -177,6 +200,12 @@ def test_started_as_a_user_would(server):
     assert server.ready_codes.index(503) < server.ready_codes.index(200)
     client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
+
+
+def test_it_listens_on_loopback_only(server):
+    """Served on the default --host 127.0.0.1, nothing of the server listens beyond loopback: the proxy, Ray's own
+    processes, and each replica's inter-deployment gRPC server (Ray Serve 2.60 binds that one to [::]:0 itself)."""
+    assert server.beyond_loopback == set()
 
 
 def test_metadata_matches_the_model(server):

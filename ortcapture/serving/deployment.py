@@ -38,6 +38,31 @@ from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.routes import Router
 
 MODEL_DEPLOYMENT = "Model"
+
+def _keep_replica_grpc_on_loopback(options: ServeOptions) -> None:
+    """On a loopback-only cluster (:meth:`ServeOptions.loopback`), bind this replica's inter-deployment gRPC server
+    to 127.0.0.1. Ray Serve 2.60 binds it to ``[::]:0`` whatever the cluster's address
+    (``ray/serve/_private/replica.py``, ``_on_initialized``), so every replica otherwise listens on all of the
+    machine's interfaces although the cluster, the proxy and ``--host`` are on loopback. Called from the replicas'
+    constructors, which run before that server starts; a Ray without that helper is left as it is."""
+    if not options.loopback():
+        return
+    try:
+        from ray.serve._private import replica as ray_replica
+    except ImportError:  # another Ray layout: nothing to adapt
+        return
+    real = getattr(ray_replica, "add_port_to_grpc_server", None)
+    if real is None or getattr(real, "ortcapture_loopback", False):
+        return
+
+    def add_port_to_grpc_server(server, address: str):
+        if address.startswith("[::]:") or address.startswith("0.0.0.0:"):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return real(server, address)
+
+    add_port_to_grpc_server.ortcapture_loopback = True
+    ray_replica.add_port_to_grpc_server = add_port_to_grpc_server
+
 INGRESS_DEPLOYMENT = "Ingress"
 #: seconds between a replica's pushes of its counters to the ingress
 REPORT_EVERY_S = 1.0
@@ -55,6 +80,7 @@ class ModelReplica:
     ``provider``."""
 
     def __init__(self, options: ServeOptions, provider: str, ingress_app: str | None = None):
+        _keep_replica_grpc_on_loopback(options)
         self.options = options
         self.core = ReplicaCore(options, provider)
         self._pool = ThreadPoolExecutor(options.max_concurrent_batches, "ortcapture-batch")
@@ -185,6 +211,7 @@ class IngressReplica:
     def __init__(self, options: ServeOptions, model=None, model_app: str | None = None):
         import ortcapture
 
+        _keep_replica_grpc_on_loopback(options)
         self.spec = model_layout(options).spec
         self.model = model
         self._app = model_app or ray_serve.get_replica_context().app_name  # where the model runs
