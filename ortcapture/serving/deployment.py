@@ -218,9 +218,33 @@ class IngressReplica:
         self._ready_at = 0.0
         self._ready = False
         self._ready_lock = asyncio.Lock()
+        self._draining = False  # set by drain(): new requests get a 503, the ones in flight finish
+        self._in_flight = 0
         self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__)
 
     async def __call__(self, request):
+        from starlette.responses import Response
+
+        if self._draining:
+            return Response(b'{"error": "the server is shutting down"}', status_code=503,
+                            headers={"content-type": "application/json"})
+        self._in_flight += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self._in_flight -= 1
+
+    async def drain(self, timeout_s: float) -> int:
+        """Graceful shutdown, first step: answer new requests with a 503 and wait (at most ``timeout_s`` seconds)
+        until the requests in flight have their answers; returns how many were still in flight then (0 normally).
+        Serve's own shutdown closes the HTTP proxy's connections, requests in flight included."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self._in_flight
+
+    async def _handle(self, request):
         from starlette.responses import Response
 
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -244,6 +268,8 @@ class IngressReplica:
     async def ready(self) -> bool:
         """Whether a ``Model`` replica is running (warm), asked of the Serve controller: a yes is trusted for 0.5 s,
         a no is asked again (at most every 50 ms)."""
+        if self._draining:
+            return False
         asked = self._ready_at
         if self._ready and time.monotonic() - asked < 0.5:
             return True
@@ -389,6 +415,11 @@ def stop(options: ServeOptions) -> None:
     """Shut the application down gracefully (requests in flight finish, graphs are released), then Serve and Ray
     when this process started them (a joined cluster keeps running: only this application is deleted)."""
     try:
+        try:  # requests in flight finish first: Serve's own shutdown closes the proxy's connections with them
+            ingress = ray_serve.get_deployment_handle(INGRESS_DEPLOYMENT, options.app_name)
+            ingress.drain.remote(options.graceful_shutdown_s).result(timeout_s=options.graceful_shutdown_s + 5)
+        except Exception:  # noqa: BLE001 - best effort: the ingress may be gone already
+            pass
         if options.address:
             ray_serve.delete(model_app_name(options))
             ray_serve.delete(options.app_name)
