@@ -130,6 +130,10 @@ class InferenceSession(OrtInferenceSession):
         source = path_or_bytes if isinstance(path_or_bytes, ModelSource) else \
             ModelSource(path_or_bytes, keep=requested is not None)
         self._oc_args = (source, sess_options, providers, provider_options, dict(kwargs))
+        if (requested is not None or static_shapes or buckets is not None) and not source.readable():
+            # a model ortcapture cannot read or parse: ORT's own constructor says why, with ORT's exception and
+            # message (NoSuchFile, InvalidProtobuf, ...), as a raw onnxruntime.InferenceSession would
+            OrtInferenceSession(source.given, sess_options, providers, provider_options, **kwargs)
         check_version(requested)
         if buckets is not None and requested is not None and requested.ep.name == "TensorrtExecutionProvider":
             providers, provider_options = trt_bucket_profiles(source, buckets, providers, provider_options)

@@ -103,10 +103,13 @@ def session_options(capture: bool = True, sess_options=None, ep_options=None):
         The ``SessionOptions`` (``sess_options`` itself when given).
 
     Raises:
+        TypeError: ``capture`` is not a bool (e.g. ``"yes"`` or ``1``).
         CaptureError: ``sess_options`` already holds the WebGPU EP (ORT refuses to register it twice).
         CaptureUnsupportedError: no WebGPU EP device (see :func:`ep_device`).
         ModuleNotFoundError: no onnxruntime installed (the message names the extras that install it).
     """
+    if not isinstance(capture, bool):  # "yes", 0, None...: a truthy or falsy value of another type is a mistake
+        raise TypeError(f"capture must be True or False, got {capture!r}")
     ort = _onnxruntime()
 
     from ortcapture.errors import CaptureError

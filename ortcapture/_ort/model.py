@@ -79,6 +79,7 @@ class ModelSource:
         self.path: str | None = None
         self.folder: str | None = None
         self.data: Any = None
+        self._parses: bool | None = None  # whether onnx reads the model (None: not asked yet)
         self._external: dict[str, tuple[int, int, int] | None] = {}
         if isinstance(given, (str, os.PathLike)):
             self.path = os.path.abspath(os.fspath(given))
@@ -99,12 +100,24 @@ class ModelSource:
         except OSError:
             return  # ORT's constructor says what is wrong with the path
         model = self.try_structure()
+        self._parses = model is not None
         if model is not None:
             for loc in _external_locations(model):
                 full = os.path.normpath(os.path.join(self.folder, loc))
                 self._external[full] = _stat(full)
 
     # -- what the model is ---------------------------------------------------------------------------------------
+    def readable(self) -> bool:
+        """Whether the model could be read (a path) and onnx parses it. ``False`` means ortcapture must not give its
+        own error for it: the caller's session lets ORT's constructor raise ORT's (``NoSuchFile``, ``InvalidProtobuf``,
+        ...) exactly as a raw ``onnxruntime.InferenceSession`` does, or build it (an ORT-format model)."""
+        self.keep()
+        if self.data is None:
+            return False
+        if self._parses is None:
+            self._parses = self.try_structure() is not None
+        return self._parses
+
     @property
     def external_files(self) -> list[str]:
         """Absolute paths of the external data files the model's tensors name (a path model only)."""

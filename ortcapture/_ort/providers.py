@@ -207,6 +207,8 @@ def session_args(provider: str, capture: bool, sess_options=None, device_id: int
     """
     import onnxruntime as ort
 
+    if not isinstance(capture, bool):
+        raise TypeError(f"capture must be True or False, got {capture!r}")
     extra = check_provider_options(ep_options)
     so = sess_options if sess_options is not None else ort.SessionOptions()
     if provider == "cuda":
