@@ -578,14 +578,35 @@ class InferenceSession(OrtInferenceSession):
         return self._oc_buckets.warmup(example_feeds)
 
     def bucket_stats(self) -> dict:
-        """Counts of plain runs with ``buckets=``: ``replayed`` (served by a captured graph; ``warmup()``'s own
-        replays not counted), ``uncaptured`` (runs ortcapture could not serve captured: oversize, feeds ORT refuses;
-        an explicit ``gpu_graph_id=-1`` is the caller's choice and not counted), ``captured`` (graphs captured and
-        verified), ``oversize``, ``split``, ``evicted``, ``refused`` (buckets whose capture or verification
-        failed); ``padding_waste`` (padded rows / rows replayed, 0..1) and ``buckets``: ``{"batch=4": {"replayed",
-        "device_bytes" (fixed input+output buffers, bytes), "padding_waste", "threads", "gpu_graph_ids"}}`` — a
-        bucket holds one graph per value of the other dynamic dims (e.g. image sizes), summed here. Raises
-        :class:`CaptureError` without ``buckets=``."""
+        """Counts of plain runs with ``buckets=`` since the session was made.
+
+        Returns:
+            A dict (the same one :meth:`warmup` returns), for example after ``warmup()`` and runs of batch 3 and 5
+            with ``buckets={"batch": [1, 2, 4, 8]}``::
+
+                {"replayed": 2, "uncaptured": 0, "captured": 4, "oversize": 0, "split": 0, "evicted": 0,
+                 "refused": 0, "padding_waste": 0.333,
+                 "buckets": {"batch=4": {"replayed": 1, "device_bytes": 208, "padding_waste": 0.25,
+                                         "threads": 1, "gpu_graph_ids": [3]}, ...}}
+
+            ``replayed``: requests served by a captured graph (``warmup()``'s own replays not counted);
+            ``uncaptured``: requests ortcapture could not serve captured and ran uncaptured (oversize without
+            ``oversize="split"``, feeds ORT refuses — ORT then raises its own error; an explicit
+            ``gpu_graph_id=-1`` is the caller's choice and not counted); ``captured``: graphs captured and
+            verified, one per (bucket, value of the other dynamic dims; on CUDA/TensorRT a graph's capture for
+            another thread is not counted again: see ``threads``); ``oversize``: requests beyond the largest bucket; ``split``: requests cut into chunks;
+            ``evicted``: graphs released by ``max_graphs=``; ``refused``: buckets whose capture or verification
+            failed; ``padding_waste``: padded rows / (rows + padded rows) replayed, 0..1, where a row is one index
+            of the bucketed dim (a sequence position for a sequence bucket; several bucketed dims count their
+            product). ``buckets``: per bucket, keyed ``"label=size"`` with labels as :meth:`bucket_dims` spells
+            them, joined by ``", "`` for several bucketed dims (``"batch=4, seq=32"``), summed over the bucket's
+            graphs: ``replayed`` (int), ``device_bytes`` (the fixed input and output device buffers, bytes, int),
+            ``padding_waste`` (0..1), ``threads`` (how many threads its busiest graph served, int: CUDA graphs are
+            per thread) and ``gpu_graph_ids`` (list of int).
+
+        Raises:
+            CaptureError: the session has no ``buckets=``.
+        """
         if self._oc_buckets is None:
             raise CaptureError("bucket_stats() needs a session made with buckets=")
         return self._oc_buckets.stats()
