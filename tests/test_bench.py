@@ -112,6 +112,9 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--batch", "0"], "--batch"),
     (["--batch", "1,x"], "--batch"),
+    (["--batch", "1,,2"], "empty entry"),
+    (["--batch", "1,2,"], "empty entry"),
+    (["--stream", "1-8", "--buckets", "1,,8"], "empty entry"),
     (["--procs", "0"], "--procs"),
     (["--iters", "0"], "--iters"),
     (["--iters", "3", "--rounds", "4"], "--rounds"),

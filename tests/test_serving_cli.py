@@ -32,6 +32,11 @@ def bucket_model(tmp_path):
     (None, ["/nonexistent/model.onnx"], "no such model file"),
     ("bucket", ["--buckets", "4,2"], "ascending"),
     ("bucket", ["--buckets", "a"], "comma-separated"),
+    ("bucket", ["--buckets", "1,,2"], "empty entry"),
+    ("bucket", ["--buckets", "1,2,"], "empty entry"),
+    ("bucket", ["--max-concurrent-batches", "0"], "--max-concurrent-batches must be"),
+    ("bucket", ["--graceful-shutdown-s", "-5"], "--graceful-shutdown-s must be"),
+    ("bucket", ["--host", "999.1.1.1"], "does not resolve"),
     ("bucket", ["--replicas", "0"], "--replicas"),
     ("bucket", ["--port", "70000"], "--port"),
     ("bucket", ["--name", "a/b"], "--name"),
@@ -55,6 +60,33 @@ def test_bad_arguments_are_one_line_exit_2(tmp_path, make, args, words):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ortcapture serve: ") and words in lines[0], proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("host, words", [("999.1.1.1", "does not resolve"), ("no-such-host.invalid", "does not resolve"),
+                                         ("192.0.2.1", "cannot be listened on"), ("", "--host must be")])
+def test_bad_host_is_refused_before_ray(bucket_model, monkeypatch, capsys, host, words):
+    from ortcapture.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # importing Ray now fails: the check must come first
+    assert main(["serve", str(bucket_model), "--host", host]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_python_api_keeps_its_option_names(bucket_model):
+    from ortcapture.errors import CaptureError
+    from ortcapture.serving.config import ServeOptions
+
+    with pytest.raises(CaptureError, match="^max_concurrent_batches must be"):
+        ServeOptions(str(bucket_model), max_concurrent_batches=0).checked()
+    with pytest.raises(CaptureError, match="^graceful_shutdown_s must be"):
+        ServeOptions(str(bucket_model), graceful_shutdown_s=-5).checked()
+    with pytest.raises(CaptureError, match="empty entry"):
+        ServeOptions(str(bucket_model), buckets="1,,2").checked()
+    with pytest.raises(CaptureError, match="does not resolve"):
+        ServeOptions(str(bucket_model), host="999.1.1.1").checked()
+    # joining a cluster (address=): the proxy listens there, so only resolution is checked here
+    assert ServeOptions(str(bucket_model), host="192.0.2.1", address="ray://head:10001").checked().host == "192.0.2.1"
 
 
 def test_help_lists_the_options():

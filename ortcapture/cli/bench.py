@@ -164,10 +164,12 @@ def _session_config(items: list[str]) -> dict[str, str]:
 
 
 def _batches(text: str) -> list[int]:
+    from ortcapture.cli.options import int_list
+
     try:
-        out = [int(b) for b in str(text).split(",") if b.strip()]
-    except ValueError:
-        raise BenchError(f"--batch must be comma-separated integers, got {text!r}") from None
+        out = int_list(text, "--batch")
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
     if not out or any(b < 1 for b in out):
         raise BenchError(f"--batch needs batch sizes >= 1, got {text!r}")
     if any(b > 2**31 - 1 for b in out):

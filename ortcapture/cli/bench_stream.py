@@ -190,12 +190,16 @@ def check_stream_args(args) -> tuple[int, int, list[int]]:
     ``--buckets``, ``--requests``/``--single-requests``/``--passes`` >= 1 (``--single-requests`` is clamped to
     ``--requests``). Returns (lo, hi, buckets); raises :class:`~ortcapture.cli.bench.BenchError`."""
     from ortcapture.cli.bench_common import BenchError
+    from ortcapture.cli.options import int_list
 
     try:
         lo, hi = parse_range(args.stream)
-        buckets = [int(b) for b in args.buckets.split(",")]
     except ValueError as exc:
-        raise BenchError(f"--stream/--buckets: {exc}") from None
+        raise BenchError(f"--stream: {exc}") from None
+    try:
+        buckets = int_list(args.buckets, "--buckets")
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
     if buckets != sorted(set(buckets)) or buckets[0] < 1:
         raise BenchError(f"--buckets must be ascending positive sizes, got {args.buckets!r}")
     for flag in ("requests", "single_requests", "passes"):

@@ -19,6 +19,7 @@ import itertools
 from typing import Any, Mapping, Sequence
 
 from ortcapture.cli.doctor_static import DoctorError, Finding
+from ortcapture.cli.options import int_list
 
 KIND = "padding"
 
@@ -45,9 +46,9 @@ def parse_bucket_items(items: Sequence[str]) -> dict:
             else:
                 parts.append(part.strip())
         try:
-            out[parts[0] if len(parts) == 1 else tuple(parts)] = [int(s) for s in sizes.split(",")]
-        except ValueError:
-            raise DoctorError(f"--buckets {item!r}: sizes must be integers") from None
+            out[parts[0] if len(parts) == 1 else tuple(parts)] = int_list(sizes, f"--buckets {item!r}: sizes")
+        except ValueError as exc:
+            raise DoctorError(str(exc)) from None
     return out
 
 

@@ -6,6 +6,21 @@ from typing import Any, Mapping, Sequence
 from ortcapture._ort.providers import check_provider_options
 
 
+def int_list(text: str, flag: str) -> list[int]:
+    """``"1,2,4"`` (a comma-separated command-line list of sizes) -> ``[1, 2, 4]``; spaces around entries are fine.
+
+    Raises ``ValueError`` naming ``flag`` for an empty list or an empty entry (``"1,,2"``, ``"1,2,"``: a typo, never
+    skipped) or an entry that is not an int.
+    """
+    parts = str(text).split(",")
+    if any(not p.strip() for p in parts):
+        raise ValueError(f"{flag} {text!r} has an empty entry: give comma-separated ints, e.g. 1,2,4")
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 def parse_key_values(items: Sequence[str] | None, what: str, example: str) -> dict[str, str]:
     """``["KEY=VALUE", ...]`` (a repeatable command-line option) -> ``{KEY: VALUE}``, keys and values stripped.
 

@@ -62,7 +62,7 @@ def options_from(args):
         gpus_per_replica=args.gpus_per_replica, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
         max_concurrent_batches=args.max_concurrent_batches, host=args.host, port=args.port, address=args.address,
         dims=dims, max_body_bytes=int(args.max_body_mib * 1024 * 1024),
-        graceful_shutdown_s=args.graceful_shutdown_s).checked()
+        graceful_shutdown_s=args.graceful_shutdown_s).checked(cli=True)
 
 
 def _say(msg: str) -> None:

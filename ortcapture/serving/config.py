@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -78,15 +79,24 @@ class ServeOptions:
     arm: str = "ortcapture"
     app_name: str | None = None
 
-    def checked(self) -> "ServeOptions":
+    def checked(self, cli: bool = False) -> "ServeOptions":
         """A copy with defaults resolved (``provider`` stays as given; resolve ``auto`` with
         :func:`ortcapture.pick_provider` before starting replicas).
+
+        Args:
+            cli: name options as ``ortcapture serve`` spells them (``--max-concurrent-batches``) in the messages,
+                not as this class does (``max_concurrent_batches``).
 
         Raises:
             CaptureError: a missing/empty model file; a name the URL cannot carry; buckets not ascending ints >= 1;
                 an unknown provider or arm; replicas < 1; negative GPUs or CPUs; max batch size < 1; negative waits;
-                a port outside 1..65535; a bad dims entry or body cap.
+                a port outside 1..65535; a host that is not a string, does not resolve (``socket.getaddrinfo``) or,
+                for a new local cluster (no ``address``), cannot be listened on here (a bind on port 0 fails); a bad
+                dims entry or body cap.
         """
+        def opt(name: str) -> str:
+            return "--" + name.replace("_", "-") if cli else name
+
         o = dataclasses.replace(self)
         path = Path(str(o.model))
         if path.is_dir() or not path.is_file():
@@ -116,16 +126,17 @@ class ServeOptions:
                 not 0 <= o.batch_wait_ms <= 60_000:
             raise CaptureError(f"--batch-wait-ms must be a number in 0..60000, got {o.batch_wait_ms!r}")
         if _not_int(o.max_concurrent_batches) or o.max_concurrent_batches < 1:
-            raise CaptureError(f"max_concurrent_batches must be an int >= 1, got {o.max_concurrent_batches!r}")
+            raise CaptureError(f"{opt('max_concurrent_batches')} must be an int >= 1, got {o.max_concurrent_batches!r}")
         if _not_int(o.port) or not 1 <= o.port <= 65535:
             raise CaptureError(f"--port must be in 1..65535, got {o.port!r}")
         if not isinstance(o.host, str) or not o.host:
             raise CaptureError(f"--host must be a host name or address, got {o.host!r}")
+        check_host(o.host, bind=not o.address)
         if _not_int(o.max_body_bytes) or o.max_body_bytes < 1024:
             raise CaptureError(f"the body cap must be an int >= 1024 bytes, got {o.max_body_bytes!r}")
         if isinstance(o.graceful_shutdown_s, bool) or not isinstance(o.graceful_shutdown_s, (int, float)) or \
                 o.graceful_shutdown_s < 0:
-            raise CaptureError(f"graceful_shutdown_s must be a number >= 0, got {o.graceful_shutdown_s!r}")
+            raise CaptureError(f"{opt('graceful_shutdown_s')} must be a number >= 0, got {o.graceful_shutdown_s!r}")
         dims = {}
         for k, v in dict(o.dims).items():
             if not isinstance(k, str) or _not_int(v) or v < 1:
@@ -159,12 +170,35 @@ def _not_int(v) -> bool:
     return isinstance(v, bool) or not isinstance(v, (int, np.integer))
 
 
+def check_host(host: str, bind: bool = True) -> None:
+    """Refuse a ``host`` HTTP cannot listen on, before Ray starts (Ray's proxy would fail later with a multi-line
+    error): it must resolve (``socket.getaddrinfo``) and, with ``bind``, one of its addresses must be bindable here
+    (a bind on port 0, closed at once). Raises :class:`CaptureError` (one line)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError; UnicodeError: a label too long
+        raise CaptureError(f"--host {host!r} does not resolve to an address: {exc}") from None
+    if not bind:
+        return
+    why = None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind((sockaddr[0], 0, *sockaddr[2:]))
+            return
+        except OSError as exc:
+            why = exc
+    raise CaptureError(f"--host {host!r} cannot be listened on here (not an address of this machine?): {why}")
+
+
 def check_buckets(buckets) -> tuple[int, ...]:
     """``buckets`` (ints, or a comma-separated string ``"1,2,4,8"``) as an ascending tuple of distinct ints >= 1.
-    Raises :class:`CaptureError` otherwise."""
+    Raises :class:`CaptureError` otherwise (an empty entry, as in ``"1,,2"`` or ``"1,2,"``, included)."""
     if isinstance(buckets, str):
+        if any(not b.strip() for b in buckets.split(",")):
+            raise CaptureError(f"--buckets {buckets!r}: an empty entry; comma-separated ints, e.g. 1,2,4,8")
         try:
-            buckets = [int(b) for b in buckets.split(",") if b.strip()]
+            buckets = [int(b) for b in buckets.split(",")]
         except ValueError:
             raise CaptureError(f"--buckets {buckets!r}: comma-separated ints, e.g. 1,2,4,8") from None
     try:
