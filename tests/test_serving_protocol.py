@@ -155,6 +155,45 @@ def test_bad_requests(case, status, words):
     assert info.value.status == status and words in str(info.value)
 
 
+def _binary_size_as(value):
+    return _bad(binary=("X",), mutate=lambda h: h["inputs"][0]["parameters"].update(binary_data_size=value))
+
+
+@pytest.mark.parametrize("case, words", [
+    # X is [2, 4] FP32: 32 bytes; the right number of the wrong type is a type error, not a size mismatch
+    (lambda: _binary_size_as("32"), "binary_data_size must be a non-negative integer, got string '32'"),
+    (lambda: _binary_size_as(32.0), "binary_data_size must be a non-negative integer, got number 32.0"),
+    (lambda: _binary_size_as(True), "binary_data_size must be a non-negative integer, got boolean true"),
+    (lambda: _binary_size_as(-32), "binary_data_size must be a non-negative integer"),
+    (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape=["2", 4])), "entry 0 is string '2'"),
+    (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape=[2, 4.0])), "entry 1 is number 4.0"),
+    (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape=[True, 4])), "entry 0 is boolean true"),
+    (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape="2,4")), "got string '2,4'"),
+    (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape=[2, -4])), "entry 1 is -4"),
+    (lambda: (b'{"inputs": []}', "14.0"), f"{HEADER_LENGTH} must be a non-negative integer, got string '14.0'"),
+    (lambda: (b'{"inputs": []}', "1_4"), f"{HEADER_LENGTH} must be a non-negative integer, got string '1_4'"),
+    (lambda: (b'{"inputs": []}', "+14"), f"{HEADER_LENGTH} must be a non-negative integer"),
+    (lambda: (b'{"inputs": []}', "\uff11\uff14"), f"{HEADER_LENGTH} must be a non-negative integer"),
+    (lambda: (b'{"inputs": []}', 14.0), f"{HEADER_LENGTH} must be a non-negative integer, got number 14.0"),
+    (lambda: (b'{"inputs": []}', True), f"{HEADER_LENGTH} must be a non-negative integer, got boolean true"),
+    (lambda: _bad(mutate=lambda h: h.update(outputs=[{"name": "Y", "parameters": {"classification": False}}])),
+     "classification must be a non-negative integer, got boolean false"),
+    (lambda: _bad(mutate=lambda h: h.update(outputs=[{"name": "Y", "parameters": {"classification": 0.0}}])),
+     "classification must be a non-negative integer, got number 0.0"),
+])
+def test_integer_fields_of_the_wrong_type_say_so(case, words):
+    body, hl = case()
+    with pytest.raises(ProtocolError) as info:
+        protocol.parse_infer_request(body, hl, SPEC)
+    assert info.value.status == 400 and words in str(info.value), str(info.value)
+
+
+def test_header_length_takes_ascii_digits_and_ints():
+    body, hl = _bad(binary=("X",))
+    for value in (hl, f" {hl} ", int(hl), hl.encode()):
+        assert protocol.parse_infer_request(body, value, SPEC).inputs["X"].shape == (2, 4)
+
+
 def test_declared_size_past_the_cap_is_413_before_allocating():
     big = ModelSpec("m", (TensorSpec("X", np.dtype(np.float32), (-1, -1)),), (), {"X": 0}, 8, max_body_bytes=1024)
     body = json.dumps({"inputs": [{"name": "X", "shape": [8, 2 ** 40], "datatype": "FP32", "data": [1.0]}]}).encode()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -164,12 +165,17 @@ def decode_body(body: bytes, content_encoding: str | None, cap: int) -> bytes:
 
 
 def _header_length(value, body_len: int) -> int | None:
+    """The header's value (a string of ASCII digits, as HTTP carries it, or an int) as an int; ``None`` when absent.
+    ``"32.0"``, ``"+32"``, ``"3_2"``, non-ASCII digits, a bool or a float are refused (``int()`` would take some)."""
     if value is None:
         return None
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {str(value)[:40]!r}") from None
+    if _is_int(value):
+        n = value
+    elif isinstance(value, (str, bytes)) and re.fullmatch(rb"\s*[0-9]{1,20}\s*", value if isinstance(value, bytes)
+                                                         else value.encode("utf-8", "replace")):
+        n = int(value)
+    else:
+        raise ProtocolError(f"{HEADER_LENGTH} must be a non-negative integer, got {_what(value)}")
     if n < 0 or n > body_len:
         raise ProtocolError(f"{HEADER_LENGTH} is {n}, but the body has {body_len} bytes")
     return n
@@ -184,6 +190,16 @@ def _load_json(raw: bytes) -> Any:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+_JSON_TYPES = {bool: "boolean", str: "string", float: "number", list: "array", dict: "object", type(None): "null"}
+
+
+def _what(x) -> str:
+    """``x`` for a message: its JSON type and a short repr (``string '32'``, ``number 32.0``, ``boolean true``)."""
+    kind = _JSON_TYPES.get(type(x), type(x).__name__)
+    text = json.dumps(x) if isinstance(x, (bool, float, type(None))) else repr(x)
+    return f"{kind} {text[:20]}"
 
 
 def _parameters(obj: Mapping, where: str) -> Mapping:
@@ -225,8 +241,12 @@ def _flatten(data: Any, count: int, name: str, kind: str) -> list:
 
 def _check_shape(tensor: Mapping, spec: TensorSpec, model: ModelSpec) -> tuple[int, ...]:
     shape = tensor.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise ProtocolError(f"input {spec.name!r}: 'shape' must be a list of integers >= 0")
+    if not isinstance(shape, list):
+        raise ProtocolError(f"input {spec.name!r}: 'shape' must be a list of integers >= 0, got {_what(shape)}")
+    for ax, d in enumerate(shape):
+        if not _is_int(d) or d < 0:
+            raise ProtocolError(f"input {spec.name!r}: 'shape' must be a list of integers >= 0; entry {ax} is "
+                                + (_what(d) if not _is_int(d) else str(d)))
     if len(shape) != len(spec.shape):
         raise ProtocolError(f"input {spec.name!r}: rank {len(shape)} (shape {shape}); the model's is "
                             f"{len(spec.shape)} (shape {list(spec.shape)})")
@@ -311,7 +331,10 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
                 raise ProtocolError(f"input {spec.name!r}: both 'data' and binary_data_size")
             if n_header is None:
                 raise ProtocolError(f"input {spec.name!r}: binary_data_size without the {HEADER_LENGTH} header")
-            if not _is_int(size) or size != nbytes:
+            if not _is_int(size) or size < 0:
+                raise ProtocolError(f"input {spec.name!r}: binary_data_size must be a non-negative integer, got "
+                                    f"{_what(size)}")
+            if size != nbytes:
                 raise ProtocolError(f"input {spec.name!r}: binary_data_size {str(size)[:20]}; shape {list(shape)} "
                                     f"of {spec.datatype} is {nbytes} bytes")
             if offset + nbytes > len(binary):
@@ -360,7 +383,11 @@ def _requested_outputs(req: Mapping, params: Mapping, model: ModelSpec) -> list[
         if o["name"] not in names:
             raise ProtocolError(f"output {o['name'][:100]!r} is not an output of model {model.name!r} ({names})")
         op = _parameters(o, f"output {o['name']!r}")
-        if op.get("classification") not in (None, 0):
+        cls = op.get("classification")
+        if cls is not None and not _is_int(cls):
+            raise ProtocolError(f"output {o['name']!r}: classification must be a non-negative integer, got "
+                                f"{_what(cls)}")
+        if cls not in (None, 0):
             raise ProtocolError(f"output {o['name']!r}: the classification extension is not supported")
         binary = op.get("binary_data", default)
         if not isinstance(binary, bool):
