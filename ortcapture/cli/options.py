@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ortcapture._ort.providers import check_provider_options
-
 
 def int_list(text: str, flag: str) -> list[int]:
     """``"1,2,4"`` (a comma-separated command-line list of sizes) -> ``[1, 2, 4]``; spaces around entries are fine.
@@ -53,6 +51,8 @@ def parse_provider_options(items: Sequence[str]) -> dict[str, str]:
     the tool itself (``--graph-capture/--no-graph-capture``), never by an option that would silently disagree with
     it.
     """
+    from ortcapture._ort.providers import check_provider_options  # imports onnxruntime: not at the parser's import
+
     return check_provider_options(parse_key_values(items, "provider option", "prefer_nhwc=1"))
 
 
