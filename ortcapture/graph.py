@@ -410,10 +410,7 @@ class CapturedGraph:
         Raises:
             GraphReleasedError: after ``release()``.
         """
-        with self._cs.guard:
-            if self._released:
-                self._raise_released()
-            return self._staging_now().host_inputs
+        return self._live_staging().host_inputs
 
     @property
     def host_outputs(self) -> dict[str, np.ndarray]:
@@ -423,10 +420,15 @@ class CapturedGraph:
         Raises:
             GraphReleasedError: after ``release()``.
         """
+        return self._live_staging().host_outputs
+
+    def _live_staging(self):
+        """The graph's host staging (made on first use), under the session guard; ``GraphReleasedError`` after
+        ``release()``."""
         with self._cs.guard:
             if self._released:
                 self._raise_released()
-            return self._staging_now().host_outputs
+            return self._staging_now()
 
     @property
     def host_staging(self) -> str:
