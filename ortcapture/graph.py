@@ -15,7 +15,7 @@ import numpy as np
 
 from ortcapture._memory import compact as _compact
 from ortcapture._ort import compat
-from ortcapture import transfer
+from ortcapture import _staging, transfer
 from ortcapture._core.binding import IOBinding
 from ortcapture._ort.compat import OrtValue
 from ortcapture._core.reference import check_frozen
@@ -441,10 +441,10 @@ class CapturedGraph:
         return "pinned" if self._pin_ok else "pageable"
 
     def _staging_now(self):
-        """The graph's :class:`ortcapture.transfer.HostStaging`, made on first use. The caller holds the guard."""
+        """The graph's :class:`ortcapture._staging.HostStaging`, made on first use. The caller holds the guard."""
         st = self._staging
         if st is None:
-            st = self._staging = transfer.HostStaging(self.inputs, self.outputs, pinned=self._pin_ok)
+            st = self._staging = _staging.HostStaging(self.inputs, self.outputs, pinned=self._pin_ok)
             self._targets.staging = st
         return st
 
@@ -495,10 +495,10 @@ class CapturedGraph:
         for i, n in enumerate(self._output_names):
             dst = out.get(i) if out else None
             if dst is None:
-                res.append(transfer.host_copy(host[n]))
+                res.append(_staging.host_copy(host[n]))
             else:
                 if dst is not host[n]:
-                    transfer.host_copy(host[n], dst)
+                    _staging.host_copy(host[n], dst)
                 res.append(dst)
         return res
 
@@ -673,11 +673,11 @@ class CapturedGraph:
                 pending = i
             if error is not None:
                 if pending is not None:
-                    yield [transfer.host_copy(st.host_outputs[name]) for name in names]
+                    yield [_staging.host_copy(st.host_outputs[name]) for name in names]
                 raise error
             if nxt is end:
                 if pending is not None:
-                    yield [transfer.host_copy(st.host_outputs[name]) for name in names]
+                    yield [_staging.host_copy(st.host_outputs[name]) for name in names]
                 return
             feeds = nxt
             k += 1
@@ -773,7 +773,7 @@ class CapturedGraph:
                 self._cs.release(self.graph_id)  # ends in detach()
             self.detach()
             if pinned:  # its page-locked buffers (unless an array still views them), stream and events
-                transfer.free_released_staging()
+                _staging.free_released_staging()
         if self._captured:
             _compact.maybe_compact(self._cs.family)  # outside the guard: it takes the capture guard
 
@@ -851,14 +851,14 @@ class CapturedGraph:
         gate = cs.guard.holds_cuda_gate
         where = self._device.device_type if self._device is not None else None
         #: host data in and out can go through pinned staging: CUDA buffers, a CUDA session's guard, cuda-python
-        self._pin_ok = bool(gate and where == "cuda" and transfer.PINNED and compat.has_cuda_python())
+        self._pin_ok = bool(gate and where == "cuda" and _staging.PINNED and compat.has_cuda_python())
         #: ... and plain numpy feeds and copy_outputs=True take it unasked only where $ORTCAPTURE_PINNED_MIN is set
-        #: and the inputs and outputs hold that many bytes (transfer.PINNED_AUTO_MIN: measured no faster than ORT's
+        #: and the inputs and outputs hold that many bytes (_staging.PINNED_AUTO_MIN: measured no faster than ORT's
         #: pageable path on the H200); otherwise nothing is pinned until host_inputs, host_outputs,
         #: copy_outputs="pinned", out= or run_many ask for staging
         io_bytes = sum(transfer.meta(v).nbytes for v in (*self.inputs.values(), *self.outputs.values()))
-        self._stage_auto = (self._pin_ok and transfer.PINNED_AUTO_MIN is not None
-                            and io_bytes >= transfer.PINNED_AUTO_MIN)
+        self._stage_auto = (self._pin_ok and _staging.PINNED_AUTO_MIN is not None
+                            and io_bytes >= _staging.PINNED_AUTO_MIN)
         ref = weakref.ref(self)
         factory = (lambda: ref()._staging_now()) if self._stage_auto else None  # noqa: SLF001 - no graph <-> targets cycle
         self._targets = transfer.FeedTargets(self.inputs, gate, st, factory)
@@ -985,4 +985,4 @@ def _stage_job(staging, host, send: bool, previous, names):
                 staging.fill(host)
     if previous is None:
         return None
-    return [transfer.host_copy(previous.host_outputs[name]) for name in names]
+    return [_staging.host_copy(previous.host_outputs[name]) for name in names]

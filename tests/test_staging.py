@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import transfer
+from ortcapture import _staging
 from ortcapture._ort import compat
 from tests import tiny
 from tests.conftest import Backend, cuda_available
@@ -26,7 +26,7 @@ def cuda():
 
 
 def _expected_kind(backend) -> str:
-    return "pinned" if backend.name == "cuda" and compat.has_cuda_python() and transfer.PINNED else "pageable"
+    return "pinned" if backend.name == "cuda" and compat.has_cuda_python() and _staging.PINNED else "pageable"
 
 
 # -- API surface, every backend ---------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def fake_pinned(monkeypatch):
                  "release_later", "free_pending"):
         monkeypatch.setattr(cudart, name, getattr(fake, name))
     monkeypatch.setattr(compat, "has_cuda_python", lambda: True)
-    monkeypatch.setattr(transfer, "PINNED", True)
+    monkeypatch.setattr(_staging, "PINNED", True)
 
     def as_cuda(v):
         m = meta(v)
@@ -223,13 +223,13 @@ def fake_pinned(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, rng, threads):
     fake, as_cuda = fake_pinned
-    monkeypatch.setattr(transfer, "STAGING_THREADS", threads)
-    monkeypatch.setattr(transfer, "_POOL", [])
+    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_staging, "_POOL", [])
     shape = (3, 1000, 1000)  # 12 MB: chunked
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
     small = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.int64)))
     y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.arange(8, dtype=np.float32).reshape(2, 4)))
-    st = transfer.HostStaging({"x": x, "s": small}, {"y": y}, pinned=True)
+    st = _staging.HostStaging({"x": x, "s": small}, {"y": y}, pinned=True)
     assert st.kind == "pinned" and st.pinned
     np.testing.assert_array_equal(st.host_inputs["x"], 0)  # started as the device values
     feed = rng.random(shape, dtype=np.float32)
@@ -274,37 +274,37 @@ def test_pinned_staging_falls_back_to_pageable_when_cuda_refuses(fake_pinned, mo
     def refuse(*a):
         raise TypeError("argument 'flags' has an incorrect type")
     monkeypatch.setattr(cudart, "new_event", refuse)
-    monkeypatch.setattr(transfer, "_WARNED", [])
+    monkeypatch.setattr(_staging, "_WARNED", [])
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.arange(8, dtype=np.float32)))
     y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(8, np.float32)))
     with pytest.warns(RuntimeWarning, match="page-locked host staging is unavailable"):
-        st = transfer.HostStaging({"x": x}, {"y": y}, pinned=True)
+        st = _staging.HostStaging({"x": x}, {"y": y}, pinned=True)
     assert st.kind == "pageable" and not st.pinned
     np.testing.assert_array_equal(st.host_inputs["x"], np.arange(8))
-    transfer.HostStaging({"x": x}, {"y": y}, pinned=True)  # warned once per process
+    _staging.HostStaging({"x": x}, {"y": y}, pinned=True)  # warned once per process
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_host_copy_splits_big_copies_exactly(monkeypatch, rng, threads):
-    monkeypatch.setattr(transfer, "STAGING_THREADS", threads)
-    monkeypatch.setattr(transfer, "_POOL", [])
+    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_staging, "_POOL", [])
     for shape in [(), (0, 3), (7,), (3, 333, 1001)]:  # the last: ~4 MB, split over the threads
         src = rng.random(shape).astype(np.float32)
-        out = transfer.host_copy(src)
+        out = _staging.host_copy(src)
         assert out.shape == src.shape and out.dtype == src.dtype and not np.shares_memory(out, src)
         np.testing.assert_array_equal(out, src)
         into = np.empty_like(src)
-        assert transfer.host_copy(src, into) is into
+        assert _staging.host_copy(src, into) is into
         np.testing.assert_array_equal(into, src)
     strided = np.empty((3, 333, 2002), np.float32)[:, :, ::2]  # a non-contiguous target: numpy's own copy
-    transfer.host_copy(src, strided)
+    _staging.host_copy(src, strided)
     np.testing.assert_array_equal(strided, src)
 
 
 def test_pageable_staging_where_no_pinned_memory(backend, monkeypatch, rng):
-    """WebGPU has no page-locked memory; with ORTCAPTURE_PINNED=0 (transfer.PINNED) CUDA graphs stage in ordinary
+    """WebGPU has no page-locked memory; with ORTCAPTURE_PINNED=0 (_staging.PINNED) CUDA graphs stage in ordinary
     host memory too: same API, same results."""
-    monkeypatch.setattr(transfer, "PINNED", False)
+    monkeypatch.setattr(_staging, "PINNED", False)
     sess = backend.session(tiny.affine_model())
     x = rng.random((2, 4), np.float32)
     with sess.capture({"X": x}, verify=False) as g:
@@ -346,12 +346,12 @@ def test_cuda_staging_is_unasked_only_where_opted_in(cuda, rng, monkeypatch):
     shape = (1, 3, 320, 320)  # 1.2 MB in, 1.2 MB out
     big = cuda.session(tiny.affine_model(shape))
     xb = rng.random(shape, dtype=np.float32)
-    assert transfer.PINNED_AUTO_MIN is None or os.environ.get("ORTCAPTURE_PINNED_MIN")
+    assert _staging.PINNED_AUTO_MIN is None or os.environ.get("ORTCAPTURE_PINNED_MIN")
     with big.capture({"X": xb}, verify=False) as g:
         np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
-        if transfer.PINNED_AUTO_MIN is None:
+        if _staging.PINNED_AUTO_MIN is None:
             assert g._staging is None  # the default: plain numpy keeps ORT's path
-    monkeypatch.setattr(transfer, "PINNED_AUTO_MIN", 1 << 20)
+    monkeypatch.setattr(_staging, "PINNED_AUTO_MIN", 1 << 20)
     with big.capture({"X": xb}, verify=False) as g:
         assert g._staging is None
         np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
@@ -367,8 +367,8 @@ def test_cuda_big_numpy_feeds_through_pinned_staging(cuda, rng, monkeypatch, thr
     """A 12 MB feed goes in 1 MiB chunks (threads filling, DMA per chunk); every replay reads exactly its feed,
     through plain numpy, host_inputs, out= and pinned views, alternating with device feeds."""
     pytest.importorskip("cuda.bindings", reason="cuda-python")
-    monkeypatch.setattr(transfer, "STAGING_THREADS", threads)
-    monkeypatch.setattr(transfer, "_POOL", [])
+    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_staging, "_POOL", [])
     shape = (3, 1000, 1000)
     sess = cuda.session(tiny.affine_model(shape))
     with sess.capture({"X": np.zeros(shape, np.float32)}) as g:
@@ -558,7 +558,7 @@ def test_graph_wiring_of_pinned_staging(backend, rng, monkeypatch):
     a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
     with sess.capture({"A": a, "B": b}, verify=False) as g:
         made = []
-        monkeypatch.setattr(transfer, "HostStaging", lambda i, o, pinned: made.append(pinned) or _ModelStaging(g, log))
+        monkeypatch.setattr(_staging, "HostStaging", lambda i, o, pinned: made.append(pinned) or _ModelStaging(g, log))
         g._pin_ok = True  # as _plan decides for CUDA buffers, a CUDA guard and cuda-python
         g._targets.make_staging = g._staging_now
         np.testing.assert_array_equal(g.run({"A": b})[0], 2 * b)  # numpy feed: staging made, feed uploaded
@@ -602,12 +602,12 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
     threads (host copy alone and pipelined with the chunks' DMA) each leave exactly the feed in the device buffer."""
     import os
 
-    assert 1 <= transfer.STAGING_THREADS <= 4 or os.environ.get("ORTCAPTURE_STAGING_THREADS")
+    assert 1 <= _staging.STAGING_THREADS <= 4 or os.environ.get("ORTCAPTURE_STAGING_THREADS")
     fake, as_cuda = fake_pinned
     shape = (3, 1000, 1000)
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
     y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2,), np.float32)))
-    st = transfer.HostStaging({"x": x}, {"y": y}, pinned=True)
+    st = _staging.HostStaging({"x": x}, {"y": y}, pinned=True)
     feed = rng.random(shape, dtype=np.float32)
     prof = st.profile("x", feed)
     for t in (1, 2, 4, 8, "8 pinned"):
@@ -622,6 +622,6 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
         assert sum(c[3] for c in fake.calls if c[0] == "copy") == feed.nbytes and fake.calls[-1] == ("sync",)
         x.update_inplace(np.zeros(shape, np.float32))
     if hasattr(os, "sched_setaffinity"):  # the pinned pool's workers each run on one CPU of the process's mask
-        pool = transfer._pool(8, True)  # noqa: SLF001
+        pool = _staging._pool(8, True)  # noqa: SLF001
         cpus = [pool.submit(os.sched_getaffinity, 0).result() for _ in range(20)]
         assert all(len(c) == 1 and c <= os.sched_getaffinity(0) for c in cpus)
