@@ -33,23 +33,38 @@ def _usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-#: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
-#: each chunk's host-to-device copy starting as soon as it is in; the calling thread copies chunks too):
-#: $ORTCAPTURE_STAGING_THREADS, default half the usable cores, at most 4 (1: the calling thread alone; on the H200
-#: the 9.8 MB YOLOv8n b8 fill took 732 / 462 / 344 / 457 µs at 1 / 2 / 4 / 8 threads). numpy
-#: releases the GIL for the copies. ``benchmarks/profile_replay.py`` times the fill at 1, 2, 4 and 8 threads.
-STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(4, max(1, _usable_cpus() // 2))
-#: Chunk of a pipelined fill (bytes); feeds up to twice this go in one piece
-STAGING_CHUNK = 1 << 20
+#: Host memcpy threads of a pinned staging fill (a big numpy feed is cut into one stripe per thread, each copied into
+#: the page-locked buffer in chunks whose host-to-device copies the thread queues as soon as each is in; the calling
+#: thread takes a stripe too): $ORTCAPTURE_STAGING_THREADS, default 2 where the process may use 2 CPUs (1: the calling
+#: thread alone). On the H200 (9.8 MB YOLOv8n b8 input, ``benchmarks/bench_host_copy.py``) fill and upload together
+#: took 613 / 728 / 1126 µs at 2 / 4 / 8 threads (1 MiB chunks): beyond two threads the host copies and the DMA
+#: contend for memory bandwidth. numpy releases the GIL for the copies; ``benchmarks/profile_replay.py`` times them.
+STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(2, _usable_cpus())
+#: Chunk of a pipelined fill (bytes; $ORTCAPTURE_STAGING_CHUNK); feeds up to twice this go in one piece
+STAGING_CHUNK = int(os.environ.get("ORTCAPTURE_STAGING_CHUNK") or 0) or 1 << 20
 #: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
 PINNED = os.environ.get("ORTCAPTURE_PINNED", "1") != "0"
-#: A graph whose inputs and outputs hold at least this many bytes ($ORTCAPTURE_PINNED_MIN) stages plain numpy feeds
-#: and ``copy_outputs=True`` outputs through page-locked memory unasked. Default ``None``: never unasked, only once a
-#: graph's host buffers are asked for (``host_inputs``, ``copy_outputs="pinned"``, ``out=``, ``run_many``). Measured
-#: on the H200 (YOLOv8n b8, onnxruntime-gpu 1.31.1): ``g.run(numpy)`` staged unasked took 2522-2799 µs against
-#: 2450-2492 µs for ORT's own pageable ``update_inplace`` path — the host copy into the staging buffer (344-732 µs)
-#: costs what the faster page-locked upload saves — so plain numpy keeps ORT's path unless a user opts in.
-PINNED_AUTO_MIN = int(os.environ["ORTCAPTURE_PINNED_MIN"]) if os.environ.get("ORTCAPTURE_PINNED_MIN") else None
+
+
+def _auto_min(value: str | None) -> int | None:
+    """$ORTCAPTURE_PINNED_MIN: bytes; ``off`` (or ``none``): never unasked; unset: :data:`PINNED_AUTO_DEFAULT`."""
+    if value is None or not value.strip():
+        return PINNED_AUTO_DEFAULT
+    if value.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"ORTCAPTURE_PINNED_MIN must be a number of bytes or 'off', got {value!r}") from None
+
+
+#: Unasked staging's default threshold: graphs whose inputs and outputs hold at least 1 MiB
+PINNED_AUTO_DEFAULT = 1 << 20
+#: A graph whose inputs and outputs hold at least this many bytes stages plain numpy feeds and
+#: ``copy_outputs=True`` outputs through page-locked memory unasked ($ORTCAPTURE_PINNED_MIN; ``off``: only once a
+#: graph's host buffers are asked for: ``host_inputs``, ``copy_outputs="pinned"``, ``out=``, ``run_many``). Below it
+#: (small models) ORT's own pageable path is kept: its copies are too small for the staging to pay off.
+PINNED_AUTO_MIN = _auto_min(os.environ.get("ORTCAPTURE_PINNED_MIN"))
 _POOL: list = []
 _POOL_LOCK = threading.Lock()
 
@@ -128,6 +143,57 @@ def _host_array(shape: tuple, dtype: np.dtype, pinned: bool) -> tuple[np.ndarray
     return flat.view(dtype).reshape(shape), flat
 
 
+#: Page-locked bytes an :class:`_OutputPool` may hold beyond two sets of outputs ($ORTCAPTURE_PINNED_POOL_BYTES)
+OUTPUT_POOL_BYTES = int(os.environ.get("ORTCAPTURE_PINNED_POOL_BYTES") or 64 << 20)
+
+
+class _Lease:
+    """One page-locked block lent out as a numpy array's memory (``np.asarray(lease)``); when the array and every
+    view of it are gone, ``__del__`` puts the block back on its pool's free list (an append: safe from any thread
+    and from the garbage collector; no CUDA call — the block itself is freed only when its pool is gone, through
+    :class:`_PinnedBlock`'s deferred free)."""
+
+    __slots__ = ("block", "free", "__array_interface__")
+
+    def __init__(self, block: _PinnedBlock, free) -> None:
+        self.block = block
+        self.free = free
+        self.__array_interface__ = block.__array_interface__
+
+    def __del__(self) -> None:
+        self.free.append(self.block)
+
+
+class _OutputPool:
+    """Page-locked blocks per output for :meth:`HostStaging.read_new`, recycled: an output's new array is a block
+    off its free list, or a newly allocated one while the pool holds less than :data:`OUTPUT_POOL_BYTES` plus two
+    sets of outputs; ``take`` answers ``None`` beyond (the caller keeps that many arrays alive). Called with the
+    graph's guard held (``cudaHostAlloc`` under ``CUDA_GATE.shared``)."""
+
+    def __init__(self, specs: Mapping[str, tuple]) -> None:
+        import collections
+
+        self.specs = {n: (tuple(shape), np.dtype(dtype)) for n, (shape, dtype) in specs.items()}
+        self.nbytes = {n: int(np.prod(shape, dtype=np.int64)) * dt.itemsize for n, (shape, dt) in self.specs.items()}
+        self.free = {n: collections.deque() for n in self.specs}
+        self.held = 0
+        self.cap = OUTPUT_POOL_BYTES + 2 * sum(self.nbytes.values())
+
+    def take(self, name: str) -> np.ndarray | None:
+        free = self.free[name]
+        try:
+            block = free.pop()
+        except IndexError:
+            nbytes = self.nbytes[name]
+            if self.held + nbytes > self.cap:
+                return None
+            block = _PinnedBlock(nbytes)
+            self.held += nbytes
+        shape, dtype = self.specs[name]
+        flat = np.asarray(_Lease(block, free))[:self.nbytes[name]]
+        return flat.view(dtype).reshape(shape)
+
+
 class HostStaging:
     """A graph's own host buffers: :attr:`host_inputs` and :attr:`host_outputs`, one array per fixed buffer, of its
     shape and dtype; made by ``CapturedGraph`` the first time host data goes in or out.
@@ -188,6 +254,9 @@ class HostStaging:
             if pinned:
                 self._ptr[(role, name)] = (int(flat.ctypes.data), m.span[0] if m.span else 0, m.nbytes)
         self._wrappers = None  # pageable readback: CPU OrtValues over host_outputs (made on first use)
+        #: recycled page-locked blocks for :meth:`read_new` (pinned only)
+        self._out_pool = _OutputPool({n: (m.shape, m.dtype) for (role, n), m in metas.items() if role == "out"}) \
+            if pinned else None
         if pinned:
             handles = []
             self._stream = cudart.new_stream(self.device_id)
@@ -253,7 +322,7 @@ class HostStaging:
                 if arr is self.host_inputs[name]:
                     cudart.copy_async(dptr, hptr, n, stream)
                 else:
-                    _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n, stream)
+                    _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n, stream, device=self.device_id)
             cudart.record(self._events[name], stream)
             self._busy.add(name)
 
@@ -307,6 +376,43 @@ class HostStaging:
         self.read_async(names)
         self.wait()
 
+    def read_new(self, names) -> list[np.ndarray]:
+        """The outputs ``names`` (one per position; a name may repeat) as new host numpy arrays, one per position,
+        each of its output's shape and dtype; done when this returns. Pinned: each is read with one DMA straight into
+        a page-locked block from this staging's recycling pool (:class:`_OutputPool`), which goes back to the pool
+        when the array and every view of it are gone — no host copy, and no page faults of fresh memory (measured on
+        the H200, 1.48 MB: 36 µs against 183 µs into the staging buffer and copied out, 202 µs into a new pageable
+        array). A position the pool cannot serve (its cap reached while the caller keeps earlier arrays) is read
+        into :attr:`host_outputs` and copied out. Pageable: :meth:`read` and copies."""
+        names = list(names)
+        pool = self._out_pool
+        if pool is None:
+            self.read(dict.fromkeys(names))
+            return [host_copy(self.host_outputs[n]) for n in names]
+        from ortcapture._ort import cudart
+
+        if UNSETTLED:
+            settle()
+        stream = self._stream
+        res: list = []
+        spill = []
+        for i, n in enumerate(names):
+            _hptr, dptr, nbytes = self._ptr[("out", n)]
+            arr = pool.take(n)
+            if arr is None:
+                spill.append(i)
+                res.append(None)
+                continue
+            if nbytes:
+                cudart.copy_async(arr.ctypes.data, dptr, nbytes, stream)
+            res.append(arr)
+        if spill:
+            self.read_async(dict.fromkeys(names[i] for i in spill))
+        self.wait()
+        for i in spill:
+            res[i] = host_copy(self.host_outputs[names[i]])
+        return res
+
     def profile(self, name: str, arr: np.ndarray) -> dict:
         """Callables timing the staging's parts on input ``name`` (``benchmarks/profile_replay.py``): the host copy
         into the staging buffer, the upload from it, a full upload of ``arr``, the readback of every output."""
@@ -325,7 +431,7 @@ class HostStaging:
                 out[f"fill, {tag} (host copy only)"] = lambda t=t, pin=pin: _fill(flat, arr, t, pin)
 
                 def send(t=t, pin=pin):
-                    _fill_and_send(flat, arr, hptr, dptr, n, self._stream, t, pin)
+                    _fill_and_send(flat, arr, hptr, dptr, n, self._stream, t, pin, self.device_id)
                     self.wait()
                 out[f"fill + upload, {tag} (pipelined)"] = send
         return out
@@ -399,37 +505,60 @@ def _fill(flat: np.ndarray, arr: np.ndarray, threads: int | None = None, pin: bo
 
 
 def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream,
-                   threads: int | None = None, pin: bool | None = None) -> None:
-    """Copy ``arr``'s bytes into the page-locked ``flat`` and queue their host-to-device copy to ``dptr``: in
-    chunks of :data:`STAGING_CHUNK`, each sent as soon as it is in (the DMA of one overlaps the host copy of the
-    next), the host copies spread over the staging threads where there are several (the calling thread copies the
-    first chunk and every chunk no worker has started when its turn to be sent comes). The DMAs are queued by the
-    calling thread alone, in order."""
+                   threads: int | None = None, pin: bool | None = None, device: int = 0) -> None:
+    """Copy ``arr``'s bytes into the page-locked ``flat`` and queue their host-to-device copy to ``dptr`` on
+    ``stream`` (of CUDA ``device``): the bytes are cut into one contiguous stripe per staging thread (``threads``,
+    default :data:`STAGING_THREADS`; the calling thread takes the first), and each thread copies its stripe in chunks
+    of :data:`STAGING_CHUNK` and queues each chunk's DMA itself as soon as the chunk is in, so the DMAs overlap the
+    host copies and no chunk waits for another thread. Every DMA is queued when this returns (the caller records
+    its event after them). Measured on the H200 (9.8 MB, ``benchmarks/bench_host_copy.py``): 2 threads with 1 MiB
+    chunks 613 µs, against 693 µs for 1 MiB chunks handed to a 4-thread pool with the caller queuing every DMA,
+    756 µs for ``cudaMemcpyAsync`` from pageable memory (ORT's ``update_inplace(numpy)`` path) and 1046 µs for a
+    host copy then one DMA; 256 KiB chunks were slower (the calls' cost)."""
     from ortcapture._ort import cudart
 
     src = arr.reshape(-1).view(np.uint8)
-    if n <= 2 * STAGING_CHUNK:
-        np.copyto(flat, src)
-        cudart.copy_async(dptr, hptr, n, stream)
-        return
-    bounds = [(a, min(a + STAGING_CHUNK, n)) for a in range(0, n, STAGING_CHUNK)]
-    pool = _pool(threads, pin)
+    chunk = STAGING_CHUNK
+    pool = _pool(threads, pin) if n > 2 * chunk else None
     if pool is None:
-        for a, b in bounds:
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
             np.copyto(flat[a:b], src[a:b])
             cudart.copy_async(dptr + a, hptr + a, b - a, stream)
         return
-    a, b = bounds[0]
-    futures = [pool.submit(np.copyto, flat[a:b], src[a:b]) for a, b in bounds[1:]]
+    t = STAGING_THREADS if threads is None else int(threads)
+    step = -(-(-(-n // t)) // chunk) * chunk  # stripes of whole chunks
+
+    def part(a0: int, b0: int, worker: bool) -> None:
+        if worker:
+            _worker_device(device)
+        for a in range(a0, b0, chunk):
+            b = min(b0, a + chunk)
+            np.copyto(flat[a:b], src[a:b])
+            cudart.copy_async(dptr + a, hptr + a, b - a, stream)
+
+    stripes = [(a, min(n, a + step)) for a in range(0, n, step)]
+    futures = [pool.submit(part, a, b, True) for a, b in stripes[1:]]
     try:
-        np.copyto(flat[a:b], src[a:b])
-        cudart.copy_async(dptr + a, hptr + a, b - a, stream)
-        for (a, b), fut in zip(bounds[1:], futures):
+        part(*stripes[0], False)
+        for (a, b), fut in zip(stripes[1:], futures):
             if fut.cancel():  # no worker took it yet: copied here rather than waited for
-                np.copyto(flat[a:b], src[a:b])
+                part(a, b, False)
             else:
                 fut.result()
-            cudart.copy_async(dptr + a, hptr + a, b - a, stream)
     finally:
         for fut in futures:  # nothing may still write the buffer once this returns (an error above included)
             fut.cancel() or fut.exception()
+
+
+_TLS = threading.local()
+
+
+def _worker_device(device: int) -> None:
+    """Make CUDA ``device`` current in a staging worker thread (once per thread and device): its DMAs go on a
+    stream of that device."""
+    if getattr(_TLS, "device", None) != device:
+        from ortcapture._ort import cudart
+
+        cudart.set_device(device)
+        _TLS.device = device

@@ -199,6 +199,9 @@ class _FakeCudart:
     def free_pending(self, capturing):
         pass
 
+    def set_device(self, device):
+        self.calls.append(("device", device))
+
 
 @pytest.fixture
 def fake_pinned(monkeypatch):
@@ -208,7 +211,7 @@ def fake_pinned(monkeypatch):
 
     fake = _FakeCudart()
     for name in ("host_alloc", "copy_async", "new_stream", "new_event", "record", "wait_event", "sync_stream",
-                 "release_later", "free_pending"):
+                 "release_later", "free_pending", "set_device"):
         monkeypatch.setattr(cudart, name, getattr(fake, name))
     monkeypatch.setattr(compat, "has_cuda_python", lambda: True)
     monkeypatch.setattr(_staging, "PINNED", True)
@@ -253,6 +256,12 @@ def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, 
     assert [c[0] for c in fake.calls] == ["copy", "record", "sync"] and x.numpy()[0, 0, 0] == 42.0
     st.read(["y"])
     np.testing.assert_array_equal(st.host_outputs["y"], np.arange(8).reshape(2, 4))
+    fake.calls.clear()
+    r1, r2 = st.read_new(["y", "y"])  # new arrays, one DMA each straight into a pool block; no host copy
+    assert r1 is not r2 and r1.ctypes.data != st.host_outputs["y"].ctypes.data
+    np.testing.assert_array_equal(r1, np.arange(8).reshape(2, 4))
+    np.testing.assert_array_equal(r2, r1)
+    assert [c[0] for c in fake.calls] == ["copy", "copy", "sync"]
     # frees: the blocks go once no array views them (queued, never freed from the finalizer itself)
     view = st.host_inputs["x"]
     del st
@@ -330,11 +339,13 @@ def test_cuda_host_buffers_are_page_locked(cuda, rng):
 
 
 @pytest.mark.cuda
-def test_cuda_staging_is_unasked_only_where_opted_in(cuda, rng, monkeypatch):
-    """By default no graph pins memory until its host buffers are asked for (unasked staging measured no faster than
-    ORT's pageable path on the H200); with PINNED_AUTO_MIN set (``ORTCAPTURE_PINNED_MIN``) a graph of at least that
-    many bytes stages through page-locked memory from the first numpy feed, a smaller one does not."""
+def test_cuda_staging_is_unasked_for_big_graphs_only(cuda, rng, monkeypatch):
+    """A graph of at least PINNED_AUTO_MIN bytes (default 1 MiB; ``ORTCAPTURE_PINNED_MIN``) stages plain numpy feeds
+    and new host outputs through page-locked memory from the first call; a smaller one pins nothing until its host
+    buffers are asked for; ``None`` (``off``) keeps every graph on ORT's path until asked."""
     pytest.importorskip("cuda.bindings", reason="cuda-python")
+    assert _staging.PINNED_AUTO_MIN == _staging.PINNED_AUTO_DEFAULT or os.environ.get("ORTCAPTURE_PINNED_MIN")
+    monkeypatch.setattr(_staging, "PINNED_AUTO_MIN", 1 << 20)
     small = cuda.session(tiny.affine_model())
     x = rng.random((2, 4), np.float32)
     with small.capture({"X": x}) as g:
@@ -346,19 +357,60 @@ def test_cuda_staging_is_unasked_only_where_opted_in(cuda, rng, monkeypatch):
     shape = (1, 3, 320, 320)  # 1.2 MB in, 1.2 MB out
     big = cuda.session(tiny.affine_model(shape))
     xb = rng.random(shape, dtype=np.float32)
-    assert _staging.PINNED_AUTO_MIN is None or os.environ.get("ORTCAPTURE_PINNED_MIN")
-    with big.capture({"X": xb}, verify=False) as g:
-        np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
-        if _staging.PINNED_AUTO_MIN is None:
-            assert g._staging is None  # the default: plain numpy keeps ORT's path
-    monkeypatch.setattr(_staging, "PINNED_AUTO_MIN", 1 << 20)
     with big.capture({"X": xb}, verify=False) as g:
         assert g._staging is None
         np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
         assert g._staging is not None and g._staging.kind == "pinned"
-    with small.capture({"X": x}) as g:
-        np.testing.assert_array_equal(g.run({"X": x})[0], x * 2 + 1)
-        assert g._staging is None
+    monkeypatch.setattr(_staging, "PINNED_AUTO_MIN", None)
+    with big.capture({"X": xb}, verify=False) as g:
+        np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
+        assert g._staging is None  # off: plain numpy keeps ORT's path
+
+
+@pytest.mark.cuda
+def test_cuda_new_outputs_come_from_recycled_page_locked_blocks(cuda, rng, monkeypatch):
+    """copy_outputs=True through pinned staging: every call returns new arrays of their own (an earlier result is
+    never overwritten by a later replay), in page-locked memory; a dropped result's block is reused; results kept
+    past the pool's cap are still right (copied out of the staging buffer)."""
+    rt = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python")
+    monkeypatch.setattr(_staging, "OUTPUT_POOL_BYTES", 0)  # the pool: two sets of outputs
+    shape = (2, 3, 320, 320)
+    sess = cuda.session(tiny.affine_model(shape))
+    with sess.capture({"X": np.zeros(shape, np.float32)}, verify=False) as g:
+        g.host_outputs  # noqa: B018 - asks for the staging
+        kept = []
+        for i in range(5):
+            x = rng.random(shape, dtype=np.float32)
+            res = g.run({"X": x})
+            kept.append((x, res))
+        for x, res in kept:  # 2 in blocks of the pool, 3 copied out: all their own, all right
+            np.testing.assert_array_equal(res[0], x * 2 + 1)
+        pool = g._staging._out_pool
+        assert pool.held == 2 * pool.nbytes["Y"]
+        err, attrs = rt.cudaPointerGetAttributes(kept[0][1][0].ctypes.data)
+        assert int(err) == 0 and int(attrs.type) == 1  # cudaMemoryTypeHost: page-locked
+        del kept, res
+        addresses = set()
+        for i in range(6):  # dropped results: their blocks come back; nothing new is allocated
+            x = rng.random(shape, dtype=np.float32)
+            (y,) = g.run({"X": x})
+            np.testing.assert_array_equal(y, x * 2 + 1)
+            addresses.add(y.ctypes.data)
+            del y
+        assert pool.held == 2 * pool.nbytes["Y"] and len(addresses) <= 2
+        view = g.run({"X": x})[0][0]  # a view keeps its block: the next result is elsewhere
+        (other,) = g.run({"X": x + 1})
+        np.testing.assert_array_equal(view, (x * 2 + 1)[0])
+        np.testing.assert_array_equal(other, (x + 1) * 2 + 1)
+    rep = cuda.session(tiny.repeated_output_model(shape=(512, 1024)))  # Y listed twice: separate arrays, as ORT
+    x = rng.random((512, 1024), dtype=np.float32)
+    with rep.capture({"X": x}, verify=False) as g:
+        g.host_outputs  # noqa: B018
+        want = rep.run(None, {"X": x})
+        res = g.run({"X": x})
+        assert len({id(r) for r in res}) == len(res) == len(want)
+        for r, w in zip(res, want):
+            np.testing.assert_array_equal(r, w)
 
 
 @pytest.mark.cuda
@@ -512,6 +564,10 @@ class _ModelStaging:
         for n in names:
             np.copyto(self.host_outputs[n], ortcapture.to_numpy(self.g.outputs[n]))
 
+    def read_new(self, names):
+        self.read(dict.fromkeys(names))
+        return [self.host_outputs[n].copy() for n in names]
+
 
 @pytest.mark.parametrize("copies", [1, 2])
 @pytest.mark.parametrize("mode", [True, "pinned"])
@@ -625,3 +681,45 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
         pool = _staging._pool(8, True)  # noqa: SLF001
         cpus = [pool.submit(os.sched_getaffinity, 0).result() for _ in range(20)]
         assert all(len(c) == 1 and c <= os.sched_getaffinity(0) for c in cpus)
+
+
+class _FakeBlock:
+    """A _PinnedBlock stand-in in ordinary memory (the pool's bookkeeping without CUDA)."""
+
+    made = 0
+
+    def __init__(self, nbytes):
+        _FakeBlock.made += 1
+        self.buf = np.empty(max(nbytes, 1), np.uint8)
+        self.__array_interface__ = {"data": (self.buf.ctypes.data, False), "shape": self.buf.shape,
+                                    "typestr": "|u1", "version": 3}
+
+
+def test_output_pool_recycles_blocks_when_arrays_and_views_are_gone(monkeypatch):
+    """_OutputPool: a block comes back once the array and every view of it are gone (from any thread), is handed
+    out again, and past the cap the pool answers None rather than pin more."""
+    monkeypatch.setattr(_staging, "_PinnedBlock", _FakeBlock)
+    monkeypatch.setattr(_staging, "OUTPUT_POOL_BYTES", 0)
+    _FakeBlock.made = 0
+    pool = _staging._OutputPool({"y": ((3, 4), np.float32), "z": ((0,), np.int64)})
+    assert pool.cap == 2 * 48
+    a = pool.take("y")
+    assert a.shape == (3, 4) and a.dtype == np.float32 and a.flags.writeable and not a.flags.owndata
+    a[...] = 7
+    b = pool.take("y")
+    assert pool.take("y") is None and pool.held == 96  # two sets of outputs, no more
+    assert pool.take("z").shape == (0,)  # an empty output takes no bytes
+    addr = a.ctypes.data
+    view = a[1:]
+    del a
+    assert pool.take("y") is None  # the view keeps the block
+    t = threading.Thread(target=lambda: view.__class__)  # a release from another thread: just the last ref going
+    t.start()
+    t.join()
+    del view
+    gc.collect()
+    c = pool.take("y")
+    assert c.ctypes.data == addr and _FakeBlock.made == 3
+    del b, c
+    assert sorted(len(f) for f in pool.free.values()) == [1, 2]
+

@@ -276,6 +276,13 @@ def free_pending(capturing: bool) -> None:
             rt.cudaEventDestroy(handle)
 
 
+def set_device(device: int) -> None:
+    """``cudaSetDevice(device)`` for the calling thread (a staging worker's DMAs go on a stream of ``device``).
+    Raises :class:`RuntimeError`."""
+    (err,) = compat.cudart().cudaSetDevice(int(device))
+    _check(err, f"cudaSetDevice({device})")
+
+
 def new_stream(device: int):
     """A non-blocking CUDA stream on ``device`` (``cudaStreamCreateWithFlags``); call under ``CUDA_GATE.shared``."""
     rt = compat.cudart()
