@@ -119,7 +119,18 @@ def _med(xs) -> float:
     return float(statistics.median(xs))
 
 
+def _cpu_list(text: str) -> set[int]:
+    """``"2-5,8"`` -> {2, 3, 4, 5, 8}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def worker(args) -> dict:
+    if args.cpus:
+        os.sched_setaffinity(0, _cpu_list(args.cpus))
     ortcapture = _import_tree(args.pkg)
     import numpy as np
 
@@ -182,7 +193,7 @@ def worker(args) -> dict:
     def ours_replay():
         g.run(feeds, copy_outputs=False)
 
-    res = {"case": args.case, "pkg": os.path.dirname(ortcapture.__file__), "provider": provider, "ort": ort.__version__,
+    res = {"case": args.case, "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None, "pkg": os.path.dirname(ortcapture.__file__), "provider": provider, "ort": ort.__version__,
            "batch": batch, "shape": list(shape)}
     iters = args.iters
     # correctness first: both arms give the uncaptured run's outputs
@@ -336,6 +347,8 @@ def _spawn(tree: str | None, case: str, args) -> dict | None:
            "--iters", str(args.iters), "--json-out", path]
     if tree:
         cmd += ["--pkg", tree]
+    if args.cpus:
+        cmd += ["--cpus", args.cpus]
     if case in HOST_IO_CASES:
         cmd += ["--numpy", "--stream", str(args.stream), "--stream-rounds", str(args.stream_rounds)]
     else:
@@ -391,6 +404,9 @@ def main() -> int:
     ap.add_argument("--stream", type=int, default=64, help="requests per stream pass (yolo8, affine8)")
     ap.add_argument("--stream-rounds", type=int, default=3)
     ap.add_argument("--worker-timeout", type=float, default=300)
+    ap.add_argument("--cpus", default=None, metavar="2-5",
+                    help="run every worker process on these CPUs only (os.sched_setaffinity; both trees alike): a "
+                         "setup that takes the scheduler's placement out of the numbers; say so with them")
     ap.add_argument("--out", help="JSON path (default $OUT/profile_replay.json, else none)")
     # worker mode
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

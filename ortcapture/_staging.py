@@ -507,14 +507,15 @@ def _fill(flat: np.ndarray, arr: np.ndarray, threads: int | None = None, pin: bo
 def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream,
                    threads: int | None = None, pin: bool | None = None, device: int = 0) -> None:
     """Copy ``arr``'s bytes into the page-locked ``flat`` and queue their host-to-device copy to ``dptr`` on
-    ``stream`` (of CUDA ``device``): the bytes are cut into one contiguous stripe per staging thread (``threads``,
-    default :data:`STAGING_THREADS`; the calling thread takes the first), and each thread copies its stripe in chunks
-    of :data:`STAGING_CHUNK` and queues each chunk's DMA itself as soon as the chunk is in, so the DMAs overlap the
-    host copies and no chunk waits for another thread. Every DMA is queued when this returns (the caller records
-    its event after them). Measured on the H200 (9.8 MB, ``benchmarks/bench_host_copy.py``): 2 threads with 1 MiB
-    chunks 613 µs, against 693 µs for 1 MiB chunks handed to a 4-thread pool with the caller queuing every DMA,
-    756 µs for ``cudaMemcpyAsync`` from pageable memory (ORT's ``update_inplace(numpy)`` path) and 1046 µs for a
-    host copy then one DMA; 256 KiB chunks were slower (the calls' cost)."""
+    ``stream`` (of CUDA ``device``), in chunks of :data:`STAGING_CHUNK`: the calling thread and up to
+    ``threads - 1`` staging workers (``threads`` default :data:`STAGING_THREADS`) each claim the next chunk, copy it
+    and queue its DMA themselves as soon as it is in, until none is left. The calling thread starts at once, so a
+    worker that wakes late (a sleeping core) costs only its share of the parallelism, never a wait; every DMA is
+    queued when this returns (the caller records its event after them). Measured on the H200 (9.8 MB,
+    ``benchmarks/bench_host_copy.py``): two threads each sending their own 1 MiB chunks 498-613 µs, against
+    525-693 µs for chunks handed to a 4-thread pool with the caller queuing every DMA, 563-756 µs for
+    ``cudaMemcpyAsync`` from pageable memory (ORT's ``update_inplace(numpy)`` path) and 890-1046 µs for a host copy
+    then one DMA; 256 KiB chunks were slower (the calls' cost)."""
     from ortcapture._ort import cudart
 
     src = arr.reshape(-1).view(np.uint8)
@@ -527,28 +528,28 @@ def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: i
             cudart.copy_async(dptr + a, hptr + a, b - a, stream)
         return
     t = STAGING_THREADS if threads is None else int(threads)
-    step = -(-(-(-n // t)) // chunk) * chunk  # stripes of whole chunks
+    chunks = iter(range(0, n, chunk))
+    lock = threading.Lock()  # the claims (a shared iterator is not thread-safe without the GIL)
 
-    def part(a0: int, b0: int, worker: bool) -> None:
+    def work(worker: bool) -> None:
         if worker:
             _worker_device(device)
-        for a in range(a0, b0, chunk):
-            b = min(b0, a + chunk)
+        while True:
+            with lock:
+                a = next(chunks, None)
+            if a is None:
+                return
+            b = min(n, a + chunk)
             np.copyto(flat[a:b], src[a:b])
             cudart.copy_async(dptr + a, hptr + a, b - a, stream)
 
-    stripes = [(a, min(n, a + step)) for a in range(0, n, step)]
-    futures = [pool.submit(part, a, b, True) for a, b in stripes[1:]]
+    futures = [pool.submit(work, True) for _ in range(t - 1)]
     try:
-        part(*stripes[0], False)
-        for (a, b), fut in zip(stripes[1:], futures):
-            if fut.cancel():  # no worker took it yet: copied here rather than waited for
-                part(a, b, False)
-            else:
-                fut.result()
-    finally:
-        for fut in futures:  # nothing may still write the buffer once this returns (an error above included)
-            fut.cancel() or fut.exception()
+        work(False)
+    finally:  # nothing may still write the buffer once this returns (an error here included)
+        errors = [e for e in (None if f.cancel() else f.exception() for f in futures) if e is not None]
+    if errors:
+        raise errors[0]
 
 
 _TLS = threading.local()

@@ -431,14 +431,7 @@ class CapturedGraph:
                     if cg.pending:
                         with cg.cond:
                             cg.cond.notify_all()
-            # this thread has no CUDA graph of the id: capture it (outside the guard; the capture guard instead). The
-            # thread's capture rewrites the outputs: earlier ReplayOutputs go stale
-            with cs.capture_guard:
-                self._generation += 1
-                try:
-                    cs.ensure_thread(self._binding, self.graph_id, self._run_options)
-                finally:
-                    self._generation += 1
+            self._capture_for_thread()  # this thread has no CUDA graph of the id
 
     # -- host staging ---------------------------------------------------------------------------------------
     @property
@@ -605,12 +598,18 @@ class CapturedGraph:
                 if not self._captured or not cs.per_thread or self.graph_id in (
                         getattr(cs._tls, "graphs", None) or ()):  # noqa: SLF001 - CaptureState's per-thread graphs
                     return
-            with cs.capture_guard:
+            self._capture_for_thread()
+
+    def _capture_for_thread(self) -> None:
+        """Capture this graph's id in the calling thread (outside the guard; the capture guard instead). The thread's
+        capture rewrites the outputs: earlier ReplayOutputs go stale."""
+        cs = self._cs
+        with cs.capture_guard:
+            self._generation += 1
+            try:
+                cs.ensure_thread(self._binding, self.graph_id, self._run_options)
+            finally:
                 self._generation += 1
-                try:
-                    cs.ensure_thread(self._binding, self.graph_id, self._run_options)
-                finally:
-                    self._generation += 1
 
     def _many_iter(self, it, graphs, mode):
         n = len(graphs)

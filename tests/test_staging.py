@@ -723,3 +723,28 @@ def test_output_pool_recycles_blocks_when_arrays_and_views_are_gone(monkeypatch)
     del b, c
     assert sorted(len(f) for f in pool.free.values()) == [1, 2]
 
+
+def test_pipelined_fill_never_waits_for_a_worker_that_has_not_started(fake_pinned, monkeypatch, rng):
+    """The calling thread claims chunks from the start: with the only worker busy elsewhere (a sleeping core, a
+    blocked pool) it copies and sends every chunk itself and returns without waiting; the bytes are all there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fake, _ = fake_pinned
+    pool = ThreadPoolExecutor(1)
+    gate = threading.Event()
+    blocker = pool.submit(gate.wait, 30)
+    monkeypatch.setattr(_staging, "_pool", lambda threads=None, pin=None: pool)
+    try:
+        n = 5 << 20
+        src = rng.integers(0, 255, n, dtype=np.uint8)
+        flat = np.zeros(n, np.uint8)
+        dev = np.zeros(n, np.uint8)
+        _staging._fill_and_send(flat, src, flat.ctypes.data, dev.ctypes.data, n, "stream", threads=2)
+        assert not blocker.done()  # returned while the worker was still held
+        np.testing.assert_array_equal(flat, src)
+        np.testing.assert_array_equal(dev, src)  # every chunk's DMA queued (the fake copies at once)
+        assert len([c for c in fake.calls if c[0] == "copy"]) == 5
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)
+
