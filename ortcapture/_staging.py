@@ -33,9 +33,9 @@ def _usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-#: Host memcpy threads of a pinned staging fill (a big numpy feed is cut into one stripe per thread, each copied into
-#: the page-locked buffer in chunks whose host-to-device copies the thread queues as soon as each is in; the calling
-#: thread takes a stripe too): $ORTCAPTURE_STAGING_THREADS, default 2 where the process may use 2 CPUs (1: the calling
+#: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
+#: each thread claiming the next chunk and queuing its host-to-device copy as soon as it is in; the calling thread is
+#: one of them): $ORTCAPTURE_STAGING_THREADS, default 2 where the process may use 2 CPUs (1: the calling
 #: thread alone). On the H200 (9.8 MB YOLOv8n b8 input, ``benchmarks/bench_host_copy.py``) fill and upload together
 #: took 613 / 728 / 1126 µs at 2 / 4 / 8 threads (1 MiB chunks): beyond two threads the host copies and the DMA
 #: contend for memory bandwidth. numpy releases the GIL for the copies; ``benchmarks/profile_replay.py`` times them.

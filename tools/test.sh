@@ -41,7 +41,7 @@ for v in $versions; do
     else
       export ORTCAPTURE_REQUIRE_SERVE=0
     fi
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"
   ) || status=1
 done
 [ $docs_done = 1 ] || echo "docs: not built (only in .venv, the onnxruntime $(sed -n 's/^NEWEST_ORT=//p' tools/bootstrap.sh) environment)"
