@@ -12,8 +12,13 @@ Issue 32's measurements, in one script:
   (``update_inplace`` of the same source + ORT's ``run_with_iobinding`` on the same session, binding and run options),
   alternated call by call (``paired``: the median extra per call, both call orders weighted alike). Same graph, so the
   ~20 µs by which two captures of one model differ is not in the number.
+* ``after_wait``: the same steps each timed right after a real replay's wait for the GPU (where they run in a
+  stream of replays; on the H200 hosts Python costs several times more there than back to back), and ortcapture's
+  whole host path there: ``g.run`` with its one ORT call stubbed.
+* ``paired``: ablations in the same alternation as ``overhead`` — ``g.run(None)`` over ORT's call alone, the
+  foreign-capture probe before ORT's call, ``g.run`` without the probe, and raw against raw (the method's noise).
 * ``numpy`` (a real model, batch 8): numpy in -> numpy out. Device-resident replay (no feed, outputs left on the
-  device); raw ORT ``update_inplace(numpy)`` + run + ``.numpy()``; ``g.run(numpy)``; where the code has them,
+  device); raw ORT ``update_inplace(numpy)`` + run + ``.numpy()``; ``g.run(numpy)`` of the same array every call and of 8 arrays in turn; where the code has them,
   ``g.host_inputs`` filled + ``copy_outputs="pinned"`` (the fill timed apart), and the staging copy itself (host
   memcpy into the pinned buffer; host -> device copy).
 * ``stream``: throughput of a stream of batch-8 numpy requests through ``g.run_many`` (where the code has it; else a
@@ -131,6 +136,14 @@ def _cpu_list(text: str) -> set[int]:
 def worker(args) -> dict:
     if args.cpus:
         os.sched_setaffinity(0, _cpu_list(args.cpus))
+    if args.sched != "auto":  # how CUDA waits for the GPU (cudaSetDeviceFlags before the context exists)
+        from cuda.bindings import runtime as rt
+
+        flag = {"spin": rt.cudaDeviceScheduleSpin, "yield": rt.cudaDeviceScheduleYield,
+                "blocking": rt.cudaDeviceScheduleBlockingSync}[args.sched]
+        (err,) = rt.cudaSetDeviceFlags(flag)
+        if int(err):
+            raise SystemExit(f"cudaSetDeviceFlags: {err}")
     ortcapture = _import_tree(args.pkg)
     import numpy as np
 
@@ -242,6 +255,88 @@ def worker(args) -> dict:
     res["steps_us"] = prof
     res["clock_overhead_ns"] = clock_ns
 
+    # -- the same steps right after a replay's wait for the GPU ----------------------------------------------------
+    # Back to back (above) every step finds its code and data in the caches; in a stream of replays each one runs
+    # right after ORT's wait for the GPU. "whole, ORT stubbed": g.run with its one ORT call replaced by a no-op, so
+    # the time is ortcapture's own host work, timed where it happens.
+    clock = time.perf_counter_ns
+
+    def after_wait(fn, n):
+        xs = []
+        for _ in range(n):
+            ort_run(gsess, binding(), ro)
+            t0 = clock()
+            fn()
+            xs.append((clock() - t0) / 1e3)
+        return xs
+
+    def stubbed(fn):
+        def call():
+            attr = "_replay_run" if getattr(g, "_replay_run", None) is not None else "_replay"
+            real = getattr(g, attr)
+            setattr(g, attr, _noop)
+            try:
+                fn()
+            finally:
+                setattr(g, attr, real)
+        return call
+
+    def no_probe(fn):
+        def call():
+            real = cs.capture_probe
+            cs.capture_probe = None
+            try:
+                fn()
+            finally:
+                cs.capture_probe = real
+        return call
+
+    cold = {"timer only": _noop}
+    if probe is not None:
+        cold["foreign-capture probe"] = probe
+    cold["session guard (gate + lock)"] = guard_step
+    cold["per-thread lookup"] = steps["per-thread lookup"]
+    cold["raw feed copy (update_inplace)"] = raw_feed
+    cold["ReplayOutput wraps"] = steps["ReplayOutput wraps"]
+    # the stub swap itself is timed too: "stub swap only" is subtracted below
+    cold["stub swap only"] = stubbed(_noop)
+    cold["g.run({OrtValue}), ORT stubbed"] = stubbed(ours_replay)
+    cold["g.run(None), ORT stubbed"] = stubbed(lambda: g.run(None, copy_outputs=False))
+    if probe is not None:
+        cold["g.run({OrtValue}), ORT stubbed, no probe"] = stubbed(no_probe(ours_replay))
+    aw = {}
+    for _ in range(3):
+        for k, fn in cold.items():
+            aw.setdefault(k, []).extend(after_wait(fn, max(20, iters // 3)))
+    aw = {k: max(0.0, _med(v) - clock_ns / 1e3) for k, v in aw.items()}
+    swap = aw.pop("stub swap only")
+    for k in list(aw):
+        if "stubbed" in k:
+            aw[k] = aw[k] - swap
+    res["after_wait_us"] = aw
+
+    # -- paired ablations: what each part adds to a replay, in the same alternation as "overhead" ----------------
+    def ort_call():
+        ort_run(gsess, binding(), ro)
+
+    abl = {}
+    a, b = _paired(ort_call, lambda: g.run(None, copy_outputs=False), iters)
+    abl["g.run(None) over ORT's call alone"] = _paired_extra(a, b)
+    if probe is not None:
+        a, b = _paired(ort_call, lambda: (probe(), ort_call()), iters)
+        abl["the probe before ORT's call"] = _paired_extra(a, b)
+        a, b = _paired(raw_replay, no_probe(ours_replay), iters)
+        abl["g.run({OrtValue}) without the probe over raw"] = _paired_extra(a, b)
+    a, b = _paired(raw_replay, raw_replay, iters)
+    abl["raw over raw (the method's own noise)"] = _paired_extra(a, b)
+    res["paired_us"] = abl
+    res["torch_imported"] = "torch" in sys.modules
+    try:
+        with open("/proc/self/stat") as fh:
+            res["last_cpu"] = int(fh.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        pass
+
     # -- numpy in -> numpy out ------------------------------------------------------------------------------------
     if args.numpy:
         arms = {}
@@ -258,7 +353,14 @@ def worker(args) -> dict:
                 ort_run(gsess, binding(), ro)
                 return [v.numpy() for v in outs]
         arms["raw ORT update_inplace(numpy) + run + numpy()"] = raw_numpy
-        arms["g.run(numpy)"] = lambda: g.run({name: host})
+        arms["g.run(numpy)"] = lambda: g.run({name: host})  # the same array every call (a request buffer reused)
+        ring = [rng.random(shape, dtype=np.float32) for _ in range(8)]
+        turn = [0]
+
+        def in_turn():
+            turn[0] += 1
+            return g.run({name: ring[turn[0] % 8]})
+        arms["g.run(numpy), 8 arrays in turn"] = in_turn  # a new array each call, as far as any cache can tell
         staging = getattr(g, "host_inputs", None)
         if staging is not None:
             hin = g.host_inputs
@@ -331,6 +433,10 @@ def worker(args) -> dict:
     return res
 
 
+def _noop():
+    return None
+
+
 def _wg_sync(g, transfer):
     """WebGPU's run returns before the GPU finishes: a readback of the smallest output ends the call."""
     outs = g.run(None, copy_outputs=False)
@@ -349,6 +455,8 @@ def _spawn(tree: str | None, case: str, args) -> dict | None:
         cmd += ["--pkg", tree]
     if args.cpus:
         cmd += ["--cpus", args.cpus]
+    if args.sched != "auto":
+        cmd += ["--sched", args.sched]
     if case in HOST_IO_CASES:
         cmd += ["--numpy", "--stream", str(args.stream), "--stream-rounds", str(args.stream_rounds)]
     else:
@@ -407,6 +515,8 @@ def main() -> int:
     ap.add_argument("--cpus", default=None, metavar="2-5",
                     help="run every worker process on these CPUs only (os.sched_setaffinity; both trees alike): a "
                          "setup that takes the scheduler's placement out of the numbers; say so with them")
+    ap.add_argument("--sched", choices=["auto", "spin", "yield", "blocking"], default="auto",
+                    help="how CUDA waits for the GPU in every worker (cudaSetDeviceFlags; both trees alike)")
     ap.add_argument("--out", help="JSON path (default $OUT/profile_replay.json, else none)")
     # worker mode
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -428,7 +538,8 @@ def main() -> int:
     for c in cases:
         if c not in CASES:
             ap.error(f"unknown case {c!r}")
-    report: dict = {"provider": args.provider, "procs": args.procs, "iters": args.iters, "cases": {}}
+    report: dict = {"provider": args.provider, "procs": args.procs, "iters": args.iters, "cpus": args.cpus,
+                    "sched": args.sched, "cases": {}}
     for case in cases:
         runs: dict[str, list] = {t: [] for t in trees}
         for p in range(args.procs):
@@ -438,8 +549,12 @@ def main() -> int:
                 if r is not None:
                     runs[t].append(r)
                     ov = r["overhead"]
+                    aw = r.get("after_wait_us", {})
                     print(f"{case:6} {t:4} proc {p}: raw {ov['raw_p50_us']:8.1f} µs, ours {ov['ours_p50_us']:8.1f} µs,"
-                          f" paired extra {ov['paired_extra_us']:+6.2f} µs", flush=True)
+                          f" paired extra {ov['paired_extra_us']:+6.2f} µs; after a wait: ortcapture's host work"
+                          f" {aw.get('g.run({OrtValue}), ORT stubbed', float('nan')):5.2f} µs, raw feed copy"
+                          f" {aw.get('raw feed copy (update_inplace)', float('nan')):5.2f} µs; cpu {r.get('last_cpu')}",
+                          flush=True)
         report["cases"][case] = {t: {"median": _aggregate(rs), "runs": rs} for t, rs in runs.items()}
     report["goals"] = goals(report)
     _print_summary(report)
@@ -459,6 +574,7 @@ GOALS = [("tiny", "extra µs per call over the same graph driven raw", 3.0, True
          ("yolo8", "extra µs per call over the same graph driven raw", 5.0, True),
          ("yolo8", "host_inputs + pinned views / device-resident replay", 1.25, True),
          ("yolo8", "plain numpy in and out / device-resident replay", 1.45, True),
+         ("yolo8", "plain numpy in and out, 8 arrays in turn / device-resident replay", 1.45, True),
          ("yolo8", "run_many(numpy), copies=2 throughput / device-resident replays'", 0.90, False)]
 
 
@@ -475,6 +591,8 @@ def goals(report: dict) -> list[dict]:
             v = m.get("overhead", {}).get("paired_extra_us")
         elif what.startswith("host_inputs"):
             v = np_.get("g.run(g.host_inputs, copy_outputs='pinned')", 0) / dev if dev else None
+        elif what.startswith("plain") and "in turn" in what:
+            v = np_["g.run(numpy), 8 arrays in turn"] / dev if dev and "g.run(numpy), 8 arrays in turn" in np_ else None
         elif what.startswith("plain"):
             v = np_.get("g.run(numpy)", 0) / dev if dev else None
         else:
@@ -493,7 +611,7 @@ def _print_summary(report: dict) -> None:
         rows: dict = {}
         for t in names:
             m = trees[t]["median"]
-            for sect in ("overhead", "steps_us", "numpy_us", "stream_per_s"):
+            for sect in ("overhead", "steps_us", "after_wait_us", "paired_us", "numpy_us", "stream_per_s"):
                 for k, v in m.get(sect, {}).items():
                     rows.setdefault((sect, k), {})[t] = v
         print(f"{'':62}" + "".join(f"{t:>12}" for t in names))
@@ -507,7 +625,7 @@ def _print_summary(report: dict) -> None:
             np_ = m.get("numpy_us", {})
             dev = np_.get("device-resident replay")
             if dev:
-                for k in ("g.run(g.host_inputs, copy_outputs='pinned')", "g.run(numpy)"):
+                for k in ("g.run(g.host_inputs, copy_outputs='pinned')", "g.run(numpy)", "g.run(numpy), 8 arrays in turn"):
                     if k in np_:
                         print(f"  {t}: {k} / device-resident = {np_[k] / dev:.3f}x")
             st = m.get("stream_per_s", {})

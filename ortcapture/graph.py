@@ -298,7 +298,12 @@ class CapturedGraph:
         is copied into its buffer in 1 MiB chunks claimed by ``ORTCAPTURE_STAGING_THREADS`` threads (default 2, the
         caller among them), each chunk sent with ``cudaMemcpyAsync`` on the graph's copy stream as soon as it is in,
         and with ``copy_outputs=True`` each output is read with one DMA into a page-locked block of a recycling pool that
-        becomes the returned array (the block goes back to the pool when the array is gone). Measured on the H200
+        becomes the returned array (the block goes back to the pool when the array is gone). A numpy feed fed again
+        (the same array object, same address and size: a request buffer reused) is page-locked in place on its
+        second call (``cudaHostRegister``) and from then on sent with one DMA from its own memory, no host copy
+        (9.8 MB: 190 µs); the graph keeps up to 4 such arrays per input alive and locked (256 MiB at most,
+        ``ORTCAPTURE_REGISTER_BYTES``) until they are evicted or :meth:`release` (``ORTCAPTURE_REGISTER=0``: off).
+        Measured on the H200
         (YOLOv8n batch 8): the 9.8 MB input 613 µs this way against 756 µs from pageable memory (ORT's
         ``update_inplace``), the 1.48 MB output 36 µs against 202 µs. Plain numpy feeds and ``copy_outputs=True``
         take that path unasked for graphs whose inputs and outputs hold at least 1 MiB
@@ -813,6 +818,8 @@ class CapturedGraph:
             if self._released:
                 return
             pinned = self._staging is not None and self._staging.pinned
+            if pinned:  # the callers' arrays it page-locked: unregistered below, not whenever it is collected
+                self._staging.unregister_in_place()
             if self._captured:
                 self._cs.release(self.graph_id)  # ends in detach()
             self.detach()

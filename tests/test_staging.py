@@ -168,6 +168,7 @@ class _FakeCudart:
         self.blocks = {}
         self.calls = []
         self.freed = []
+        self.refuse = set()  # addresses host_register refuses
 
     def host_alloc(self, nbytes):
         buf = (ctypes.c_char * max(nbytes, 1))()
@@ -193,6 +194,11 @@ class _FakeCudart:
     def sync_stream(self, stream):
         self.calls.append(("sync",))
 
+    def host_register(self, ptr, nbytes):
+        if ptr in self.refuse:
+            raise RuntimeError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")
+        self.calls.append(("register", ptr, nbytes))
+
     def release_later(self, kind, handle):
         self.freed.append((kind, handle))
 
@@ -211,7 +217,7 @@ def fake_pinned(monkeypatch):
 
     fake = _FakeCudart()
     for name in ("host_alloc", "copy_async", "new_stream", "new_event", "record", "wait_event", "sync_stream",
-                 "release_later", "free_pending", "set_device"):
+                 "release_later", "free_pending", "set_device", "host_register"):
         monkeypatch.setattr(cudart, name, getattr(fake, name))
     monkeypatch.setattr(compat, "has_cuda_python", lambda: True)
     monkeypatch.setattr(_staging, "PINNED", True)
@@ -271,6 +277,77 @@ def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, 
     del view
     gc.collect()
     assert sorted(k for k, _ in fake.freed).count("host") == 3
+
+
+def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch, rng):
+    """A plain numpy feed fed a second time (the same array, unchanged address and size) is registered once and then
+    sent by one DMA from its own memory (no staging copy), reading its contents as they are at each call; a rotation
+    of up to REGISTER_KEEP arrays stays registered, the least recently fed beyond it is unregistered (queued, with the
+    array kept alive until then); arrays made per call, small ones, refused ones and run_many's asynchronous uploads
+    are never registered; a gone staging queues every registration."""
+    fake, as_cuda = fake_pinned
+    monkeypatch.setattr(_staging, "STAGING_THREADS", 1)
+    monkeypatch.setattr(_staging, "REGISTER_KEEP", 3)
+    shape = (1, 3, 320, 320)  # 1.2 MB: above REGISTER_MIN
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
+    small = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32)))
+    y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32)))
+    st = _staging.HostStaging({"x": x, "s": small}, {"y": y}, pinned=True)
+    n = x.tensor_size_in_bytes()
+
+    def send(arr, name="x"):
+        fake.calls.clear()
+        st.upload({name: arr})
+        np.testing.assert_array_equal((x if name == "x" else small).numpy(), arr)
+        return [c for c in fake.calls if c[0] in ("copy", "register")]
+
+    a = rng.random(shape, dtype=np.float32)
+    staged = send(a)
+    assert len(staged) == 2 and all(c[2] != a.ctypes.data for c in staged)  # first time: through the staging buffer
+    assert send(a) == [("register", a.ctypes.data, n), ("copy", x.data_ptr(), a.ctypes.data, n)]
+    a[0, 0, 0, 0] = 123.0  # its contents as they are now: one DMA from the array itself, no new registration
+    assert send(a) == [("copy", x.data_ptr(), a.ctypes.data, n)]
+    for _ in range(3):  # a new array every call: never registered
+        assert all(c[0] == "copy" for c in send(rng.random(shape, dtype=np.float32)))
+    ring = [rng.random(shape, dtype=np.float32) for _ in range(4)]
+    for arr in ring * 3:  # a rotation of more arrays than may stay registered: none is (no register/evict churn)
+        assert all(k == "copy" for k, *_ in send(arr))
+    del ring
+    b, c, d = (rng.random(shape, dtype=np.float32) for _ in range(3))
+    for arr in (b, c, b, c):  # rotation: each registered on its second call
+        send(arr)
+    regs = st._inplace.registered()
+    assert [id(r) for r in regs] == [id(c), id(b), id(a)]
+    fake.freed.clear()
+    send(d)
+    send(d)  # a fourth: the least recently fed (a) is unregistered, the array handed along to stay alive until then
+    assert [id(r) for r in st._inplace.registered()] == [id(d), id(c), id(b)]
+    assert [(k, h[0], h[1] is a) for k, h in fake.freed] == [("registered", a.ctypes.data, True)]
+    assert all(k == "copy" for k, *_ in send(a))  # seen once again since: copied
+    tiny_feed = np.ones((2, 4), np.float32)
+    send(tiny_feed, "s")
+    assert all(k == "copy" for k, *_ in send(tiny_feed, "s"))  # under REGISTER_MIN: always copied
+    e = rng.random(shape, dtype=np.float32)
+    fake.refuse.add(e.ctypes.data)
+    send(e)
+    assert all(k == "copy" for k, *_ in send(e))  # refused: copied, and not asked again
+    assert all(k == "copy" for k, *_ in send(e))
+    f = rng.random(shape, dtype=np.float32)
+    for _ in range(3):  # run_many's path: the caller does not wait before the array may change
+        fake.calls.clear()
+        st.upload_async({"x": f})
+        st.wait()
+        assert not any(k == "register" for k, *_ in fake.calls)
+    monkeypatch.setattr(_staging, "REGISTER", False)
+    g_ = rng.random(shape, dtype=np.float32)
+    send(g_)
+    assert all(k == "copy" for k, *_ in send(g_))  # ORTCAPTURE_REGISTER=0
+    assert [id(r) for r in st._inplace.registered()] == [id(d), id(c), id(b)]
+    fake.freed.clear()
+    del st
+    gc.collect()
+    queued = [(k, h[1]) for k, h in fake.freed if k == "registered"]
+    assert sorted(id(arr) for _, arr in queued) == sorted(map(id, (b, c, d)))
 
 
 def test_pinned_staging_falls_back_to_pageable_when_cuda_refuses(fake_pinned, monkeypatch):
@@ -414,6 +491,41 @@ def test_cuda_new_outputs_come_from_recycled_page_locked_blocks(cuda, rng, monke
 
 
 @pytest.mark.cuda
+def test_cuda_numpy_feed_fed_again_is_sent_from_its_own_page_locked_memory(cuda, rng):
+    """On the GPU: a numpy feed fed a second time is page-locked in place (cudaPointerGetAttributes: host memory)
+    and every replay reads the array's contents at its call (rewritten in place between calls, alternating with
+    other arrays and device feeds); release() unregisters it and leaves the array as it was."""
+    rt = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python")
+    shape = (2, 3, 320, 320)  # 2.5 MB: unasked staging, above REGISTER_MIN
+    sess = cuda.session(tiny.affine_model(shape))
+
+    def kind(arr):
+        err, attrs = rt.cudaPointerGetAttributes(arr.ctypes.data)
+        assert int(err) == 0
+        return int(attrs.type)  # 0 unregistered, 1 page-locked host
+
+    a = rng.random(shape, dtype=np.float32)
+    g = sess.capture({"X": a}, verify=False)
+    try:
+        np.testing.assert_array_equal(g.run({"X": a})[0], a * 2 + 1)
+        assert kind(a) == 0
+        for i in range(4):
+            np.testing.assert_array_equal(g.run({"X": a})[0], a * 2 + 1)
+            assert kind(a) == 1
+            a += 1.0  # in place: the next replay must see it
+            other = rng.random(shape, dtype=np.float32)
+            np.testing.assert_array_equal(g.run({"X": other})[0], other * 2 + 1)
+            dev = ort.OrtValue.ortvalue_from_numpy(other + 3, "cuda", 0)
+            np.testing.assert_array_equal(ortcapture.to_numpy(g.run({"X": dev}, copy_outputs=False)[0]),
+                                          (other + 3) * 2 + 1)
+        before = a.copy()
+    finally:
+        g.release()
+    assert kind(a) == 0
+    np.testing.assert_array_equal(a, before)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("threads", [1, 4])
 def test_cuda_big_numpy_feeds_through_pinned_staging(cuda, rng, monkeypatch, threads):
     """A 12 MB feed goes in 1 MiB chunks (threads filling, DMA per chunk); every replay reads exactly its feed,
@@ -525,6 +637,9 @@ class _ModelStaging:
     kind = "pinned"
     pinned = True
     device_id = 0
+
+    def unregister_in_place(self):
+        self.log.append(("unregister",))
 
     def __init__(self, graph, log):
         self.g = graph

@@ -244,9 +244,22 @@ def host_alloc(nbytes: int) -> int:
     return int(ptr)
 
 
+def host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` bytes of existing host memory at ``ptr`` in place (``cudaHostRegister``, default flags);
+    undone by :func:`release_later` ``("registered", (ptr, owner))``. Call under ``CUDA_GATE.shared``, never inside
+    a capture. Raises :class:`RuntimeError` (memory already page-locked, e.g. ``cudaErrorHostMemoryAlreadyRegistered``
+    for a page shared with another registration; a mapping the driver cannot lock; no cuda-python)."""
+    rt = compat.cudart()
+    if rt is None:
+        raise RuntimeError("cuda-python is not installed")
+    (err,) = rt.cudaHostRegister(int(ptr), int(nbytes), 0)
+    _check(err, f"cudaHostRegister({nbytes})")
+
+
 def release_later(kind: str, handle) -> None:
-    """Queue a pinned block (``"host"``), stream (``"stream"``) or event (``"event"``) for :func:`free_pending`;
-    safe from finalizers (no CUDA call)."""
+    """Queue a pinned block (``"host"``), stream (``"stream"``), event (``"event"``) or an in-place registration
+    (``"registered"``: ``(ptr, owner)``, the owner — the registered array — kept alive until it is undone) for
+    :func:`free_pending`; safe from finalizers (no CUDA call)."""
     _PENDING.append((kind, handle))
 
 
@@ -274,6 +287,8 @@ def free_pending(capturing: bool) -> None:
             rt.cudaStreamDestroy(handle)
         elif kind == "event":
             rt.cudaEventDestroy(handle)
+        elif kind == "registered":
+            rt.cudaHostUnregister(handle[0])  # before the owner (handle[1]) may free the memory
 
 
 def set_device(device: int) -> None:
