@@ -211,17 +211,23 @@ class _InPlace:
     the same address with the same size — is registered on that second call and from then on sent with one DMA from
     the caller's own memory: no host copy into the staging buffer (measured on the H200, YOLOv8n's 9.8 MB input:
     190 µs against 627-747 µs through the staging buffer; registering costs about one staged copy, once). A feed seen
-    once is only remembered weakly (an array made per request is never registered). A registered array is kept alive
-    by the staging (a strong reference: its memory cannot be freed, or moved by ``ndarray.resize``, while the driver
-    has it locked) until it is evicted — :data:`REGISTER_KEEP` per input, :data:`REGISTER_BYTES` per graph, least
-    recently fed first; a rotation of more arrays than that is never registered (each would evict another) — or the
-    staging is gone (``CapturedGraph.release``); the unregistration is queued and done
-    at the next safe point (``cudaHostUnregister`` under ``CUDA_GATE.shared``, never inside a capture), like the
-    staging's own frees. An array the driver refuses to lock (a page already registered by someone else, a mapping it
-    cannot pin) is remembered weakly and copied as before. Only synchronous uploads use it (:meth:`HostStaging.upload`
-    waits for the DMA before it returns, so the caller may rewrite the array as soon as ``run`` returns); the
-    overlapped ``run_many`` copies each request into the staging buffer, since its iterator may reuse an array while
-    the previous copy is in flight."""
+    once is only remembered weakly (an array made per request is never registered; numpy refuses to ``resize`` an
+    array in place while a weak reference to it exists, so the graph's last few numpy feeds cannot be resized in place
+    until it forgets them). Only arrays whose memory numpy owns are registered (the base chain ends in an array with
+    ``OWNDATA``): views of ``SharedMemory``, ``mmap``, ``bytes`` or a torch tensor can be unmapped while the array
+    lives, so they are always copied. A registered array is kept alive by the staging (its memory cannot be freed while
+    the driver has it locked; ``resize(refcheck=False)`` moving it is caught on the next call, as with any array whose
+    memory is pulled away) until it is evicted — :data:`REGISTER_KEEP` per input, least recently fed first; a rotation
+    of more arrays than that is never registered (each would evict another) — or the staging is gone
+    (``CapturedGraph.release``, or a graph detached by ``set_providers``). A registration that would take the graph
+    past :data:`REGISTER_BYTES` is declined (no other array is evicted for it). Unregistrations are queued and done at
+    the next safe point — after the upload's wait (a copy from an evicted array may be in flight), at ``release()``,
+    or when new staging is made — under ``CUDA_GATE.shared``, never inside a capture, like the staging's own frees.
+    An array the driver refuses to lock (a page already registered by someone else, a mapping it cannot pin) is
+    remembered weakly and copied as before. Only synchronous uploads use it (:meth:`HostStaging.upload` waits for the
+    DMA before it returns, so the caller may rewrite the array as soon as ``run`` returns); the overlapped
+    ``run_many`` copies each request into the staging buffer, since its iterator may reuse an array while the
+    previous copy is in flight."""
 
     __slots__ = ("regs", "seen", "refused", "nbytes")
 
@@ -256,44 +262,53 @@ class _InPlace:
                 return 0
         # as many as may stay registered: a rotation of more arrays than that is never registered (each would evict
         # another and cost a registration per call)
-        seen[:] = [r for r in seen if r() is not None][1 - REGISTER_KEEP:]
+        seen[:] = [r for r in seen if r() is not None][1 - REGISTER_KEEP:] if REGISTER_KEEP > 1 else []
         seen.append(weakref.ref(arr))
         return 0
 
     def _register(self, name: str, arr: np.ndarray, nbytes: int) -> int:
         from ortcapture._ort import cudart
 
-        if nbytes > REGISTER_BYTES:
-            return 0
+        regs = self.regs.setdefault(name, [])
+        keep = regs[:REGISTER_KEEP - 1]  # what stays of this input's once the new one is in
+        if self.nbytes - sum(e[2] for e in regs[len(keep):]) + nbytes > REGISTER_BYTES or not _owns_memory(arr):
+            return 0  # over the graph's cap: declined, never another input's evicted for it (no churn)
         ptr = int(arr.ctypes.data)
         try:
             cudart.host_register(ptr, nbytes)
         except RuntimeError:
             self.refused = [r for r in self.refused if r() is not None][-7:] + [weakref.ref(arr)]
             return 0
-        regs = self.regs.setdefault(name, [])
-        while regs and len(regs) >= REGISTER_KEEP:  # evicted once the new one is in: a refusal evicts nothing
+        while len(regs) > len(keep):  # evicted once the new one is in: a refusal evicts nothing
             self._drop(name, regs[-1])
-        for other in [name, *self.regs]:  # the graph's cap: this input's oldest first, then the others'
-            others = self.regs[other]
-            while others and self.nbytes + nbytes > REGISTER_BYTES:
-                self._drop(other, others[-1])
         regs.insert(0, [arr, ptr, nbytes])
         self.nbytes += nbytes
         return ptr
 
     def _drop(self, name: str, entry: list) -> None:
+        """Forget a registration and queue its ``cudaHostUnregister`` (with the array, kept alive until then): done
+        by :meth:`HostStaging.upload` after its wait, since a copy from the array may be in flight now."""
         from ortcapture._ort import cudart
 
         regs = self.regs[name]
         del regs[next(i for i, e in enumerate(regs) if e is entry)]  # by identity (== would compare the arrays)
         self.nbytes -= entry[2]
         cudart.release_later("registered", (entry[1], entry[0]))
-        cudart.free_pending(CUDA_GATE.capturing)
 
     def registered(self) -> list[np.ndarray]:
         """The arrays page-locked now, most recently fed first per input."""
         return [e[0] for regs in self.regs.values() for e in regs]
+
+
+def _owns_memory(arr: np.ndarray) -> bool:
+    """Whether ``arr``'s memory belongs to numpy (its base chain ends in an ndarray that owns its data), so that a
+    reference to ``arr`` keeps it mapped. Not so for views of ``SharedMemory``, ``mmap``/``np.memmap``, ``bytes``, a
+    torch tensor's ``.numpy()`` or a C buffer: their memory can be unmapped while the array lives, and a range left
+    registered over an address that a later mapping reuses is undefined behaviour in the driver."""
+    root = arr
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root.base is None and bool(root.flags.owndata)
 
 
 def _unregister_all(inplace: _InPlace) -> None:
@@ -427,6 +442,8 @@ class HostStaging:
             return
         self.upload_async(host, in_place=REGISTER)
         self.wait()
+        if self._inplace is not None and cudart_has_pending():  # evicted registrations: their copies are done now
+            free_released_staging()
 
     def upload_async(self, host: Mapping[str, np.ndarray], *, settle_first: bool = True,
                      in_place: bool = False) -> None:
@@ -569,6 +586,13 @@ class HostStaging:
                     self.wait()
                 out[f"fill + upload, {tag} (pipelined)"] = send
         return out
+
+
+def cudart_has_pending() -> bool:
+    """Whether frees (blocks, streams, events, registrations) are queued for the next safe point."""
+    from ortcapture._ort import cudart
+
+    return cudart.has_pending()
 
 
 def free_released_staging() -> None:

@@ -332,6 +332,20 @@ def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch
     send(e)
     assert all(k == "copy" for k, *_ in send(e))  # refused: copied, and not asked again
     assert all(k == "copy" for k, *_ in send(e))
+    shm = bytearray(a.nbytes)  # memory numpy does not own (a buffer that can go away under a live array): copied
+    view = np.frombuffer(shm, np.float32).reshape(shape)
+    view[...] = 5.0
+    send(view)
+    assert all(k == "copy" for k, *_ in send(view))
+    monkeypatch.setattr(_staging, "REGISTER_KEEP", 4)  # room for a 4th per input, but not in the graph's bytes:
+    monkeypatch.setattr(_staging, "REGISTER_BYTES", 3 * n + n // 2)  # 3 arrays (d, c, b are in)
+    h = rng.random(shape, dtype=np.float32)
+    send(h)
+    fake.freed.clear()
+    assert all(k == "copy" for k, *_ in send(h))  # declined: nothing evicted for it (no churn), copied
+    assert not fake.freed and [id(r) for r in st._inplace.registered()] == [id(d), id(c), id(b)]
+    monkeypatch.setattr(_staging, "REGISTER_BYTES", 256 << 20)
+    monkeypatch.setattr(_staging, "REGISTER_KEEP", 3)
     f = rng.random(shape, dtype=np.float32)
     for _ in range(3):  # run_many's path: the caller does not wait before the array may change
         fake.calls.clear()

@@ -288,7 +288,9 @@ def free_pending(capturing: bool) -> None:
         elif kind == "event":
             rt.cudaEventDestroy(handle)
         elif kind == "registered":
-            rt.cudaHostUnregister(handle[0])  # before the owner (handle[1]) may free the memory
+            (err,) = rt.cudaHostUnregister(handle[0])  # before the owner (handle[1]) may free the memory
+            if int(err):  # leave no error behind: ORT checks cudaGetLastError() after its launches
+                rt.cudaGetLastError()
 
 
 def set_device(device: int) -> None:
