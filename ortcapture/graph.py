@@ -935,8 +935,9 @@ class CapturedGraph:
         self._wrap_list = []
         self._replay = None
         self._replay_run = self._replay_count = None
-        if self._staging is not None and self._staging.pinned:  # the callers' arrays it page-locked: queued (no
-            self._staging.unregister_in_place()  # CUDA call here), done by release() or the next safe point
+        staging = getattr(self, "_staging", None)  # None too when a failed capture() drops what it made so far
+        if staging is not None and staging.pinned:  # the callers' arrays it page-locked: queued (no CUDA call
+            staging.unregister_in_place()  # here), done by release() or the next safe point
         self._staging = None
         self._state_src = self._state_dst = []
         for d in ("inputs", "outputs", "_initial_state"):
