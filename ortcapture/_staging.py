@@ -442,7 +442,7 @@ class HostStaging:
             return
         self.upload_async(host, in_place=REGISTER)
         self.wait()
-        if self._inplace is not None and cudart_has_pending():  # evicted registrations: their copies are done now
+        if self._inplace is not None:  # evicted registrations (queued): their copies are done now
             free_released_staging()
 
     def upload_async(self, host: Mapping[str, np.ndarray], *, settle_first: bool = True,
@@ -588,16 +588,10 @@ class HostStaging:
         return out
 
 
-def cudart_has_pending() -> bool:
-    """Whether frees (blocks, streams, events, registrations) are queued for the next safe point."""
-    from ortcapture._ort import cudart
-
-    return cudart.has_pending()
-
-
 def free_released_staging() -> None:
-    """Free the page-locked blocks, streams and events of staging that is gone (queued by finalizers), now: under
-    ``CUDA_GATE.shared`` and not inside a capture (``CapturedGraph.release`` calls it; new staging does too)."""
+    """Free the page-locked blocks, streams and events of staging that is gone (queued by finalizers) and undo queued
+    in-place registrations, now: under ``CUDA_GATE.shared`` and not inside a capture (``CapturedGraph.release``
+    calls it; new staging and every synchronous upload of a pinned staging do too)."""
     from ortcapture._ort import cudart
 
     if cudart.has_pending():
