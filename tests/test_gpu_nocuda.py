@@ -25,8 +25,8 @@ import pytest
 from tests import tiny
 
 VENV = os.environ.get("ORTCAPTURE_NOCUDA_VENV")
-pytestmark = pytest.mark.skipif(not VENV, reason="ORTCAPTURE_NOCUDA_VENV not set (tools/test.sh sets it: the venv of "
-                                                 "tools/bootstrap.sh --gpu-nocuda)")
+pytestmark = pytest.mark.skipif(not VENV, reason="ORTCAPTURE_NOCUDA_VENV not set (tools/test.sh sets it in the first "
+                                                 "ORT version's run only: the venv of tools/bootstrap.sh --gpu-nocuda)")
 # ORT's own log lines ("2026-... [E:onnxruntime:Default, provider_bridge_ort.cc:...] ... Failed to load library")
 ORT_LOG = ("[E:onnxruntime", "[W:onnxruntime", "[I:onnxruntime")
 WEBGPU_ENV = ("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "VK_ICD_FILENAMES", "VK_DRIVER_FILES")
