@@ -13,6 +13,13 @@ one process, so the staging code can take the fastest (medians over ``--iters`` 
   DMA from an array registered once.
 * readback: into a new pageable array; into page-locked memory; into page-locked memory then copied out (by one
   or T threads).
+* the staging buffer's kind (fourth round): write-combined page-locked memory (``cudaHostAllocWriteCombined``: CPU
+  stores bypass the cache, no read-for-ownership; CPU reads of it are slow) and transparent huge pages
+  (``mmap`` + ``madvise(MADV_HUGEPAGE)`` + ``cudaHostRegister``), each filled by 1-4 threads and with chunk claims of
+  1-4 MiB; and "8 sources in turn" (a new request array each call, not in cache), the case plain numpy serving has.
+
+``--only REGEX`` runs the matching cases alone; run it again with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_
+threshold=0x40000`` to see glibc's non-temporal memcpy on 1 MiB chunks.
 
 Usage (the H200)::
 
@@ -34,7 +41,12 @@ def main() -> int:
     ap.add_argument("--out-bytes", type=int, default=8 * 22 * 2100 * 4)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="a regular expression: only the cases whose name matches")
     args = ap.parse_args()
+    import mmap
+    import os
+    import platform
+    import re
 
     import numpy as np
     from cuda.bindings import runtime as rt
@@ -62,6 +74,30 @@ def main() -> int:
 
     pinned = np.asarray(_Block(hptr, n))
     pinned_out = np.asarray(_Block(hout, m))
+    wptr = int(ok(rt.cudaHostAlloc(n, 1 | 4)))  # cudaHostAllocPortable | cudaHostAllocWriteCombined
+    wc = np.asarray(_Block(wptr, n))
+    huge = 2 << 20
+    thp_map = mmap.mmap(-1, -(-n // huge) * huge + huge)  # anonymous; 2 MiB-aligned view below
+    thp_base = np.frombuffer(thp_map, np.uint8)
+    off = (-thp_base.ctypes.data) % huge
+    thp = thp_base[off:off + n]
+    madvised = False
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            thp_map.madvise(mmap.MADV_HUGEPAGE)
+            madvised = True
+        except OSError:
+            pass
+    thp[:] = 1  # touch every page
+    tptr = int(thp.ctypes.data)
+    ok(rt.cudaHostRegister(tptr, n, 0))
+    bufs = {"pinned": (pinned, hptr), "write-combined pinned": (wc, wptr), "THP registered": (thp, tptr)}
+    cold = [np.random.default_rng(10 + i).integers(0, 255, n, dtype=np.uint8) for i in range(8)]
+    turn = [0]
+
+    def next_src():
+        turn[0] = (turn[0] + 1) % len(cold)
+        return cold[turn[0]]
     streams = [ok(rt.cudaStreamCreateWithFlags(1)) for _ in range(8)]
     stream = streams[0]
     pools = {t: ThreadPoolExecutor(t - 1) for t in (2, 3, 4, 8)}
@@ -162,9 +198,11 @@ def main() -> int:
             cases[f"upload: striped, each thread sends its {chunk >> 10} KiB chunks, {t} threads"] = \
                 lambda t=t, c=chunk: striped_send(t, c)
 
-    def claimed_send(t, chunk=1 << 20):  # ortcapture._staging._fill_and_send since 2026-12-01 (second round)
+    def claimed_send(t, chunk=1 << 20, buf="pinned", source=None):  # ortcapture._staging._fill_and_send
         starts = iter(range(0, n, chunk))
         lock = threading.Lock()
+        dst, base = bufs[buf]
+        s_ = src if source is None else source()
 
         def work():
             while True:
@@ -173,8 +211,8 @@ def main() -> int:
                 if a is None:
                     return
                 b = min(n, a + chunk)
-                np.copyto(pinned[a:b], src[a:b])
-                send(dptr + a, hptr + a, b - a)
+                np.copyto(dst[a:b], s_[a:b])
+                send(dptr + a, base + a, b - a)
         fs = [pools[t].submit(work) for _ in range(t - 1)]
         work()
         for f in fs:
@@ -184,6 +222,33 @@ def main() -> int:
     for t in (2, 3, 4):
         cases[f"upload: shared 1 MiB chunk claims, each thread sends its own, {t} threads"] = \
             lambda t=t: claimed_send(t)
+    # fourth round: the staging buffer's kind, chunk sizes, and a new (cold) source array per call
+    for buf in bufs:
+        def fill_into(t, buf=buf, source=None):
+            dst = bufs[buf][0]
+            s_ = src if source is None else source()
+            step = -(-n // t)
+            fs = [pools[t].submit(np.copyto, dst[a:a + step], s_[a:a + step]) for a in range(step, n, step)] \
+                if t > 1 else []
+            np.copyto(dst[:step], s_[:step])
+            for f in fs:
+                f.result()
+        for t in (1, 2, 4):
+            cases[f"fill only into {buf}: {t} threads"] = lambda t=t, f=fill_into: f(t)
+            cases[f"fill only into {buf}: {t} threads, 8 sources in turn"] = \
+                lambda t=t, f=fill_into: f(t, source=next_src)
+        for t in (2, 3, 4):
+            for chunk in (1 << 20, 2 << 20, 4 << 20):
+                if buf == "pinned" and chunk == 1 << 20:
+                    continue  # above
+                cases[f"upload: {buf}, {chunk >> 20} MiB chunk claims, {t} threads"] = \
+                    lambda t=t, c=chunk, b=buf: claimed_send(t, c, b)
+            cases[f"upload: {buf}, 1 MiB chunk claims, {t} threads, 8 sources in turn"] = \
+                lambda t=t, b=buf: claimed_send(t, 1 << 20, b, next_src)
+        cases[f"upload: {buf} buffer already filled (DMA only)"] = \
+            lambda b=bufs[buf][1]: (send(dptr, b, n), sync())
+    cases["upload: pageable cudaMemcpyAsync, 1 thread, 8 sources in turn"] = \
+        lambda: (send(dptr, next_src().ctypes.data, n), sync())
 
     # page-locking the caller's own array in place (cudaHostRegister): what it costs, and the DMA from it after
     @case("register: cudaHostRegister + cudaHostUnregister of the input array")
@@ -242,7 +307,19 @@ def main() -> int:
                 f.result()
         cases[f"readback: into pinned, then copied out by {t} threads"] = rb
 
-    res = {"in_bytes": n, "out_bytes": m, "iters": args.iters, "cases": {}}
+    if args.only:
+        keep = re.compile(args.only)
+        cases = {k: v for k, v in cases.items() if keep.search(k)}
+        IDLE_CASES = {k: v for k, v in IDLE_CASES.items() if keep.search(k)}
+    try:
+        thp_mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        thp_mode = None
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None) \
+        if os.path.exists("/proc/cpuinfo") else None
+    res = {"in_bytes": n, "out_bytes": m, "iters": args.iters, "cpu": cpu, "libc": platform.libc_ver(),
+           "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "thp": thp_mode, "thp_madvised": madvised,
+           "cases": {}}
     clock = time.perf_counter_ns
     for rnd in range(2):  # two rounds, interleaved order: the later round reported
         for name, fn in cases.items():
@@ -272,16 +349,23 @@ def main() -> int:
     send(back.ctypes.data, dptr, n)
     sync()
     res["striped_exact"] = bool(np.array_equal(back, src))
+    for buf in ("write-combined pinned", "THP registered"):
+        claimed_send(3, 2 << 20, buf, next_src)
+        send(back.ctypes.data, dptr, n)
+        sync()
+        res[f"{buf} exact"] = bool(np.array_equal(back, cold[turn[0]]))
     send(dptr, rptr, n)
     sync()
     send(back.ctypes.data, dptr, n)
     sync()
     res["registered_exact"] = bool(np.array_equal(back, reg))
     ok(rt.cudaHostUnregister(rptr))
+    ok(rt.cudaHostUnregister(tptr))
     width = max(map(len, res["cases"]))
     for name, v in res["cases"].items():
         print(f"{name:<{width}}  p50 {v['p50_us']:8.1f} µs   p10 {v['p10_us']:8.1f}")
-    print("striped pipeline exact:", res["striped_exact"], " registered exact:", res["registered_exact"])
+    print("exact:", {k: v for k, v in res.items() if k.endswith("exact")}, "cpu:", cpu, "thp:", thp_mode,
+          "libc:", res["libc"], "tunables:", res["glibc_tunables"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -84,13 +84,17 @@ def _clock_overhead_ns(clock) -> float:
     return float(statistics.median(xs))
 
 
-def _time_each(fn, iters: int, warmup: int = 5) -> list[float]:
-    """``fn()`` timed call by call, µs."""
+def _time_each(fn, iters: int, warmup: int = 5, prep=None) -> list[float]:
+    """``fn()`` timed call by call, µs; ``prep()`` (untimed) before each call where given."""
     clock = time.perf_counter_ns
     for _ in range(warmup):
+        if prep is not None:
+            prep()
         fn()
     out = []
     for _ in range(iters):
+        if prep is not None:
+            prep()
         t0 = clock()
         fn()
         out.append((clock() - t0) / 1e3)
@@ -158,6 +162,11 @@ def worker(args) -> dict:
     model_kind, batch = CASES[args.case]
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if args.intra_op_threads is not None:
+        so.intra_op_num_threads = args.intra_op_threads
+    for kv in args.session_config:
+        key, _, value = kv.partition("=")
+        so.add_session_config_entry(key, value)
     if model_kind == "tiny":
         from tests import tiny
 
@@ -361,6 +370,31 @@ def worker(args) -> dict:
             turn[0] += 1
             return g.run({name: ring[turn[0] % 8]})
         arms["g.run(numpy), 8 arrays in turn"] = in_turn  # a new array each call, as far as any cache can tell
+        if not webgpu:
+            def raw_in_turn():
+                turn[0] += 1
+                dst.update_inplace(ring[turn[0] % 8])
+                ort_run(gsess, binding(), ro)
+                return [v.numpy() for v in outs]
+            arms["raw ORT update_inplace(numpy) + run + numpy(), 8 arrays in turn"] = raw_in_turn
+        # a request array its producer has just written (a decoder's or preprocessing's output: still in the caches),
+        # a new one each call; the write is untimed
+        fresh = [rng.random(shape, dtype=np.float32) for _ in range(2)]
+        fturn = [0]
+
+        def write_next():
+            fturn[0] += 1
+            np.multiply(host, 1.0, out=fresh[fturn[0] % 2])
+        preps = {"g.run(numpy), a new array just written": write_next}
+        arms["g.run(numpy), a new array just written"] = lambda: g.run({name: fresh[fturn[0] % 2]})
+        if not webgpu:
+            preps["raw ORT update_inplace(numpy) + run + numpy(), a new array just written"] = write_next
+
+            def raw_fresh():
+                dst.update_inplace(fresh[fturn[0] % 2])
+                ort_run(gsess, binding(), ro)
+                return [v.numpy() for v in outs]
+            arms["raw ORT update_inplace(numpy) + run + numpy(), a new array just written"] = raw_fresh
         staging = getattr(g, "host_inputs", None)
         if staging is not None:
             hin = g.host_inputs
@@ -380,7 +414,7 @@ def worker(args) -> dict:
         times = {}
         for _ in range(3):
             for k, fn in arms.items():
-                times.setdefault(k, []).extend(_time_each(fn, max(10, iters // 3)))
+                times.setdefault(k, []).extend(_time_each(fn, max(10, iters // 3), prep=preps.get(k)))
         res["numpy_us"] = {k: _med(v) for k, v in times.items()}
         if staging is not None:
             check = g.run(hin, copy_outputs="pinned")
@@ -457,6 +491,10 @@ def _spawn(tree: str | None, case: str, args) -> dict | None:
         cmd += ["--cpus", args.cpus]
     if args.sched != "auto":
         cmd += ["--sched", args.sched]
+    if args.intra_op_threads is not None:
+        cmd += ["--intra-op-threads", str(args.intra_op_threads)]
+    for kv in args.session_config:
+        cmd += ["--session-config", kv]
     if case in HOST_IO_CASES:
         cmd += ["--numpy", "--stream", str(args.stream), "--stream-rounds", str(args.stream_rounds)]
     else:
@@ -517,6 +555,12 @@ def main() -> int:
                          "setup that takes the scheduler's placement out of the numbers; say so with them")
     ap.add_argument("--sched", choices=["auto", "spin", "yield", "blocking"], default="auto",
                     help="how CUDA waits for the GPU in every worker (cudaSetDeviceFlags; both trees alike)")
+    ap.add_argument("--intra-op-threads", type=int, default=None,
+                    help="SessionOptions.intra_op_num_threads in every worker (both trees alike; ORT's own default "
+                         "otherwise)")
+    ap.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="SessionOptions.add_session_config_entry in every worker (repeatable), e.g. "
+                         "session.intra_op.allow_spinning=0")
     ap.add_argument("--out", help="JSON path (default $OUT/profile_replay.json, else none)")
     # worker mode
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -539,7 +583,10 @@ def main() -> int:
         if c not in CASES:
             ap.error(f"unknown case {c!r}")
     report: dict = {"provider": args.provider, "procs": args.procs, "iters": args.iters, "cpus": args.cpus,
-                    "sched": args.sched, "cases": {}}
+                    "sched": args.sched, "intra_op_threads": args.intra_op_threads,
+                    "session_config": args.session_config, "env": {k: v for k, v in os.environ.items()
+                                                                   if k.startswith(("ORTCAPTURE_", "GLIBC_"))},
+                    "cases": {}}
     for case in cases:
         runs: dict[str, list] = {t: [] for t in trees}
         for p in range(args.procs):
@@ -575,6 +622,7 @@ GOALS = [("tiny", "extra µs per call over the same graph driven raw", 3.0, True
          ("yolo8", "host_inputs + pinned views / device-resident replay", 1.25, True),
          ("yolo8", "plain numpy in and out / device-resident replay", 1.45, True),
          ("yolo8", "plain numpy in and out, 8 arrays in turn / device-resident replay", 1.45, True),
+         ("yolo8", "plain numpy in and out, a new array just written / device-resident replay", 1.45, True),
          ("yolo8", "run_many(numpy), copies=2 throughput / device-resident replays'", 0.90, False)]
 
 
@@ -593,6 +641,9 @@ def goals(report: dict) -> list[dict]:
             v = np_.get("g.run(g.host_inputs, copy_outputs='pinned')", 0) / dev if dev else None
         elif what.startswith("plain") and "in turn" in what:
             v = np_["g.run(numpy), 8 arrays in turn"] / dev if dev and "g.run(numpy), 8 arrays in turn" in np_ else None
+        elif what.startswith("plain") and "just written" in what:
+            k = "g.run(numpy), a new array just written"
+            v = np_[k] / dev if dev and k in np_ else None
         elif what.startswith("plain"):
             v = np_.get("g.run(numpy)", 0) / dev if dev else None
         else:
@@ -625,9 +676,14 @@ def _print_summary(report: dict) -> None:
             np_ = m.get("numpy_us", {})
             dev = np_.get("device-resident replay")
             if dev:
-                for k in ("g.run(g.host_inputs, copy_outputs='pinned')", "g.run(numpy)", "g.run(numpy), 8 arrays in turn"):
+                for k in ("g.run(g.host_inputs, copy_outputs='pinned')", "g.run(numpy)", "g.run(numpy), 8 arrays in turn",
+                          "g.run(numpy), a new array just written"):
                     if k in np_:
                         print(f"  {t}: {k} / device-resident = {np_[k] / dev:.3f}x")
+            raw = "raw ORT update_inplace(numpy) + run + numpy()"
+            for suffix in ("", ", 8 arrays in turn", ", a new array just written"):
+                if raw + suffix in np_ and "g.run(numpy)" + suffix in np_:
+                    print(f"  {t}: g.run(numpy){suffix} / raw ORT's = {np_['g.run(numpy)' + suffix] / np_[raw + suffix]:.3f}x")
             st = m.get("stream_per_s", {})
             base = st.get("device-resident replays")
             if base:

@@ -35,11 +35,13 @@ def _usable_cpus() -> int:
 
 #: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
 #: each thread claiming the next chunk and queuing its host-to-device copy as soon as it is in; the calling thread is
-#: one of them): $ORTCAPTURE_STAGING_THREADS, default 2 where the process may use 2 CPUs (1: the calling
-#: thread alone). On the H200 (9.8 MB YOLOv8n b8 input, ``benchmarks/bench_host_copy.py``) fill and upload together
-#: took 613 / 728 / 1126 µs at 2 / 4 / 8 threads (1 MiB chunks): beyond two threads the host copies and the DMA
-#: contend for memory bandwidth. numpy releases the GIL for the copies; ``benchmarks/profile_replay.py`` times them.
-STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(2, _usable_cpus())
+#: one of them): $ORTCAPTURE_STAGING_THREADS, default 3 where the process may use 3 CPUs (1: the calling
+#: thread alone). On the H200 (9.8 MB YOLOv8n b8 input, ``benchmarks/bench_host_copy.py``, 1 MiB chunks) fill and
+#: upload together took 518-627 / 535-588 / 554-607 µs at 2 / 3 / 4 threads from a source in cache, and 705-753 /
+#: 598-622 / 617-681 µs from a new array each call (8 in turn, not in cache: the case plain numpy serving has); at 8
+#: threads 1126 µs: the host copies and the DMA contend for memory bandwidth. numpy releases the GIL for the copies;
+#: ``benchmarks/profile_replay.py`` times them.
+STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(3, _usable_cpus())
 #: Chunk of a pipelined fill (bytes; $ORTCAPTURE_STAGING_CHUNK); feeds up to twice this go in one piece
 STAGING_CHUNK = int(os.environ.get("ORTCAPTURE_STAGING_CHUNK") or 0) or 1 << 20
 #: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)

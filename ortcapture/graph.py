@@ -295,7 +295,7 @@ class CapturedGraph:
 
         Host data in and out (numpy feeds, host outputs): on CUDA with cuda-python the graph stages it in page-locked
         buffers of its own (:attr:`host_inputs` / :attr:`host_outputs`, ``host_staging == "pinned"``): a numpy feed
-        is copied into its buffer in 1 MiB chunks claimed by ``ORTCAPTURE_STAGING_THREADS`` threads (default 2, the
+        is copied into its buffer in 1 MiB chunks claimed by ``ORTCAPTURE_STAGING_THREADS`` threads (default 3, the
         caller among them), each chunk sent with ``cudaMemcpyAsync`` on the graph's copy stream as soon as it is in,
         and with ``copy_outputs=True`` each output is read with one DMA into a page-locked block of a recycling pool that
         becomes the returned array (the block goes back to the pool when the array is gone). A numpy feed fed again

@@ -44,7 +44,7 @@ NO_GIL = not getattr(sys, "_is_gil_enabled", lambda: True)()
 class _Slot:
     """One thread's view of the gate: nesting depth and whether it is inside CUDA work now."""
 
-    _slots__ = ("ident", "thread", "depth", "active")
+    __slots__ = ("ident", "thread", "depth", "active")
 
     def __init__(self) -> None:
         self.ident, self.thread = _get_ident(), threading.current_thread()
@@ -109,11 +109,17 @@ class CaptureGate:
             self.cond.notify_all()
 
 
-class _Shared:
-    _slots__ = ("_g",)
+class _Side:
+    """One side of a :class:`CaptureGate` (``shared`` or ``exclusive``): a context manager over the gate."""
+
+    __slots__ = ("_g",)
 
     def __init__(self, gate: CaptureGate) -> None:
         self._g = gate
+
+
+class _Shared(_Side):
+    __slots__ = ()
 
     def __enter__(self) -> None:
         g = self._g
@@ -168,11 +174,8 @@ class _Shared:
                     g.cond.notify_all()
 
 
-class _Exclusive:
-    _slots__ = ("_g",)
-
-    def __init__(self, gate: CaptureGate) -> None:
-        self._g = gate
+class _Exclusive(_Side):
+    __slots__ = ()
 
     def __enter__(self) -> None:
         g = self._g
@@ -225,7 +228,7 @@ class SessionGuard:
     (nested, a pending writer, free-threaded CPython, the thread's first entry ever) is handed to the gate's own
     code."""
 
-    _slots__ = ("_lock", "_gate", "_cg")
+    __slots__ = ("_lock", "_gate", "_cg")
 
     def __init__(self, lock, cuda: bool) -> None:
         self._lock = lock
@@ -277,27 +280,13 @@ class SessionGuard:
 class CaptureGuard(SessionGuard):
     """``CUDA_GATE.exclusive`` then the session's lock: around a capture."""
 
-    _slots__ = ()
+    __slots__ = ()
 
     def __init__(self, lock, cuda: bool) -> None:
         self._lock = lock
         self._gate = CUDA_GATE.exclusive if cuda else None
-        self._cg = None  # no inline path: the writer's side is the gate's own code
-
-    def __enter__(self) -> None:
-        if self._gate is not None:
-            self._gate.__enter__()
-        try:
-            self._lock.acquire()
-        except BaseException:
-            if self._gate is not None:
-                self._gate.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
-        if self._gate is not None:
-            self._gate.__exit__(*exc)
+        # no inline path (SessionGuard's enter/exit then take the gate's own code): the writer's side is the gate's
+        self._cg = None
 
 
 #: One lock for all WebGPU work of the process (see the module docstring). Re-entrant.
