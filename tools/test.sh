@@ -12,14 +12,19 @@ versions=${ORTCAPTURE_ORT_VERSIONS:-"1.32.0 1.27.0 1.24.4"}
 status=0
 lint_done=0
 docs_done=0
+summary=()  # one line per step, printed together at the end
+logdir=$(mktemp -d)
+trap 'rm -rf "$logdir"' EXIT
+color=no
+[ -t 1 ] && color=yes
 for v in $versions; do
   { read -r venv; read -r env_file; } < <(bash tools/bootstrap.sh --ort "$v")
   echo "=== onnxruntime $v ($venv) ==="
   once=""
   if [ $lint_done = 0 ]; then  # the architecture's contracts (once): layers, and no reaching into private members
     lint_done=1
-    "$venv/bin/ruff" check ortcapture benchmarks || status=1
-    "$venv/bin/lint-imports" .importlinter || status=1
+    if "$venv/bin/ruff" check ortcapture benchmarks; then summary+=("ruff: passed"); else status=1; summary+=("ruff: FAILED"); fi
+    if "$venv/bin/lint-imports" .importlinter; then summary+=("import contracts: kept"); else status=1; summary+=("import contracts: BROKEN"); fi
     # once, not per ORT version: a GPU user's venv without CUDA (tests/test_gpu_nocuda.py) and the pip resolution
     # of the [cuda] extras (tests/test_gpu_extras.py)
     once=$(bash tools/bootstrap.sh --gpu-nocuda) || status=1
@@ -27,7 +32,7 @@ for v in $versions; do
   fi
   if [ $docs_done = 0 ] && [ "$venv" = "$root/.venv" ]; then  # the API reference (once: .venv has the docs extra)
     docs_done=1
-    bash tools/docs.sh "$venv" || status=1
+    if bash tools/docs.sh "$venv"; then summary+=("API reference and docstring coverage: passed"); else status=1; summary+=("API reference and docstring coverage: FAILED"); fi
   fi
   (
     [ -n "$env_file" ] && source "$env_file"
@@ -41,8 +46,14 @@ for v in $versions; do
     else
       export ORTCAPTURE_REQUIRE_SERVE=0
     fi
-    "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"
+    "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt"
   ) || status=1
+  # pytest's own last line: "N passed, M skipped ... in T s" (or why it stopped)
+  last=$(grep -v '^[[:space:]]*$' "$logdir/pytest-$v.txt" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g; s/^=* *//; s/ *=*$//')
+  summary+=("onnxruntime $v: ${last:-no pytest summary}")
 done
-[ $docs_done = 1 ] || echo "docs: not built (only in .venv, the onnxruntime $(sed -n 's/^NEWEST_ORT=//p' tools/bootstrap.sh) environment)"
+[ $docs_done = 1 ] || summary+=("docs: not built (only in .venv, the onnxruntime $(sed -n 's/^NEWEST_ORT=//p' tools/bootstrap.sh) environment)")
+echo
+echo "=== summary ($( [ $status = 0 ] && echo "all passed" || echo "FAILED" ))"
+for line in "${summary[@]}"; do echo "  $line"; done
 exit $status
