@@ -49,7 +49,7 @@ for v in $versions; do
     "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt"
   ) || status=1
   # pytest's own last line: "N passed, M skipped ... in T s" (or why it stopped)
-  last=$(grep -v '^[[:space:]]*$' "$logdir/pytest-$v.txt" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g; s/^=* *//; s/ *=*$//')
+  last=$(grep -v '^[[:space:]]*$' "$logdir/pytest-$v.txt" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g; s/^=* *//; s/ *=*$//' || true)
   summary+=("onnxruntime $v: ${last:-no pytest summary}")
 done
 [ $docs_done = 1 ] || summary+=("docs: not built (only in .venv, the onnxruntime $(sed -n 's/^NEWEST_ORT=//p' tools/bootstrap.sh) environment)")
