@@ -27,7 +27,7 @@ for v in $versions; do
     if "$venv/bin/lint-imports" .importlinter; then summary+=("import contracts: kept"); else status=1; summary+=("import contracts: BROKEN"); fi
     # once, not per ORT version: a GPU user's venv without CUDA (tests/test_gpu_nocuda.py) and the pip resolution
     # of the [cuda] extras (tests/test_gpu_extras.py)
-    once=$(bash tools/bootstrap.sh --gpu-nocuda) || status=1
+    once=$(bash tools/bootstrap.sh --gpu-nocuda) || { status=1; summary+=("GPU user's venv without CUDA (bootstrap --gpu-nocuda): FAILED"); }
     once=${once%%$'\n'*}  # its first line: the venv
   fi
   if [ $docs_done = 0 ] && [ "$venv" = "$root/.venv" ]; then  # the API reference (once: .venv has the docs extra)
