@@ -150,10 +150,13 @@ def main() -> int:
     def _():
         np.copyto(pinned, src)
 
-    def fill_striped(t):
+    def fill_striped(t, buf="pinned", source=None):  # one stripe per thread, the caller copying the first
+        dst = bufs[buf][0]
+        s_ = src if source is None else source()
         step = -(-n // t)
-        fs = [pools[t].submit(np.copyto, pinned[a:a + step], src[a:a + step]) for a in range(step, n, step)]
-        np.copyto(pinned[:step], src[:step])
+        fs = [pools[t].submit(np.copyto, dst[a:a + step], s_[a:a + step]) for a in range(step, n, step)] \
+            if t > 1 else []
+        np.copyto(dst[:step], s_[:step])
         for f in fs:
             f.result()
 
@@ -224,19 +227,11 @@ def main() -> int:
             lambda t=t: claimed_send(t)
     # fourth round: the staging buffer's kind, chunk sizes, and a new (cold) source array per call
     for buf in bufs:
-        def fill_into(t, buf=buf, source=None):
-            dst = bufs[buf][0]
-            s_ = src if source is None else source()
-            step = -(-n // t)
-            fs = [pools[t].submit(np.copyto, dst[a:a + step], s_[a:a + step]) for a in range(step, n, step)] \
-                if t > 1 else []
-            np.copyto(dst[:step], s_[:step])
-            for f in fs:
-                f.result()
         for t in (1, 2, 4):
-            cases[f"fill only into {buf}: {t} threads"] = lambda t=t, f=fill_into: f(t)
+            if buf != "pinned":  # page-locked from one source: "fill only: T threads (stripes)" above
+                cases[f"fill only into {buf}: {t} threads"] = lambda t=t, b=buf: fill_striped(t, b)
             cases[f"fill only into {buf}: {t} threads, 8 sources in turn"] = \
-                lambda t=t, f=fill_into: f(t, source=next_src)
+                lambda t=t, b=buf: fill_striped(t, b, next_src)
         for t in (2, 3, 4):
             for chunk in (1 << 20, 2 << 20, 4 << 20):
                 if buf == "pinned" and chunk == 1 << 20:

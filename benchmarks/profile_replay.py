@@ -351,50 +351,36 @@ def worker(args) -> dict:
         arms = {}
         arms["device-resident replay"] = lambda: g.run(None, copy_outputs=False)
         if webgpu:
-            def raw_numpy():
-                copy_tensors([ort.OrtValue.ortvalue_from_numpy(host)], [dst], None)
+            def raw_numpy(x=host):
+                copy_tensors([ort.OrtValue.ortvalue_from_numpy(x)], [dst], None)
                 ort_run(gsess, binding(), ro)
                 return [transfer.to_numpy(v) for v in outs]
             arms["device-resident replay"] = lambda: _wg_sync(g, transfer)
         else:
-            def raw_numpy():
-                dst.update_inplace(host)
+            def raw_numpy(x=host):
+                dst.update_inplace(x)
                 ort_run(gsess, binding(), ro)
                 return [v.numpy() for v in outs]
-        arms["raw ORT update_inplace(numpy) + run + numpy()"] = raw_numpy
+        raw = "raw ORT update_inplace(numpy) + run + numpy()"
+        arms[raw] = raw_numpy
         arms["g.run(numpy)"] = lambda: g.run({name: host})  # the same array every call (a request buffer reused)
-        ring = [rng.random(shape, dtype=np.float32) for _ in range(8)]
-        turn = [0]
+        # 8 arrays in turn: more than ortcapture keeps page-locked in place (REGISTER_KEEP, 4), so each call's array
+        # is as new to the graph as a request's; "in turn" leaves each one out of the caches by its next use, "just
+        # written" rewrites the next one (untimed) right before its call, as a decoder or preprocessing would
+        preps = {}
+        for label, written in ((", 8 arrays in turn", False), (", a new array just written", True)):
+            ring = [rng.random(shape, dtype=np.float32) for _ in range(8)]  # each arm its own 8 arrays
+            turn = [0]
 
-        def in_turn():
-            turn[0] += 1
-            return g.run({name: ring[turn[0] % 8]})
-        arms["g.run(numpy), 8 arrays in turn"] = in_turn  # a new array each call, as far as any cache can tell
-        if not webgpu:
-            def raw_in_turn():
+            def next_array(ring=ring, turn=turn):
                 turn[0] += 1
-                dst.update_inplace(ring[turn[0] % 8])
-                ort_run(gsess, binding(), ro)
-                return [v.numpy() for v in outs]
-            arms["raw ORT update_inplace(numpy) + run + numpy(), 8 arrays in turn"] = raw_in_turn
-        # a request array its producer has just written (a decoder's or preprocessing's output: still in the caches),
-        # a new one each call; the write is untimed
-        fresh = [rng.random(shape, dtype=np.float32) for _ in range(2)]
-        fturn = [0]
-
-        def write_next():
-            fturn[0] += 1
-            np.multiply(host, 1.0, out=fresh[fturn[0] % 2])
-        preps = {"g.run(numpy), a new array just written": write_next}
-        arms["g.run(numpy), a new array just written"] = lambda: g.run({name: fresh[fturn[0] % 2]})
-        if not webgpu:
-            preps["raw ORT update_inplace(numpy) + run + numpy(), a new array just written"] = write_next
-
-            def raw_fresh():
-                dst.update_inplace(fresh[fturn[0] % 2])
-                ort_run(gsess, binding(), ro)
-                return [v.numpy() for v in outs]
-            arms["raw ORT update_inplace(numpy) + run + numpy(), a new array just written"] = raw_fresh
+                return ring[turn[0] % 8]
+            arms["g.run(numpy)" + label] = lambda f=next_array: g.run({name: f()})
+            arms[raw + label] = lambda f=next_array: raw_numpy(f())
+            if written:
+                def write_next(ring=ring, turn=turn):
+                    np.multiply(host, 1.0, out=ring[(turn[0] + 1) % 8])
+                preps["g.run(numpy)" + label] = preps[raw + label] = write_next
         staging = getattr(g, "host_inputs", None)
         if staging is not None:
             hin = g.host_inputs
