@@ -105,6 +105,49 @@ def test_foreign_stream_capture_is_refused(cuda):
     np.testing.assert_array_equal(g.run({"X": np.ones((2, 4), np.float32)})[0], np.full((2, 4), 3.0))
 
 
+def test_cuda_python_blocking_stream_capture_is_refused_from_any_thread(cuda):
+    """A capture of a blocking stream begun through cuda-python (global mode, no torch): g.run is refused in the
+    capturing thread (the probe's driver query) and in a new thread with no CUDA context yet (the runtime fallback),
+    and the foreign capture is left valid."""
+    import threading
+
+    from ortcapture._ort import compat
+
+    rt = compat.cudart()
+    assert rt is not None and compat.cudadrv() is not None, "cuda-python expected on the GPU machine"
+    sess = cuda.session(tiny.affine_model())
+    g = sess.capture({"X": np.zeros((2, 4), np.float32)})
+    x = np.ones((2, 4), np.float32)
+    err, stream = rt.cudaStreamCreateWithFlags(0)  # a blocking stream
+    assert int(err) == 0
+    refused = []
+
+    def other():
+        try:
+            g.run({"X": x})
+        except ortcapture.CaptureError as exc:
+            refused.append(exc)
+
+    (err,) = rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal)
+    assert int(err) == 0
+    try:
+        with pytest.raises(ortcapture.CaptureError, match="#32081"):
+            g.run({"X": x})
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    finally:
+        err, graph = rt.cudaStreamEndCapture(stream)
+    assert int(err) == 0, "the probe invalidated the foreign capture"
+    assert len(refused) == 1 and "#32081" in str(refused[0])
+    err, exec_ = rt.cudaGraphInstantiate(graph, 0)
+    assert int(err) == 0
+    rt.cudaGraphExecDestroy(exec_)
+    rt.cudaGraphDestroy(graph)
+    rt.cudaStreamDestroy(stream)
+    np.testing.assert_array_equal(g.run({"X": x})[0], np.full((2, 4), 3.0))
+
+
 def test_fixed_outputs_export_through_dlpack(cuda):
     torch = pytest.importorskip("torch")
     sess = cuda.session(tiny.affine_model())

@@ -514,3 +514,50 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
     monkeypatch.setattr(transfer, "_ORT_D2D", False)
     assert not transfer._fast_pair(sm, dm, src)
 
+
+
+def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch):
+    """The foreign-capture probe (ORT PR #32081) asks cuStreamIsCapturing(CU_STREAM_LEGACY) and takes the runtime's
+    cudaStreamIsCapturing(0) where the driver has no answer (no current context on a new thread, 201), counting
+    900-908 (e.g. 906, a blocking stream of the context capturing) as capturing on either path."""
+    from types import SimpleNamespace
+
+    from ortcapture._ort import compat, cudart
+
+    calls = []
+    answers = {"driver": (0, 0), "runtime": (0, 0)}
+
+    def query(which):
+        def q(stream):
+            calls.append((which, int(stream)))
+            return answers[which]
+        return q
+
+    rt = SimpleNamespace(cudaStreamIsCapturing=query("runtime"), cudaStream_t=int)
+    drv = SimpleNamespace(cuStreamIsCapturing=query("driver"), CUstream=int, CU_STREAM_LEGACY=1)
+    monkeypatch.setattr(compat, "cudart", lambda: rt)
+    monkeypatch.setattr(compat, "cudadrv", lambda: drv)
+    probe = cudart.make_capture_probe()
+    cases = [  # driver answer, runtime answer, probe's answer, the runtime asked too
+        ((0, 0), (0, 1), False, False), ((0, 1), (0, 0), True, False), ((906, 0), (0, 0), True, False),
+        ((201, 0), (0, 0), False, True), ((201, 0), (0, 1), True, True), ((201, 0), (906, 0), True, True),
+        ((201, 0), (999, 0), False, True), ((3, 0), (0, 1), True, True)]
+    for drv_answer, rt_answer, capturing, fell_back in cases:
+        answers.update(driver=drv_answer, runtime=rt_answer)
+        calls.clear()
+        assert probe() is capturing, (drv_answer, rt_answer)
+        assert calls[0] == ("driver", 1)  # CU_STREAM_LEGACY, not 0 (per-thread default stream builds)
+        assert (("runtime", 0) in calls) is fell_back, (drv_answer, rt_answer)
+    # a cuda-python without the driver module: the runtime alone, as before
+    monkeypatch.setattr(compat, "cudadrv", lambda: None)
+    probe = cudart.make_capture_probe()
+    answers.update(driver=(0, 1), runtime=(906, 0))
+    calls.clear()
+    assert probe() is True and [c[0] for c in calls] == ["runtime"]
+    # a driver module whose libcuda does not load (the query raises when the probe is built): the runtime alone
+    monkeypatch.setattr(compat, "cudadrv", lambda: drv)
+    monkeypatch.setattr(drv, "cuStreamIsCapturing", lambda s: (_ for _ in ()).throw(RuntimeError("no libcuda")))
+    probe = cudart.make_capture_probe()
+    answers.update(runtime=(0, 0))
+    calls.clear()
+    assert probe() is False and [c[0] for c in calls] == ["runtime"]

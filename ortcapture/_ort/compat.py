@@ -161,6 +161,19 @@ def has_cuda_python() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def cudadrv():
+    """The cuda-python driver-API module (``cuda.bindings.driver`` or the older ``cuda.cuda``), or ``None``."""
+    for name in ("cuda.bindings.driver", "cuda.cuda"):
+        try:
+            if importlib.util.find_spec(name.rsplit(".", 1)[0]) is None:
+                continue
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=None)
 def cudart():
     """The cuda-python runtime module, or ``None`` when cuda-python is not installed."""
     for name in ("cuda.bindings.runtime", "cuda.cudart"):

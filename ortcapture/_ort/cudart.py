@@ -168,24 +168,42 @@ def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height
 
 def make_capture_probe():
     """A cheap callable answering: is the calling thread's CUDA stream (torch's current stream, else the legacy
-    default stream) being captured into a foreign CUDA graph right now? Built once per session; one or two
-    queries per call, no synchronisation. Without torch and cuda-python it always answers False."""
+    default stream) being captured into a foreign CUDA graph right now? Built once per session; one query per call
+    (two with torch), no synchronisation. Without torch and cuda-python it always answers False.
+
+    The legacy stream's query goes through the driver API (``cuStreamIsCapturing(CU_STREAM_LEGACY)``: the same
+    question the runtime's ``cudaStreamIsCapturing(0)`` asks it, without the runtime's per-call context lookup),
+    and through the runtime where the driver cannot answer: a thread with no current CUDA context (a new thread,
+    ``CUDA_ERROR_INVALID_CONTEXT``; the runtime makes the device's primary context current, as the old probe did),
+    an older cuda-python without the driver module, or any other driver error. On the legacy stream both return
+    ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`` (906) while a blocking stream of the context is being captured, without
+    invalidating that capture: any of 900-908 counts as capturing.
+    """
     import sys
 
     rt = compat.cudart()
+    drv = compat.cudadrv()
     query = getattr(rt, "cudaStreamIsCapturing", None) if rt is not None else None
+    dquery = getattr(drv, "cuStreamIsCapturing", None) if drv is not None and query is not None else None
     modules = sys.modules
     legacy = 0  # the legacy default stream; as cuda-python's own handle type where it takes one (no conversion per call)
+    dlegacy = None
     if query is not None:
-        try:
-            from ortcapture._ort.sync import CUDA_GATE
+        from ortcapture._ort.sync import CUDA_GATE
 
-            handle = rt.cudaStream_t(0)
-            with CUDA_GATE.shared:  # never beside another thread's capture
+        with CUDA_GATE.shared:  # never beside another thread's capture
+            try:
+                handle = rt.cudaStream_t(0)
                 query(handle)
-            legacy = handle
-        except Exception:  # noqa: BLE001 - an older cuda-python: the int works everywhere
-            legacy = 0
+                legacy = handle
+            except Exception:  # noqa: BLE001 - an older cuda-python: the int works everywhere
+                legacy = 0
+            if dquery is not None:
+                try:
+                    dlegacy = drv.CUstream(int(drv.CU_STREAM_LEGACY))
+                    dquery(dlegacy)
+                except Exception:  # noqa: BLE001 - a cuda-python whose driver module cannot load libcuda
+                    dquery = None
 
     def probe() -> bool:
         torch = modules.get("torch")
@@ -193,11 +211,17 @@ def make_capture_probe():
             cuda = torch.cuda
             if cuda.is_initialized() and cuda.is_current_stream_capturing():
                 return True
-        if query is not None:
+        if dquery is not None:
+            err, status = dquery(dlegacy)
+            if not err:  # CUDA_SUCCESS is 0 (IntEnum or int alike)
+                return bool(status)  # CU_STREAM_CAPTURE_STATUS_NONE is 0
+            if int(err) in _CAPTURE_ERRORS:
+                return True
+        if query is not None:  # no driver answer (no current context on this thread, ...): the runtime's
             err, status = query(legacy)
-            if err:  # cudaSuccess is 0 (IntEnum or int alike)
+            if err:
                 return int(err) in _CAPTURE_ERRORS
-            return bool(status)  # cudaStreamCaptureStatusNone is 0
+            return bool(status)
         return False
 
     return probe
