@@ -533,7 +533,8 @@ def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch
             return answers[which]
         return q
 
-    rt = SimpleNamespace(cudaStreamIsCapturing=query("runtime"), cudaStream_t=int)
+    rt = SimpleNamespace(cudaStreamIsCapturing=query("runtime"), cudaStream_t=int,
+                         cudaGetLastError=lambda: calls.append(("runtime", "cudaGetLastError")))
     drv = SimpleNamespace(cuStreamIsCapturing=query("driver"), CUstream=int, CU_STREAM_LEGACY=1)
     monkeypatch.setattr(compat, "cudart", lambda: rt)
     monkeypatch.setattr(compat, "cudadrv", lambda: drv)
@@ -548,16 +549,45 @@ def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch
         assert probe() is capturing, (drv_answer, rt_answer)
         assert calls[0] == ("driver", 1)  # CU_STREAM_LEGACY, not 0 (per-thread default stream builds)
         assert (("runtime", 0) in calls) is fell_back, (drv_answer, rt_answer)
+        # a runtime error is not left sticky for ORT's launch checks (cudaGetLastError clears it)
+        assert (("runtime", "cudaGetLastError") in calls) is (fell_back and rt_answer[0] != 0)
+    # torch imported: its current stream is asked after the legacy stream (torch.cuda.graph() captures a
+    # non-blocking side stream), only once torch's CUDA is initialised; a CUDA error of torch's query is capturing
+    import sys
+
+    torch_answer = []
+
+    def torch_query():
+        calls.append(("torch",))
+        if isinstance(torch_answer[0], Exception):
+            raise torch_answer[0]
+        return torch_answer[0]
+
+    fake_cuda = SimpleNamespace(_initialized=False)
+    fake_torch = SimpleNamespace(cuda=fake_cuda, _C=SimpleNamespace(_cuda_isCurrentStreamCapturing=torch_query))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    answers.update(driver=(0, 0), runtime=(0, 0))
+    for initialised, said, capturing in ((False, True, False), (True, False, False), (True, True, True),
+                                         (True, RuntimeError("cudaErrorStreamCaptureImplicit"), True)):
+        fake_cuda._initialized = initialised
+        torch_answer[:] = [said]
+        calls.clear()
+        assert probe() is capturing, (initialised, said)
+        assert calls[0] == ("driver", 1) and (("torch",) in calls) is initialised
+    answers.update(driver=(906, 0))  # the legacy stream's answer first: torch is not asked
+    calls.clear()
+    assert probe() is True and ("torch",) not in calls
+    monkeypatch.delitem(sys.modules, "torch")
     # a cuda-python without the driver module: the runtime alone, as before
     monkeypatch.setattr(compat, "cudadrv", lambda: None)
     probe = cudart.make_capture_probe()
     answers.update(driver=(0, 1), runtime=(906, 0))
     calls.clear()
-    assert probe() is True and [c[0] for c in calls] == ["runtime"]
+    assert probe() is True and calls == [("runtime", 0), ("runtime", "cudaGetLastError")]
     # a driver module whose libcuda does not load (the query raises when the probe is built): the runtime alone
     monkeypatch.setattr(compat, "cudadrv", lambda: drv)
     monkeypatch.setattr(drv, "cuStreamIsCapturing", lambda s: (_ for _ in ()).throw(RuntimeError("no libcuda")))
     probe = cudart.make_capture_probe()
     answers.update(runtime=(0, 0))
     calls.clear()
-    assert probe() is False and [c[0] for c in calls] == ["runtime"]
+    assert probe() is False and calls == [("runtime", 0)]

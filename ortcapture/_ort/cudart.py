@@ -167,17 +167,21 @@ def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height
 
 
 def make_capture_probe():
-    """A cheap callable answering: is the calling thread's CUDA stream (torch's current stream, else the legacy
-    default stream) being captured into a foreign CUDA graph right now? Built once per session; one query per call
-    (two with torch), no synchronisation. Without torch and cuda-python it always answers False.
+    """A cheap callable answering: is a CUDA graph being captured that a replay from the calling thread would break
+    or be recorded into? Built once per session; one query per call (two once torch's CUDA is initialised), no
+    synchronisation. Without torch and cuda-python it always answers False.
 
-    The legacy stream's query goes through the driver API (``cuStreamIsCapturing(CU_STREAM_LEGACY)``: the same
-    question the runtime's ``cudaStreamIsCapturing(0)`` asks it, without the runtime's per-call context lookup),
-    and through the runtime where the driver cannot answer: a thread with no current CUDA context (a new thread,
-    ``CUDA_ERROR_INVALID_CONTEXT``; the runtime makes the device's primary context current, as the old probe did),
-    an older cuda-python without the driver module, or any other driver error. On the legacy stream both return
-    ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`` (906) while a blocking stream of the context is being captured, without
-    invalidating that capture: any of 900-908 counts as capturing.
+    First the legacy default stream, through the driver API (``cuStreamIsCapturing(CU_STREAM_LEGACY)``: the
+    runtime's ``cudaStreamIsCapturing(0)`` asks the driver the same, and the driver does not leave the runtime's
+    sticky last error that ORT checks after its launches): it answers ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`` (906)
+    while any blocking stream of the context is being captured, in any capture mode and from any thread, without
+    invalidating that capture (any of 900-908 counts as capturing). Where the driver has no answer (a thread with no
+    current CUDA context yet, 201; an older cuda-python without the driver module; any other driver error) the
+    runtime's query instead, which makes the device's primary context current. Then torch's current stream, where
+    torch's CUDA is initialised: ``torch.cuda.graph()`` captures a non-blocking side stream that the legacy stream
+    query cannot see. A CUDA error from torch's query (``cudaErrorStreamCaptureImplicit`` while its current stream
+    is the legacy one) counts as capturing. ``benchmarks/bench_capture_probe.py`` shows every form's answer in each
+    situation (non-blocking streams other than torch's current one are seen by none of them).
     """
     import sys
 
@@ -195,6 +199,7 @@ def make_capture_probe():
             try:
                 handle = rt.cudaStream_t(0)
                 query(handle)
+                rt.cudaGetLastError()
                 legacy = handle
             except Exception:  # noqa: BLE001 - an older cuda-python: the int works everywhere
                 legacy = 0
@@ -204,27 +209,62 @@ def make_capture_probe():
                     dquery(dlegacy)
                 except Exception:  # noqa: BLE001 - a cuda-python whose driver module cannot load libcuda
                     dquery = None
+    torch_query = None  # torch's check, bound once torch is imported
 
     def probe() -> bool:
-        torch = modules.get("torch")
-        if torch is not None:
-            cuda = torch.cuda
-            if cuda.is_initialized() and cuda.is_current_stream_capturing():
-                return True
+        nonlocal torch_query
         if dquery is not None:
             err, status = dquery(dlegacy)
             if not err:  # CUDA_SUCCESS is 0 (IntEnum or int alike)
-                return bool(status)  # CU_STREAM_CAPTURE_STATUS_NONE is 0
-            if int(err) in _CAPTURE_ERRORS:
+                if status:  # CU_STREAM_CAPTURE_STATUS_NONE is 0
+                    return True
+            elif int(err) in _CAPTURE_ERRORS:
                 return True
-        if query is not None:  # no driver answer (no current context on this thread, ...): the runtime's
+            else:
+                err = None  # no driver answer (no current context on this thread, ...): the runtime's
+        else:
+            err = None
+        if err is None and query is not None:
             err, status = query(legacy)
             if err:
-                return int(err) in _CAPTURE_ERRORS
-            return bool(status)
-        return False
+                rt.cudaGetLastError()  # not left sticky for ORT's launch checks
+                if int(err) in _CAPTURE_ERRORS:
+                    return True
+            elif status:
+                return True
+        if torch_query is None:
+            torch = modules.get("torch")
+            if torch is None or getattr(torch, "cuda", None) is None:  # (or torch half imported: not yet bound)
+                return False
+            torch_query = _torch_capture_query(torch)
+        return torch_query()
 
     return probe
+
+
+def _torch_capture_query(torch):
+    """``torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()`` as one frame: torch's own C
+    query where this torch has it (its two Python wrappers cost ~0.9 µs per replay on the H200 host), the public
+    API elsewhere; a CUDA error raised by torch's query counts as capturing."""
+    cuda = torch.cuda
+    c_query = getattr(getattr(torch, "_C", None), "_cuda_isCurrentStreamCapturing", None)
+    if c_query is None or not isinstance(getattr(cuda, "_initialized", None), bool):
+        def public() -> bool:
+            try:
+                return bool(cuda.is_initialized() and cuda.is_current_stream_capturing())
+            except RuntimeError:  # torch.AcceleratorError: its query failed inside a capture
+                return True
+        return public
+
+    def fast() -> bool:
+        if not cuda._initialized:  # noqa: SLF001 - what is_initialized() reads (False in a forked child too)
+            return False
+        try:
+            return bool(c_query())
+        except RuntimeError:  # torch.AcceleratorError: its query failed inside a capture
+            return True
+
+    return fast
 
 
 # cudaErrorStreamCapture* (900-908): a capture in progress made the legacy stream query illegal
