@@ -536,8 +536,11 @@ def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch
     rt = SimpleNamespace(cudaStreamIsCapturing=query("runtime"), cudaStream_t=int,
                          cudaGetLastError=lambda: calls.append(("runtime", "cudaGetLastError")))
     drv = SimpleNamespace(cuStreamIsCapturing=query("driver"), CUstream=int, CU_STREAM_LEGACY=1)
+    import sys
+
     monkeypatch.setattr(compat, "cudart", lambda: rt)
     monkeypatch.setattr(compat, "cudadrv", lambda: drv)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # (the GPU machine's suite imports the real one)
     probe = cudart.make_capture_probe()
     cases = [  # driver answer, runtime answer, probe's answer, the runtime asked too
         ((0, 0), (0, 1), False, False), ((0, 1), (0, 0), True, False), ((906, 0), (0, 0), True, False),
@@ -553,8 +556,6 @@ def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch
         assert (("runtime", "cudaGetLastError") in calls) is (fell_back and rt_answer[0] != 0)
     # torch imported: its current stream is asked after the legacy stream (torch.cuda.graph() captures a
     # non-blocking side stream), only once torch's CUDA is initialised; a CUDA error of torch's query is capturing
-    import sys
-
     torch_answer = []
 
     def torch_query():
@@ -565,7 +566,7 @@ def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch
 
     fake_cuda = SimpleNamespace(_initialized=False)
     fake_torch = SimpleNamespace(cuda=fake_cuda, _C=SimpleNamespace(_cuda_isCurrentStreamCapturing=torch_query))
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)  # imported after the probe was built: still asked
     answers.update(driver=(0, 0), runtime=(0, 0))
     for initialised, said, capturing in ((False, True, False), (True, False, False), (True, True, True),
                                          (True, RuntimeError("cudaErrorStreamCaptureImplicit"), True)):
