@@ -325,7 +325,8 @@ class CapturedGraph:
             StaleOutputError: a feed that is a ``copy_outputs=False`` output of another graph replayed meanwhile
                 (in another thread) while it was being copied; with several feeds, the ones copied before it are
                 then already in the fixed inputs, so feed every input again on the next call.
-            CaptureError: the calling thread's CUDA stream is inside a foreign capture (ORT PR #32081); or a
+            CaptureError: a foreign CUDA graph capture is in progress — torch's current stream (inside
+                ``torch.cuda.graph()``) or a blocking stream of the device, from any thread (ORT PR #32081); or a
                 host-read input (``get_input_memory_infos()``: Reshape shape, Slice starts, Clip bounds, ...)
                 fed a value other than the capture's (a replay would silently keep the capture-time value).
         """

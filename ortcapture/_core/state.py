@@ -166,7 +166,8 @@ class CaptureState:
         #: replays between two WebGPU queue drains (0: never; see WEBGPU_DRAIN_EVERY)
         self.drain_every = WEBGPU_DRAIN_EVERY if info is not None and info.device_type == "webgpu" else 0
         self._tls = threading.local()
-        #: ``probe() -> bool``: is the calling thread's CUDA stream being captured by someone else (ORT PR #32081)?
+        #: ``probe() -> bool``: is a foreign CUDA graph capture in progress that a replay would break (a blocking
+        #: stream of the context, or torch's current stream; ORT PR #32081)? See make_capture_probe
         self.capture_probe = None
         if info is not None and info.device_type == "cuda":
             from ortcapture._ort.cudart import make_capture_probe
@@ -337,13 +338,15 @@ class CaptureState:
             return True
 
     def check_foreign_capture(self) -> None:
-        """Raise :class:`CaptureError` when the caller's CUDA stream is being captured (ORT PR #32081)."""
+        """Raise :class:`CaptureError` when a foreign capture is in progress (ORT PR #32081; see
+        :func:`ortcapture._ort.cudart.make_capture_probe` for what is seen)."""
         probe = self.capture_probe
         if probe is not None and probe():
             raise CaptureError(
-                "the calling thread's CUDA stream is being captured into another CUDA graph (e.g. inside "
-                "torch.cuda.graph()); running an ORT CUDA-graph session now ends in std::terminate "
-                "(ORT PR #32081). Run the ORT session outside the foreign capture."
+                "a CUDA graph is being captured right now (torch's current stream, e.g. inside torch.cuda.graph(), "
+                "or a blocking CUDA stream of this device, in any thread): CUDA work of an ORT CUDA-graph session "
+                "now is unsafe (inside torch.cuda.graph() it ends in std::terminate, ORT PR #32081). Run the ORT "
+                "session outside the foreign capture."
             )
 
     # -- release / reset ------------------------------------------------------------------------------------
