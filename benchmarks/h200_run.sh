@@ -37,6 +37,7 @@ has doctor && step doctor 120 python3 -m ortcapture doctor "$ORTCAPTURE_CACHE/mo
 has profile_replay && step profile_replay 590 python3 benchmarks/profile_replay.py --provider cuda --baseline .baseline --procs 5 --cases tiny,yolo1 --out "$OUT/profile_replay_small.json"
 has profile_replay && step profile_replay_b8 590 python3 benchmarks/profile_replay.py --provider cuda --baseline .baseline --procs 5 --cases yolo8,affine8 --out "$OUT/profile_replay_b8.json"
 has pytest_staging && step pytest_staging 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_staging.py tests/test_cuda.py tests/test_capture.py tests/test_transfer.py tests/test_architecture.py
+has capture_probe && step capture_probe 120 python3 benchmarks/bench_capture_probe.py --json "$OUT/capture_probe.json"
 has profile && step profile 200 python3 benchmarks/profile_gpu.py --json "$OUT/profile_gpu.json"
 has bench_multi && step bench_multi 180 python3 benchmarks/bench_multi_gpu.py --iters 300 --json "$OUT/bench_multi_gpu.json"
 # ORT's own Python tests (carried in the git-ignored .ort_tests/): raw ORT vs ortcapture installed
