@@ -87,20 +87,6 @@ def ensure_peer_access(a: int, b: int) -> bool:
     return ok
 
 
-def stream_is_capturing(stream: int = 0) -> bool:
-    """Whether CUDA ``stream`` (0 = legacy default stream) is being captured into a CUDA graph right now."""
-    rt = compat.cudart()
-    if rt is None:
-        return False
-    try:
-        err, status = rt.cudaStreamIsCapturing(stream)
-    except Exception:  # noqa: BLE001
-        return False
-    if not _ok(err):
-        return int(err) in _CAPTURE_ERRORS
-    return int(status) != 0
-
-
 def mem_get_info(device: int) -> tuple[int, int] | None:
     """``(free, total)`` bytes of CUDA ``device`` (``cudaMemGetInfo``: device-wide, every process and allocator
     counted), or ``None`` without cuda-python or on failure."""
@@ -269,11 +255,6 @@ def _torch_capture_query(torch):
 
 # cudaErrorStreamCapture* (900-908): a capture in progress made the legacy stream query illegal
 _CAPTURE_ERRORS = frozenset(range(900, 909))
-
-
-def caller_stream_is_capturing() -> bool:
-    """One-off form of :func:`make_capture_probe`."""
-    return make_capture_probe()()
 
 
 # -- page-locked host staging (CapturedGraph's host feeds and outputs) -------------------------------------------
