@@ -2,8 +2,9 @@
 """The foreign-capture probe (issue 32): what each way of asking "is a CUDA graph being captured?" answers, and
 what it costs per replay.
 
-``CapturedGraph.run`` asks before every replay whether the calling thread's CUDA stream is inside a foreign capture
-(ORT PR #32081: a CUDA-graph session run then ends in ``std::terminate``). Two questions, one table each:
+``CapturedGraph.run`` asks before every replay whether a foreign CUDA graph capture is in progress that the replay
+would break (ORT PR #32081: inside ``torch.cuda.graph()`` a CUDA-graph session run ends in ``std::terminate``). Two
+questions, one table each:
 
 * **answers**: every query form in every capture situation — none; this thread capturing a blocking stream in
   global / thread-local / relaxed mode; another thread doing so; a non-blocking stream; ``torch.cuda.graph()``; a
@@ -11,12 +12,13 @@ what it costs per replay.
   (torch's own query of its current stream, the legacy one, then raises ``cudaErrorStreamCaptureImplicit``). Each
   foreign capture is ended afterwards and must still instantiate (a probe must not invalidate what it looks at).
   The new probe is sound where it answers like the old one in every row, or "capturing" where the old one raised.
-* **cost**: ns per call back to back (10 000 calls, median of 15 batches) and right after a real replay's wait for
-  the GPU (a tiny CUDA-graph session replayed, then one probe call timed; median of 2 000), for: an empty closure
-  (a Python frame), two trivial cuda-python calls (the binding's own floor), the runtime query
-  (``cudaStreamIsCapturing(0)``), the driver query (``cuStreamIsCapturing(CU_STREAM_LEGACY)``) and the driver query
-  of a non-blocking stream, the runtime-only probe ortcapture had up to c0a3c78, and ``ortcapture._ort.cudart``'s
-  probe now; then the same two probes with torch imported, torch's public check and its C query alone.
+* **cost**, every arm in turn in each round (drift shared alike): ns per call back to back (10 000 calls, median of
+  15 rounds) and right after a real replay's wait for the GPU (a tiny CUDA-graph session replayed, then one call
+  timed; median of 2 000), for: an empty closure (a Python frame), two trivial cuda-python calls (the binding's own
+  floor), the runtime query (``cudaStreamIsCapturing(cudaStreamLegacy)``), the driver query
+  (``cuStreamIsCapturing(CU_STREAM_LEGACY)``) and the driver query of a non-blocking stream, the runtime-only probe
+  ortcapture had up to c0a3c78, and ``ortcapture._ort.cudart``'s probe now; then the same two probes with torch
+  imported, torch's public check and its C query alone.
 
 Usage (the H200; needs cuda-python, onnxruntime-gpu, torch optional)::
 
@@ -74,11 +76,11 @@ def _said(fn):
 
 
 def forms(rt, drv, new_probe):
-    legacy_rt = rt.cudaStream_t(0)
+    legacy_rt = rt.cudaStream_t(int(getattr(rt, "cudaStreamLegacy", 1)))
     legacy_drv = drv.CUstream(int(drv.CU_STREAM_LEGACY))
     old = runtime_probe(rt)
     return {
-        "runtime cudaStreamIsCapturing(0)": _said(lambda: answer(*rt.cudaStreamIsCapturing(legacy_rt))),
+        "runtime cudaStreamIsCapturing(cudaStreamLegacy)": _said(lambda: answer(*rt.cudaStreamIsCapturing(legacy_rt))),
         "driver cuStreamIsCapturing(CU_STREAM_LEGACY)": _said(lambda: answer(*drv.cuStreamIsCapturing(legacy_drv))),
         "old probe (runtime)": _said(lambda: "capturing" if old() else "none"),
         "new probe (ortcapture)": _said(lambda: "capturing" if new_probe() else "none"),
@@ -103,12 +105,16 @@ def answers(rt, drv, new_probe, torch) -> list[dict]:
     def ask(where):
         got = {}
         if where == "this thread":
-            got = {k: f() for k, f in fs.items()}
-        else:  # a thread of its own: "other thread" has this thread's context current first; "new thread" none
-            def body():
+            return {k: f() for k, f in fs.items()}
+        # "other thread": one thread with this thread's context current first (no runtime call: none is needed);
+        # "new thread": each form from a thread of its own with no current context (the runtime's query would make
+        # the primary context current for the forms after it)
+        groups = [list(fs)] if where == "other thread" else [[k] for k in fs]
+        for names in groups:
+            def body(names=names):
                 if where == "other thread":
-                    _check(drv.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")  # no runtime call: none is needed
-                got.update({k: f() for k, f in fs.items()})
+                    _check(drv.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+                got.update({k: fs[k]() for k in names})
             t = threading.Thread(target=body)
             t.start()
             t.join()
@@ -163,35 +169,40 @@ def answers(rt, drv, new_probe, torch) -> list[dict]:
     return rows
 
 
-def _per_call_ns(fn, n=10_000, batches=15) -> float:
+def _per_call_ns(arms: dict, n=10_000, batches=15) -> dict:
+    """ns per call of each arm back to back: ``batches`` rounds, each arm's ``n`` calls in turn in every round
+    (drift shared alike); the median round per arm."""
     clock = time.perf_counter_ns
-    out = []
+    out: dict = {name: [] for name in arms}
     for _ in range(batches):
-        t0 = clock()
-        for _ in range(n):
-            fn()
-        out.append((clock() - t0) / n)
-    return float(statistics.median(out))
+        for name, fn in arms.items():
+            t0 = clock()
+            for _ in range(n):
+                fn()
+            out[name].append((clock() - t0) / n)
+    return {name: float(statistics.median(v)) for name, v in out.items()}
 
 
-def _after_wait_ns(fn, replay, n=2000) -> float:
+def _after_wait_ns(arms: dict, replay, n=2000) -> dict:
+    """ns of one call of each arm right after a replay's wait for the GPU, the arms in turn; medians."""
     clock = time.perf_counter_ns
     base = []
     for _ in range(2000):
         t0 = clock()
         base.append(clock() - t0)
     zero = statistics.median(base)
-    out = []
+    out: dict = {name: [] for name in arms}
     for _ in range(n):
-        replay()
-        t0 = clock()
-        fn()
-        out.append(clock() - t0 - zero)
-    return float(statistics.median(out))
+        for name, fn in arms.items():
+            replay()
+            t0 = clock()
+            fn()
+            out[name].append(clock() - t0 - zero)
+    return {name: float(statistics.median(v)) for name, v in out.items()}
 
 
 def costs(rt, drv, new_probe, replay, with_torch: bool) -> dict:
-    legacy_rt = rt.cudaStream_t(0)
+    legacy_rt = rt.cudaStream_t(int(getattr(rt, "cudaStreamLegacy", 1)))
     legacy_drv = drv.CUstream(int(drv.CU_STREAM_LEGACY))
     rq, dq = rt.cudaStreamIsCapturing, drv.cuStreamIsCapturing
     old = runtime_probe(rt)
@@ -220,11 +231,9 @@ def costs(rt, drv, new_probe, replay, with_torch: bool) -> dict:
                 "torch check (is_initialized + is_current_stream_capturing)":
                     lambda: cuda.is_initialized() and cuda.is_current_stream_capturing(),
                 "torch's C query alone (torch._C._cuda_isCurrentStreamCapturing)": c_query}
-    out = {}
-    for name, fn in arms.items():
-        out[name] = {"back_to_back_ns": round(_per_call_ns(fn), 1), "after_wait_ns": round(_after_wait_ns(fn, replay), 1)}
+    b2b, after = _per_call_ns(arms), _after_wait_ns(arms, replay)
     rt.cudaStreamDestroy(side)
-    return out
+    return {name: {"back_to_back_ns": round(b2b[name], 1), "after_wait_ns": round(after[name], 1)} for name in arms}
 
 
 def main() -> int:

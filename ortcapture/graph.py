@@ -326,9 +326,10 @@ class CapturedGraph:
                 (in another thread) while it was being copied; with several feeds, the ones copied before it are
                 then already in the fixed inputs, so feed every input again on the next call.
             CaptureError: a foreign CUDA graph capture is in progress — torch's current stream (inside
-                ``torch.cuda.graph()``) or a blocking stream of the device, from any thread (ORT PR #32081); or a
-                host-read input (``get_input_memory_infos()``: Reshape shape, Slice starts, Clip bounds, ...)
-                fed a value other than the capture's (a replay would silently keep the capture-time value).
+                ``torch.cuda.graph()``) or a blocking stream of the calling thread's current CUDA device, from any
+                thread (ORT PR #32081); or a host-read input (``get_input_memory_infos()``: Reshape shape, Slice
+                starts, Clip bounds, ...) fed a value other than the capture's (a replay would silently keep the
+                capture-time value).
         """
         # The replay hot path: straight-line code, few calls. On the H200 hosts each Python frame here costs ~1-2 µs
         # right after a replay's wait for the GPU, several times its cost back to back.

@@ -427,7 +427,8 @@ class InferenceSession(OrtInferenceSession):
                 another session).
             GraphReleasedError: a retired id (CUDA/TensorRT release is a no-op in ORT).
             CaptureError: a foreign CUDA graph capture is in progress — torch's current stream (inside
-                ``torch.cuda.graph()``) or a blocking stream of the device, from any thread (ORT PR #32081).
+                ``torch.cuda.graph()``) or a blocking stream of the calling thread's current CUDA device, from any
+                thread (ORT PR #32081).
             CaptureAbortedError: a capturing run failed inside ORT (e.g. ``RunOptions.terminate``); the id was
                 released in ORT (WebGPU, ORT >= 1.30: capture it again) or retired (CUDA/TensorRT).
 

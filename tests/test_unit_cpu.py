@@ -516,79 +516,126 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
 
 
 
-def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch):
-    """The foreign-capture probe (ORT PR #32081) asks cuStreamIsCapturing(CU_STREAM_LEGACY) and takes the runtime's
-    cudaStreamIsCapturing(0) where the driver has no answer (no current context on a new thread, 201), counting
-    900-908 (e.g. 906, a blocking stream of the context capturing) as capturing on either path."""
-    from types import SimpleNamespace
+class _FakeCuda:
+    """cuda-python's runtime and driver query of the legacy stream, answering what a test sets; calls logged."""
 
-    from ortcapture._ort import compat, cudart
+    def __init__(self):
+        from types import SimpleNamespace
 
-    calls = []
-    answers = {"driver": (0, 0), "runtime": (0, 0)}
+        self.calls: list = []
+        self.answers = {"driver": (0, 0), "runtime": (0, 0)}
+        self.rt = SimpleNamespace(cudaStreamIsCapturing=self._query("runtime"), cudaStream_t=int,
+                                  cudaGetLastError=lambda: self.calls.append(("runtime", "cudaGetLastError")))
+        self.drv = SimpleNamespace(cuStreamIsCapturing=self._query("driver"), CUstream=int, CU_STREAM_LEGACY=1)
 
-    def query(which):
+    def _query(self, which):
         def q(stream):
-            calls.append((which, int(stream)))
-            return answers[which]
+            self.calls.append((which, int(stream)))
+            return self.answers[which]
         return q
 
-    rt = SimpleNamespace(cudaStreamIsCapturing=query("runtime"), cudaStream_t=int,
-                         cudaGetLastError=lambda: calls.append(("runtime", "cudaGetLastError")))
-    drv = SimpleNamespace(cuStreamIsCapturing=query("driver"), CUstream=int, CU_STREAM_LEGACY=1)
-    import sys
+    def install(self, monkeypatch):
+        import sys
 
-    monkeypatch.setattr(compat, "cudart", lambda: rt)
-    monkeypatch.setattr(compat, "cudadrv", lambda: drv)
-    monkeypatch.delitem(sys.modules, "torch", raising=False)  # (the GPU machine's suite imports the real one)
+        from ortcapture._ort import compat
+
+        monkeypatch.setattr(compat, "cudart", lambda: self.rt)
+        monkeypatch.setattr(compat, "cudadrv", lambda: self.drv)
+        monkeypatch.delitem(sys.modules, "torch", raising=False)  # (the GPU machine's suite imports the real one)
+
+    def ask(self, probe, driver=None, runtime=None):
+        if driver is not None:
+            self.answers["driver"] = driver
+        if runtime is not None:
+            self.answers["runtime"] = runtime
+        self.calls.clear()
+        return probe()
+
+
+def test_capture_probe_asks_the_driver_and_falls_back_to_the_runtime(monkeypatch):
+    """The foreign-capture probe (ORT PR #32081) asks cuStreamIsCapturing(CU_STREAM_LEGACY) and takes the runtime's
+    cudaStreamIsCapturing(cudaStreamLegacy) where the driver has no answer (no current context on a new thread,
+    201), counting 900-908 (e.g. 906, a blocking stream of the context capturing) and any status but none as
+    capturing on either path; a runtime error is cleared (ORT checks cudaGetLastError() after its launches)."""
+    from ortcapture._ort import cudart
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
     probe = cudart.make_capture_probe()
+    build = list(fake.calls)
+    assert ("runtime", "cudaGetLastError") in build  # the build-time query leaves no sticky error either
     cases = [  # driver answer, runtime answer, probe's answer, the runtime asked too
-        ((0, 0), (0, 1), False, False), ((0, 1), (0, 0), True, False), ((906, 0), (0, 0), True, False),
-        ((201, 0), (0, 0), False, True), ((201, 0), (0, 1), True, True), ((201, 0), (906, 0), True, True),
-        ((201, 0), (999, 0), False, True), ((3, 0), (0, 1), True, True)]
+        ((0, 0), (0, 1), False, False), ((0, 1), (0, 0), True, False), ((0, 2), (0, 0), True, False),
+        ((906, 0), (0, 0), True, False), ((900, 0), (0, 0), True, False), ((908, 0), (0, 0), True, False),
+        ((201, 0), (0, 0), False, True), ((201, 0), (0, 1), True, True), ((201, 0), (0, 2), True, True),
+        ((201, 0), (906, 0), True, True), ((201, 0), (908, 0), True, True), ((201, 0), (999, 0), False, True),
+        ((909, 0), (0, 0), False, True), ((3, 0), (0, 1), True, True)]
     for drv_answer, rt_answer, capturing, fell_back in cases:
-        answers.update(driver=drv_answer, runtime=rt_answer)
-        calls.clear()
-        assert probe() is capturing, (drv_answer, rt_answer)
-        assert calls[0] == ("driver", 1)  # CU_STREAM_LEGACY, not 0 (per-thread default stream builds)
-        assert (("runtime", 0) in calls) is fell_back, (drv_answer, rt_answer)
-        # a runtime error is not left sticky for ORT's launch checks (cudaGetLastError clears it)
+        assert fake.ask(probe, drv_answer, rt_answer) is capturing, (drv_answer, rt_answer)
+        calls = fake.calls
+        assert calls[0] == ("driver", 1)  # CU_STREAM_LEGACY, not 0 (the per-thread stream in such builds)
+        assert (("runtime", 1) in calls) is fell_back, (drv_answer, rt_answer)  # cudaStreamLegacy, likewise
         assert (("runtime", "cudaGetLastError") in calls) is (fell_back and rt_answer[0] != 0)
-    # torch imported: its current stream is asked after the legacy stream (torch.cuda.graph() captures a
-    # non-blocking side stream), only once torch's CUDA is initialised; a CUDA error of torch's query is capturing
-    torch_answer = []
+    # a cuda-python without the driver module: the runtime alone, as before
+    monkeypatch.setattr(cudart.compat, "cudadrv", lambda: None)
+    probe = cudart.make_capture_probe()
+    assert fake.ask(probe, (0, 1), (906, 0)) is True
+    assert fake.calls == [("runtime", 1), ("runtime", "cudaGetLastError")]
+    # a driver module whose libcuda does not load (the query raises when the probe is built): the runtime alone
+    monkeypatch.setattr(cudart.compat, "cudadrv", lambda: fake.drv)
+    monkeypatch.setattr(fake.drv, "cuStreamIsCapturing", lambda s: (_ for _ in ()).throw(RuntimeError("no libcuda")))
+    probe = cudart.make_capture_probe()
+    assert fake.ask(probe, runtime=(0, 0)) is False and fake.calls == [("runtime", 1)]
+
+
+@pytest.mark.parametrize("torch_api", ["c-query", "public"])
+def test_capture_probe_asks_torch_after_the_legacy_stream(monkeypatch, torch_api):
+    """Torch's current stream (torch.cuda.graph() captures a non-blocking side stream no legacy-stream query sees)
+    is asked after the legacy stream, only once torch's CUDA is initialised, also when torch is imported after the
+    probe was built (and not while half imported); torch's capture error is "capturing" (inside a blocking-stream
+    capture its query of the legacy stream raises cudaErrorStreamCaptureImplicit), any other torch error is
+    raised as torch's. Torch's C query where torch has it, else the public API."""
+    import sys
+    from types import SimpleNamespace
+
+    from ortcapture._ort import cudart
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    probe = cudart.make_capture_probe()
+    said = []
 
     def torch_query():
-        calls.append(("torch",))
-        if isinstance(torch_answer[0], Exception):
-            raise torch_answer[0]
-        return torch_answer[0]
+        fake.calls.append(("torch",))
+        if isinstance(said[0], Exception):
+            raise said[0]
+        return said[0]
 
-    fake_cuda = SimpleNamespace(_initialized=False)
-    fake_torch = SimpleNamespace(cuda=fake_cuda, _C=SimpleNamespace(_cuda_isCurrentStreamCapturing=torch_query))
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)  # imported after the probe was built: still asked
-    answers.update(driver=(0, 0), runtime=(0, 0))
-    for initialised, said, capturing in ((False, True, False), (True, False, False), (True, True, True),
-                                         (True, RuntimeError("cudaErrorStreamCaptureImplicit"), True)):
-        fake_cuda._initialized = initialised
-        torch_answer[:] = [said]
-        calls.clear()
-        assert probe() is capturing, (initialised, said)
-        assert calls[0] == ("driver", 1) and (("torch",) in calls) is initialised
-    answers.update(driver=(906, 0))  # the legacy stream's answer first: torch is not asked
-    calls.clear()
-    assert probe() is True and ("torch",) not in calls
-    monkeypatch.delitem(sys.modules, "torch")
-    # a cuda-python without the driver module: the runtime alone, as before
-    monkeypatch.setattr(compat, "cudadrv", lambda: None)
-    probe = cudart.make_capture_probe()
-    answers.update(driver=(0, 1), runtime=(906, 0))
-    calls.clear()
-    assert probe() is True and calls == [("runtime", 0), ("runtime", "cudaGetLastError")]
-    # a driver module whose libcuda does not load (the query raises when the probe is built): the runtime alone
-    monkeypatch.setattr(compat, "cudadrv", lambda: drv)
-    monkeypatch.setattr(drv, "cuStreamIsCapturing", lambda s: (_ for _ in ()).throw(RuntimeError("no libcuda")))
-    probe = cudart.make_capture_probe()
-    answers.update(runtime=(0, 0))
-    calls.clear()
-    assert probe() is False and calls == [("runtime", 0)]
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace())  # half imported: no torch.cuda yet
+    assert fake.ask(probe) is False and fake.calls == [("driver", 1)]
+    if torch_api == "c-query":
+        cuda = SimpleNamespace(_initialized=False)
+        torch = SimpleNamespace(cuda=cuda, _C=SimpleNamespace(_cuda_isCurrentStreamCapturing=torch_query))
+    else:  # a torch without the C query: is_initialized() and is_current_stream_capturing()
+        cuda = SimpleNamespace(_initialized=False)
+        cuda.is_initialized = lambda: cuda._initialized
+        cuda.is_current_stream_capturing = torch_query
+        torch = SimpleNamespace(cuda=cuda, _C=SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    capture_error = RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing blocking "
+                                 "stream")
+    for initialised, answer, capturing in ((False, True, False), (True, False, False), (True, True, True),
+                                           (True, capture_error, True)):
+        cuda._initialized = initialised
+        said[:] = [answer]
+        assert fake.ask(probe, (0, 0), (0, 0)) is capturing, (initialised, answer)
+        assert fake.calls[0] == ("driver", 1) and (("torch",) in fake.calls) is initialised
+    cuda._initialized = True
+    said[:] = [False]
+    assert fake.ask(probe, (201, 0), (999, 0)) is False and fake.calls[-1] == ("torch",)  # no legacy answer
+    said[:] = [True]
+    assert fake.ask(probe, (201, 0), (999, 0)) is True  # ...torch still asked
+    assert fake.ask(probe, (906, 0)) is True and ("torch",) not in fake.calls  # the legacy stream's answer first
+    said[:] = [RuntimeError("CUDA error: an illegal memory access was encountered")]
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # not dressed up as a capture
+        fake.ask(probe, (0, 0), (0, 0))

@@ -167,7 +167,8 @@ class CaptureState:
         self.drain_every = WEBGPU_DRAIN_EVERY if info is not None and info.device_type == "webgpu" else 0
         self._tls = threading.local()
         #: ``probe() -> bool``: is a foreign CUDA graph capture in progress that a replay would break (a blocking
-        #: stream of the context, or torch's current stream; ORT PR #32081)? See make_capture_probe
+        #: stream of the calling thread's current CUDA context, or torch's current stream; ORT PR #32081)?
+        #: See make_capture_probe
         self.capture_probe = None
         if info is not None and info.device_type == "cuda":
             from ortcapture._ort.cudart import make_capture_probe
@@ -344,9 +345,9 @@ class CaptureState:
         if probe is not None and probe():
             raise CaptureError(
                 "a CUDA graph is being captured right now (torch's current stream, e.g. inside torch.cuda.graph(), "
-                "or a blocking CUDA stream of this device, in any thread): CUDA work of an ORT CUDA-graph session "
-                "now is unsafe (inside torch.cuda.graph() it ends in std::terminate, ORT PR #32081). Run the ORT "
-                "session outside the foreign capture."
+                "or a blocking CUDA stream of the calling thread's current device, in any thread): CUDA work of an "
+                "ORT CUDA-graph session now is unsafe (inside torch.cuda.graph() it ends in std::terminate, ORT PR "
+                "#32081). Run the ORT session outside the foreign capture."
             )
 
     # -- release / reset ------------------------------------------------------------------------------------

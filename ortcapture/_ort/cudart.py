@@ -154,20 +154,23 @@ def copy_and_zero_2d(dst_ptr: int, dpitch: int, src_ptr: int, width: int, height
 
 def make_capture_probe():
     """A cheap callable answering: is a CUDA graph being captured that a replay from the calling thread would break
-    or be recorded into? Built once per session; one query per call (two once torch's CUDA is initialised), no
-    synchronisation. Without torch and cuda-python it always answers False.
+    or be recorded into? Built once per session; no synchronisation; one driver query per call (and torch's once
+    torch's CUDA is initialised; the runtime's too where the driver has no answer). Without torch and cuda-python it
+    always answers False.
 
-    First the legacy default stream, through the driver API (``cuStreamIsCapturing(CU_STREAM_LEGACY)``: the
-    runtime's ``cudaStreamIsCapturing(0)`` asks the driver the same, and the driver does not leave the runtime's
-    sticky last error that ORT checks after its launches): it answers ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`` (906)
-    while any blocking stream of the context is being captured, in any capture mode and from any thread, without
-    invalidating that capture (any of 900-908 counts as capturing). Where the driver has no answer (a thread with no
-    current CUDA context yet, 201; an older cuda-python without the driver module; any other driver error) the
-    runtime's query instead, which makes the device's primary context current. Then torch's current stream, where
-    torch's CUDA is initialised: ``torch.cuda.graph()`` captures a non-blocking side stream that the legacy stream
-    query cannot see. A CUDA error from torch's query (``cudaErrorStreamCaptureImplicit`` while its current stream
-    is the legacy one) counts as capturing. ``benchmarks/bench_capture_probe.py`` shows every form's answer in each
-    situation (non-blocking streams other than torch's current one are seen by none of them).
+    First the legacy default stream of the calling thread's current CUDA context (the device it used last), through
+    the driver API (``cuStreamIsCapturing(CU_STREAM_LEGACY)``: the runtime's ``cudaStreamIsCapturing(
+    cudaStreamLegacy)`` asks the driver the same, and the driver does not leave the runtime's sticky last error that
+    ORT checks after its launches): it answers ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`` (906) while any blocking stream
+    of that context is being captured, in any capture mode and from any thread, without invalidating that capture
+    (any of 900-908 counts as capturing; a status other than none, e.g. an invalidated capture, too). Where the
+    driver has no answer (a thread with no current CUDA context yet, 201; an older cuda-python without the driver
+    module; any other driver error) the runtime's query of ``cudaStreamLegacy`` instead, which makes the current
+    device's primary context current. Then torch's current stream, where torch's CUDA is initialised:
+    ``torch.cuda.graph()`` captures a non-blocking side stream that the legacy stream query cannot see. A capture
+    error raised by torch's query (``cudaErrorStreamCaptureImplicit`` while its current stream is the legacy one)
+    counts as capturing; other torch errors propagate. ``benchmarks/bench_capture_probe.py`` shows every form's
+    answer in each situation (non-blocking streams other than torch's current one are seen by none of them).
     """
     import sys
 
@@ -176,19 +179,21 @@ def make_capture_probe():
     query = getattr(rt, "cudaStreamIsCapturing", None) if rt is not None else None
     dquery = getattr(drv, "cuStreamIsCapturing", None) if drv is not None and query is not None else None
     modules = sys.modules
-    legacy = 0  # the legacy default stream; as cuda-python's own handle type where it takes one (no conversion per call)
+    # the legacy default stream (cudaStreamLegacy, 1: 0 would be the per-thread stream where cuda-python is set to
+    # it); as cuda-python's own handle type where it takes one (no conversion per call)
+    legacy = int(getattr(rt, "cudaStreamLegacy", 1)) if rt is not None else 1
     dlegacy = None
     if query is not None:
         from ortcapture._ort.sync import CUDA_GATE
 
         with CUDA_GATE.shared:  # never beside another thread's capture
             try:
-                handle = rt.cudaStream_t(0)
+                handle = rt.cudaStream_t(legacy)
                 query(handle)
                 rt.cudaGetLastError()
                 legacy = handle
             except Exception:  # noqa: BLE001 - an older cuda-python: the int works everywhere
-                legacy = 0
+                pass
             if dquery is not None:
                 try:
                     dlegacy = drv.CUstream(int(drv.CU_STREAM_LEGACY))
@@ -238,8 +243,8 @@ def _torch_capture_query(torch):
         def public() -> bool:
             try:
                 return bool(cuda.is_initialized() and cuda.is_current_stream_capturing())
-            except RuntimeError:  # torch.AcceleratorError: its query failed inside a capture
-                return True
+            except RuntimeError as exc:
+                return _torch_capture_error(exc)
         return public
 
     def fast() -> bool:
@@ -247,10 +252,19 @@ def _torch_capture_query(torch):
             return False
         try:
             return bool(c_query())
-        except RuntimeError:  # torch.AcceleratorError: its query failed inside a capture
-            return True
+        except RuntimeError as exc:
+            return _torch_capture_error(exc)
 
     return fast
+
+
+def _torch_capture_error(exc: RuntimeError) -> bool:
+    """True for torch's error of a capture in progress (``torch.AcceleratorError`` of cudaErrorStreamCapture*:
+    "... depend on a capturing blocking stream", "operation not permitted when stream is capturing", "... during
+    capture"); any other error (e.g. a sticky illegal memory access) is raised again, as torch's own."""
+    if "captur" in str(exc).lower():
+        return True
+    raise exc
 
 
 # cudaErrorStreamCapture* (900-908): a capture in progress made the legacy stream query illegal
