@@ -236,7 +236,7 @@ def make_capture_probe():
 def _torch_capture_query(torch):
     """``torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()`` as one frame: torch's own C
     query where this torch has it (its two Python wrappers cost ~0.9 µs per replay on the H200 host), the public
-    API elsewhere; a CUDA error raised by torch's query counts as capturing."""
+    API elsewhere; a capture error raised by torch's query counts as capturing (:func:`_torch_capture_error`)."""
     cuda = torch.cuda
     c_query = getattr(getattr(torch, "_C", None), "_cuda_isCurrentStreamCapturing", None)
     if c_query is None or not isinstance(getattr(cuda, "_initialized", None), bool):
