@@ -23,6 +23,7 @@ for v in $versions; do
   once=""
   if [ $lint_done = 0 ]; then  # the architecture's contracts (once): layers, and no reaching into private members
     lint_done=1
+    echo "=== once: ruff, import contracts, a GPU user's venv without CUDA ==="
     if "$venv/bin/ruff" check ortcapture benchmarks; then summary+=("ruff: passed"); else status=1; summary+=("ruff: FAILED"); fi
     if "$venv/bin/lint-imports" .importlinter; then summary+=("import contracts: kept"); else status=1; summary+=("import contracts: BROKEN"); fi
     # once, not per ORT version: a GPU user's venv without CUDA (tests/test_gpu_nocuda.py) and the pip resolution
@@ -32,6 +33,7 @@ for v in $versions; do
   fi
   if [ $docs_done = 0 ] && [ "$venv" = "$root/.venv" ]; then  # the API reference (once: .venv has the docs extra)
     docs_done=1
+    echo "=== once: API reference and docstring coverage (tools/docs.sh) ==="
     if bash tools/docs.sh "$venv"; then summary+=("API reference and docstring coverage: passed"); else status=1; summary+=("API reference and docstring coverage: FAILED"); fi
   fi
   (
@@ -46,6 +48,7 @@ for v in $versions; do
     else
       export ORTCAPTURE_REQUIRE_SERVE=0
     fi
+    echo "=== onnxruntime $v: pytest ==="
     "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt"
   ) || status=1
   # pytest's own last line: "N passed, M skipped ... in T s" (or why it stopped)
