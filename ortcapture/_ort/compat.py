@@ -160,10 +160,10 @@ def has_cuda_python() -> bool:
     return cudart() is not None
 
 
-@functools.lru_cache(maxsize=None)
-def cudadrv():
-    """The cuda-python driver-API module (``cuda.bindings.driver`` or the older ``cuda.cuda``), or ``None``."""
-    for name in ("cuda.bindings.driver", "cuda.cuda"):
+def _first_module(*names: str):
+    """The first of ``names`` that imports (its parent package looked up first, so an absent cuda-python costs no
+    ImportError chain), or ``None``."""
+    for name in names:
         try:
             if importlib.util.find_spec(name.rsplit(".", 1)[0]) is None:
                 continue
@@ -171,19 +171,18 @@ def cudadrv():
         except ImportError:
             continue
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def cudadrv():
+    """The cuda-python driver-API module (``cuda.bindings.driver`` or the older ``cuda.cuda``), or ``None``."""
+    return _first_module("cuda.bindings.driver", "cuda.cuda")
 
 
 @functools.lru_cache(maxsize=None)
 def cudart():
     """The cuda-python runtime module, or ``None`` when cuda-python is not installed."""
-    for name in ("cuda.bindings.runtime", "cuda.cudart"):
-        try:
-            if importlib.util.find_spec(name.rsplit(".", 1)[0]) is None:
-                continue
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return None
+    return _first_module("cuda.bindings.runtime", "cuda.cudart")
 
 
 def require(feature: str, available: bool, since: str) -> None:
