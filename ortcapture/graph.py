@@ -279,7 +279,11 @@ class CapturedGraph:
         Args:
             feeds: ``{input name: value}`` (numpy array, OrtValue on any device, DLPack tensor), each exactly the
                 shape and dtype of its fixed input; ``None`` or ``{}``: replay on the inputs as they are.
-                A numpy feed that is this graph's own :attr:`host_inputs` array is sent without a host copy.
+                A numpy feed that is this graph's own :attr:`host_inputs` array is sent without a host copy. A CUDA
+                ``OrtValue`` fed again (same object, same device) is copied on the session's compute stream
+                (:attr:`ortcapture.InferenceSession.compute_stream`) ahead of the replay, ordered after the work
+                queued on the calling thread's legacy stream, with no host wait (ORT's synchronous copy where the
+                stream is not known or the calling thread's current device is another).
             copy_outputs: True: new host numpy arrays; False: the fixed output buffers as :class:`ReplayOutput`;
                 ``"pinned"``: the graph's own :attr:`host_outputs` arrays (page-locked on CUDA), no copy — they are
                 overwritten by this graph's next replay that returns host outputs, so copy what you keep.
@@ -890,7 +894,9 @@ class CapturedGraph:
         new binding or record: compaction, ``set_providers`` for an uncaptured graph, a re-capture; new buffers).
         The replay then runs the plan: the feed copies (:class:`ortcapture.transfer.FeedTargets`: sources checked
         before are copied straight through ORT), ORT's one call with the count (``CaptureState.replayer``), the
-        outputs (host staging where the device is CUDA with cuda-python). What stays per call, because it can
+        outputs (host staging where the device is CUDA with cuda-python), and — where the session's CUDA compute
+        stream is known (``CaptureState.compute_stream``) — remembered device-to-device feeds queued on it ahead of
+        the replay instead of a synchronous copy each. What stays per call, because it can
         change between any two calls: the foreign-capture probe (another library may begin a capture at any
         time), the guard (gate and session lock: ~0.3 µs uncontended), the released flag, the calling thread's
         graph (a thread may be new), host-read input values, and each feed's identity and attributes."""
@@ -912,7 +918,10 @@ class CapturedGraph:
                             and io_bytes >= _staging.PINNED_AUTO_MIN)
         ref = weakref.ref(self)
         factory = (lambda: ref()._staging_now()) if self._stage_auto else None  # noqa: SLF001 - no graph <-> targets cycle
-        self._targets = transfer.FeedTargets(self.inputs, gate, st, factory)
+        # the session's CUDA compute stream where it is known (ortcapture's own): remembered device-to-device feeds
+        # are then queued on it ahead of the replay instead of waiting for each copy
+        stream = cs.compute_stream() if gate and where == "cuda" and cs.compute_stream is not None else None
+        self._targets = transfer.FeedTargets(self.inputs, gate, st, factory, stream)
         # ReplayOutput's fields known ahead: (buffer, its C OrtValue, its session)
         self._wrap_list = [(v, compat.c_value(v), getattr(v, "_session", None)) for v in self._output_list]
         self._replay = cs.replayer(self._binding, self._run_options, self._record) if self._record is not None \

@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 import onnxruntime as ort
 
 from ortcapture._memory import compact as _compact
-from ortcapture._ort import compat, cuda_probe
+from ortcapture._ort import compat, compute_stream, cuda_probe
+from ortcapture._ort.compute_stream import SessionStreams
 from ortcapture._verify import inspect as _inspect
 from ortcapture._memory import ledger as _ledger
 from ortcapture._ort import specialize as shapes
@@ -125,6 +126,7 @@ class InferenceSession(OrtInferenceSession):
         self._oc_lock = threading.RLock()
         self._oc_refusal: str | None = None
         self._oc_providers = (providers, provider_options)  # what the C session was last built with
+        self._oc_streams = SessionStreams(self)  # the CUDA EP's compute stream, ortcapture's own (see there)
         requested = requested_capture(providers, provider_options, sess_options)
         # the model as it is now: every later build (siblings, references, rebuilds) starts from it (ortcapture._ort.model)
         source = path_or_bytes if isinstance(path_or_bytes, ModelSource) else \
@@ -237,8 +239,42 @@ class InferenceSession(OrtInferenceSession):
         self._oc_state.constant_outputs = constant_outputs_of(self._oc_args[0], static_sig)
         self._oc_state.rebuild_session = self._oc_rebuild_c_session
         self._oc_state.check_model = self._oc_check_model
+        self._oc_state.compute_stream = self._oc_compute_stream
         if old is not None:  # set_providers: the compaction threshold stays
             self._oc_state.ledger.threshold = old.ledger.threshold
+
+    def _create_inference_session(self, providers, provider_options, *args, **kwargs):
+        """ORT's C session build (the constructor, ``set_providers`` and every rebuild call it), with a compute
+        stream of ortcapture's own for a CUDA-graph session (:mod:`ortcapture._ort.compute_stream`)."""
+        streams = self.__dict__.get("_oc_streams")
+        if streams is not None:
+            providers, provider_options = streams.providers_for(providers, provider_options)
+        return OrtInferenceSession._create_inference_session(  # noqa: SLF001 - ORT's one C-session build
+            self, providers, provider_options, *args, **kwargs)
+
+    def get_provider_options(self):
+        """ORT's ``get_provider_options()``, as the caller configured the session: where the CUDA EP runs on
+        ortcapture's own compute stream, its ``user_compute_stream`` reads ``"0"`` as without ortcapture (see
+        :attr:`compute_stream`)."""
+        streams = self.__dict__.get("_oc_streams")
+        reported = OrtInferenceSession.get_provider_options(self)
+        return compute_stream.hide(reported, streams.given) if streams is not None else reported
+
+    @property
+    def compute_stream(self) -> int | None:
+        """The CUDA stream (``cudaStream_t`` as an int) on which ORT's CUDA EP runs this session, where it is known:
+        ortcapture's own for a CUDA-graph session (created through cuda-python, non-blocking, as ORT's own would be;
+        ``ORTCAPTURE_COMPUTE_STREAM=0``: none) or the caller's ``user_compute_stream``; ``None`` otherwise (ORT's
+        own stream; another EP). ORT synchronises it at the end of every run. A captured graph queues its
+        device-to-device feed copies on it instead of waiting for each (``CapturedGraph.run``)."""
+        return compute_stream.stream_of(OrtInferenceSession.get_provider_options(self))
+
+    def _oc_compute_stream(self):
+        """``(stream, event)`` for a captured graph's feed copies, or ``None``: only where the CUDA EP is the one GPU
+        EP of the session (a TensorRT EP beside it would run on a stream of its own)."""
+        if set(self.get_providers()) - {"CUDAExecutionProvider", "CPUExecutionProvider"}:
+            return None
+        return self._oc_streams.current(OrtInferenceSession.get_provider_options(self))
 
     def _oc_rebuild_c_session(self) -> None:
         """ORT's re-creation of the C session (``compact()``), from the model as it was loaded (ORT's

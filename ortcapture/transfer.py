@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture._ort import compat
+from ortcapture._ort import compat, compute_stream
 from ortcapture._ort.compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
 from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, WEBGPU_LOCK, settle
 from ortcapture._ort.values import ONNX_TO_NP, STORAGE, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
@@ -414,12 +414,16 @@ class FeedTargets:
         staging: the graph's :class:`HostStaging` for host (numpy) sources, or ``None``.
     """
 
-    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "_last")
+    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "stream", "_last")
 
     def __init__(self, buffers: Mapping[str, OrtValue], gate_held: bool = False, staging=None,
-                 make_staging=None) -> None:
+                 make_staging=None, stream=None) -> None:
         self.buffers = buffers
         self.gate_held = bool(gate_held)
+        #: ``(stream, event)``: the session's CUDA compute stream and an event of its device (device-to-device
+        #: copies of remembered sources are then queued on it ahead of the replay, with no host wait:
+        #: :func:`ortcapture._ort.compute_stream.async_copier`), or None
+        self.stream = stream if self.gate_held else None
         self.staging = staging
         #: ``() -> HostStaging``: makes the staging on the first numpy feed (graphs with pinned staging), or None
         self.make_staging = make_staging
@@ -495,7 +499,7 @@ class FeedTargets:
             staging.upload(host)
 
     def _remember(self, name: str, dst: OrtValue, src: Any) -> None:
-        fn = _direct_copier(dst, src, self.gate_held)
+        fn = _direct_copier(dst, src, self.gate_held, self.stream)
         if fn is None:
             self._last.pop(name, None)
             return
@@ -505,10 +509,11 @@ class FeedTargets:
             self._last.pop(name, None)
 
 
-def _direct_copier(dst: OrtValue, src: Any, gate_held: bool):
+def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None):
     """``copy(src)`` into ``dst`` for :class:`FeedTargets` to use next time without checking ``src`` again, or
     ``None`` where it must be checked every time (see there). Called after :func:`update_inplace` accepted the pair.
-    The caller holding the CUDA gate: ORT's ``dst.update_inplace`` itself."""
+    The caller holding the CUDA gate: ORT's ``dst.update_inplace`` itself, or — ``stream`` given, both on one
+    device — the copy queued on the session's compute stream ahead of the replay (ORT's copy where that fails)."""
     if type(src) is not _ORTVALUE:
         return None
     sm = getattr(src, "_ortcapture_meta", None)
@@ -516,6 +521,9 @@ def _direct_copier(dst: OrtValue, src: Any, gate_held: bool):
     if sm is None or dm is None or sm.dtype is None or sm.dtype != dm.dtype or sm.shape != dm.shape:
         return None
     if _fast_pair(sm, dm, src):
+        if gate_held and stream is not None and sm.device_id == dm.device_id and dm.nbytes:
+            return compute_stream.async_copier(dm.span[0], sm.span[0], dm.nbytes, stream[0], stream[1],
+                                               dst.update_inplace)
         if gate_held:
             return dst.update_inplace
 

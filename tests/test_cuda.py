@@ -373,3 +373,109 @@ def test_bf16_model_captures_from_numpy_and_torch_sources(cuda):
         want = (t.float() * 2 + 1).to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
         np.testing.assert_array_equal(y.view(np.uint16), want)
         assert g.replays == 5
+
+
+def _queued_copier(g, name):
+    """The remembered copy of ``name``'s last device-to-device feed, and whether it is queued on the stream."""
+    fn = g._targets._last[name][1]
+    return fn, "async_copier" in getattr(fn, "__qualname__", "")
+
+
+def test_cuda_graph_session_runs_on_a_compute_stream_of_its_own(cuda):
+    """A CUDA-graph session gets ortcapture's own compute stream (ORT's user_compute_stream; hidden from
+    get_provider_options as the caller configured it), and a captured graph's repeated device-to-device feeds are
+    queued on it ahead of the replay: every replay sees its own source's new contents, one input or several."""
+    import onnxruntime as ort
+
+    from ortcapture._ort.compat import OrtInferenceSession
+
+    sess = cuda.session(tiny.affine_model((1, 64)))
+    assert sess.compute_stream is not None
+    assert OrtInferenceSession.get_provider_options(sess)["CUDAExecutionProvider"]["user_compute_stream"] == str(
+        sess.compute_stream)
+    assert sess.get_provider_options()["CUDAExecutionProvider"]["user_compute_stream"] == "0"
+    raw = ort.InferenceSession(tiny.affine_model((1, 64)), **cuda.session_args(True))  # the same options, raw ORT
+    assert sess.get_provider_options() == raw.get_provider_options()
+    del raw
+    g = sess.capture({"X": np.zeros((1, 64), np.float32)})
+    rng = np.random.default_rng(1)
+    srcs = [sess.allocate((1, 64), np.float32) for _ in range(2)]
+    for i in range(40):
+        x = rng.random((1, 64), dtype=np.float32)
+        ortcapture.update_inplace(srcs[i & 1], x)
+        np.testing.assert_array_equal(g.run({"X": srcs[i & 1]})[0], x * 2 + 1)
+    assert _queued_copier(g, "X")[1]
+    sess2 = cuda.session(tiny.add_model((2, 4)))
+    g2 = sess2.capture({"A": np.zeros((2, 4), np.float32), "B": np.zeros((2, 4), np.float32)})
+    a = ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32), "cuda", 0)
+    b = ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32), "cuda", 0)
+    for i in range(10):
+        ortcapture.update_inplace(a, np.full((2, 4), i, np.float32))
+        ortcapture.update_inplace(b, np.full((2, 4), 10 * i, np.float32))
+        np.testing.assert_array_equal(g2.run({"A": a, "B": b})[0], np.full((2, 4), 11 * i))
+    assert _queued_copier(g2, "A")[1] and _queued_copier(g2, "B")[1]
+    sess.set_providers(["CUDAExecutionProvider"], [{"enable_cuda_graph": "1"}])
+    assert sess.compute_stream is not None
+    g = sess.capture({"X": np.zeros((1, 64), np.float32)})
+    for i in range(4):
+        ortcapture.update_inplace(srcs[0], np.full((1, 64), i, np.float32))
+        np.testing.assert_array_equal(g.run({"X": srcs[0]})[0], np.full((1, 64), 2 * i + 1))
+
+
+def test_queued_feed_copy_waits_for_work_on_the_legacy_stream(cuda):
+    """The queued copy is ordered after work on the calling thread's legacy default stream, as ORT's synchronous
+    update_inplace is: a source written by torch on its default stream behind a long kernel is seen."""
+    torch = pytest.importorskip("torch")
+    sess = cuda.session(tiny.affine_model((1, 64)))
+    g = sess.capture({"X": np.zeros((1, 64), np.float32)})
+    src = sess.allocate((1, 64), np.float32)
+    ortcapture.update_inplace(src, np.zeros((1, 64), np.float32))
+    g.run({"X": src})
+    g.run({"X": src})
+    assert _queued_copier(g, "X")[1]
+    t = torch.from_dlpack(src)
+    assert torch.cuda.current_stream().cuda_stream == 0  # torch's default stream: the legacy one
+    for v in (3.0, 5.0, 7.0):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU work on the legacy stream, then the write behind it
+        t.fill_(v)
+        np.testing.assert_array_equal(g.run({"X": src})[0], np.full((1, 64), 2 * v + 1))
+
+
+def test_callers_compute_stream_is_used_and_reported(cuda, monkeypatch):
+    """A user_compute_stream the caller gives is ORT's stream: reported as given, and the one feed copies queue
+    on; ORTCAPTURE_COMPUTE_STREAM=0 (compute_stream.ENABLED) leaves ORT its own stream, copies synchronous."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    import onnxruntime as ort
+
+    from ortcapture._ort import compute_stream, cudart
+
+    stream = cudart.new_stream(0)
+    try:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        opts = {"enable_cuda_graph": "1", "device_id": "0", "user_compute_stream": str(int(stream))}
+        sess = ortcapture.InferenceSession(tiny.affine_model((1, 64)), so,
+                                           providers=[("CUDAExecutionProvider", opts)])
+        assert sess.compute_stream == int(stream)
+        assert sess.get_provider_options()["CUDAExecutionProvider"]["user_compute_stream"] == str(int(stream))
+        g = sess.capture({"X": np.zeros((1, 64), np.float32)})
+        src = sess.allocate((1, 64), np.float32)
+        for v in (1.0, 2.0, 3.0):
+            ortcapture.update_inplace(src, np.full((1, 64), v, np.float32))
+            np.testing.assert_array_equal(g.run({"X": src})[0], np.full((1, 64), 2 * v + 1))
+        assert _queued_copier(g, "X")[1]
+        del g, sess
+        monkeypatch.setattr(compute_stream, "ENABLED", False)
+        sess = cuda.session(tiny.affine_model((1, 64)))
+        assert sess.compute_stream is None
+        g = sess.capture({"X": np.zeros((1, 64), np.float32)})
+        for v in (1.0, 2.0):
+            ortcapture.update_inplace(src, np.full((1, 64), v, np.float32))
+            np.testing.assert_array_equal(g.run({"X": src})[0], np.full((1, 64), 2 * v + 1))
+        assert not _queued_copier(g, "X")[1]
+        del g, sess
+    finally:
+        import gc
+
+        gc.collect()
+        cudart.release_later("stream", stream)

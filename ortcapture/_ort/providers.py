@@ -63,7 +63,9 @@ def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _normalize(providers, provider_options) -> list[tuple[str, Mapping[str, Any]]]:
+def normalize(providers, provider_options) -> list[tuple[str, Mapping[str, Any]]]:
+    """``[(provider name, options dict)]`` from ORT's two spellings — ``providers=[name or (name, options)]`` and
+    ``provider_options=[options]`` beside names; each options dict a copy (``{}`` where none was given)."""
     out: list[tuple[str, Mapping[str, Any]]] = []
     for i, p in enumerate(providers or []):
         if isinstance(p, (tuple, list)):
@@ -81,7 +83,7 @@ CUDA_EPS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider"})
 
 def names_cuda_ep(providers) -> bool:
     """Whether the ``providers=[...]`` argument of ``InferenceSession`` names the CUDA or TensorRT EP."""
-    return any(name in CUDA_EPS for name, _ in _normalize(providers, None))
+    return any(name in CUDA_EPS for name, _ in normalize(providers, None))
 
 
 def _config_entry(sess_options: ort.SessionOptions | None, key: str) -> str | None:
@@ -104,7 +106,7 @@ def requested_capture(
     Looks at ``providers``/``provider_options`` (as ``InferenceSession`` takes them) and, for plugin EPs added with
     ``SessionOptions.add_provider_for_devices``, at the session config entries ``ep.<ep name lower>.<option>``.
     """
-    for name, opts in _normalize(providers, provider_options):
+    for name, opts in normalize(providers, provider_options):
         ep = CAPTURE_EPS.get(name)
         if ep is not None and _truthy(opts.get(ep.option, "0")):
             return CaptureInfo(ep, device_ordinal(opts.get(ep.device_id_option, 0), ep.device_id_option))
