@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ortcapture._memory import compact as _compact
-from ortcapture._ort import compat
+from ortcapture._ort import compat, compute_stream
 from ortcapture import _staging, transfer
 from ortcapture._core.binding import IOBinding
 from ortcapture._ort.compat import OrtValue
@@ -431,6 +431,9 @@ class CapturedGraph:
                         return self._host_outputs(copy_outputs, out)
                     finally:
                         self._generation += 1
+            except BaseException:
+                self._settle_queued()  # a feed copy queued ahead of a replay that failed: not left in flight
+                raise
             finally:
                 if lock_only:
                     lock.release()
@@ -669,7 +672,25 @@ class CapturedGraph:
                     g._many = None  # noqa: SLF001
             cs.guard.__exit__(None, None, None)
 
+    def _settle_queued(self) -> None:
+        """After a failed or interrupted replay: wait for the feed copies queued on the session's compute stream
+        (``FeedTargets.stream``), so none stays in flight while its source is reused; never raises."""
+        targets = getattr(self, "_targets", None)
+        stream = getattr(targets, "stream", None)
+        if stream is not None:
+            compute_stream.settle(stream[0])
+
     def _pipeline(self, it, graphs, stagings, mode, ex, probe):
+        """run_many's steps (:meth:`_pipeline_steps`); where they fail, the feed copies queued on each graph's
+        compute stream are waited for before the error propagates."""
+        try:
+            yield from self._pipeline_steps(it, graphs, stagings, mode, ex, probe)
+        except BaseException:
+            for g in graphs:
+                g._settle_queued()  # noqa: SLF001 - run_many's own graphs
+            raise
+
+    def _pipeline_steps(self, it, graphs, stagings, mode, ex, probe):
         """run_many's steps, the guard held (see there). Step k: wait for request k's copies; hand request k+1 to
         the helper (page-locked fill, and its upload into the other buffer set with copies >= 2; request k-1's
         outputs copied out); replay k; read k's outputs back; yield k-1's (``"pinned"``: k's)."""

@@ -247,10 +247,13 @@ class InferenceSession(OrtInferenceSession):
         """ORT's C session build (the constructor, ``set_providers`` and every rebuild call it), with a compute
         stream of ortcapture's own for a CUDA-graph session (:mod:`ortcapture._ort.compute_stream`)."""
         streams = self.__dict__.get("_oc_streams")
-        if streams is not None:
-            providers, provider_options = streams.providers_for(providers, provider_options)
-        return OrtInferenceSession._create_inference_session(  # noqa: SLF001 - ORT's one C-session build
-            self, providers, provider_options, *args, **kwargs)
+        if streams is None:
+            return compat.create_inference_session(self, providers, provider_options, *args, **kwargs)
+        providers, provider_options, stream = streams.providers_for(providers, provider_options)
+        streams.given = None  # until ORT has built it
+        result = compat.create_inference_session(self, providers, provider_options, *args, **kwargs)
+        streams.built(compat.c_session(self), stream)
+        return result
 
     def get_provider_options(self):
         """ORT's ``get_provider_options()``, as the caller configured the session: where the CUDA EP runs on
@@ -262,17 +265,20 @@ class InferenceSession(OrtInferenceSession):
 
     @property
     def compute_stream(self) -> int | None:
-        """The CUDA stream (``cudaStream_t`` as an int) on which ORT's CUDA EP runs this session, where it is known:
-        ortcapture's own for a CUDA-graph session (created through cuda-python, non-blocking, as ORT's own would be;
-        ``ORTCAPTURE_COMPUTE_STREAM=0``: none) or the caller's ``user_compute_stream``; ``None`` otherwise (ORT's
-        own stream; another EP). ORT synchronises it at the end of every run. A captured graph queues its
+        """The CUDA stream (``cudaStream_t`` as an int) on which ORT's CUDA EP runs this session, where it is known
+        and the CUDA EP is the session's one EP with a stream: ortcapture's own for a CUDA-graph session (created
+        through cuda-python, non-blocking, as ORT's own would be; ``ORTCAPTURE_COMPUTE_STREAM=0``: none) or the
+        caller's ``user_compute_stream``; ``None`` otherwise (ORT's own stream; TensorRT or another GPU EP beside
+        it; no C session). ORT synchronises it at the end of every run. A captured graph queues its
         device-to-device feed copies on it instead of waiting for each (``CapturedGraph.run``)."""
+        providers = self.get_providers() or []
+        if not compute_stream.single_cuda_ep(providers):
+            return None
         return compute_stream.stream_of(OrtInferenceSession.get_provider_options(self))
 
     def _oc_compute_stream(self):
-        """``(stream, event)`` for a captured graph's feed copies, or ``None``: only where the CUDA EP is the one GPU
-        EP of the session (a TensorRT EP beside it would run on a stream of its own)."""
-        if set(self.get_providers()) - {"CUDAExecutionProvider", "CPUExecutionProvider"}:
+        """``(stream, event, device)`` for a captured graph's feed copies, or ``None`` (see :attr:`compute_stream`)."""
+        if self.compute_stream is None:
             return None
         return self._oc_streams.current(OrtInferenceSession.get_provider_options(self))
 

@@ -414,20 +414,21 @@ class FeedTargets:
         staging: the graph's :class:`HostStaging` for host (numpy) sources, or ``None``.
     """
 
-    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "stream", "_last")
+    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "stream", "_last", "_prev")
 
     def __init__(self, buffers: Mapping[str, OrtValue], gate_held: bool = False, staging=None,
                  make_staging=None, stream=None) -> None:
         self.buffers = buffers
         self.gate_held = bool(gate_held)
-        #: ``(stream, event)``: the session's CUDA compute stream and an event of its device (device-to-device
-        #: copies of remembered sources are then queued on it ahead of the replay, with no host wait:
-        #: :func:`ortcapture._ort.compute_stream.async_copier`), or None
+        #: ``(stream, event, device)``: the session's CUDA compute stream, an event of its device and the device
+        #: ordinal (device-to-device copies of remembered sources on that device are then queued on it ahead of
+        #: the replay, with no host wait: :func:`ortcapture._ort.compute_stream.async_copier`), or None
         self.stream = stream if self.gate_held else None
         self.staging = staging
         #: ``() -> HostStaging``: makes the staging on the first numpy feed (graphs with pinned staging), or None
         self.make_staging = make_staging
         self._last: dict[str, tuple] = {}  # name -> (weakref to the source, copy(src) into the buffer)
+        self._prev: dict[str, tuple] = {}  # name -> the one remembered before (double-buffered feeds alternate)
 
     def __getitem__(self, name: str) -> OrtValue:
         return self.buffers[name]
@@ -442,11 +443,10 @@ class FeedTargets:
         """:func:`copy_feeds` into these buffers (same checks, same errors; every feed checked before any copy)."""
         if type(feeds) is not dict and not isinstance(feeds, Mapping):
             raise TransferError(f"feeds must be a mapping {{input name: value}}, got {type(feeds).__name__}")
-        last = self._last
         if len(feeds) == 1:
             for name, value in feeds.items():
-                hit = last.get(name)
-                if hit is not None and hit[0]() is value and COPY_BACKEND is None:
+                hit = self._hit(name, value)
+                if hit is not None:
                     if UNSETTLED:
                         settle()
                     hit[1](value)
@@ -468,8 +468,8 @@ class FeedTargets:
                     raise
                 self._remember(name, dst, value)
             return
-        hits = [last.get(name) for name in feeds]
-        if COPY_BACKEND is None and all(h is not None and h[0]() is v for h, v in zip(hits, feeds.values())):
+        hits = [self._hit(name, v) for name, v in feeds.items()]
+        if all(h is not None for h in hits):
             if UNSETTLED:
                 settle()
             for h, v in zip(hits, feeds.values()):
@@ -498,22 +498,43 @@ class FeedTargets:
         if host:
             staging.upload(host)
 
+    def _hit(self, name: str, value: Any) -> tuple | None:
+        """The remembered ``(weakref, copy)`` of ``value`` for input ``name`` — the last source or the one before
+        (made the last again) — or ``None`` (not seen, or ``COPY_BACKEND`` set: every copy checked)."""
+        if COPY_BACKEND is not None:
+            return None
+        hit = self._last.get(name)
+        if hit is not None and hit[0]() is value:
+            return hit
+        prev = self._prev.get(name)
+        if prev is not None and prev[0]() is value:
+            self._last[name] = prev
+            if hit is None:
+                self._prev.pop(name, None)
+            else:
+                self._prev[name] = hit
+            return prev
+        return None
+
     def _remember(self, name: str, dst: OrtValue, src: Any) -> None:
         fn = _direct_copier(dst, src, self.gate_held, self.stream)
+        old = self._last.pop(name, None)
+        if old is not None and old[0]() is not None:
+            self._prev[name] = old
         if fn is None:
-            self._last.pop(name, None)
             return
         try:
             self._last[name] = (weakref.ref(src), fn)
         except TypeError:
-            self._last.pop(name, None)
+            pass
 
 
 def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None):
     """``copy(src)`` into ``dst`` for :class:`FeedTargets` to use next time without checking ``src`` again, or
     ``None`` where it must be checked every time (see there). Called after :func:`update_inplace` accepted the pair.
-    The caller holding the CUDA gate: ORT's ``dst.update_inplace`` itself, or — ``stream`` given, both on one
-    device — the copy queued on the session's compute stream ahead of the replay (ORT's copy where that fails)."""
+    The caller holding the CUDA gate: ORT's ``dst.update_inplace`` itself, or — ``stream`` given, both on the
+    stream's device — the copy queued on the session's compute stream ahead of the replay (ORT's copy where that
+    fails)."""
     if type(src) is not _ORTVALUE:
         return None
     sm = getattr(src, "_ortcapture_meta", None)
@@ -521,7 +542,7 @@ def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None):
     if sm is None or dm is None or sm.dtype is None or sm.dtype != dm.dtype or sm.shape != dm.shape:
         return None
     if _fast_pair(sm, dm, src):
-        if gate_held and stream is not None and sm.device_id == dm.device_id and dm.nbytes:
+        if gate_held and stream is not None and sm.device_id == dm.device_id == stream[2] and dm.nbytes:
             return compute_stream.async_copier(dm.span[0], sm.span[0], dm.nbytes, stream[0], stream[1],
                                                dst.update_inplace)
         if gate_held:

@@ -375,24 +375,29 @@ def test_bf16_model_captures_from_numpy_and_torch_sources(cuda):
         assert g.replays == 5
 
 
-def _queued_copier(g, name):
-    """The remembered copy of ``name``'s last device-to-device feed, and whether it is queued on the stream."""
-    fn = g._targets._last[name][1]
+def _queued_copier(g, name, which="_last"):
+    """The remembered copy of ``name``'s last (``_prev``: the one before) device-to-device feed, and whether it is
+    queued on the compute stream."""
+    fn = getattr(g._targets, which)[name][1]
     return fn, "async_copier" in getattr(fn, "__qualname__", "")
 
 
 def test_cuda_graph_session_runs_on_a_compute_stream_of_its_own(cuda):
     """A CUDA-graph session gets ortcapture's own compute stream (ORT's user_compute_stream; hidden from
     get_provider_options as the caller configured it), and a captured graph's repeated device-to-device feeds are
-    queued on it ahead of the replay: every replay sees its own source's new contents, one input or several."""
+    queued on it ahead of the replay — one source, two in turn, two inputs, after set_providers and compact(): every
+    replay sees its source's new contents, and no queued copy fell back to ORT's synchronous one."""
     import onnxruntime as ort
 
+    from ortcapture._ort import compute_stream
     from ortcapture._ort.compat import OrtInferenceSession
 
+    fallbacks = compute_stream.FALLBACKS[0]
     sess = cuda.session(tiny.affine_model((1, 64)))
-    assert sess.compute_stream is not None
+    stream = sess.compute_stream
+    assert stream is not None
     assert OrtInferenceSession.get_provider_options(sess)["CUDAExecutionProvider"]["user_compute_stream"] == str(
-        sess.compute_stream)
+        stream)
     assert sess.get_provider_options()["CUDAExecutionProvider"]["user_compute_stream"] == "0"
     raw = ort.InferenceSession(tiny.affine_model((1, 64)), **cuda.session_args(True))  # the same options, raw ORT
     assert sess.get_provider_options() == raw.get_provider_options()
@@ -400,11 +405,18 @@ def test_cuda_graph_session_runs_on_a_compute_stream_of_its_own(cuda):
     g = sess.capture({"X": np.zeros((1, 64), np.float32)})
     rng = np.random.default_rng(1)
     srcs = [sess.allocate((1, 64), np.float32) for _ in range(2)]
-    for i in range(40):
-        x = rng.random((1, 64), dtype=np.float32)
-        ortcapture.update_inplace(srcs[i & 1], x)
-        np.testing.assert_array_equal(g.run({"X": srcs[i & 1]})[0], x * 2 + 1)
+
+    def check(graph, n, pick):
+        for i in range(n):
+            x = rng.random((1, 64), dtype=np.float32)
+            src = srcs[pick(i)]
+            ortcapture.update_inplace(src, x)
+            np.testing.assert_array_equal(graph.run({"X": src})[0], x * 2 + 1)
+
+    check(g, 20, lambda i: 0)  # one source, new contents each call
     assert _queued_copier(g, "X")[1]
+    check(g, 20, lambda i: i & 1)  # double-buffered: both remembered, both queued
+    assert _queued_copier(g, "X")[1] and _queued_copier(g, "X", "_prev")[1]
     sess2 = cuda.session(tiny.add_model((2, 4)))
     g2 = sess2.capture({"A": np.zeros((2, 4), np.float32), "B": np.zeros((2, 4), np.float32)})
     a = ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.float32), "cuda", 0)
@@ -415,17 +427,25 @@ def test_cuda_graph_session_runs_on_a_compute_stream_of_its_own(cuda):
         np.testing.assert_array_equal(g2.run({"A": a, "B": b})[0], np.full((2, 4), 11 * i))
     assert _queued_copier(g2, "A")[1] and _queued_copier(g2, "B")[1]
     sess.set_providers(["CUDAExecutionProvider"], [{"enable_cuda_graph": "1"}])
-    assert sess.compute_stream is not None
+    assert sess.compute_stream == stream  # the same stream for the new C session
     g = sess.capture({"X": np.zeros((1, 64), np.float32)})
-    for i in range(4):
-        ortcapture.update_inplace(srcs[0], np.full((1, 64), i, np.float32))
-        np.testing.assert_array_equal(g.run({"X": srcs[0]})[0], np.full((1, 64), 2 * i + 1))
+    check(g, 6, lambda i: 0)
+    assert _queued_copier(g, "X")[1]
+    sess.compact()  # rebuilds the C session through the same build
+    assert sess.compute_stream == stream
+    g = sess.capture({"X": np.zeros((1, 64), np.float32)})
+    check(g, 6, lambda i: 0)
+    assert _queued_copier(g, "X")[1]
+    assert compute_stream.FALLBACKS[0] == fallbacks
 
 
 def test_queued_feed_copy_waits_for_work_on_the_legacy_stream(cuda):
     """The queued copy is ordered after work on the calling thread's legacy default stream, as ORT's synchronous
-    update_inplace is: a source written by torch on its default stream behind a long kernel is seen."""
-    torch = pytest.importorskip("torch")
+    update_inplace is: a source written on the legacy stream behind ~1 GiB of device copies queued there (cuda-python
+    only) is seen by the replay; so is one written by torch on its default stream behind a long kernel."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    from cuda.bindings import runtime as rt
+
     sess = cuda.session(tiny.affine_model((1, 64)))
     g = sess.capture({"X": np.zeros((1, 64), np.float32)})
     src = sess.allocate((1, 64), np.float32)
@@ -433,6 +453,22 @@ def test_queued_feed_copy_waits_for_work_on_the_legacy_stream(cuda):
     g.run({"X": src})
     g.run({"X": src})
     assert _queued_copier(g, "X")[1]
+    legacy = rt.cudaStream_t(int(rt.cudaStreamLegacy))
+    big = 1 << 30
+    err, p = rt.cudaMalloc(2 * big)
+    assert not int(err)
+    try:
+        for byte in (0x3F, 0x40, 0x41):
+            (err,) = rt.cudaMemcpyAsync(p, p + big, big, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, legacy)
+            assert not int(err)
+            (err,) = rt.cudaMemsetAsync(src.data_ptr(), byte, 64 * 4, legacy)  # behind the 1 GiB copy
+            assert not int(err)
+            x = np.frombuffer(bytes([byte]) * 256, np.float32).reshape(1, 64)
+            np.testing.assert_array_equal(g.run({"X": src})[0], x * 2 + 1)
+    finally:
+        rt.cudaDeviceSynchronize()
+        rt.cudaFree(p)
+    torch = pytest.importorskip("torch")
     t = torch.from_dlpack(src)
     assert torch.cuda.current_stream().cuda_stream == 0  # torch's default stream: the legacy one
     for v in (3.0, 5.0, 7.0):

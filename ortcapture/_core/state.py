@@ -190,8 +190,9 @@ class CaptureState:
         #: ``(what) -> None``: raise CaptureError when the model's external data changed since construction (set by
         #: the session; ortcapture._ort.model)
         self.check_model = None
-        #: ``() -> (stream, event) | None``: the CUDA EP's compute stream (an int) and an event of its device, for
-        #: feed copies queued ahead of a replay (ortcapture._ort.compute_stream); set by the session
+        #: ``() -> (stream, event, device) | None``: the CUDA EP's compute stream (an int), an event of its device
+        #: and the device ordinal, for feed copies queued ahead of a replay (ortcapture._ort.compute_stream); set by
+        #: the session
         self.compute_stream = None
         if family is not None and info is not None and static_shapes is not None:
             family.siblings[static_shapes] = self  # a shape-specialised sibling joins its family

@@ -239,6 +239,23 @@ def built_from(session: OrtInferenceSession, model: bytes | None, folder: str | 
             session._sess_options_initial = saved[2]
 
 
+def normalized_providers(providers, provider_options) -> tuple[list[str], list[dict]]:
+    """ORT's own ``check_and_normalize_provider_args`` (what its constructor and ``set_providers`` run first):
+    ``(names, options)``; raises ORT's ``ValueError`` for what ORT would refuse. Its warnings (a provider this
+    build lacks, a duplicate) are left to ORT's own call, which follows."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _oic.check_and_normalize_provider_args(providers, provider_options, _C.get_available_providers())
+
+
+def create_inference_session(session: OrtInferenceSession, providers, provider_options, *args, **kwargs):
+    """ORT's ``InferenceSession._create_inference_session`` — the one place ORT builds a session's C session (its
+    constructor, ``set_providers`` and ``_reset_session`` call it) — on ``session``."""
+    return OrtInferenceSession._create_inference_session(session, providers, provider_options, *args, **kwargs)
+
+
 def rebuild_c_session(session: OrtInferenceSession, providers, provider_options, model: bytes | None = None,
                       folder: str | None = None) -> None:
     """Replace ``session``'s C session with a new one built from the same model, ``SessionOptions`` and the given

@@ -13,56 +13,70 @@ Knowing the stream, a captured graph's device-to-device feed copy needs no host 
 replay (H200: 20.3 µs per replay -> 15.1 µs, ``benchmarks/bench_compute_stream.py``). A session whose options
 already name a stream (``user_compute_stream``), an external allocator (ORT refuses both together), capture off,
 no cuda-python, or ``ORTCAPTURE_COMPUTE_STREAM=0`` keeps ORT's own stream; where the caller gave the stream, it is
-still known (:func:`stream_of`).
+still known (:func:`stream_of`). A CUDA EP added through ``SessionOptions.add_provider_for_devices`` (a plugin EP
+device, no ``providers=``) keeps ORT's own stream.
 """
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Mapping
 
 from ortcapture._ort import compat
-from ortcapture._ort.providers import _truthy, normalize
+from ortcapture._ort.providers import _truthy, device_ordinal
 
 #: $ORTCAPTURE_COMPUTE_STREAM=0: leave the CUDA EP's stream to ORT (feed copies then wait, as ORT's own do)
 ENABLED = os.environ.get("ORTCAPTURE_COMPUTE_STREAM", "1") != "0"
 _CUDA = "CUDAExecutionProvider"
-#: options with which ORT refuses a user stream, or which already give one
+#: EPs that may share a session with the CUDA EP whose stream is known: a CPU EP (no stream of its own)
+_NO_STREAM_EPS = frozenset({"CPUExecutionProvider"})
+#: options with which ORT refuses a user stream
 _EXTERNAL = ("gpu_external_alloc", "gpu_external_free", "gpu_external_empty_cache")
+#: queued copies that fell back to ORT's synchronous copy (a failing CUDA call; see async_copier), process-wide
+FALLBACKS = [0]
 
 
-def _nonzero(value: Any) -> bool:
+def _pointer(value: Any) -> int:
+    """A pointer-valued provider option as ORT parses it (decimal); 0 for none or anything unparsable."""
     try:
-        return int(str(value).strip() or "0", 0) != 0
+        return int(str(value).strip() or "0")
     except ValueError:
-        return bool(str(value).strip())
+        return 0
 
 
 def wants_stream(name: str, options: Mapping[str, Any]) -> bool:
     """Whether ortcapture gives this provider entry a compute stream: the CUDA EP with ``enable_cuda_graph`` on
-    and neither a stream (``user_compute_stream``/``has_user_compute_stream``) nor an external allocator named."""
+    and neither a stream (a nonzero ``user_compute_stream``; ORT derives ``has_user_compute_stream`` from it) nor an
+    external allocator named."""
     if name != _CUDA or not _truthy(options.get("enable_cuda_graph", "0")):
         return False
-    if _nonzero(options.get("user_compute_stream", "0")) or _truthy(options.get("has_user_compute_stream", "0")):
+    if _pointer(options.get("user_compute_stream", "0")):
         return False
-    return not any(_nonzero(options.get(k, "0")) for k in _EXTERNAL)
+    return not any(_pointer(options.get(k, "0")) for k in _EXTERNAL)
 
 
-def with_streams(entries: list[tuple[str, dict]], streams: dict[int, Any]) -> int | None:
-    """Give every entry of ``entries`` (``[(provider name, options)]``, normalised; changed in place) that
-    :func:`wants_stream` a ``user_compute_stream``: ``streams[device_id]`` (a cuda-python ``cudaStream_t``), created
-    where missing (a non-blocking stream on that device; the caller holds the CUDA gate). Returns the stream of the CUDA EP entry (an int), or
-    ``None`` where none was given (disabled, no cuda-python, creation failed: ORT's own stream then, as without
-    ortcapture)."""
+def _device(options: Mapping[str, Any]) -> int | None:
+    try:
+        return device_ordinal(options.get("device_id"))
+    except Exception:  # noqa: BLE001 - a malformed device_id: ORT says what is wrong with it
+        return None
+
+
+def with_streams(names: list[str], options: list[dict], streams: dict[int, Any]) -> int | None:
+    """Give every provider (``names[i]`` with ``options[i]``, ORT's normalised form; the dicts changed in place)
+    that :func:`wants_stream` a ``user_compute_stream``: ``streams[device_id]`` (a cuda-python ``cudaStream_t``),
+    created where missing (a non-blocking stream on that device; normally under the CUDA gate: ORT's builds of CUDA
+    sessions hold it). Returns the CUDA EP's stream (an int), or ``None`` where none was given (disabled, no
+    cuda-python, a malformed ``device_id``, creation failed: ORT's own stream then, as without ortcapture)."""
     if not ENABLED or compat.cudart() is None:
         return None
     given = None
-    for name, opts in entries:
+    for name, opts in zip(names, options):
         if not wants_stream(name, opts):
             continue
-        try:
-            device = int(str(opts.get("device_id", "0")).strip() or "0")
-        except ValueError:
-            return None  # ORT says what is wrong with it
+        device = _device(opts)
+        if device is None:
+            return None
         stream = streams.get(device)
         if stream is None:
             from ortcapture._ort import cudart
@@ -76,18 +90,20 @@ def with_streams(entries: list[tuple[str, dict]], streams: dict[int, Any]) -> in
     return given
 
 
-def stream_of(provider_options: Mapping[str, Mapping[str, Any]]) -> int | None:
-    """The CUDA EP's compute stream as ORT reports it (``get_provider_options()``), or ``None`` (ORT's own)."""
-    opts = provider_options.get(_CUDA) or {}
-    value = opts.get("user_compute_stream", "0")
-    try:
-        stream = int(str(value).strip() or "0", 0)
-    except ValueError:
-        return None
-    return stream or None
+def single_cuda_ep(providers) -> bool:
+    """Whether the CUDA EP is the only EP with a stream among ``providers`` (``get_providers()``): where a TensorRT
+    (or any other GPU) EP runs beside it, the graph does not run on the CUDA EP's stream alone."""
+    return _CUDA in providers and not set(providers) - _NO_STREAM_EPS - {_CUDA}
 
 
-def hide(provider_options: dict, ours: int | None) -> dict:
+def stream_of(provider_options: Mapping[str, Mapping[str, Any]] | None) -> int | None:
+    """The CUDA EP's compute stream as ORT reports it (``get_provider_options()``; ``None`` while a session has no
+    C session), or ``None`` (ORT's own)."""
+    opts = (provider_options or {}).get(_CUDA) or {}
+    return _pointer(opts.get("user_compute_stream", "0")) or None
+
+
+def hide(provider_options, ours: int | None):
     """``provider_options`` (ORT's ``get_provider_options()``) as the caller gave them: where the CUDA EP's stream
     is ortcapture's own, ``user_compute_stream``/``has_user_compute_stream`` read ``"0"`` as without ortcapture (a
     caller that builds another session from them must not share a stream that dies with this one)."""
@@ -104,15 +120,16 @@ def hide(provider_options: dict, ours: int | None) -> dict:
 
 def async_copier(dptr: int, sptr: int, nbytes: int, stream: int, event, fallback):
     """``copy(src)`` for a remembered device-to-device feed (:class:`ortcapture.transfer.FeedTargets`): ``nbytes``
-    bytes from ``sptr`` (``src``'s buffer) to ``dptr`` (the graph's fixed input), both on the session's CUDA device,
-    queued on the session's compute ``stream`` with no host wait, ordered after the work queued on the calling
-    thread's legacy stream (``cudaEventRecord(event, cudaStreamLegacy)`` + ``cudaStreamWaitEvent(stream, event)``:
-    the ordering ``update_inplace``'s legacy-stream ``cudaMemcpy`` has, e.g. against torch's default stream) and
-    before the replay ORT then launches on that stream (ORT synchronises it before its run returns, so ``src`` may
-    be reused as soon as the replay returns). Where a call fails — the calling thread's current device is not the
-    session's (an event cannot be recorded on another device's legacy stream), a stream or event gone — the error is
-    cleared (ORT checks ``cudaGetLastError()`` after its launches) and ``fallback(src)`` (ORT's synchronous copy)
-    runs instead. ``event``: a cuda-python ``cudaEvent_t`` of the session's device. Call under
+    bytes from ``sptr`` (``src``'s buffer) to ``dptr`` (the graph's fixed input), both on the compute stream's own
+    CUDA device, queued on the session's compute ``stream`` with no host wait, ordered after the work queued on the
+    calling thread's legacy stream (``cudaEventRecord(event, cudaStreamLegacy)`` + ``cudaStreamWaitEvent(stream,
+    event)``: the ordering ``update_inplace``'s legacy-stream ``cudaMemcpy`` has, e.g. against torch's default
+    stream) and before the replay ORT then launches on that stream (ORT synchronises it before its run returns, so
+    ``src`` may be reused as soon as the replay returns; a caller whose replay fails settles it:
+    :func:`settle`). Where a call fails — the calling thread's current device is not the stream's (an event cannot
+    be recorded on another device's legacy stream), a stream or event gone — the error is cleared (ORT checks
+    ``cudaGetLastError()`` after its launches), :data:`FALLBACKS` counts it, and ``fallback(src)`` (ORT's
+    synchronous copy) runs instead. ``event``: a cuda-python ``cudaEvent_t`` of the stream's device. Call under
     ``CUDA_GATE.shared``.
     """
     rt = compat.cudart()
@@ -130,51 +147,77 @@ def async_copier(dptr: int, sptr: int, nbytes: int, stream: int, event, fallback
                 if not err:
                     return
         clear()
+        FALLBACKS[0] += 1
         fallback(src)
 
     return copy
 
 
+def settle(stream: int) -> None:
+    """Wait for the copies queued on ``stream`` (after a failed or interrupted replay: a queued copy must not stay
+    in flight while its source is reused); errors are cleared, never raised (the caller is already raising)."""
+    rt = compat.cudart()
+    if rt is None:
+        return
+    try:
+        (err,) = rt.cudaStreamSynchronize(rt.cudaStream_t(int(stream)))
+        if err:
+            rt.cudaGetLastError()
+    except Exception:  # noqa: BLE001 - the original exception matters, not this one
+        pass
+
+
 class SessionStreams:
     """One session's own compute streams (one per CUDA device it was built for, kept across ``set_providers`` and
-    rebuilds) and an event per device for :func:`async_copier`. When the session object is gone, they are queued
-    for :func:`ortcapture._ort.cudart.free_pending` (the next safe point; the C session that used them is gone by
-    then). Built by the session; ``owner`` is the session object."""
+    rebuilds) and an event per device for :func:`async_copier`. They are queued for
+    :func:`ortcapture._ort.cudart.free_pending` (the next safe point) once the session object *and* every C session
+    built with one of them are gone (an ``IOBinding`` keeps its C session alive after the session object). Built by
+    the session; ``owner`` is the session object."""
 
     def __init__(self, owner) -> None:
-        import weakref
-
         self._streams: dict[int, Any] = {}  # device -> cuda-python cudaStream_t
         self._events: dict[int, Any] = {}  # device -> cuda-python cudaEvent_t
-        #: the stream handed to the C session built last (an int), or None (ORT's own stream, or the caller's)
+        self._holders = [1]  # the session object and each C session built with a stream of ours
+        #: the stream the C session built last runs on, when it is ortcapture's (an int); else None
         self.given: int | None = None
-        weakref.finalize(owner, _release, self._streams, self._events)
+        weakref.finalize(owner, self._let_go, self._holders, self._streams, self._events)
 
     def providers_for(self, providers, provider_options):
-        """``(providers, provider_options)`` for ORT's constructor: as given, or normalised with a
-        ``user_compute_stream`` of this session's own for the CUDA EP (:func:`wants_stream`). Call with the CUDA
-        gate held (ORT's session builds hold it exclusively)."""
-        self.given = None
-        if not ENABLED or not providers:
-            return providers, provider_options
-        entries = normalize(providers, provider_options)
-        if not any(wants_stream(n, o) for n, o in entries) or compat.cudart() is None:
-            return providers, provider_options
-        self.given = with_streams(entries, self._streams)
-        if self.given is None:
-            return providers, provider_options
-        return [n for n, _ in entries], [o for _, o in entries]
+        """``(providers, provider_options, stream)`` for ORT's constructor: as given with ``None`` where no stream is
+        given, or ORT's own normalised form (``check_and_normalize_provider_args``: the same argument checks, which
+        raise for what ORT would refuse) with a ``user_compute_stream`` of this session's own for the CUDA EP
+        (:func:`wants_stream`) and that stream. :meth:`built` records it once ORT has built the session."""
+        if not ENABLED or not providers or compat.cudart() is None:
+            return providers, provider_options, None
+        names, options = compat.normalized_providers(providers, provider_options)  # raises as ORT would
+        options = [dict(o) for o in options]  # never the caller's dicts
+        if not any(wants_stream(n, o) for n, o in zip(names, options)):
+            return providers, provider_options, None
+        stream = with_streams(names, options, self._streams)
+        if stream is None:
+            return providers, provider_options, None
+        return names, options, stream
 
-    def current(self, reported: Mapping[str, Mapping[str, Any]]):
-        """``(stream, event)`` for the CUDA EP's compute stream as ORT reports it (``reported``:
+    def built(self, c_session, stream: int | None) -> None:
+        """ORT built ``c_session`` on ``stream`` (ours, from :meth:`providers_for`) or on a stream not ours
+        (``None``); the streams live at least as long as it."""
+        self.given = stream
+        if stream is not None and c_session is not None:
+            try:
+                weakref.finalize(c_session, self._let_go, self._holders, self._streams, self._events)
+            except TypeError:  # a C session without weak references: the session object's life alone
+                return
+            self._holders[0] += 1
+
+    def current(self, reported: Mapping[str, Mapping[str, Any]] | None):
+        """``(stream, event, device)`` for the CUDA EP's compute stream as ORT reports it (``reported``:
         ``get_provider_options()``; this session's own or the caller's), the event made on first use; ``None``
         where ORT runs on a stream of its own or the event cannot be made. Call under ``CUDA_GATE.shared``."""
         stream = stream_of(reported)
         if stream is None:
             return None
-        try:
-            device = int(str((reported.get(_CUDA) or {}).get("device_id", "0")) or "0")
-        except ValueError:
+        device = _device(reported.get(_CUDA) or {})
+        if device is None:
             return None
         event = self._events.get(device)
         if event is None:
@@ -184,15 +227,18 @@ class SessionStreams:
                 event = self._events[device] = cudart.new_event(device)
             except Exception:  # noqa: BLE001 - no event: ORT's synchronous copies, as without ortcapture
                 return None
-        return stream, event
+        return stream, event, device
 
+    @staticmethod
+    def _let_go(holders: list, streams: dict, events: dict) -> None:
+        holders[0] -= 1
+        if holders[0] > 0:
+            return
+        from ortcapture._ort import cudart
 
-def _release(streams: dict, events: dict) -> None:
-    from ortcapture._ort import cudart
-
-    for s in streams.values():
-        cudart.release_later("stream", s)
-    for e in events.values():
-        cudart.release_later("event", e)
-    streams.clear()
-    events.clear()
+        for s in streams.values():
+            cudart.release_later("stream", s)
+        for e in events.values():
+            cudart.release_later("event", e)
+        streams.clear()
+        events.clear()
