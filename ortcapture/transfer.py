@@ -880,6 +880,35 @@ def _check_int32_range(src: np.ndarray) -> None:
             "int64 inputs within [-2**31, 2**31) on WebGPU, or run without capture.")
 
 
+def value_rules(device_type: str) -> dict[np.dtype, Any]:
+    """The rules a host feed's *values* (not its shape or dtype) must keep to be copied into a fixed buffer on
+    ``device_type`` (``"cuda"``, ``"webgpu"``, ``"cpu"``): ``{numpy dtype: check(array)}``, each check raising
+    :class:`~ortcapture.errors.TransferError`. These are the very functions :func:`update_inplace` applies on every
+    host copy, so a caller that holds no device and no session (a serving tier checking a request before it joins a
+    batch) refuses exactly what the copy would refuse. Today: int64 into a WebGPU buffer must stay within int32
+    (:func:`_check_int32_range`: ORT's WebGPU EP under ``enableGraphCapture=1`` keeps the low 32 bits)."""
+    return {np.dtype(np.int64): _check_int32_range} if device_type == "webgpu" else {}
+
+
+def check_values(rules: Mapping[np.dtype, Any], feeds: Mapping[str, Any]) -> None:
+    """Apply :func:`value_rules` to the numpy arrays of ``feeds`` (``{input name: array}``; other sources are
+    skipped: their values are checked where they are copied). No device, no native call.
+
+    Raises:
+        TransferError: naming the first input whose values a rule refuses (its own values only).
+    """
+    if not rules:
+        return
+    for name, v in feeds.items():
+        rule = rules.get(v.dtype) if isinstance(v, np.ndarray) else None
+        if rule is not None and v.size:
+            try:
+                rule(v)
+            except TransferError as exc:
+                _name_it(exc, name)
+                raise
+
+
 _ORTVALUE = OrtValue  # the hot path takes exact OrtValues only (a ReplayOutput must be checked for staleness)
 
 

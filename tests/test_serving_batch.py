@@ -121,7 +121,7 @@ def test_one_group_is_bit_exact_with_sess_run_of_the_concatenation(backend):
     assert all(np.array_equal(q["X"], s) for q, s in zip(requests, saved))  # requests never written
     stats = r.stats()
     assert stats == {"requests": 4, "failed_requests": 0, "bad_requests": 0, "batches": 1, "failed_batches": 0,
-                     "rows": 8, "batch_rows": {8: 1}}
+                     "isolation_runs": 0, "rows": 8, "batch_rows": {8: 1}}
 
 
 def test_groups_are_cut_into_runs_of_whole_requests(backend):
@@ -217,6 +217,7 @@ def test_inputs_without_the_bucketed_dim_must_be_equal_to_share_a_run(backend):
             close(res["Y"], q["X"] * q["t"] + 1, 1e-6)
     stats = r.stats()
     assert stats["failed_batches"] == 1 and stats["failed_requests"] == 2 and stats["bad_requests"] == 0
+    assert stats["isolation_runs"] == 2  # the failed run's two requests, each run alone (and failing alone)
 
 
 def test_0d_inputs_and_outputs_keep_their_shape_through_the_buckets(backend):
@@ -389,3 +390,75 @@ def _property_example(backend, data, st):
         want = tiny.bucket_reference(q["X"])
         for name in OUTPUTS:
             close(res[name], want[name], TOL[backend.name])
+
+
+class Poisoned(Exception):
+    """What a session raises for a run that holds a poisoned row: its text names the value, as ORT's errors do."""
+
+
+def test_a_batchmate_whose_values_fail_the_run_fails_alone_and_never_leaks(backend):
+    """Issue 43, item 1: a request whose value passes every check but fails the run (as ORT's own errors do, e.g. a
+    Gather index out of range) fails alone, with the text of its own run; its batchmates get their answers, and no
+    error text carries another request's values."""
+    sess = backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4, 8]})
+    r = BatchRunner(sess)
+    real = sess.run
+
+    def run(names, feeds, run_options=None):
+        x = feeds["X"]
+        bad = x[(x > 900) & (x < 1000)]
+        if run_options is None and bad.size:
+            raise Poisoned(f"value {float(bad[0]):.1f} out of range")
+        return real(names, feeds, run_options)
+
+    sess.run = run
+    rng = np.random.default_rng(7)
+    requests = [{"X": _x(rng, n)} for n in (1, 2, 3, 2)]
+    requests[1]["X"][1, 2] = 901.0 + 0  # the poisoned request
+    requests[3]["X"][0, 0] = 950.0
+    secrets = (901.0, 950.0)
+    results = r.run(requests)
+    ref = cpu(tiny.bucket_model())
+    for i, (q, res) in enumerate(zip(requests, results)):
+        if i in (1, 3):
+            assert isinstance(res, Poisoned)
+            own = f"{secrets[(i - 1) // 2]:.1f}"
+            other = f"{secrets[1 - (i - 1) // 2]:.1f}"
+            assert own in str(res) and other not in str(res)  # its own run's text, never a batchmate's value
+        else:
+            for name, want in zip(OUTPUTS, ref.run(None, q)):
+                close(res[name], want, TOL[backend.name])
+    stats = r.stats()
+    assert stats["failed_requests"] == 2 and stats["isolation_runs"] >= 2 and stats["failed_batches"] >= 1
+
+
+def int64_model() -> bytes:
+    """Y = Cast(ids, float) + X with ids int64 [batch, 4] and X float [batch, 4]."""
+    nodes = [helper.make_node("Cast", ["ids"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["f", "X"], ["Y"])]
+    return tiny._model(nodes, [tiny.vi("ids", ["batch", 4], TensorProto.INT64), tiny.vi("X", ["batch", 4])],
+                       [tiny.vi("Y", ["batch", 4])])
+
+
+@pytest.mark.webgpu
+def test_a_value_the_webgpu_buffer_refuses_is_refused_alone_before_batching():
+    """Issue 43, item 1: int64 beyond int32 into a WebGPU graph (its EP keeps the low 32 bits; ortcapture's copy
+    refuses it) is found by rows() — the copy's own rule (ortcapture.transfer.value_rules) — so it fails its own
+    request with a RequestError naming the input, and its batchmates run."""
+    from tests.conftest import Backend
+
+    sess = Backend("webgpu").session(int64_model(), buckets={"batch": [1, 2, 4]})
+    r = BatchRunner(sess)
+    rng = np.random.default_rng(3)
+    good = [{"ids": rng.integers(-5, 5, (n, 4)).astype(np.int64), "X": _x(rng, n)} for n in (1, 2)]
+    bad = {"ids": np.full((1, 4), 2**40 + 7, np.int64), "X": _x(rng, 1)}
+    with pytest.raises(RequestError) as info:
+        r.rows(bad)
+    assert info.value.input == "ids" and "int32" in str(info.value) and "'ids'" in str(info.value)
+    results = r.run([good[0], bad, good[1]])
+    assert isinstance(results[1], RequestError) and str(2**40 + 7) in str(results[1])
+    for q, res in zip(good, (results[0], results[2])):
+        close(res["Y"], q["ids"].astype(np.float32) + q["X"], 1e-6)
+        assert str(2**40 + 7) not in str(res)
+    assert r.stats()["failed_batches"] == 0  # refused before any batch ran
+    assert r.rows({"ids": np.full((1, 4), 2**31 - 1, np.int64), "X": _x(rng, 1)}) == 1  # the edge is fine

@@ -2,7 +2,9 @@
 (issue 29, item 3). Skipped where hypothesis is not installed (the GPU machine, unless staged)."""
 from __future__ import annotations
 
+import gzip
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,8 +14,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from ortcapture.serving import protocol, routes  # noqa: E402
-from ortcapture.serving.protocol import HEADER_LENGTH  # noqa: E402
+from ortcapture.serving.protocol import HEADER_LENGTH, ModelSpec, ProtocolError, TensorSpec  # noqa: E402
 from tests.test_serving_protocol import SPEC, FakeBackend, _call, body_of  # noqa: E402
+from tests.test_serving_strict import strict_loads  # noqa: E402
 
 _json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                             lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
@@ -49,10 +52,10 @@ def test_router_never_5xx_on_fuzzed_bodies(req, tail, header, raw):
     headers = {} if header is None else {HEADER_LENGTH: str(header)}
     res = _call(r, "POST", "/v2/models/tiny/infer", body, headers)
     assert res.status in (200, 400, 413), res.body
-    if res.status == 200:
-        json.loads(res.body[:int(res.headers.get(HEADER_LENGTH, len(res.body)))])
+    if res.status == 200:  # strict JSON (RFC 8259: no NaN or Infinity), what JS and Go clients parse
+        strict_loads(res.body[:int(res.headers.get(HEADER_LENGTH, len(res.body)))])
     else:
-        assert set(json.loads(res.body)) == {"error"}
+        assert set(strict_loads(res.body)) == {"error"}
 
 
 @settings(max_examples=60, deadline=None)
@@ -61,5 +64,53 @@ def test_router_never_5xx_on_fuzzed_bodies(req, tail, header, raw):
 def test_valid_requests_round_trip(rows, binary, t, values):
     f = {"X": np.full((rows, 4), values, np.float32), "T": np.array(t, np.int64)}
     body, hl = body_of(f, binary)
+    if "X" not in binary and not math.isfinite(values):  # json.dumps wrote Infinity, which is not JSON
+        with pytest.raises(ProtocolError) as info:
+            protocol.parse_infer_request(body, hl, SPEC)
+        assert info.value.status == 400 and "Infinity" in str(info.value)
+        return
     req = protocol.parse_infer_request(body, hl, SPEC)
     assert np.array_equal(req.inputs["X"], f["X"]) and int(req.inputs["T"]) == t
+
+
+_FLOAT_DTYPES = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
+
+
+@settings(max_examples=200, deadline=None)
+@given(datatype=st.sampled_from(sorted(_FLOAT_DTYPES)),
+       value=st.floats(allow_nan=False, allow_infinity=False) | st.integers(-(2 ** 1100), 2 ** 1100))
+def test_json_float_inputs_round_to_the_datatype_or_are_400(datatype, value):
+    """A finite JSON number for a float datatype becomes the nearest float64 rounded to the datatype, or a 400 naming
+    the input when that is infinity (never inf in the tensor, never a crash)."""
+    dt = np.dtype(_FLOAT_DTYPES[datatype])
+    model = ModelSpec("m", (TensorSpec("x", dt, (1,)),), ())
+    body = json.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": [1], "data": [value]}]}).encode()
+    try:
+        wide = float(value)
+    except OverflowError:
+        wide = math.inf
+    with np.errstate(over="ignore"):
+        want = np.float64(wide).astype(dt) if math.isfinite(wide) else dt.type(math.inf)
+    if not np.isfinite(want):
+        with pytest.raises(ProtocolError) as info:
+            protocol.parse_infer_request(body, None, model)
+        assert info.value.status == 400 and "input 'x'" in str(info.value) and "range" in str(info.value)
+    else:
+        x = protocol.parse_infer_request(body, None, model).inputs["x"]
+        assert x.dtype == dt and x.tobytes() == np.array([want], dt).tobytes()
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.binary(max_size=300), max_size=6), tail=st.none() | st.binary(min_size=1, max_size=40),
+       cap=st.integers(0, 1200))
+def test_gzip_members_decode_to_their_concatenation(parts, tail, cap):
+    """A body of gzip members (empty ones too) is every member's data, under a cap over them all; any bytes after
+    the last member (that are not members) are a 400."""
+    body = b"".join(gzip.compress(p) for p in parts) + (tail or b"")
+    want = b"".join(parts)
+    try:
+        got = protocol.decode_body(body, "gzip", cap)
+    except ProtocolError as exc:
+        assert (exc.status == 413 and len(want) > cap) or (exc.status == 400 and (tail or not parts)), str(exc)
+        return
+    assert got == want and tail is None and parts and len(want) <= cap

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -48,9 +49,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def _context(url: str):
+    """A TLS context that accepts the test's self-signed certificate, for https URLs."""
+    if not url.startswith("https:"):
+        return None
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _get(url: str, timeout: float = 5.0, headers: dict | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        req = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(req, timeout=timeout, context=_context(url)) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -59,23 +71,24 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 def _post(url: str, body: bytes, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=_context(url)) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
 
 
 class Server:
-    def __init__(self, tmp: Path, provider: str = PROVIDER, replicas: int = 2):
+    def __init__(self, tmp: Path, provider: str = PROVIDER, replicas: int = 2, extra: tuple = (),
+                 scheme: str = "http"):
         self.model = tmp / f"{MODEL}.onnx"
         self.model.write_bytes(tiny.bucket_model())
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = tmp / "serve.log"
         cmd = [sys.executable, "-m", "ortcapture", "serve", str(self.model), "--provider", provider,
                "--replicas", str(replicas),
                "--port", str(self.port), "--num-cpus", "2", "--batch-wait-ms", "20", "--graceful-shutdown-s", "5",
-               "--max-body-mib", "1"] + (["--gpus-per-replica", "0.5"] if provider == "cuda" else [])
+               "--max-body-mib", "1", *extra] + (["--gpus-per-replica", "0.5"] if provider == "cuda" else [])
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
         self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, env=env,
@@ -337,6 +350,144 @@ def test_fuzzed_bodies_never_get_a_5xx(server):
     assert len(seen) == 40 and server.proc.poll() is None
 
 
+def _serve(args: list, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([sys.executable, "-m", "ortcapture", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=Path(__file__).resolve().parents[1])
+
+
+def _one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "\x1b[" not in proc.stderr and len(lines[0]) < 400 and all(w in lines[0] for w in words), lines[0]
+    assert "://" not in proc.stdout
+    return lines[0]
+
+
+def test_a_second_server_on_the_served_port_exits_2_and_the_first_keeps_its_model(server, reference, tmp_path):
+    """Issue 43, item 3: Ray Serve's proxy binds with SO_REUSEPORT, so a second ``ortcapture serve`` on a served
+    port (another model under the same name) used to start and take half the clients. Now it exits 2 with one line
+    before Ray starts, and the first server answers every request with its own model."""
+    other = tmp_path / "other.onnx"
+    other.write_bytes(tiny.add_model(shape=("batch", 4)))
+    t0 = time.monotonic()
+    proc = _serve([str(other), "--name", MODEL, "--port", str(server.port), "--provider", "cpu"])
+    print("\n" + _one_line_exit_2(proc, f"--port {server.port}", "in use"), f"({time.monotonic() - t0:.1f} s)")
+    client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    for i in range(24):  # fresh connections: the kernel would have split these between two listeners
+        x = _distinct(70, i, 1 + i % 3)
+        res = _infer(http.InferenceServerClient(f"127.0.0.1:{server.port}"), x)
+        assert all(_close(res.as_numpy(n), w) for n, w in reference(x).items()), i
+    assert client.is_server_ready()
+
+
+def test_a_port_held_by_another_program_is_one_line_exit_2(tmp_path):
+    """A port another program listens on: one line and exit 2 before Ray starts (it used to be a 1,189-character
+    Ray traceback with ANSI codes)."""
+    model = tmp_path / "m.onnx"
+    model.write_bytes(tiny.bucket_model())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = _serve([str(model), "--port", str(port), "--provider", "cpu"])
+    _one_line_exit_2(proc, f"--port {port}", "in use")
+
+
+def _infer_body(x: np.ndarray) -> tuple[bytes, dict]:
+    """A binary infer request for ``x`` (one input X) and its headers."""
+    head = json.dumps({"inputs": [{"name": "X", "shape": list(x.shape), "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "parameters": {"binary_data_output": True}}).encode()
+    return head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head)), "Content-Type":
+                                "application/octet-stream"}
+
+
+def _read_answer(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
+    """Status and raw bytes of one HTTP/1.1 answer read from ``sock`` (until close or the declared length)."""
+    data = b""
+    while time.monotonic() < deadline:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            break
+        if not chunk:
+            break
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            lengths = [ln.split(b":", 1)[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")]
+            if lengths and len(body) >= int(lengths[0]):
+                break
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    return status, data
+
+
+def test_a_slow_honest_client_completes(server, reference):
+    """One byte every 20 ms (about 5 s for the body): never cut off by the body timeout (no progress for 10 s)."""
+    x = _distinct(71, 0, 2)
+    body, headers = _infer_body(x)
+    assert len(body) < 300
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        head = f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "Connection: close\r\n\r\n"
+        s.sendall(head.encode())
+        for i in range(len(body)):
+            s.sendall(body[i:i + 1])
+            time.sleep(0.02)
+        status, data = _read_answer(s, time.monotonic() + 30)
+    assert status == 200, data[:500]
+    raw = data.partition(b"\r\n\r\n")[2]
+    n = int(next(ln.split(b":", 1)[1] for ln in data.split(b"\r\n")
+                 if ln.lower().startswith(b"inference-header-content-length:")))
+    outs = json.loads(raw[:n])["outputs"]
+    scores = outs[0]
+    got = np.frombuffer(raw[n:n + scores["parameters"]["binary_data_size"]], np.float32).reshape(scores["shape"])
+    assert _close(got, reference(x)[scores["name"]])
+
+
+def test_stalled_bodies_cannot_lock_out_a_normal_request(server, reference):
+    """Issue 43, item 2: 1,100 connections send infer headers with a Content-Length and never the body. A normal
+    request is answered, or refused with a 503, within 10 s (it used to wait 60 s); once the stalled connections
+    go, requests are answered again; the refusals are counted in /stats."""
+    x = _distinct(72, 0, 1)
+    body, headers = _infer_body(x)
+    head = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
+    stalled = []
+    try:
+        t0 = time.monotonic()
+        for _ in range(1100):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(head)  # ... and never the body
+            stalled.append(s)
+        opened = time.monotonic() - t0
+        t1 = time.monotonic()
+        code, answer = _post(f"{server.url}/v2/models/{MODEL}/infer", body, headers, timeout=10)
+        took = time.monotonic() - t1
+        print(f"\n1100 stalled connections opened in {opened:.1f} s; a normal request: {code} in {took:.2f} s")
+        assert code in (200, 503) and took < 10, (code, answer[:300])
+    finally:
+        for s in stalled:
+            s.close()
+    deadline = time.monotonic() + 60
+    client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    while True:  # the stalled requests end (disconnect or body timeout): answered again
+        try:
+            res = _infer(client, x)
+            break
+        except Exception:  # noqa: BLE001 - tritonclient's 503
+            assert time.monotonic() < deadline, "not answered within 60 s after the stalled connections closed"
+            time.sleep(0.5)
+    assert all(_close(res.as_numpy(n), w) for n, w in reference(x).items())
+    ingress = server.stats()["ortcapture"]["ingress"]
+    print(ingress)
+    assert ingress["refused"]["bodies_pending"] > 0 and ingress["max_pending_bodies"] == 64
+    assert not [c for c in ingress["http_errors"] if c.startswith("5") and c != "503"]  # a gone client is no 5xx
+
+
 def test_replica_killed_under_load_is_replaced(server, reference):
     """One replica's process is killed (SIGKILL) while 4 threads send: Ray starts a new replica; the requests
     that fail meanwhile are counted (printed) and every answer that comes back is right."""
@@ -469,16 +620,64 @@ def test_a_model_that_cannot_be_served_is_one_line_exit_2(tmp_path):
     assert "http://" not in proc.stdout  # no URL: it never served
 
 
-def test_sigterm_stops_it_cleanly(tmp_path, reference):
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files), made with cryptography."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    import ipaddress
+
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .sign(key, hashes.SHA256()))
+    certfile, keyfile = tmp / "cert.pem", tmp / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return certfile, keyfile
+
+
+def test_sigterm_stops_it_cleanly_https_and_a_bearer_token(tmp_path, reference):
     """SIGTERM (what a process manager sends) stops ``ortcapture serve`` like SIGINT: exit 0, not Ray's abort on
-    SIGTERM. The CPU EP (no capture): requests are still batched and right."""
-    srv = Server(tmp_path, provider="cpu", replicas=1)
+    SIGTERM. The CPU EP (no capture): requests are still batched and right. Served over HTTPS (Ray Serve's own TLS
+    options) with ``--token-file``: every endpoint but health needs the bearer token (401 without)."""
+    certfile, keyfile = _self_signed(tmp_path)
+    token = "test-token-" + "0123456789abcdef"
+    (tmp_path / "token").write_text(token + "\n")
+    srv = Server(tmp_path, provider="cpu", replicas=1, scheme="https",
+                 extra=("--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile), "--token-file",
+                        str(tmp_path / "token")))
     try:
         srv.wait_ready()
-        client = http.InferenceServerClient(f"127.0.0.1:{srv.port}")
+        assert srv.proc.stdout.readline().decode().strip() == srv.url  # the printed URL says https
+        auth = {"Authorization": f"Bearer {token}"}
+        assert _get(f"{srv.url}/v2/health/live")[0] == 200  # health: no token needed
+        assert _get(f"{srv.url}/v2/models/{MODEL}")[0] == 401
+        code, body = _get(f"{srv.url}/v2/models/{MODEL}", headers={"Authorization": "Bearer nope-nope-nope-nope"})
+        assert code == 401 and token.encode() not in body
+        assert _get(f"{srv.url}/v2/models/{MODEL}", headers=auth)[0] == 200
+        import gevent.ssl
+
+        client = http.InferenceServerClient(f"127.0.0.1:{srv.port}", ssl=True, insecure=True,
+                                            ssl_context_factory=gevent.ssl._create_unverified_context)
         x = _distinct(60, 0, 3)
-        res = _infer(client, x)
+        with pytest.raises(Exception, match="401|Bearer"):
+            _infer(client, x)
+        inp = http.InferInput("X", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        res = client.infer(MODEL, [inp], headers=auth)
         assert all(_close(res.as_numpy(n), w) for n, w in reference(x).items())
+        with pytest.raises(OSError):  # plain HTTP on the TLS port is no way around it
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/v2/models/{MODEL}", timeout=5).read()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(60) == 0, srv.tail()
         assert "SIGTERM received" not in srv.tail()

@@ -39,6 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the new local Ray cluster (default: all)")
     p.add_argument("--graceful-shutdown-s", type=float, default=10.0,
                    help="how long stopping replicas let requests in flight finish (default 10 s)")
+    p.add_argument("--request-timeout-s", type=float, default=60.0,
+                   help="how long a request waits for a model replica's answer before a 503 (default 60 s)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting for an answer at once; past it 503 with Retry-After (default 256)")
+    p.add_argument("--body-timeout-s", type=float, default=10.0,
+                   help="a request body that makes no progress this long gets 408 (default 10 s)")
+    p.add_argument("--max-pending-bodies", type=int, default=64,
+                   help="requests whose body is still arriving at once; past it 503 at once (default 64)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM), with --ssl-keyfile")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
+    p.add_argument("--token-file", default=None,
+                   help="require 'Authorization: Bearer TOKEN' (the file's first line) on every endpoint but "
+                        "/v2/health/* (default: no authentication)")
 
 
 def options_from(args):
@@ -62,7 +75,9 @@ def options_from(args):
         gpus_per_replica=args.gpus_per_replica, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
         max_concurrent_batches=args.max_concurrent_batches, host=args.host, port=args.port, address=args.address,
         dims=dims, max_body_bytes=int(args.max_body_mib * 1024 * 1024),
-        graceful_shutdown_s=args.graceful_shutdown_s).checked(cli=True)
+        graceful_shutdown_s=args.graceful_shutdown_s, request_timeout_s=args.request_timeout_s,
+        max_queued=args.max_queued, body_timeout_s=args.body_timeout_s, max_pending_bodies=args.max_pending_bodies,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, token_file=args.token_file).checked(cli=True)
 
 
 def _say(msg: str) -> None:
@@ -76,6 +91,8 @@ def run(args) -> int:
 
     options = options_from(args)
     config.model_layout(options)  # the model's layout is servable: checked before Ray starts
+    if not options.address:  # a port in use: one line, exit 2, before anything slow (Ray, the provider probe)
+        config.check_port(options.host, options.port)
     if options.provider in ("auto", "cuda"):
         from ortcapture._ort import cuda_probe
 

@@ -15,8 +15,11 @@ made with ``buckets=`` serves any batch size from a captured graph per bucket. :
 4. the outputs are split back per request along each output's axis that follows the bucketed dim
    (:meth:`ortcapture.InferenceSession.bucket_output_axes`).
 
-Guarantees: one result or one exception per request, in request order; a chunk whose run raises fails only its own
-requests; each response is bit-for-bit the slice of ``sess.run`` of its chunk, and equals the request run alone
+Guarantees: one result or one exception per request, in request order; every check that can refuse one request —
+its values too (:func:`ortcapture.transfer.value_rules`) — runs on it alone before it joins a run; a chunk whose run
+still raises is run again one request at a time (at most one run per request, counted as ``isolation_runs``), so
+only the request that fails alone gets an exception, the exception of its own run (whose text can name only its own
+values), and its batchmates get their answers; each response is bit-for-bit the slice of ``sess.run`` of its chunk, and equals the request run alone
 within the bucket verification's tolerance (:data:`ortcapture.DEFAULT_RTOL`) — exactly where the model treats rows
 independently and the EP computes a row the same way whatever the batch size (CUDA with TF32 does not: measured
 2.2e-3 on YOLOv8n, issue 16). An output that does not follow the bucketed dim (a reduction over the batch) mixes
@@ -36,9 +39,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture.errors import CaptureError
+from ortcapture.errors import CaptureError, TransferError
 from ortcapture.session import InferenceSession
-from ortcapture.transfer import ONNX_TO_NP
+from ortcapture.transfer import ONNX_TO_NP, check_values, value_rules
 
 #: one model tensor for protocol metadata: (name, numpy dtype, shape with -1 for dynamic dims)
 TensorSpec = tuple[str, np.dtype, tuple[int, ...]]
@@ -153,8 +156,12 @@ class BatchRunner:
         self._names = [n for n, _, _ in self.inputs]
         self._output_names = [n for n, _, _ in self.outputs]
         self._lock = threading.Lock()
+        # the value rules of the fixed buffers the feeds are copied into (int64 within int32 on WebGPU): the very
+        # checks the copy applies, run on each request alone (rows()) so a bad value never reaches a batch
+        info = getattr(session, "requested_capture", None) if isinstance(session, InferenceSession) else None
+        self._value_rules = value_rules(info.device_type) if info is not None else {}
         self._counts = Counter({"requests": 0, "failed_requests": 0, "bad_requests": 0, "batches": 0,
-                                "failed_batches": 0, "rows": 0})
+                                "failed_batches": 0, "rows": 0, "isolation_runs": 0})
         self._histogram: Counter = Counter()
 
     @staticmethod
@@ -272,7 +279,10 @@ class BatchRunner:
             RequestError: not a mapping; an input missing or not the model's; a value that is not a numpy array
                 (lists, scalars, device tensors); another dtype (no casts: ``float64`` for a ``float32`` input is
                 refused), rank or fixed dim; inputs disagreeing on the rows; 0 rows; more than :attr:`max_rows`
-                rows with ``split=False``.
+                rows with ``split=False``; values the session's fixed buffers refuse
+                (:func:`ortcapture.transfer.value_rules`: int64 outside int32 for a WebGPU session, whose EP would
+                keep the low 32 bits) — the same check the copy into the graph applies, so such a value fails its
+                own request here and never the batch it would have joined.
         """
         if not isinstance(request, Mapping):
             raise RequestError(f"a request is a mapping {{input name: numpy array}}, got a {type(request).__name__}")
@@ -300,6 +310,11 @@ class BatchRunner:
                                        f"{got}", name)
             if name in self.input_axes:
                 rows[name] = int(v.shape[self.input_axes[name]])
+        try:
+            check_values(self._value_rules, request)
+        except TransferError as exc:
+            raise RequestError(str(exc), next((n for n in self._names if str(exc).startswith(f"input {n!r}")),
+                                              None)) from None
         if len(set(rows.values())) > 1:
             raise RequestError(f"the inputs disagree on the rows along {self.dim!r}: "
                                + ", ".join(f"{n!r} axis {self.input_axes[n]}: {r}" for n, r in rows.items()))
@@ -334,8 +349,9 @@ class BatchRunner:
         Returns:
             One entry per request, in request order: ``{output name: numpy array}`` (host arrays, the request's
             rows along each output's :attr:`output_axes` axis; C-contiguous), or the exception for that request —
-            a :class:`RequestError` for a bad request, or what the session's ``run`` raised for the chunk that held
-            it (``CaptureError`` for a bucket whose capture or verification failed, ORT's own errors). Never raises
+            a :class:`RequestError` for a bad request, or what the session's ``run`` raised when the request ran
+            *alone* after its chunk failed (``CaptureError`` for a bucket whose capture or verification failed, ORT's
+            own errors); a request whose solo run succeeds gets its answer although its chunk failed. Never raises
             for a request's content.
         """
         results: list[Any] = [None] * len(requests)
@@ -347,7 +363,7 @@ class BatchRunner:
                 results[i] = exc
                 continue
             groups.setdefault(self._group_key(request), []).append((i, n))
-        runs = bad = 0
+        runs = bad = isolation_runs = 0
         histogram: Counter = Counter()
         failed_runs = 0
         for members in groups.values():
@@ -357,23 +373,17 @@ class BatchRunner:
                 histogram[total] += 1
                 try:
                     outs = self._run_chunk(requests, chunk, total)
-                except Exception as exc:  # noqa: BLE001 - the chunk's requests get it; the others are unaffected
+                except Exception:  # noqa: BLE001 - each of the chunk's requests is run alone: only the faulty fails
                     failed_runs += 1
-                    for i, _, _ in chunk:
-                        results[i] = exc
+                    isolation_runs += self._isolate(requests, chunk, results)
                     continue
                 offset = 0
                 for i, start, stop in chunk:
                     rows = stop - start
-                    if isinstance(results[i], Exception):  # an earlier chunk of a split request failed
-                        offset += rows
-                        continue
-                    piece = {n: _take(o, self.output_axes[n], offset, offset + rows) for n, o in outs.items()}
+                    if not isinstance(results[i], Exception):  # else an earlier chunk of a split request failed
+                        _add_piece(results, i, {n: _take(o, self.output_axes[n], offset, offset + rows)
+                                                for n, o in outs.items()})
                     offset += rows
-                    if results[i] is None:
-                        results[i] = [piece]
-                    else:
-                        results[i].append(piece)
         for i, r in enumerate(results):
             if isinstance(r, Exception):
                 bad += 1
@@ -387,9 +397,28 @@ class BatchRunner:
             c["bad_requests"] += sum(isinstance(r, RequestError) for r in results)
             c["batches"] += runs
             c["failed_batches"] += failed_runs
+            c["isolation_runs"] += isolation_runs
             c["rows"] += sum(k * v for k, v in histogram.items())
             self._histogram.update(histogram)
         return results
+
+    def _isolate(self, requests: Sequence[Mapping[str, np.ndarray]], chunk: list[tuple[int, int, int]],
+                 results: list) -> int:
+        """After ``chunk``'s run failed: run each of its pieces alone (at most :attr:`max_rows` runs, one per
+        request piece), so the piece whose values the session refuses fails with the exception of its *own* run —
+        never another request's values in its text — and its batchmates get their answers. Returns the runs made."""
+        made = 0
+        for i, start, stop in chunk:
+            if isinstance(results[i], Exception):  # an earlier chunk of a split request failed already
+                continue
+            made += 1
+            try:
+                outs = self._run_chunk(requests, [(i, start, stop)], stop - start)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure, whatever the session raised
+                results[i] = exc
+                continue
+            _add_piece(results, i, outs)
+        return made
 
     def _chunks(self, members: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
         """A group's runs: lists of ``(request index, first row, end row)`` of at most :attr:`max_rows` rows each,
@@ -452,11 +481,20 @@ class BatchRunner:
 
         Returns:
             ``{"requests", "failed_requests" (bad or in a failed run), "bad_requests" (:class:`RequestError`),
-            "batches" (session runs), "failed_batches", "rows" (rows run), "batch_rows": {rows in a run: runs}}``;
+            "batches" (session runs), "failed_batches", "isolation_runs" (requests run alone after their chunk failed),
+            "rows" (rows run), "batch_rows": {rows in a run: runs}}``;
             the session's own counters (graphs per bucket, padding) are ``session.bucket_stats()``.
         """
         with self._lock:
             return {**self._counts, "batch_rows": dict(sorted(self._histogram.items()))}
+
+
+def _add_piece(results: list, i: int, piece: dict) -> None:
+    """Append one run's outputs for request ``i`` (several pieces where a request was split across runs)."""
+    if results[i] is None:
+        results[i] = [piece]
+    else:
+        results[i].append(piece)
 
 
 def _take(x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:

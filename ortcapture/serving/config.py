@@ -54,6 +54,19 @@ class ServeOptions:
         dims: ``{dim_param: size}`` fixing the model's other dynamic dims (e.g. ``{"height": 320, "width": 320}``).
         max_body_bytes: the request body cap (bytes, after decompression); past it: 413.
         graceful_shutdown_s: how long a stopping replica lets requests in flight finish.
+        request_timeout_s: how long the ingress waits for a model replica's answer to one request before it answers
+            503 (seconds, default 60).
+        max_queued: requests the ingress holds waiting for a model answer at once (default 256); past it a request
+            gets 503 with ``Retry-After`` at once instead of waiting in an unbounded queue.
+        body_timeout_s: a request body that makes no progress for this long (no byte arrives) is refused with 408
+            and its connection closed (default 10 s): a client that sends headers and never the body holds nothing
+            for long. A slow but steady client is never cut off.
+        max_pending_bodies: requests whose body is still arriving, at once (default 64); past it a new request is
+            refused at once with 503, ``Retry-After`` and ``Connection: close``, so connections that send headers
+            and stall cannot take every slot (a normal request is answered or refused within seconds).
+        ssl_certfile / ssl_keyfile: serve HTTPS (both, PEM files; Ray Serve's own ``HTTPOptions``).
+        token_file: a file holding a bearer token (its first line); every endpoint but ``/v2/health/*`` then
+            requires ``Authorization: Bearer <token>`` (401 otherwise). ``None``: no authentication.
         env: extra environment variables for the replicas (added to those of :data:`ENV_PASSED` set here).
         arm: what the replicas run (:data:`ARMS`; benchmarks).
         app_name: the Ray Serve application name (default ``ortcapture-<name>``).
@@ -75,6 +88,14 @@ class ServeOptions:
     dims: Mapping[str, int] = field(default_factory=dict)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     graceful_shutdown_s: float = 10.0
+    request_timeout_s: float = 60.0
+    max_queued: int = 256
+    body_timeout_s: float = 10.0
+    max_pending_bodies: int = 64
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    token_file: str | None = None
+    token: str | None = field(default=None, repr=False)
     env: Mapping[str, str] = field(default_factory=dict)
     arm: str = "ortcapture"
     app_name: str | None = None
@@ -132,6 +153,20 @@ class ServeOptions:
         if not isinstance(o.host, str) or not o.host:
             raise CaptureError(f"--host must be a host name or address, got {o.host!r}")
         check_host(o.host, bind=not o.address)
+        for what, v, lo, hi in (("request_timeout_s", o.request_timeout_s, 0.001, 86400.0),
+                                ("body_timeout_s", o.body_timeout_s, 0.001, 3600.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise CaptureError(f"{opt(what)} must be a number of seconds in [{lo}, {hi:g}], got {v!r}")
+        for what, v in (("max_queued", o.max_queued), ("max_pending_bodies", o.max_pending_bodies)):
+            if _not_int(v) or not 1 <= v <= 1_000_000:
+                raise CaptureError(f"{opt(what)} must be an int in 1..1000000, got {v!r}")
+        if (o.ssl_certfile is None) != (o.ssl_keyfile is None):
+            raise CaptureError(f"HTTPS needs both {opt('ssl_certfile')} and {opt('ssl_keyfile')}")
+        for what, path in (("ssl_certfile", o.ssl_certfile), ("ssl_keyfile", o.ssl_keyfile)):
+            if path is not None and not Path(str(path)).is_file():
+                raise CaptureError(f"{opt(what)} {path}: no such file")
+        if o.token_file is not None:
+            o.token = read_token(o.token_file, opt("token_file"))
         if _not_int(o.max_body_bytes) or o.max_body_bytes < 1024:
             raise CaptureError(f"the body cap must be an int >= 1024 bytes, got {o.max_body_bytes!r}")
         if isinstance(o.graceful_shutdown_s, bool) or not isinstance(o.graceful_shutdown_s, (int, float)) or \
@@ -168,6 +203,41 @@ class ServeOptions:
 
 def _not_int(v) -> bool:
     return isinstance(v, bool) or not isinstance(v, (int, np.integer))
+
+
+def read_token(path: str, what: str = "token_file") -> str:
+    """The bearer token in ``path``: its first line, stripped; at least 16 characters of visible ASCII. Raises
+    :class:`CaptureError` (one line, the token never in it) for a missing file or a short or malformed token."""
+    try:
+        text = Path(str(path)).read_text(encoding="utf-8", errors="strict")
+    except (OSError, UnicodeError) as exc:
+        raise CaptureError(f"{what} {path}: cannot read it ({type(exc).__name__})") from None
+    lines = text.splitlines()
+    token = lines[0].strip() if lines else ""
+    if len(token) < 16 or not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise CaptureError(f"{what} {path}: its first line must be a token of at least 16 visible ASCII characters "
+                           "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port something already listens on, before Ray starts: bind ``host:port`` (every address ``host``
+    resolves to) without ``SO_REUSEPORT`` and close it at once. Ray Serve's proxy binds *with* ``SO_REUSEPORT``,
+    so without this check a second server on a served port starts and the kernel splits the clients between the
+    two models; and a port held by another program ends in a long Ray traceback. Raises :class:`CaptureError`
+    (one line) naming the port."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            # SO_REUSEADDR: a port left in TIME_WAIT by a server that just stopped is free (Linux still refuses a
+            # port with a listener, whatever its options)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                raise CaptureError(f"--port {port}: {host}:{port} is in use already (another ortcapture serve or "
+                                   f"another program listens there: {exc.strerror or exc}); choose another --port, "
+                                   "or stop the other server") from None
 
 
 def check_host(host: str, bind: bool = True) -> None:

@@ -32,10 +32,10 @@ import ray
 from ray import serve as ray_serve
 
 from ortcapture.serving.batch import RequestError
-from ortcapture.serving.config import ServeOptions, model_layout
+from ortcapture.serving.config import ServeOptions, check_port, model_layout
 from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.replica import ReplicaCore
-from ortcapture.serving.routes import Router
+from ortcapture.serving.routes import Refusal, Router
 
 MODEL_DEPLOYMENT = "Model"
 
@@ -66,8 +66,8 @@ def _keep_replica_grpc_on_loopback(options: ServeOptions) -> None:
 INGRESS_DEPLOYMENT = "Ingress"
 #: seconds between a replica's pushes of its counters to the ingress
 REPORT_EVERY_S = 1.0
-#: seconds the ingress waits for a model replica's answer before a 503
-REQUEST_TIMEOUT_S = 120.0
+#: seconds a client is asked to wait (``Retry-After``) after a 503 for a full queue or too many pending bodies
+RETRY_AFTER_S = 1
 
 
 def _batch_rows(items) -> int:
@@ -115,15 +115,10 @@ class ModelReplica:
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self._pool, self.core.run, feeds, queued)
         self._metrics.batch(_batch_rows(items), results)
-        out = []
-        for r in results:
-            if isinstance(r, RequestError):
-                out.append({"error": str(r), "status": 400})
-            elif isinstance(r, Exception):
-                out.append({"error": f"the model failed on this batch: {type(r).__name__}: {r}", "status": 500})
-            else:
-                out.append({"outputs": r})
-        return out
+        if not any(isinstance(r, Exception) for r in results):
+            return [{"outputs": r} for r in results]
+        # who is at fault (a health replay at most): on the worker thread, not the event loop
+        return await loop.run_in_executor(self._pool, self.core.answers, results)
 
     async def stats(self) -> dict:
         """This replica's report (:meth:`ReplicaCore.report`) with its replica id."""
@@ -220,7 +215,13 @@ class IngressReplica:
         self._ready_lock = asyncio.Lock()
         self._draining = False  # set by drain(): new requests get a 503, the ones in flight finish
         self._in_flight = 0
-        self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__)
+        self._pending_bodies = 0  # requests whose body is still arriving
+        self._queued = 0  # requests waiting for a model replica's answer
+        self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "request_timeout": 0,
+                         "client_gone": 0}
+        self.options = options
+        self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
+                             token=options.token, ingress_stats=self._stats)
 
     async def __call__(self, request):
         from starlette.responses import Response
@@ -250,16 +251,53 @@ class IngressReplica:
         headers = {k.lower(): v for k, v in request.headers.items()}
 
         async def read_body(cap: int) -> bytes:
+            return await self._read_body(request, cap)
+
+        res = await self.router.handle(request.method, request.url.path, headers, read_body)
+        return Response(res.body, status_code=res.status, headers=res.headers)
+
+    async def _read_body(self, request, cap: int) -> bytes:
+        """The request body, bounded three ways: at most ``cap`` bytes (413); at most
+        ``options.max_pending_bodies`` bodies arriving at once (503 at once, ``Connection: close``); and a body that
+        makes no progress for ``options.body_timeout_s`` seconds is refused (408, ``Connection: close``). Ray Serve's
+        proxy hands the request over after its headers and streams the body on demand, so without these a
+        thousand connections that send headers and stall hold every slot of the ingress."""
+        o = self.options
+        if self._pending_bodies >= o.max_pending_bodies:
+            self._refused["bodies_pending"] += 1
+            raise Refusal(f"{self._pending_bodies} requests are sending their bodies already; try again",
+                          503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+        self._pending_bodies += 1
+        try:
             chunks, n = [], 0
-            async for chunk in request.stream():
+            stream = request.stream().__aiter__()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), o.body_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    self._refused["body_timeout"] += 1
+                    raise Refusal(f"the request body made no progress for {o.body_timeout_s:g} s", 408,
+                                  {"Connection": "close"}) from None
+                except Exception as exc:  # noqa: BLE001 - starlette's ClientDisconnect: the client went away
+                    self._refused["client_gone"] += 1
+                    raise Refusal(f"the client closed the connection before its body arrived "
+                                  f"({type(exc).__name__})", 400, {"Connection": "close"}) from None
                 n += len(chunk)
                 if n > cap:
                     raise ProtocolError(f"request body is past the cap of {cap} bytes", 413)
                 chunks.append(chunk)
             return b"".join(chunks)
+        finally:
+            self._pending_bodies -= 1
 
-        res = await self.router.handle(request.method, request.url.path, headers, read_body)
-        return Response(res.body, status_code=res.status, headers=res.headers)
+    def _stats(self) -> dict:
+        """The ingress's own counters for ``/stats``: bodies arriving and requests queued now, their caps, and
+        the requests refused by each bound since start."""
+        o = self.options
+        return {"pending_bodies": self._pending_bodies, "max_pending_bodies": o.max_pending_bodies,
+                "queued": self._queued, "max_queued": o.max_queued, "refused": dict(self._refused)}
 
     async def report(self, replica: str, data: dict) -> None:
         """A model replica's counters, shown under ``/stats``."""
@@ -283,17 +321,29 @@ class IngressReplica:
         return self._ready
 
     async def infer(self, feeds: dict) -> dict:
-        """Run one request's checked ``feeds`` on a model replica: its answer, or ``{"error", "status": 503}`` when
-        no replica answers within :data:`REQUEST_TIMEOUT_S` seconds or none could run it."""
+        """Run one request's checked ``feeds`` on a model replica: its answer, or ``{"error", "status": 503,
+        "retry_after"}`` when ``options.max_queued`` requests wait for an answer already (refused at once), no
+        replica answers within ``options.request_timeout_s`` seconds, or none could run it."""
+        o = self.options
+        if self._queued >= o.max_queued:
+            self._refused["queue_full"] += 1
+            return {"error": f"{self._queued} requests are queued already; try again", "status": 503,
+                    "retry_after": RETRY_AFTER_S}
         if self.model is None:
             self.model = ray_serve.get_deployment_handle(MODEL_DEPLOYMENT, self._app)
+        self._queued += 1
         try:
-            return await asyncio.wait_for(self.model.infer.remote(feeds), REQUEST_TIMEOUT_S)
+            return await asyncio.wait_for(self.model.infer.remote(feeds), o.request_timeout_s)
         except asyncio.TimeoutError:
-            return {"error": f"no model replica answered within {REQUEST_TIMEOUT_S:.0f} s", "status": 503}
+            self._refused["request_timeout"] += 1
+            return {"error": f"no model replica answered within {o.request_timeout_s:g} s", "status": 503,
+                    "retry_after": RETRY_AFTER_S}
         except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
             return {"error": f"no model replica could run the request: {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:300] if str(exc) else ''}", "status": 503}
+                             f"{str(exc).splitlines()[0][:300] if str(exc) else ''}", "status": 503,
+                    "retry_after": RETRY_AFTER_S}
+        finally:
+            self._queued -= 1
 
 
 def _model_running(app: str) -> bool:
@@ -330,7 +380,8 @@ def _deployments(options: ServeOptions, provider: str):
         health_check_period_s=5.0, health_check_timeout_s=60.0)
     ingress = ray_serve.deployment(
         IngressReplica, name=INGRESS_DEPLOYMENT, num_replicas=1,
-        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env}, max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env},
+        max_ongoing_requests=max(1024, options.max_queued + options.max_pending_bodies + 64),
         graceful_shutdown_timeout_s=options.graceful_shutdown_s, graceful_shutdown_wait_loop_s=0.2)
     return model, ingress
 
@@ -344,6 +395,11 @@ class ServeFailed(RuntimeError):
     """The model's deployment failed (its replicas could not start): the message is Serve's reason."""
 
 
+class ServeRefused(ServeFailed):
+    """Nothing was deployed: the joined cluster's Serve listens elsewhere, or serves this name or route already
+    (stopping must then leave that cluster's applications alone)."""
+
+
 def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
           on_status: Callable[[str], None] | None = None, startup_timeout_s: float = 900.0) -> str:
     """Start Ray (a new local cluster, or join ``options.address``), Serve's HTTP proxy on ``host:port`` and the
@@ -351,9 +407,15 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
 
     Raises:
         ServeFailed: a replica's constructor failed (unservable model: Serve's message, last line first), or the
-            replicas were not warm within ``startup_timeout_s``.
+            replicas were not warm within ``startup_timeout_s``; on a joined cluster (``options.address``), its
+            Serve listens on another host or port than ``options`` asks for, or an application of that cluster
+            already has this model's application name or serves the route ``/`` (never shared silently).
+        CaptureError: (a new local cluster) ``host:port`` is in use already
+            (:func:`ortcapture.serving.config.check_port`), checked before Ray starts.
     """
     say = on_status or (lambda msg: None)
+    if not options.address and not ray.is_initialized():
+        check_port(options.host, options.port)  # Ray's proxy binds with SO_REUSEPORT: it would share the port
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if options.address:
@@ -374,7 +436,14 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
         if callable(term):  # ray.init replaces a Python SIGTERM handler with its own (it aborts the process)
             signal.signal(signal.SIGTERM, term)
-    ray_serve.start(http_options={"host": options.host, "port": options.port}, proxy_location="HeadOnly")
+    http = {"host": options.host, "port": options.port}
+    if options.ssl_certfile:
+        http.update(ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
+    if options.address:
+        _check_joined_serve(options)
+    ray_serve.start(http_options=http, proxy_location="HeadOnly")
+    if options.address:
+        _check_joined_serve(options)
     model_layout(options)
     model, ingress = _deployments(options, provider)
     model_app = model_app_name(options)
@@ -384,7 +453,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     ray_serve.run_many([ray_serve.RunTarget(model.bind(options, provider, options.app_name), name=model_app,
                                             route_prefix=None)],
                        wait_for_ingress_deployment_creation=True, wait_for_applications_running=False)
-    say(f"HTTP up at http://{options.host}:{options.port} (ready: 503 until warm); warming up {options.replicas} "
+    scheme = "https" if options.ssl_certfile else "http"
+    say(f"HTTP up at {scheme}://{options.host}:{options.port} (ready: 503 until warm); warming up {options.replicas} "
         f"replica(s): one graph per bucket {list(options.buckets)}")
     deadline = time.monotonic() + startup_timeout_s
     while True:
@@ -397,7 +467,35 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
         if time.monotonic() > deadline:
             raise ServeFailed(f"the model replicas were not warm after {startup_timeout_s:.0f} s ({state})")
         time.sleep(0.25)
-    return f"http://{options.host}:{options.port}"
+    return f"{scheme}://{options.host}:{options.port}"
+
+
+def _check_joined_serve(options: ServeOptions) -> None:
+    """On a joined cluster: refuse to deploy where it would share silently — Serve running there on another host
+    or port than asked (Serve keeps its first HTTP options and would ignore ours with a log line), or an
+    application that already has this model's application names or serves the route ``/``. Replacing a model
+    on purpose is Ray Serve's in-place update (docs/SERVING.md), not this path."""
+    try:
+        from ray.serve.context import _get_global_client  # Ray's own accessor of the running Serve's client
+        client = _get_global_client(raise_if_no_controller_running=False)
+    except Exception:  # noqa: BLE001 - no Serve there yet, or another Ray layout: nothing to compare
+        client = None
+    if client is None:
+        return
+    cfg = client.http_config
+    if int(cfg.port) != int(options.port) or str(cfg.host) != str(options.host):
+        raise ServeRefused(f"Serve on the cluster at {options.address} listens on {cfg.host}:{cfg.port}, not "
+                          f"--host {options.host} --port {options.port}: pass those (one Serve, one HTTP port per "
+                          "cluster)")
+    taken = []
+    for name, app in (client.get_serve_details().get("applications") or {}).items():
+        if name in (options.app_name, model_app_name(options)):
+            taken.append(f"application {name!r} exists already")
+        elif (app or {}).get("route_prefix") == "/":
+            taken.append(f"application {name!r} serves the route '/' already")
+    if taken:
+        raise ServeRefused(f"the cluster at {options.address} is serving: {'; '.join(taken)} (use another --name, or "
+                          "stop that one first; to replace a model in place see docs/SERVING.md)")
 
 
 def _failure(app_status) -> str:
@@ -411,9 +509,15 @@ def _failure(app_status) -> str:
     return lines[-1] if lines else "the model deployment failed"
 
 
-def stop(options: ServeOptions) -> None:
+def stop(options: ServeOptions, deployed: bool = True) -> None:
     """Shut the application down gracefully (requests in flight finish, graphs are released), then Serve and Ray
-    when this process started them (a joined cluster keeps running: only this application is deleted)."""
+    when this process started them (a joined cluster keeps running: only this application is deleted, and nothing
+    at all with ``deployed=False``: a refused start deployed nothing of its own)."""
+    if not ray.is_initialized():  # refused before Ray started (a port in use): nothing to stop
+        return
+    if not deployed and options.address:
+        ray.shutdown()
+        return
     try:
         try:  # requests in flight finish first: Serve's own shutdown closes the proxy's connections with them
             ingress = ray_serve.get_deployment_handle(INGRESS_DEPLOYMENT, options.app_name)
@@ -467,8 +571,13 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
     if main:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    deployed = True
     try:
-        url = start(options, provider, ray_init=ray_init, on_status=on_status)
+        try:
+            url = start(options, provider, ray_init=ray_init, on_status=on_status)
+        except ServeRefused:
+            deployed = False
+            raise
         if main:  # ray.init installs its own SIGTERM handler (it aborts the process): ours again
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, on_signal)
@@ -480,7 +589,7 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
         return 0
     finally:
         try:
-            stop(options)
+            stop(options, deployed)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -12,6 +12,10 @@ Pure functions over bytes, numpy arrays and plain dicts, so clients that exist a
   JSON numbers or raw little-endian bytes with ``numpy.frombuffer``.
 * :func:`encode_infer_response` writes the response: JSON ``data`` (flat, row-major) or binary outputs when the
   request asked for them (``outputs[i].parameters.binary_data`` or the request's ``parameters.binary_data_output``).
+* JSON is strict both ways (RFC 8259): no ``NaN``/``Infinity`` is read or written (a float output holding them is
+  sent in binary only), and a JSON number a float datatype holds only as infinity is refused.
+* :func:`decode_body` inflates ``gzip`` (every member, RFC 1952 §2.2) and ``deflate`` (one zlib stream) bodies under
+  the body cap, refusing bytes after the last member or stream.
 * :func:`model_metadata`, :func:`statistics`, :func:`error_body` give the other endpoints' bodies; shapes use -1
   for dynamic dims; the statistics follow Triton's statistics extension.
 
@@ -126,7 +130,7 @@ def _dtype_for(spec: TensorSpec) -> np.dtype:
 
 def error_body(message: str) -> bytes:
     """``{"error": message}`` as JSON bytes (the protocol's error body)."""
-    return json.dumps({"error": str(message)}).encode()
+    return json.dumps({"error": str(message)}, allow_nan=False).encode()
 
 
 def model_metadata(spec: ModelSpec) -> dict:
@@ -138,10 +142,23 @@ def model_metadata(spec: ModelSpec) -> dict:
             "inputs": [t(s) for s in spec.inputs], "outputs": [t(s) for s in spec.outputs]}
 
 
+#: bytes of compressed data fed to zlib first for each member, doubled per feed up to _MAX_PIECE: a member's
+#: leftover input is copied once when it ends, so tiny members cost little and a body costs linear time
+_FIRST_PIECE = 64
+_MAX_PIECE = 1 << 20
+
+
 def decode_body(body: bytes, content_encoding: str | None, cap: int) -> bytes:
     """``body`` decompressed per ``Content-Encoding`` (``gzip``, ``deflate`` (zlib), ``identity`` or none), at most
-    ``cap`` bytes. Raises :class:`ProtocolError`: 413 past the cap (checked while decompressing: a small body that
-    inflates past it is refused without inflating it all), 400 for bad compressed data or another encoding."""
+    ``cap`` bytes. ``gzip`` is a series of members (RFC 1952 §2.2), each inflated in turn (empty ones too);
+    ``deflate`` is one zlib stream (RFC 1950).
+
+    Raises:
+        ProtocolError: (413) past the cap, counting every member's output (checked while decompressing: a small
+            body that inflates past it is refused without inflating it all). (400) bad or truncated compressed data;
+            any bytes after the last gzip member that are not a complete member (padding too) or after the zlib
+            stream; another encoding.
+    """
     enc = (content_encoding or "identity").strip().lower()
     if enc in ("", "identity"):
         if len(body) > cap:
@@ -149,19 +166,47 @@ def decode_body(body: bytes, content_encoding: str | None, cap: int) -> bytes:
         return body
     if enc not in ("gzip", "deflate"):
         raise ProtocolError(f"Content-Encoding {content_encoding!r} is not supported (gzip, deflate, identity)")
-    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
-    try:
-        out = d.decompress(body, cap + 1)
-        if len(out) > cap or d.unconsumed_tail:
+    view, out = memoryview(body), bytearray()
+    pos = members = 0
+    while True:
+        try:
+            end = _inflate_member(view, pos, 31 if enc == "gzip" else 15, out, cap)
+        except zlib.error as exc:
+            raise ProtocolError(_after_members(enc, members, len(view) - pos, f"not valid {enc} data: {exc}")) from None
+        if end is None:
+            raise ProtocolError(_after_members(enc, members, len(view) - pos, f"truncated {enc} data"))
+        members, pos = members + 1, end
+        if pos == len(view):
+            return bytes(out)
+        if enc == "deflate":
+            raise ProtocolError(f"request body has {len(view) - pos} bytes after the end of its deflate (zlib) "
+                                "stream")
+
+
+def _inflate_member(view: memoryview, pos: int, wbits: int, out: bytearray, cap: int) -> int | None:
+    """Inflate the one gzip member or zlib stream (``wbits``) that starts at ``view[pos]``, appending to ``out``.
+    Returns the offset just past it, or ``None`` when the body ends first. Raises :class:`ProtocolError` (413) once
+    ``out`` passes ``cap`` bytes (zlib never makes more than one byte past it), ``zlib.error`` for bad data."""
+    d = zlib.decompressobj(wbits=wbits)
+    piece = _FIRST_PIECE
+    while pos < len(view):
+        chunk = view[pos:pos + piece]
+        out += d.decompress(chunk, cap + 1 - len(out))
+        if len(out) > cap:
             raise ProtocolError(f"request body inflates past the cap of {cap} bytes", 413)
-        out += d.flush()
-    except zlib.error as exc:
-        raise ProtocolError(f"request body is not valid {enc} data: {exc}") from None
-    if len(out) > cap:
-        raise ProtocolError(f"request body inflates past the cap of {cap} bytes", 413)
-    if not d.eof:
-        raise ProtocolError(f"request body is truncated {enc} data")
-    return out
+        if d.eof:
+            return pos + len(chunk) - len(d.unused_data)
+        pos += len(chunk)  # output under its limit: zlib took the whole chunk
+        piece = min(piece * 2, _MAX_PIECE)
+    return None
+
+
+def _after_members(enc: str, members: int, left: int, what: str) -> str:
+    """The message for bad compressed data: of the body itself, or of the ``left`` bytes after ``members`` members."""
+    if members == 0:
+        return f"request body is {what}"
+    return (f"request body has {left} bytes after its {members} complete gzip member(s) that are not a complete gzip "
+            f"member ({what}): RFC 1952 allows only members")
 
 
 def _header_length(value, body_len: int) -> int | None:
@@ -181,9 +226,14 @@ def _header_length(value, body_len: int) -> int | None:
     return n
 
 
+def _no_constant(token: str):
+    raise ValueError(f"{token} is not JSON (RFC 8259 §6 has no NaN or infinity): send such tensors as binary data")
+
+
 def _load_json(raw: bytes) -> Any:
+    """``raw`` parsed as strict JSON: Python's ``NaN``, ``Infinity`` and ``-Infinity`` tokens are refused (400)."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(f"the request is not valid JSON: {str(exc)[:200]}") from None
 
@@ -198,7 +248,8 @@ _JSON_TYPES = {bool: "boolean", str: "string", float: "number", list: "array", d
 def _what(x) -> str:
     """``x`` for a message: its JSON type and a short repr (``string '32'``, ``number 32.0``, ``boolean true``)."""
     kind = _JSON_TYPES.get(type(x), type(x).__name__)
-    text = json.dumps(x) if isinstance(x, (bool, float, type(None))) else repr(x)
+    strict = isinstance(x, (bool, type(None))) or (isinstance(x, float) and math.isfinite(x))
+    text = json.dumps(x, allow_nan=False) if strict else repr(x)
     return f"{kind} {text[:20]}"
 
 
@@ -274,11 +325,13 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
         views of ``body`` for binary inputs).
 
     Raises:
-        ProtocolError: (400) not JSON / not an object; a bad header length; ``inputs`` missing, not a list, an input
-            twice, unknown or missing; a datatype other than the model's; a bad shape, rank or fixed dim; rows
-            outside ``1..max_rows``; neither or both of ``data`` and ``binary_data_size``; a ``binary_data_size``
-            other than shape x datatype size; binary bytes short of or beyond what the inputs declare; JSON data of
-            the wrong count or kind, or out of the datatype's range; unknown or non-boolean output requests;
+        ProtocolError: (400) not JSON (``NaN``, ``Infinity`` and ``-Infinity`` are not: RFC 8259 §6) / not an
+            object; a bad header length; ``inputs`` missing, not a list, an input twice, unknown or missing; a
+            datatype other than the model's; a bad shape, rank or fixed dim; rows outside ``1..max_rows``; neither or
+            both of ``data`` and ``binary_data_size``; a ``binary_data_size`` other than shape x datatype size;
+            binary bytes short of or beyond what the inputs declare; BOOL binary bytes other than 0 and 1; JSON data
+            of the wrong count or kind, or out of the datatype's range (an integer past an integer datatype's, a
+            number that becomes infinity in a float datatype); unknown or non-boolean output requests;
             ``classification`` outputs. (413) a declared tensor larger than the body cap.
     """
     n_header = _header_length(header_length, len(body))
@@ -340,6 +393,8 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
             if offset + nbytes > len(binary):
                 raise ProtocolError(f"input {spec.name!r}: {nbytes} binary bytes declared, {len(binary) - offset} "
                                     "sent")
+            if spec.datatype == "BOOL":
+                _check_bool_bytes(binary[offset:offset + nbytes], spec.name)
             arr = np.frombuffer(binary[offset:offset + nbytes], dtype=wire).reshape(shape)
             if not arr.flags.aligned:  # an odd offset in the body: ORT reads aligned buffers
                 arr = arr.copy()
@@ -347,15 +402,7 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
         elif has_data:
             kind = "b" if spec.datatype == "BOOL" else "f" if wire.kind == "f" or spec.datatype == "BF16" else "i"
             flat = _flatten(t["data"], count, spec.name, kind)
-            try:
-                if kind == "i":
-                    info = np.iinfo(wire)
-                    if flat and not (info.min <= min(flat) and max(flat) <= info.max):
-                        raise OverflowError
-                with np.errstate(over="ignore"):
-                    arr = np.asarray(flat, dtype=spec.dtype if spec.datatype == "BF16" else wire).reshape(shape)
-            except (OverflowError, ValueError, TypeError):
-                raise ProtocolError(f"input {spec.name!r}: 'data' holds values out of {spec.datatype}'s range") from None
+            arr = _json_array(flat, kind, spec, wire).reshape(shape)
         else:
             raise ProtocolError(f"input {spec.name!r}: neither 'data' nor binary_data_size")
         if arr.dtype != spec.dtype:  # a big-endian host, or the wire's explicit endianness
@@ -364,6 +411,42 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
     if offset != len(binary):
         raise ProtocolError(f"{len(binary) - offset} bytes after the tensors that no input declares")
     return InferRequest(rid, arrays, _requested_outputs(req, params, model))
+
+
+def _check_bool_bytes(raw: memoryview, name: str) -> None:
+    """Raises :class:`ProtocolError` (400) unless every byte of BOOL input ``name``'s binary data is 0 or 1 (numpy
+    would keep the others as bools that are neither, which nothing downstream defines)."""
+    if raw.nbytes and int(np.frombuffer(raw, np.uint8).max()) > 1:
+        raise ProtocolError(f"input {name!r}: BOOL binary data holds bytes other than 0 (false) and 1 (true)")
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    return bool(np.isfinite(a.astype(np.float32) if a.dtype.name == "bfloat16" else a).all())
+
+
+def _json_array(flat: list, kind: str, spec: TensorSpec, wire: np.dtype) -> np.ndarray:
+    """The checked JSON values of input ``spec`` (:func:`_flatten`'s ``kind``) as a flat array of its dtype. Numbers
+    for a float datatype are read as the nearest float64 (as JSON parsers do), then rounded to the datatype: one that
+    rounds to its largest finite value is taken, one that becomes infinity is refused.
+
+    Raises:
+        ProtocolError: (400) an integer out of an integer datatype's range, a number past a float datatype's.
+    """
+    try:
+        if kind == "i":
+            info = np.iinfo(wire)
+            if flat and not (info.min <= min(flat) and max(flat) <= info.max):
+                raise OverflowError
+        if kind != "f":
+            return np.asarray(flat, dtype=wire)
+        wide = np.asarray(flat, dtype=np.float64)  # JSON integers too; one past float64: OverflowError
+        with np.errstate(over="ignore"):
+            arr = wide.astype(spec.dtype if spec.datatype == "BF16" else wire)
+        if not _all_finite(arr):  # the JSON read no NaN or infinity: these overflowed
+            raise OverflowError
+        return arr
+    except (OverflowError, ValueError, TypeError):
+        raise ProtocolError(f"input {spec.name!r}: 'data' holds values out of {spec.datatype}'s range") from None
 
 
 def _requested_outputs(req: Mapping, params: Mapping, model: ModelSpec) -> list[tuple[str, bool]]:
@@ -398,9 +481,14 @@ def _requested_outputs(req: Mapping, params: Mapping, model: ModelSpec) -> list[
     return out or [(n, default) for n in names]
 
 
-def _json_data(a: np.ndarray) -> list:
+def _json_data(a: np.ndarray, name: str) -> list:
+    """Output ``name`` flat (row-major) as JSON values. Raises :class:`ProtocolError` (400) for non-finite floats."""
     if a.dtype.name == "bfloat16" or a.dtype.kind == "f":
-        return a.astype(np.float64).ravel().tolist()
+        flat = a.astype(np.float64).ravel()
+        if not np.isfinite(flat).all():
+            raise ProtocolError(f"output {name!r} holds non-finite values (NaN or infinity), which JSON cannot carry "
+                                "(RFC 8259 §6): request it with parameters.binary_data=true")
+        return flat.tolist()
     return a.ravel().tolist()
 
 
@@ -414,6 +502,8 @@ def encode_infer_response(model: ModelSpec, request: InferRequest, outputs: Mapp
         application/octet-stream`` and ``Inference-Header-Content-Length``).
 
     Raises:
+        ProtocolError: (400) an output requested as JSON holds NaN or infinity, which JSON cannot carry (RFC 8259
+            §6); binary outputs carry them.
         KeyError: a requested output missing from ``outputs`` (a server error, not the client's).
     """
     specs = {s.name: s for s in model.outputs}
@@ -429,20 +519,38 @@ def encode_infer_response(model: ModelSpec, request: InferRequest, outputs: Mapp
             t["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            t["data"] = _json_data(a)
+            t["data"] = _json_data(a, name)
         tensors.append(t)
     head: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
     if request.id is not None:
         head["id"] = request.id
     head["outputs"] = tensors
-    raw = json.dumps(head).encode()
+    raw = json.dumps(head, allow_nan=False).encode()
     if not blobs:
         return raw, {"Content-Type": "application/json"}
     return raw + b"".join(blobs), {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(raw))}
 
 
 def _duration(count: int = 0, ns: int = 0) -> dict:
-    return {"count": int(count), "ns": int(ns)}
+    return {"count": _count(count), "ns": _count(ns)}
+
+
+def _count(x) -> int:
+    """A report's count (or ns) as an int: 0 for a NaN or infinite float, which no count is."""
+    if isinstance(x, (float, np.floating)) and not math.isfinite(x):
+        return 0
+    return int(x)
+
+
+def _finite(x):
+    """``x`` (a report) with every NaN or infinite float as ``None`` (JSON ``null``) and tuples as lists."""
+    if isinstance(x, Mapping):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    return x
 
 
 def statistics(model: ModelSpec, replicas: Sequence[Mapping]) -> dict:
@@ -451,7 +559,8 @@ def statistics(model: ModelSpec, replicas: Sequence[Mapping]) -> dict:
 
     A report may hold (all optional, counts and nanoseconds): ``success``/``fail``/``queue``/``compute_infer``
     ``{"count", "ns"}``, ``inference_count`` (rows), ``execution_count`` (batches), ``last_inference`` (ms since the
-    epoch) and ``batch_stats`` ``{rows: {"count", "ns"}}``.
+    epoch) and ``batch_stats`` ``{rows: {"count", "ns"}}``. The body is strict JSON: a NaN or infinite count counts
+    0, and the reports' NaN or infinite floats are shown as ``null``.
     """
     keys = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
     infer = {k: _duration() for k in keys}
@@ -460,19 +569,19 @@ def statistics(model: ModelSpec, replicas: Sequence[Mapping]) -> dict:
     for r in replicas:
         for k in keys:
             d = r.get(k) or {}
-            infer[k]["count"] += int(d.get("count", 0))
-            infer[k]["ns"] += int(d.get("ns", 0))
-        inference_count += int(r.get("inference_count", 0))
-        execution_count += int(r.get("execution_count", 0))
-        last = max(last, int(r.get("last_inference", 0)))
+            infer[k]["count"] += _count(d.get("count", 0))
+            infer[k]["ns"] += _count(d.get("ns", 0))
+        inference_count += _count(r.get("inference_count", 0))
+        execution_count += _count(r.get("execution_count", 0))
+        last = max(last, _count(r.get("last_inference", 0)))
         for size, d in (r.get("batch_stats") or {}).items():
             b = batches.setdefault(int(size), _duration())
-            b["count"] += int(d.get("count", 0))
-            b["ns"] += int(d.get("ns", 0))
+            b["count"] += _count(d.get("count", 0))
+            b["ns"] += _count(d.get("ns", 0))
     batch_stats = [{"batch_size": s, "compute_input": _duration(), "compute_infer": batches[s],
                     "compute_output": _duration()} for s in sorted(batches)]
     return {"model_stats": [{
         "name": model.name, "version": model.version, "last_inference": last,
         "inference_count": inference_count, "execution_count": execution_count, "inference_stats": infer,
-        "batch_stats": batch_stats, "memory_usage": [], "ortcapture": {"replicas": list(replicas)},
+        "batch_stats": batch_stats, "memory_usage": [], "ortcapture": {"replicas": [_finite(r) for r in replicas]},
     }]}

@@ -12,6 +12,7 @@ The ``cpu`` provider and the benchmark arms ``plain``/``padded`` serve an uncapt
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -20,9 +21,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture.errors import CaptureError
+from ortcapture.errors import CaptureError, TransferError
 from ortcapture.session import InferenceSession
+from ortcapture.serving.batch import RequestError
 from ortcapture.serving.config import ModelLayout, ServeOptions, model_layout
+
+_log = logging.getLogger("ortcapture.serving")
 
 #: relative tolerance of the health check's replay against the replay of the same input at start-up (identical
 #: replays of one graph: any difference means the graph or its buffers are broken)
@@ -136,6 +140,13 @@ class PaddedSession:
         with self._lock:
             return {"replayed": 0, "uncaptured": self._runs, "captured": 0, "oversize": 0, "buckets": {},
                     "refused": 0, "padding_waste": self._padded / max(self._rows + self._padded, 1)}
+
+
+def _client_fault(exc: Exception) -> bool:
+    """An ortcapture check refused the request: :class:`~ortcapture.serving.RequestError`, or an input check of the
+    session (``TransferError`` and ortcapture's other ``ValueError`` s; ORT's own errors are plain ``Exception`` subclasses)."""
+    return isinstance(exc, (RequestError, TransferError)) or (
+        isinstance(exc, ValueError) and type(exc).__module__.startswith("ortcapture"))
 
 
 def _np(onnx_type: str):
@@ -261,6 +272,46 @@ class ReplicaCore:
             self.last_inference_ms = int(time.time() * 1000)
         return results
 
+    def answers(self, results: Sequence) -> list[dict]:
+        """What each request of a batch gets, from :meth:`run`'s ``results``: ``{"outputs": {name: array}}``, or
+        ``{"error": message, "status": 400}`` for the request's own fault, or ``{"error": message, "status": 500}``.
+
+        Who is at fault, decided by behaviour, not by message text (the runner has already run every request of a
+        failed chunk alone, so an exception here is the request's *own* run's):
+
+        * a :class:`~ortcapture.serving.RequestError` or an ortcapture input check (``TransferError``, a
+          ``ValueError``): 400 with its text (it names only this request's inputs);
+        * any other exception (ORT's own, e.g. a Gather index out of range on the CPU EP): the request's own fault
+          — 400 with its text — when another request of the batch ran, or when the health check
+          (:meth:`check_health`, at most once per batch) passes right after; otherwise the device or session is
+          broken: 500 that names no values (``the model failed ...: <exception type>``), the full text only in
+          the replica's log. A client's value never gets a 5xx while the replica is healthy.
+        """
+        failed = [i for i, r in enumerate(results) if isinstance(r, Exception) and not _client_fault(r)]
+        healthy = len(failed) < len(results) or not failed
+        if failed and not healthy:
+            try:
+                self.check_health()
+                healthy = True
+            except Exception as exc:  # noqa: BLE001 - unhealthy: the failures are the server's
+                _log.error("ortcapture serve: health check after a failed batch failed: %s: %s",
+                           type(exc).__name__, exc)
+        out = []
+        for r in results:
+            if not isinstance(r, Exception):
+                out.append({"outputs": r})
+            elif _client_fault(r) or healthy:
+                text = str(r) if _client_fault(r) else f"the model could not run this request: {type(r).__name__}: {r}"
+                out.append({"error": text, "status": 400})
+            else:
+                _log.error("ortcapture serve: a batch failed: %s: %s", type(r).__name__, r)
+                out.append({"error": f"the model failed on this batch ({type(r).__name__}; the server's log has "
+                                     "the details)", "status": 500})
+        with self._lock:
+            self._t["client_faults_after_run"] += sum(1 for r in results if isinstance(r, Exception)
+                                                      and not isinstance(r, RequestError) and healthy)
+        return out
+
     def _rows_per_bucket(self, histogram: Mapping[int, int]) -> dict:
         """Request rows run per bucket (``{"batch=4": rows}``, the bucket a run of r rows pads to; runs past the
         largest bucket under ``"uncaptured"``), from the runner's histogram of rows per run."""
@@ -323,6 +374,9 @@ class ReplicaCore:
             rep["failed_requests"] = runner["failed_requests"]
             rep["bad_requests"] = runner["bad_requests"]
             rep["batches"] = runner["batches"]
+            rep["failed_batches"] = runner["failed_batches"]
+            rep["isolation_runs"] = runner["isolation_runs"]
+            rep["client_faults_after_run"] = t.get("client_faults_after_run", 0)
         else:  # noop: the batches Serve formed
             rep["batch_size_histogram"] = {k: v["count"] for k, v in batch.items()}
         return rep

@@ -13,13 +13,16 @@
 ``GET  /v2/models[/{name}[/versions/{v}]]/stats``  Triton's statistics extension + ``ortcapture`` per replica
 =================================================  ==========================================================
 
-Errors are ``{"error": "..."}`` with 400 (bad request), 404 (unknown model, version or endpoint), 405 (method),
-413 (body past the cap), 503 (not ready, or no replica could take the request). Nothing a client sends gets a 5xx:
+Errors are ``{"error": "..."}`` with 400 (bad request), 401 (a bearer token is required and was not given or is
+wrong: every endpoint but ``/v2/health/*``), 404 (unknown model, version or endpoint), 405 (method), 408 (the body
+made no progress for the body timeout), 413 (body past the cap), 503 (not ready, too many requests queued or
+sending their bodies, or no replica answered in time: with ``Retry-After``). Nothing a client sends gets a 5xx:
 every client mistake is caught by :mod:`ortcapture.serving.protocol` or the replica's own check
 (:meth:`ortcapture.serving.BatchRunner.rows`) first; an unexpected failure inside the server is a 500 naming it.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from dataclasses import dataclass, field
@@ -43,13 +46,22 @@ class Response:
 
 
 def json_response(status: int, obj: Any) -> Response:
-    """``obj`` (anything :func:`json.dumps` takes) as a JSON body with ``status``."""
-    return Response(status, json.dumps(obj).encode())
+    """``obj`` (anything :func:`json.dumps` takes, finite numbers only: RFC 8259 has no NaN or infinity) as a JSON
+    body with ``status``. Raises ``ValueError`` for a non-finite float (a server fault: a 500)."""
+    return Response(status, json.dumps(obj, allow_nan=False).encode())
 
 
-def error(status: int, message: str) -> Response:
-    """``{"error": message}`` with ``status``."""
-    return Response(status, protocol.error_body(message))
+def error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    """``{"error": message}`` with ``status`` (and extra ``headers``, e.g. ``Retry-After``)."""
+    return Response(status, protocol.error_body(message), {"Content-Type": "application/json", **(headers or {})})
+
+
+class Refusal(ProtocolError):
+    """A refusal that carries response ``headers`` (``Retry-After``, ``Connection: close``) besides its status."""
+
+    def __init__(self, message: str, status: int, headers: Mapping[str, str]):
+        super().__init__(message, status)
+        self.headers = dict(headers)
 
 
 class Router:
@@ -62,12 +74,18 @@ class Router:
             what the replica refuses, 503 where no replica could run it).
         server_name: ``GET /v2``'s ``name``.
         server_version: ``GET /v2``'s ``version``.
+        token: a bearer token: every endpoint but ``/v2/health/live`` and ``/v2/health/ready`` then needs
+            ``Authorization: Bearer <token>`` (compared in constant time); ``None``: no authentication.
+        ingress_stats: ``() -> dict`` shown under ``/stats``' ``ortcapture.ingress`` (queue, bodies in flight).
     """
 
     def __init__(self, spec: ModelSpec, ready: Callable[[], Awaitable[bool]],
                  infer: Callable[[dict], Awaitable[Mapping]], *, server_name: str = "ortcapture",
-                 server_version: str = ""):
+                 server_version: str = "", token: str | None = None,
+                 ingress_stats: Callable[[], Mapping] | None = None):
         self.spec = spec
+        self._token = None if token is None else token.encode()
+        self._ingress_stats = ingress_stats
         self._ready = ready
         self._infer = infer
         self._server = {"name": server_name, "version": server_version,
@@ -93,14 +111,26 @@ class Router:
         """Answer one request. ``headers``: lower-case names. ``read_body(cap)``: the raw body, raising
         :class:`~ortcapture.serving.protocol.ProtocolError` (413) past ``cap`` bytes. Never raises."""
         try:
-            response = await self._route(method.upper(), path, headers, read_body)
+            response = self._authorize(path, headers) or await self._route(method.upper(), path, headers, read_body)
         except ProtocolError as exc:
-            response = error(exc.status, str(exc))
+            response = error(exc.status, str(exc), getattr(exc, "headers", None))
         except Exception as exc:  # noqa: BLE001 - a server fault: say what, keep serving
             response = error(500, f"internal error: {type(exc).__name__}: {exc}")
         if response.status >= 400:
             self.http_errors[response.status] = self.http_errors.get(response.status, 0) + 1
         return response
+
+    def _authorize(self, path: str, headers: Mapping[str, str]) -> Response | None:
+        """``None`` when the request may go on: no token configured, a health endpoint, or the right bearer token;
+        else a 401."""
+        if self._token is None:
+            return None
+        if path.split("?", 1)[0].rstrip("/") in ("/v2/health/live", "/v2/health/ready"):
+            return None
+        scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), self._token):
+            return None
+        return error(401, "this server needs 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"})
 
     async def _route(self, method: str, path: str, headers, read_body) -> Response:
         parts = [unquote(p) for p in path.split("?", 1)[0].strip("/").split("/")]
@@ -151,7 +181,12 @@ class Router:
         return error(503, f"model {self.spec.name!r} is not ready: its replicas are not warm yet")
 
     def _stats(self) -> Response:
-        return json_response(200, protocol.statistics(self.spec, self.replicas()))
+        body = protocol.statistics(self.spec, self.replicas())
+        ingress = {"http_errors": {str(k): v for k, v in sorted(self.http_errors.items())}}
+        if self._ingress_stats is not None:
+            ingress.update(self._ingress_stats())
+        body["model_stats"][0]["ortcapture"]["ingress"] = ingress
+        return json_response(200, body)
 
     async def _infer_request(self, headers: Mapping[str, str], read_body) -> Response:
         cap = self.spec.max_body_bytes
@@ -170,6 +205,8 @@ class Router:
         request = protocol.parse_infer_request(body, headers.get(protocol.HEADER_LENGTH.lower()), self.spec)
         result = await self._infer(request.inputs)
         if "error" in result:
-            return error(int(result.get("status", 500)), str(result["error"]))
+            retry = result.get("retry_after")
+            return error(int(result.get("status", 500)), str(result["error"]),
+                         {"Retry-After": str(int(retry))} if retry is not None else None)
         payload, out_headers = protocol.encode_infer_response(self.spec, request, result["outputs"])
         return Response(200, payload, out_headers)
