@@ -488,6 +488,92 @@ def test_stalled_bodies_cannot_lock_out_a_normal_request(server, reference):
     assert not [c for c in ingress["http_errors"] if c.startswith("5") and c != "503"]  # a gone client is no 5xx
 
 
+def _negated_model() -> bytes:
+    """:func:`tiny.bucket_model` with its weights negated: the same API, other answers."""
+    import onnx
+
+    m = onnx.load_from_string(tiny.bucket_model())
+    for init in m.graph.initializer:
+        if init.name == "W":
+            from onnx import numpy_helper
+
+            init.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(init), "W"))
+    return m.SerializeToString()
+
+
+def _replace(model: Path) -> subprocess.CompletedProcess:
+    args = [str(model), "--name", MODEL, "--address", "auto", "--replace", "--provider", PROVIDER, "--replicas", "2",
+            "--batch-wait-ms", "20", "--max-body-mib", "1", "--graceful-shutdown-s", "5"]
+    return _serve(args + (["--gpus-per-replica", "0.5"] if PROVIDER == "cuda" else []), timeout=STARTUP_S)
+
+
+def test_a_model_is_replaced_in_place_without_downtime(server, reference, tmp_path):
+    """Issue 43, item 3: replacing the served model is Ray Serve's in-place application update
+    (``ortcapture serve NEW --name NAME --address auto --replace``), not an accident of port sharing: two threads
+    send throughout; no request fails; every answer is the old model's or the new one's; afterwards only the new
+    one's. Then back to the old model the same way."""
+    import onnxruntime as ort
+
+    new = tmp_path / "negated.onnx"
+    new.write_bytes(_negated_model())
+    neg = ort.InferenceSession(str(new), providers=["CPUExecutionProvider"])
+    names = [o.name for o in neg.get_outputs()]
+
+    def new_reference(x):
+        return dict(zip(names, neg.run(None, {"X": x})))
+
+    for model, want_after, other in ((new, new_reference, reference), (server.model, reference, new_reference)):
+        stop = threading.Event()
+        seen = {"old": 0, "new": 0, "failed": []}
+
+        def send(thread: int, stop=stop, seen=seen, want_after=want_after, other=other) -> None:
+            client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+            deadline = time.monotonic() + STARTUP_S
+            i = 0
+            while not stop.is_set() and time.monotonic() < deadline and i < 20000:
+                x = _distinct(80 + thread, i, 1 + i % 3)
+                i += 1
+                try:
+                    res = _infer(client, x)
+                except Exception as exc:  # noqa: BLE001 - counted: there must be none
+                    seen["failed"].append(f"{type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                if all(_close(res.as_numpy(n), w) for n, w in want_after(x).items()):
+                    seen["new"] += 1
+                elif all(_close(res.as_numpy(n), w) for n, w in other(x).items()):
+                    seen["old"] += 1
+                else:
+                    seen["failed"].append("an answer of neither model")
+
+        threads = [threading.Thread(target=send, args=(t,)) for t in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            proc = _replace(model)
+            took = time.monotonic() - t0
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        print(f"\nreplaced by {model.name} in {took:.1f} s: {seen['old']} answers of the model before, "
+              f"{seen['new']} of the new one, {len(seen['failed'])} failed")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "replaced in place" in proc.stderr.strip().splitlines()[-1]
+        assert not seen["failed"], seen["failed"][:5]
+        assert seen["old"] > 0 and seen["new"] > 0
+        client = http.InferenceServerClient(f"127.0.0.1:{server.port}")
+        for i in range(6):
+            x = _distinct(90, i, 1 + i % 3)
+            assert all(_close(_infer(client, x).as_numpy(n), w) for n, w in want_after(x).items())
+    other_name = tmp_path / "other.onnx"
+    other_name.write_bytes(tiny.add_model(shape=("batch", 4)))
+    proc = _replace(other_name)  # another API under the same name: refused, nothing changes
+    assert proc.returncode == 2 and "API differs" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
 def test_replica_killed_under_load_is_replaced(server, reference):
     """One replica's process is killed (SIGKILL) while 4 threads send: Ray starts a new replica; the requests
     that fail meanwhile are counted (printed) and every answer that comes back is right."""

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--address", default=None,
                    help="join this running Ray cluster (default: start a new local one, never attach by accident)")
+    p.add_argument("--replace", action="store_true",
+                   help="with --address: replace the model a running server serves under --name in place (Ray "
+                        "Serve's in-place update: no downtime), then exit 0; the running server keeps serving it")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the new local Ray cluster (default: all)")
     p.add_argument("--graceful-shutdown-s", type=float, default=10.0,
                    help="how long stopping replicas let requests in flight finish (default 10 s)")
@@ -91,6 +94,9 @@ def run(args) -> int:
 
     options = options_from(args)
     config.model_layout(options)  # the model's layout is servable: checked before Ray starts
+    if args.replace and not options.address:
+        raise CaptureError("--replace updates a running server in place: give its cluster's --address (auto on "
+                           "its node)")
     if not options.address:  # a port in use: one line, exit 2, before anything slow (Ray, the provider probe)
         config.check_port(options.host, options.port)
     if options.provider in ("auto", "cuda"):
@@ -100,7 +106,9 @@ def run(args) -> int:
         if broken:
             raise CaptureError(broken + ("; --provider webgpu serves on WebGPU instead" if options.provider == "auto"
                                          else ""))
-    if options.loopback():  # the new local cluster stays on 127.0.0.1 too (read when Ray is imported)
+    if options.loopback() or (args.replace and options.host_is_loopback()):
+        # the new local cluster stays on 127.0.0.1 too (read when Ray is imported); a --replace of a loopback
+        # server joins its cluster on 127.0.0.1
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray  # noqa: F401 - only to say what is missing
@@ -120,6 +128,14 @@ def run(args) -> int:
               f"{list(options.buckets)}) at {url}/v2/models/{options.name}", file=sys.stderr, flush=True)
         print(url, flush=True)
 
+    if args.replace:
+        try:
+            deployment.replace_model(dataclasses.replace(options, provider=provider), provider, on_status=_say)
+        except deployment.ServeFailed as exc:
+            raise CaptureError(f"cannot replace {options.name}: {exc}") from None
+        print(f"ortcapture serve: {options.name} replaced in place by {options.model} on {provider} "
+              f"({options.replicas} replica(s))", file=sys.stderr, flush=True)
+        return 0
     ray_init = {"num_cpus": args.num_cpus} if args.num_cpus and not options.address else None
     try:
         return deployment.serve(options=dataclasses.replace(options, provider=provider), on_ready=ready,

@@ -192,7 +192,11 @@ class ServeOptions:
         """Whether a new local cluster should stay on 127.0.0.1: served on a loopback ``host``, no ``address``.
         Ray resolves 127.0.0.1 to the machine's own address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set
         before ``import ray`` (``ortcapture serve`` sets it then)."""
-        return not self.address and (self.host in ("localhost", "::1") or self.host.startswith("127."))
+        return not self.address and self.host_is_loopback()
+
+    def host_is_loopback(self) -> bool:
+        """Whether HTTP listens on a loopback address only (``127.*``, ``::1``, ``localhost``)."""
+        return self.host in ("localhost", "::1") or self.host.startswith("127.")
 
     def gpus(self, provider: str) -> float:
         """GPUs per replica for the resolved ``provider``: the option, else 1 for CUDA, 0 otherwise."""

@@ -299,6 +299,10 @@ class IngressReplica:
         return {"pending_bodies": self._pending_bodies, "max_pending_bodies": o.max_pending_bodies,
                 "queued": self._queued, "max_queued": o.max_queued, "refused": dict(self._refused)}
 
+    async def layout(self) -> dict:
+        """What clients see of the served model (:func:`replace_model` checks a replacement against it)."""
+        return _api_of(self.spec)
+
     async def report(self, replica: str, data: dict) -> None:
         """A model replica's counters, shown under ``/stats``."""
         self.router.report(replica, data)
@@ -456,18 +460,70 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     scheme = "https" if options.ssl_certfile else "http"
     say(f"HTTP up at {scheme}://{options.host}:{options.port} (ready: 503 until warm); warming up {options.replicas} "
         f"replica(s): one graph per bucket {list(options.buckets)}")
-    deadline = time.monotonic() + startup_timeout_s
+    _wait_running(model_app, startup_timeout_s)
+    return f"{scheme}://{options.host}:{options.port}"
+
+
+def _wait_running(app: str, timeout_s: float) -> None:
+    """Wait until Serve says application ``app`` is RUNNING; :class:`ServeFailed` if it failed or took too long."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        st = ray_serve.status().applications.get(model_app)
+        st = ray_serve.status().applications.get(app)
         state = str(getattr(st.status, "value", st.status)) if st is not None else "NOT_STARTED"
         if state == "RUNNING":
-            break
+            return
         if state in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise ServeFailed(_failure(st))
         if time.monotonic() > deadline:
-            raise ServeFailed(f"the model replicas were not warm after {startup_timeout_s:.0f} s ({state})")
+            raise ServeFailed(f"the model replicas were not warm after {timeout_s:.0f} s ({state})")
         time.sleep(0.25)
-    return f"{scheme}://{options.host}:{options.port}"
+
+
+def replace_model(options: ServeOptions, provider: str, *, on_status: Callable[[str], None] | None = None,
+                  timeout_s: float = 900.0) -> None:
+    """Replace the model a running ``ortcapture serve`` serves under ``options.name``, in place and without
+    downtime: Ray Serve's in-place application update of the model application (new replicas are started with
+    ``options`` — a new model file, buckets, replicas — and warmed up; the old ones finish their requests in flight
+    and stop; requests meanwhile wait for a replica instead of failing). The HTTP ingress, its port and its
+    ``/stats`` stay. Joins ``options.address`` (``"auto"`` on a node of the cluster) unless Ray is initialised.
+
+    Raises:
+        ServeRefused: no server of that name runs there (nothing is deployed), or the new model's inputs, outputs,
+            batch axes or row limit differ from what the running ingress parses (a client would see another API).
+        ServeFailed: the new replicas could not start (Serve's reason) or were not warm within ``timeout_s``; the
+            running ones keep serving then until Serve replaces them.
+    """
+    say = on_status or (lambda msg: None)
+    if not ray.is_initialized():
+        ray.init(address=options.address or "auto", include_dashboard=False, log_to_driver=False)
+    apps = ray_serve.status().applications
+    model_app = model_app_name(options)
+    if options.app_name not in apps or model_app not in apps:
+        raise ServeRefused(f"no ortcapture serve of model name {options.name!r} runs on this cluster (applications "
+                           f"{sorted(apps)}): start one instead")
+    running = ray_serve.get_deployment_handle(INGRESS_DEPLOYMENT, options.app_name).layout.remote().result(
+        timeout_s=60)
+    new = _api_of(model_layout(options).spec)
+    if running != new:
+        raise ServeRefused(f"the new model's API differs from the one served (served {running}, new {new}): "
+                           "serve it under another --name")
+    model, _ = _deployments(options, provider)
+    say(f"replacing {options.name!r} in place: {options.replicas} new replica(s) warm up, the old ones finish their "
+        "requests and stop")
+    try:  # Serve marks the application DEPLOYING when it takes the new version, RUNNING once it runs
+        ray_serve.run_many([ray_serve.RunTarget(model.bind(options, provider, options.app_name), name=model_app,
+                                                route_prefix=None)], wait_for_applications_running=True)
+    except RuntimeError:  # Serve's DEPLOY_FAILED: its reason, one line
+        pass
+    _wait_running(model_app, timeout_s)
+
+
+def _api_of(spec) -> dict:
+    """What a client of the ingress sees of a model: inputs and outputs (name, datatype, shape), batch axes, the
+    row limit — equal for a replacement."""
+    return {"inputs": [(t.name, t.datatype, list(t.shape)) for t in spec.inputs],
+            "outputs": [(t.name, t.datatype, list(t.shape)) for t in spec.outputs],
+            "batch_axes": dict(spec.batch_axes), "max_rows": int(spec.max_rows)}
 
 
 def _check_joined_serve(options: ServeOptions) -> None:
