@@ -83,7 +83,10 @@ class AutoCaptureSession(InferenceSession):
     # -- plain run: replayed where it can be --------------------------------------------------------------------
     def run(self, output_names, input_feed, run_options=None):
         """ORT's ``run``; served from a captured graph where it can be (see the module docstring). Returns what ORT
-        returns: one numpy array per requested output. Raises what ORT raises."""
+        returns: one numpy array per requested output. Raises what ORT raises, and :class:`CaptureError` (``kind``
+        ``"fork"``) for a device session used in an ``os.fork()`` child of the process that made it (ORT would hang
+        there without a word; never served uncaptured instead)."""
+        self._oc_check_fork("run()")
         if self._oc_buckets is not None and not _explicit_graph_id(run_options):
             try:
                 return super().run(output_names, input_feed, run_options)  # the bucket graphs

@@ -20,7 +20,7 @@ from ortcapture._core.binding import IOBinding
 from ortcapture._ort.compat import OrtValue
 from ortcapture._core.reference import check_frozen
 from ortcapture._core.run import run_options_for
-from ortcapture._ort.sync import UNSETTLED, settle
+from ortcapture._ort.sync import FORKED_DEVICES, UNSETTLED, hold, settle
 from ortcapture.errors import CaptureError, GraphReleasedError, StaleOutputError, TransferError
 
 
@@ -147,6 +147,10 @@ class CapturedGraph:
     * ``state={"state_out": "state_in"}``: after each replay the output is copied device-to-device into the
       input, so N runs equal N uncaptured steps; :meth:`reset_state` restores the initial (or given) values.
     * ``release()`` or leaving a ``with`` block releases the graph (CUDA/TensorRT: its id is retired).
+    * In an ``os.fork()`` child of the process that captured it, ``run``/``run_many``/``replay`` and every other
+      call that would reach the device raise :class:`~ortcapture.errors.CaptureError` (``kind`` ``"fork"``) before
+      any native call — ORT's device state does not survive fork, and the replay would hang without a word
+      (measured on WebGPU) — and ``release()`` only marks the graph released (the child never frees its buffers).
 
     Thread-safe: runs of one session are serialised (ORT does not support concurrent ``Run`` under capture), and
     different sessions' CUDA work waits while any thread captures (:mod:`ortcapture._ort.sync`). CUDA/TensorRT: ORT
@@ -193,6 +197,7 @@ class CapturedGraph:
         except BaseException:
             self._drop_buffers()  # a failed capture() keeps nothing alive
             raise
+        hold(self, capture_state.origin)  # an os.fork() child never frees its buffers (ortcapture._ort.sync.Origin)
 
     def _build(self, example_feeds, state, new_buffer) -> None:
         cs = self._cs
@@ -333,11 +338,15 @@ class CapturedGraph:
                 ``torch.cuda.graph()``) or a blocking stream of the calling thread's current CUDA device, from any
                 thread (ORT PR #32081); or a host-read input (``get_input_memory_infos()``: Reshape shape, Slice
                 starts, Clip bounds, ...) fed a value other than the capture's (a replay would silently keep the
-                capture-time value).
+                capture-time value); or (``kind`` ``"fork"``) this is an ``os.fork()`` child of the process that
+                captured the graph: ORT's device state does not survive fork (the replay would hang or crash without
+                a word; measured on WebGPU, ORT 1.32).
         """
         # The replay hot path: straight-line code, few calls. On the H200 hosts each Python frame here costs ~1-2 µs
         # right after a replay's wait for the GPU, several times its cost back to back.
         cs = self._cs
+        if FORKED_DEVICES and cs.origin.forked:  # an os.fork() child: before any copy or lock (sync.Origin)
+            raise cs.origin.error("CapturedGraph.run()")
         probe = cs.capture_probe
         if probe is not None and probe():  # before any copy: CUDA calls inside a foreign capture break it
             cs.check_foreign_capture()  # raises CaptureError (ORT PR #32081)
@@ -593,6 +602,8 @@ class CapturedGraph:
         """
         if copy_outputs is not True and copy_outputs != "pinned":
             raise TransferError(f"run_many's copy_outputs must be True or 'pinned', got {copy_outputs!r}")
+        if FORKED_DEVICES:  # an os.fork() child: at the call, not at the first item (ortcapture._ort.sync.Origin)
+            self._cs.origin.check("CapturedGraph.run_many()")
         return self._many_iter(iter(requests), [self, *self._copies], copy_outputs)
 
     def _refuse_inside_many(self) -> None:
@@ -838,10 +849,16 @@ class CapturedGraph:
 
     def release(self) -> None:
         """Release the captured graph (idempotent, thread-safe). CUDA/TensorRT: the ``gpu_graph_id`` is retired.
-        The graph's buffers are freed once no :class:`ReplayOutput` or other reference holds them."""
+        The graph's buffers are freed once no :class:`ReplayOutput` or other reference holds them.
+
+        In an ``os.fork()`` child of the process that captured it, the graph is only marked released: ORT's release
+        and the buffers' free would reach the parent's device state, which does not survive fork (a hang)."""
         copies, self._copies = self._copies, []
         for twin in copies:
             twin.release()
+        if FORKED_DEVICES and self._cs.origin.forked:
+            self._released = True
+            return
         with self._cs.guard:  # two concurrent releases must not release a graph re-captured under the id
             if self._released:
                 return

@@ -32,7 +32,8 @@ from ortcapture._buckets.run import BucketRunner
 from ortcapture._ort.compat import OrtInferenceSession
 from ortcapture._ort.model import ModelSource, external_folder
 from ortcapture import transfer
-from ortcapture._ort.providers import CaptureInfo, detect_capture, names_cuda_ep, requested_capture
+from ortcapture._ort.providers import (
+    CaptureInfo, detect_capture, device_kind, names_cuda_ep, normalize, requested_capture)
 from ortcapture._core.reference import check_ep_accuracy, reference_runner, verify_graph
 from ortcapture._session_setup import (
     build_without_capture, check_tensor_io, check_version, constant_outputs_of, refuse_int64_arithmetic, refusal_text,
@@ -41,7 +42,8 @@ from ortcapture._core.run import (  # noqa: F401 - run_options_for and friends a
     GRAPH_ID_KEY, MAX_GRAPH_ID, SKIP_GRAPH_ID, check_graph_id, graph_id_of, run_bound, run_options_for,
     unsynchronised)
 from ortcapture._core.state import CaptureState
-from ortcapture._ort.sync import CUDA_GATE, WEBGPU_LOCK, defer_sync, run_async_guarded
+from ortcapture._ort.sync import (
+    CUDA_GATE, FORKED_DEVICES, WEBGPU_LOCK, Origin, defer_sync, device_origin, hold, run_async_guarded)
 from ortcapture._verify.compare import level_of
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
@@ -89,7 +91,17 @@ class InferenceSession(OrtInferenceSession):
             the requested EP; or, on WebGPU, the model produces int64 from int64 arithmetic (``kind`` is
             ``"int64_as_int32"``, ``nodes`` names them) and ``allow_int64_as_int32`` is not set.
         CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``/``verify``/``pad_values``, or
-            buckets without capture.
+            buckets without capture; or (``kind`` ``"fork"``) a session on a device (CUDA/TensorRT, WebGPU) made in a
+            process that ``os.fork()`` made from one that had already used that device: ORT's device state is per
+            process and does not survive fork, so its first run would hang (measured on WebGPU, ORT 1.32).
+
+    Processes: a session with a device EP (anything but ORT's CPU EP) made before ``os.fork()`` cannot be used in
+    the child — ORT and Dawn hang there on the first run, without a word (measured on WebGPU; CUDA does not support
+    fork either). Every entry that would reach native code (runs, ``capture()``, graph replays, IOBinding copies,
+    ``allocate()``, ``set_providers()``, ``compact()``, ``ortcapture.transfer`` copies of its device buffers)
+    raises :class:`CaptureError` (``kind`` ``"fork"``) in the child instead, before any native call; releases there
+    do nothing, and the session is never destroyed in the child (its destruction would hang too). Sessions on ORT's
+    CPU EP keep working in the child. Use the ``spawn`` (or ``forkserver``) start method (docs/USAGE.md).
 
     When ORT refuses capture for the model's dynamic shapes (or inputs without shape information), the session is
     created without capture instead (``capture_deferred`` is then True) and :meth:`capture` specialises a sibling
@@ -128,6 +140,8 @@ class InferenceSession(OrtInferenceSession):
         self._oc_providers = (providers, provider_options)  # what the C session was last built with
         self._oc_streams = SessionStreams(self)  # the CUDA EP's compute stream, ortcapture's own (see there)
         requested = requested_capture(providers, provider_options, sess_options)
+        if FORKED_DEVICES:  # an os.fork() child of a device user: refused before ORT builds anything (see Origin)
+            self._oc_refuse_forked(providers, requested)
         # the model as it is now: every later build (siblings, references, rebuilds) starts from it (ortcapture._ort.model)
         source = path_or_bytes if isinstance(path_or_bytes, ModelSource) else \
             ModelSource(path_or_bytes, keep=requested is not None)
@@ -154,6 +168,7 @@ class InferenceSession(OrtInferenceSession):
             deferred = self._oc_build(model, build_options, providers, provider_options, kwargs, requested,
                                       static_shapes, static_sig, source)
         self._oc_setup(requested, deferred, static_sig, _oc_family)
+        self._oc_origin.check("InferenceSession()")  # made in an os.fork() child on a device its parent used
         self._oc_bucket_args = dict(output_axes=output_axes, oversize=oversize, verify=verify,
                                     max_graphs=max_graphs, replay_thread=replay_thread, pad_values=pad_values)
         self._oc_buckets = None
@@ -195,6 +210,17 @@ class InferenceSession(OrtInferenceSession):
         return deferred
 
     # -- construction helpers -------------------------------------------------------------------------------
+    @staticmethod
+    def _oc_refuse_forked(providers, requested: CaptureInfo | None) -> None:
+        """In an ``os.fork()`` child of a process that had sessions on a device: raise :class:`CaptureError`
+        (``kind`` ``"fork"``) for a session asking for that device, where it is known before ORT builds (the
+        requested capture EP, an EP named in ``providers=``); a device EP added through the session options is
+        refused once built (``_oc_setup``'s origin)."""
+        names = {n for n, _ in normalize(providers, None)} | ({requested.ep.name} if requested is not None else set())
+        eps = sorted(n for n in names if device_kind(n) in FORKED_DEVICES)
+        if eps:
+            Origin(eps, sorted({device_kind(n) for n in eps}), inherited=False).check("InferenceSession()")
+
     def _oc_create(self, model, sess_options, providers, provider_options, kwargs, requested, static_sig) -> None:
         """ORT's constructor. A WebGPU capture request for a model with dynamic input dims is first tried quietly:
         ORT refuses it at creation with an ``[E:onnxruntime...]`` log line ("cannot use the graph capture feature")
@@ -234,8 +260,13 @@ class InferenceSession(OrtInferenceSession):
                 f"graph capture was requested for {requested.ep.name}, but the session runs on "
                 f"{self.get_providers()} without capture: {why}."
             )
+        eps = [p for p in self.get_providers() if device_kind(p) is not None]
+        #: where this C session was made: in an os.fork() child every native entry raises (ortcapture._ort.sync)
+        self._oc_origin = device_origin(eps, sorted({device_kind(p) for p in eps}))
+        hold(self, self._oc_origin)  # never destroyed in a fork child (its destruction would reach the device)
         old = getattr(self, "_oc_state", None)
-        self._oc_state = CaptureState(self, info, requested, deferred, static_sig, self._oc_lock, family)
+        self._oc_state = CaptureState(self, info, requested, deferred, static_sig, self._oc_lock, family,
+                                      self._oc_origin)
         self._oc_state.constant_outputs = constant_outputs_of(self._oc_args[0], static_sig)
         self._oc_state.rebuild_session = self._oc_rebuild_c_session
         self._oc_state.check_model = self._oc_check_model
@@ -360,7 +391,11 @@ class InferenceSession(OrtInferenceSession):
         Raises:
             CaptureUnsupportedError: the session does not capture (nor defers capture).
             TransferError: a bad shape or dtype.
+            CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made the session
+                (ORT's device state does not survive fork: the allocation would hang or crash).
         """
+        if FORKED_DEVICES:
+            self._oc_origin.check("allocate()")
         st = self._oc_state
         if st.pool is None:
             self._oc_require_capture("allocate()")
@@ -368,13 +403,28 @@ class InferenceSession(OrtInferenceSession):
             return st.pool.allocate(shape, dtype)
 
     def io_binding(self) -> IOBinding:
-        """An :class:`ortcapture.IOBinding` (an ``onnxruntime.IOBinding`` that records what it binds)."""
+        """An :class:`ortcapture.IOBinding` (an ``onnxruntime.IOBinding`` that records what it binds).
+
+        Raises:
+            CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made a device session
+                (its runs and copies would hang there: ORT's device state does not survive fork).
+        """
         return IOBinding(self)
 
     # -- guarded run paths ------------------------------------------------------------------------------------
+    def _oc_check_fork(self, what: str) -> None:
+        """Raise :class:`CaptureError` (``kind`` ``"fork"``) when this is an ``os.fork()`` child of the process that
+        made this device session (:class:`ortcapture._ort.sync.Origin`); one truth test elsewhere."""
+        if FORKED_DEVICES:
+            self._oc_origin.check(what)
+
     def _oc_check_plain_run(self, api: str, run_options) -> bool:
         """Raise unless a plain run is safe here; True when it must hold the session guard (a capture session, or
-        any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture._ort.sync``)."""
+        any CUDA-based session: its runs must not overlap another thread's capture, see ``ortcapture._ort.sync``).
+        In an ``os.fork()`` child of the process that made a device session: :class:`CaptureError` (``kind``
+        ``"fork"``; ORT and Dawn would hang on the run)."""
+        if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
+            self._oc_origin.check(f"{api}()")
         st = self._oc_state
         if st.info is None:
             return st.deferred or st.gpu_guarded  # deferred: siblings capture under the same lock
@@ -392,8 +442,18 @@ class InferenceSession(OrtInferenceSession):
     def run(self, output_names, input_feed, run_options=None):
         """ORT's ``run``. With ``buckets=``: served from the bucket's captured graph (padded, replayed, sliced; see
         :meth:`bucket_stats`); ``gpu_graph_id=-1`` runs uncaptured, any other ``gpu_graph_id`` raises
-        :class:`CaptureError`. Without buckets on a capturing session only ``gpu_graph_id=-1`` is allowed."""
+        :class:`CaptureError`. Without buckets on a capturing session only ``gpu_graph_id=-1`` is allowed.
+
+        Raises:
+            CaptureError: a ``gpu_graph_id`` other than -1 on a capturing session (ORT would capture or replay the
+                transient buffers of this call); or (``kind`` ``"fork"``) a device session (CUDA/TensorRT, WebGPU)
+                used in an ``os.fork()`` child of the process that made it — ORT's device state does not survive
+                fork, and the raw run would hang without a word (measured on WebGPU, ORT 1.32). Use the ``spawn``
+                start method, or make sessions after forking.
+        """
         if self._oc_buckets is not None:
+            if FORKED_DEVICES:  # before the bucket runner (its replay thread, if any, did not survive the fork)
+                self._oc_origin.check("run()")
             return self._oc_buckets.run(output_names, input_feed, run_options)
         return self._oc_plain_run(output_names, input_feed, run_options)
 
@@ -437,9 +497,12 @@ class InferenceSession(OrtInferenceSession):
 
         Raises:
             CaptureError: another ``gpu_graph_id`` on a capturing session (ORT would capture or replay on the
-                transient buffers of this call and ignore later feeds).
+                transient buffers of this call and ignore later feeds); (``kind`` ``"fork"``) a device session used
+                in an ``os.fork()`` child of the process that made it (as :meth:`run`).
         """
         if self._oc_buckets is not None:
+            if FORKED_DEVICES:
+                self._oc_origin.check("run_with_ort_values()")
             return self._oc_buckets.run(output_names, input_dict_ort_values, run_options, ort_values=True)
         return self._oc_plain_run(output_names, input_dict_ort_values, run_options, True)
 
@@ -448,7 +511,8 @@ class InferenceSession(OrtInferenceSession):
         with ``gpu_graph_id=-1`` (serialised with captures and replays).
 
         Raises:
-            CaptureError: another ``gpu_graph_id`` on a capturing session (transient buffers, as for :meth:`run`).
+            CaptureError: another ``gpu_graph_id`` on a capturing session (transient buffers, as for :meth:`run`);
+                (``kind`` ``"fork"``) a device session used in an ``os.fork()`` child of the process that made it.
         """
         if self._oc_check_plain_run("run_with_ortvaluevector", run_options):
             with self._oc_state.guard:
@@ -473,12 +537,16 @@ class InferenceSession(OrtInferenceSession):
                 thread (ORT PR #32081).
             CaptureAbortedError: a capturing run failed inside ORT (e.g. ``RunOptions.terminate``); the id was
                 released in ORT (WebGPU, ORT >= 1.30: capture it again) or retired (CUDA/TensorRT).
+            CaptureError: (``kind`` ``"fork"``) a device session used in an ``os.fork()`` child of the process that
+                made it: ORT's device state does not survive fork (the run would hang or crash without a word).
 
         With the run option ``disable_synchronize_execution_providers=1`` ORT returns before the device finished the
         run, as ORT documents; ortcapture's own readers and writers (``to_numpy``, ``update_inplace``, ``copy``,
         ``CapturedGraph.run``) then first wait for it (ORT's ``IOBinding.synchronize_outputs()``). ORT's own reads
         (``OrtValue.numpy()``, ``copy_outputs_to_cpu()``) do not: synchronise before them yourself.
         """
+        if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
+            self._oc_origin.check("run_with_iobinding()")
         result = self._oc_run_with_iobinding(iobinding, run_options)
         if run_options is not None and unsynchronised(run_options):
             st = self._oc_state
@@ -552,10 +620,15 @@ class InferenceSession(OrtInferenceSession):
         id is retired — reusing it raises :class:`~ortcapture.errors.GraphReleasedError`; capture under a new id.
         A graph captured by :meth:`capture` on a shape-specialised sibling is released there.
 
+        In an ``os.fork()`` child of the process that made the session it does nothing: ORT's release would reach
+        the parent's device state, which does not survive fork (the session and its graphs are kept, unused).
+
         Raises:
             CaptureError: ``graph_annotation_id`` is not an int in [-1, 2**31-1].
         """
         gid = check_graph_id(graph_annotation_id)
+        if FORKED_DEVICES and self._oc_origin.forked:
+            return
         fam = self._oc_state.family
         with fam.guard:  # the family's lock first, then the member's (capture() takes them in that order)
             owner = fam.owner_of(gid) or self._oc_state
@@ -568,12 +641,19 @@ class InferenceSession(OrtInferenceSession):
         Raises:
             CaptureUnsupportedError: the new providers request capture but do not give it; the session is then left
                 as ORT made it, without capture (``capture_enabled`` False).
+            CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made a device session
+                (ORT would destroy the parent's C session: a hang), before anything is touched; or new providers on
+                a device the parent process had in use (the session is then left unusable: each use raises so).
 
         When ORT refuses capture for the model's dynamic dims, the session is made without capture and defers to
         shape-specialised siblings (``capture_deferred``), as the constructor does.
         """
+        if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
+            self._oc_origin.check("set_providers()")
         sess_options = self._oc_args[1]
         requested = requested_capture(providers, provider_options, sess_options if not providers else None)
+        if FORKED_DEVICES:
+            self._oc_refuse_forked(providers, requested)
         self._oc_check_model("rebuild the C session (set_providers)")  # before anything is touched
         st = self._oc_state
         with st.capture_guard:  # a new C session: no other CUDA work meanwhile
@@ -591,6 +671,7 @@ class InferenceSession(OrtInferenceSession):
                 # the C session was already replaced: describe what it really is (no capture), then report
                 self._oc_setup(None, False, st.static_shapes)
                 raise
+        self._oc_origin.check("set_providers()")  # a device EP from the session options, its parent's device
 
     def _oc_bucket_reference(self):
         """The buckets' verification reference (``ortcapture._core.reference``: the session's own ``gpu_graph_id=-1``
@@ -615,10 +696,13 @@ class InferenceSession(OrtInferenceSession):
 
         Raises:
             CaptureError: the session has no ``buckets=``; ``None`` with non-bucketed dynamic dims; a bucket whose
-                capture or verification failed.
+                capture or verification failed; (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that
+                made the session.
         """
         if self._oc_buckets is None:
             raise CaptureError("warmup() needs a session made with buckets=")
+        if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
+            self._oc_origin.check("warmup()")
         return self._oc_buckets.warmup(example_feeds)
 
     def bucket_stats(self) -> dict:
@@ -694,10 +778,13 @@ class InferenceSession(OrtInferenceSession):
         Raises:
             CaptureError: the session has no ``buckets=``; ``example_feeds`` do not fit the model's inputs, or are
                 ``None`` with non-bucketed dynamic dims; an output whose relation cannot be measured (declare it in
-                ``output_axes=``); the model fails on the padded probe feeds.
+                ``output_axes=``); the model fails on the padded probe feeds; (``kind`` ``"fork"``) in an
+                ``os.fork()`` child of the process that made the session.
         """
         if self._oc_buckets is None:
             raise CaptureError("bucket_output_axes() needs a session made with buckets=")
+        if FORKED_DEVICES:  # its probe runs: refused in an os.fork() child (ortcapture._ort.sync.Origin)
+            self._oc_origin.check("bucket_output_axes()")
         return self._oc_buckets.output_axes(example_feeds)
 
     def _oc_set_providers(self, providers, provider_options, requested) -> bool:
@@ -749,11 +836,14 @@ class InferenceSession(OrtInferenceSession):
             CaptureError: raw IOBinding graphs are captured (their IOBinding belongs to the old C session; release
                 them first), or on WebGPU, buffers from :meth:`allocate` are alive; or an external data file of the
                 model changed or is gone since construction; or a graph failed to capture again (that graph is
-                released; the rest are compacted).
+                released; the rest are compacted); or (``kind`` ``"fork"``) in an ``os.fork()`` child of the process
+                that made the session (ORT's device state does not survive fork).
 
         The C session is built from the model as it was loaded (the bytes read at construction; ORT's own
         ``_reset_session`` reads the model file again): a file replaced or deleted since changes nothing.
         """
+        if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
+            self._oc_origin.check("compact()")
         st = self._oc_state
         if st.info is None and not st.deferred:
             self._oc_require_capture("compact()")
@@ -824,12 +914,16 @@ class InferenceSession(OrtInferenceSession):
                 int >= 1, or ``copies > 1`` with ``state=``.
             GraphReleasedError: ``graph_id`` was released on CUDA/TensorRT (retired).
             TransferError: feeds that do not match the model's inputs.
+            CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made the session:
+                ORT's device state does not survive fork (the capture would hang or crash without a word).
 
         Where the model has dynamic input dims and ORT refused capture for them, the graph is captured on a sibling
         session with the same model, providers and options but those dims fixed (cached per shape signature).
         """
         from ortcapture.graph import CapturedGraph
 
+        if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
+            self._oc_origin.check("capture()")
         if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
             raise CaptureError(f"copies must be an int >= 1, got {copies!r}")
         if copies > 1:
@@ -891,10 +985,14 @@ class InferenceSession(OrtInferenceSession):
         Raises:
             CaptureUnsupportedError: no ``device`` on a session without capture.
             TransferError: feeds that do not match the model's inputs.
+            CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made a device session,
+                or fixed buffers on a device that process had in use (ORT's device state does not survive fork).
         """
         from ortcapture._ort.providers import CAPTURE_EPS
         from ortcapture.graph import CapturedGraph
 
+        if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
+            self._oc_origin.check("uncaptured_graph()")
         st = self._oc_state
         if device is None:
             if st.device is None:

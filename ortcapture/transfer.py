@@ -23,7 +23,7 @@ import numpy as np
 
 from ortcapture._ort import compat, compute_stream
 from ortcapture._ort.compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
-from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, WEBGPU_LOCK, settle
+from ortcapture._ort.sync import CUDA_GATE, FORKED_DEVICES, UNSETTLED, WEBGPU_LOCK, check_device, settle
 from ortcapture._ort.values import ONNX_TO_NP, STORAGE, ValueMeta, meta  # noqa: F401 - ONNX_TO_NP re-exported
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
@@ -127,16 +127,22 @@ def _require_copyable(sm: ValueMeta, dm: ValueMeta) -> None:
 # checks
 # ---------------------------------------------------------------------------------------------------------------
 def _dst_meta(value: Any, role: str = "destination") -> ValueMeta:
+    """The metadata of a value a transfer reads or writes (every public transfer takes each of its values through
+    here before any native call). Raises :class:`TransferError` for what cannot be transferred, and
+    :class:`~ortcapture.errors.CaptureError` (``kind`` ``"fork"``) for a buffer on a device the process that
+    ``os.fork()`` made this one from had in use (:data:`ortcapture._ort.sync.FORKED_DEVICES`: the copy would hang)."""
     m = getattr(value, "_ortcapture_meta", None)  # fast path: values.meta's cache
-    if m is not None and m.dtype is not None:
-        return m
-    if not isinstance(value, OrtValue):
-        raise TransferError(f"{role} must be an onnxruntime.OrtValue, got {type(value).__name__}")
-    m = meta(value)
-    if m.dtype is None:
-        hint = (": bfloat16 needs ml_dtypes (pip install 'ortcapture[bf16]')" if m.element_type == "tensor(bfloat16)"
-                else "")
-        raise TransferError(f"OrtValue element type {m.element_type} is not supported by ortcapture transfers{hint}")
+    if m is None or m.dtype is None:
+        if not isinstance(value, OrtValue):
+            raise TransferError(f"{role} must be an onnxruntime.OrtValue, got {type(value).__name__}")
+        m = meta(value)
+        if m.dtype is None:
+            hint = (": bfloat16 needs ml_dtypes (pip install 'ortcapture[bf16]')"
+                    if m.element_type == "tensor(bfloat16)" else "")
+            raise TransferError(
+                f"OrtValue element type {m.element_type} is not supported by ortcapture transfers{hint}")
+    if FORKED_DEVICES:  # an os.fork() child of a device user: its buffers are the parent's (sync.Origin)
+        check_device(m.kind, role)
     return m
 
 
@@ -358,6 +364,8 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
         StaleOutputError: ``src`` is a ``ReplayOutput`` overwritten by a later replay.
         CaptureUnsupportedError: the installed ORT lacks the needed copy path (device to device needs ORT >= 1.26
             or cuda-python).
+        CaptureError: (``kind`` ``"fork"``) a CUDA or WebGPU buffer in an ``os.fork()`` child of a process that had
+            used that device: ORT's device state does not survive fork (the copy would hang or crash without a word).
     """
     if UNSETTLED:  # a run returned before its device work finished (disable_synchronize_execution_providers=1)
         settle()
@@ -782,6 +790,8 @@ def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
             (an undersized destination included), a device pair ORT cannot copy (:func:`can_copy`), a pair whose
             source is its destination, overlapping pairs, or one destination written twice.
         StaleOutputError: a source is a ``ReplayOutput`` overwritten by a later replay.
+        CaptureError: (``kind`` ``"fork"``) a CUDA or WebGPU buffer in an ``os.fork()`` child of a process that had
+            used that device: ORT's device state does not survive fork (the copy would hang or crash without a word).
     """
     if UNSETTLED:
         settle()
@@ -830,6 +840,8 @@ def to_numpy(value: OrtValue) -> np.ndarray:
     Raises:
         TransferError: not a tensor OrtValue, or an element type numpy cannot hold.
         StaleOutputError: a ``ReplayOutput`` overwritten by a later replay (also when one begins during the read).
+        CaptureError: (``kind`` ``"fork"``) a CUDA or WebGPU buffer in an ``os.fork()`` child of a process that had
+            used that device: ORT's device state does not survive fork (the copy would hang or crash without a word).
     """
     if getattr(value, "_check", None) is not None:  # a ReplayOutput: checked for staleness before and after
         return value.numpy()
@@ -886,7 +898,7 @@ def value_rules(device_type: str) -> dict[np.dtype, Any]:
     :class:`~ortcapture.errors.TransferError`. These are the very functions :func:`update_inplace` applies on every
     host copy, so a caller that holds no device and no session (a serving tier checking a request before it joins a
     batch) refuses exactly what the copy would refuse. Today: int64 into a WebGPU buffer must stay within int32
-    (:func:`_check_int32_range`: ORT's WebGPU EP under ``enableGraphCapture=1`` keeps the low 32 bits)."""
+    (ORT's WebGPU EP under ``enableGraphCapture=1`` keeps the low 32 bits: issue 15)."""
     return {np.dtype(np.int64): _check_int32_range} if device_type == "webgpu" else {}
 
 

@@ -572,6 +572,10 @@ def test_a_model_is_replaced_in_place_without_downtime(server, reference, tmp_pa
     other_name.write_bytes(tiny.add_model(shape=("batch", 4)))
     proc = _replace(other_name)  # another API under the same name: refused, nothing changes
     assert proc.returncode == 2 and "API differs" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    deadline = time.monotonic() + 30  # the replaced replicas' last reports leave /stats (routes.STALE_S)
+    while len(server.stats()["ortcapture"]["replicas"]) != 2:
+        assert time.monotonic() < deadline, server.stats()["ortcapture"]["replicas"]
+        time.sleep(0.5)
 
 
 def test_replica_killed_under_load_is_replaced(server, reference):

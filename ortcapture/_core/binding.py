@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 from ortcapture._ort.compat import OrtIOBinding, OrtValue, c_session
+from ortcapture._ort.sync import FORKED_DEVICES, origin_of
 from ortcapture._ort.values import ONNX_TO_NP, meta
 from ortcapture.errors import BindingError
 
@@ -81,9 +82,18 @@ class IOBinding(OrtIOBinding):
     Returned by :meth:`ortcapture.InferenceSession.io_binding`. Every ``bind_*``/``clear_*`` raises
     :class:`~ortcapture.errors.BindingError` while a captured ``gpu_graph_id`` pins this binding; call
     ``sess.release_captured_graph(id)`` first (CUDA/TensorRT: the id is then retired; use a new one).
+
+    In an ``os.fork()`` child of the process that made a device session (CUDA/TensorRT, WebGPU), making one for it,
+    and ``copy_outputs_to_cpu``/``synchronize_inputs``/``synchronize_outputs`` of one made before the fork, raise
+    :class:`~ortcapture.errors.CaptureError` (``kind`` ``"fork"``) before any native call: ORT's device state does
+    not survive fork, and those calls would hang or crash without a word.
     """
 
     def __init__(self, session):
+        #: where the session was made (ortcapture._ort.sync.Origin): device calls raise in an os.fork() child of it
+        self._oc_origin = origin_of(session)
+        if FORKED_DEVICES:
+            self._oc_origin.check("io_binding()")
         super().__init__(session)
         # the C session this binding was made for: ORT's SessionIOBinding points into it (ORT < 1.30: a raw pointer,
         # so holding it keeps a binding used after compact()/set_providers from reaching a destroyed session)
@@ -230,3 +240,23 @@ class IOBinding(OrtIOBinding):
         self._oc_reject_if_pinned("clear output bindings")
         super().clear_binding_outputs()
         self._oc_outputs.clear()
+
+    # -- ORT's calls that reach the device ----------------------------------------------------------------------
+    def copy_outputs_to_cpu(self):
+        """ORT's ``copy_outputs_to_cpu()``. Raises :class:`~ortcapture.errors.CaptureError` (``kind`` ``"fork"``) in
+        an ``os.fork()`` child of the process that made the session (the device read would hang there)."""
+        if FORKED_DEVICES:
+            self._oc_origin.check("IOBinding.copy_outputs_to_cpu()")
+        return super().copy_outputs_to_cpu()
+
+    def synchronize_inputs(self):
+        """ORT's ``synchronize_inputs()``; raises in an ``os.fork()`` child as :meth:`copy_outputs_to_cpu`."""
+        if FORKED_DEVICES:
+            self._oc_origin.check("IOBinding.synchronize_inputs()")
+        return super().synchronize_inputs()
+
+    def synchronize_outputs(self):
+        """ORT's ``synchronize_outputs()``; raises in an ``os.fork()`` child as :meth:`copy_outputs_to_cpu`."""
+        if FORKED_DEVICES:
+            self._oc_origin.check("IOBinding.synchronize_outputs()")
+        return super().synchronize_outputs()

@@ -29,7 +29,7 @@ from ortcapture._ort.providers import CUDA_EPS, CaptureInfo
 from ortcapture._core.reference import check_frozen
 from ortcapture._core.registry import FIRST_AUTO_ID, CapturedGraphRecord, GraphRegistry
 from ortcapture._core.run import bound_runner, run_bound, uncaptured_run_options
-from ortcapture._ort.sync import WEBGPU_LOCK, CaptureGuard, SessionGuard
+from ortcapture._ort.sync import NO_DEVICE, WEBGPU_LOCK, CaptureGuard, Origin, SessionGuard
 from ortcapture.errors import CaptureError
 
 #: WebGPU: replays of one graph between two queue drains (a host readback of its smallest output). ORT's WebGPU
@@ -139,11 +139,17 @@ class CaptureState:
         lock: the session's lock; replaced by the process-wide WebGPU lock for WebGPU sessions (ORT's WebGPU queue is
             not thread-safe).
         family: the parent's state for a shape-specialised sibling; ``None`` for a session the user made.
+        origin: where the session's C session was made (:class:`ortcapture._ort.sync.Origin`; ``None``: no device EP).
+            In an ``os.fork()`` child of that process every guard entry raises ``CaptureError``.
     """
 
     def __init__(self, session, info: CaptureInfo | None, requested: CaptureInfo | None, deferred: bool,
-                 static_shapes: tuple | None, lock, family: "CaptureState | None" = None) -> None:
+                 static_shapes: tuple | None, lock, family: "CaptureState | None" = None,
+                 origin: Origin | None = None) -> None:
         self.session = session
+        #: where the session's C session was made; ``origin.forked``: this is an os.fork() child of that process
+        #: (graphs test ``FORKED_DEVICES and origin.forked`` before any native call, the guards on every entry)
+        self.origin = origin if origin is not None else NO_DEVICE
         self.info = info
         self.requested = requested
         self.deferred = deferred
@@ -158,9 +164,9 @@ class CaptureState:
         #: other WebGPU work
         self.gpu_guarded = cuda or webgpu
         #: ``with state.guard:`` — ``CUDA_GATE.shared`` (CUDA sessions), then the session lock
-        self.guard = SessionGuard(self.lock, cuda)
+        self.guard = SessionGuard(self.lock, cuda, self.origin)
         #: ``with state.capture_guard:`` — ``CUDA_GATE.exclusive`` (CUDA sessions), then the session lock
-        self.capture_guard = CaptureGuard(self.lock, cuda)
+        self.capture_guard = CaptureGuard(self.lock, cuda, self.origin)
         # ORT's CUDA/TensorRT EPs keep captured graphs per thread (CUDAExecutionProvider::PerThreadContext)
         self.per_thread = info is not None and info.device_type == "cuda"
         #: replays between two WebGPU queue drains (0: never; see WEBGPU_DRAIN_EVERY)

@@ -81,6 +81,16 @@ def normalize(providers, provider_options) -> list[tuple[str, Mapping[str, Any]]
 CUDA_EPS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider"})
 
 
+def device_kind(ep_name: str) -> str | None:
+    """The device an execution provider runs on, as ortcapture names it for ``os.fork()`` (see
+    :class:`ortcapture._ort.sync.Origin`): ``None`` for ORT's CPU EP (it survives fork), ``"cuda"`` for the CUDA and
+    TensorRT EPs, ``"webgpu"`` for WebGPU, the EP's own name for any other EP."""
+    if ep_name == "CPUExecutionProvider":
+        return None
+    ep = CAPTURE_EPS.get(ep_name)
+    return ep.device_type if ep is not None else ep_name
+
+
 def names_cuda_ep(providers) -> bool:
     """Whether the ``providers=[...]`` argument of ``InferenceSession`` names the CUDA or TensorRT EP."""
     return any(name in CUDA_EPS for name, _ in normalize(providers, None))

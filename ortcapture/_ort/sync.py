@@ -1,4 +1,4 @@
-"""The only process-wide state of ortcapture: the CUDA capture gate, the WebGPU lock, and unsettled runs.
+"""The only process-wide state of ortcapture: the CUDA capture gate, the WebGPU lock, unsettled runs, and fork.
 
 * :data:`CUDA_GATE`: a CUDA graph capture excludes every other ortcapture CUDA call (below).
 * :data:`WEBGPU_LOCK`: one re-entrant lock for all WebGPU work of the process (sessions, captured or not, and
@@ -6,7 +6,10 @@
   sessions, or a ``copy_tensors`` beside a replay, from two threads end in SIGSEGV or "CommandEncoder is already
   finished").
 * :data:`UNSETTLED`: runs made with ``disable_synchronize_execution_providers=1``, settled before ortcapture's next
-  transfer (:func:`settle`, at the end of this module).
+  transfer (:func:`settle`).
+* :data:`FORKED_DEVICES` and every device session's :class:`Origin`: what a process made by ``os.fork()`` inherited
+  from its parent, marked by the one ``os.register_at_fork`` hook of ortcapture (at the end of this module), so that a
+  session made before the fork raises :class:`~ortcapture.errors.CaptureError` in the child instead of hanging.
 
 Everything else ortcapture keeps lives in a session (:mod:`ortcapture._core.state`) or a graph. Caches that are
 process-wide but only memoise facts (the installed ORT's features in :mod:`ortcapture._ort.compat`, peer access in
@@ -32,8 +35,12 @@ threads while an ortcapture session captures.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import weakref
+
+from ortcapture.errors import CaptureError
 
 _get_ident = threading.get_ident
 #: free-threaded CPython (PEP 703) with the GIL off: the gate's lock-free reader handshake relies on the GIL's
@@ -226,14 +233,24 @@ class SessionGuard:
     The replay hot path enters it on every call: the gate's reader fast path (the thread's first, unnested entry
     while no writer is pending) is done here inline, exactly as :class:`_Shared` does it, and every other case
     (nested, a pending writer, free-threaded CPython, the thread's first entry ever) is handed to the gate's own
-    code."""
+    code.
 
-    __slots__ = ("_lock", "_gate", "_cg")
+    ``origin``: the session's :class:`Origin`; in an ``os.fork()`` child of the process that made the session,
+    entering raises its :class:`~ortcapture.errors.CaptureError` before any lock is taken (a lock another thread of
+    the parent held at the fork stays held in the child)."""
 
-    def __init__(self, lock, cuda: bool) -> None:
+    __slots__ = ("_lock", "_gate", "_cg", "_origin")
+
+    def __init__(self, lock, cuda: bool, origin: "Origin | None" = None) -> None:
         self._lock = lock
         self._gate = CUDA_GATE.shared if cuda else None
         self._cg = CUDA_GATE if cuda and not NO_GIL else None  # the inline reader fast path's gate
+        self._origin = origin if origin is not None else NO_DEVICE
+
+    @property
+    def origin(self) -> "Origin":
+        """The session's :class:`Origin` (checked on every entry)."""
+        return self._origin
 
     @property
     def holds_cuda_gate(self) -> bool:
@@ -241,6 +258,8 @@ class SessionGuard:
         return self._gate is not None
 
     def __enter__(self) -> None:
+        if FORKED_DEVICES and self._origin.forked:  # an os.fork() child: the parent's device state (see Origin)
+            raise self._origin.error()
         g = self._cg
         if g is not None:
             slot = getattr(g.tls, "slot", None)
@@ -282,11 +301,12 @@ class CaptureGuard(SessionGuard):
 
     __slots__ = ()
 
-    def __init__(self, lock, cuda: bool) -> None:
+    def __init__(self, lock, cuda: bool, origin: "Origin | None" = None) -> None:
         self._lock = lock
         self._gate = CUDA_GATE.exclusive if cuda else None
         # no inline path (SessionGuard's enter/exit then take the gate's own code): the writer's side is the gate's
         self._cg = None
+        self._origin = origin if origin is not None else NO_DEVICE
 
 
 #: One lock for all WebGPU work of the process (see the module docstring). Re-entrant.
@@ -372,3 +392,148 @@ def settle() -> None:
             UNSETTLED.remove(item)
         except ValueError:  # another thread settled it meanwhile
             pass
+
+
+# -- os.fork() -----------------------------------------------------------------------------------------------------
+# ORT's device EPs keep native state per process that a fork() child inherits without the threads that drive it.
+# Measured (onnxruntime 1.32, WebGPU plugin EP 0.4.0, software Vulkan adapter), in a child forked after the parent
+# made and ran a WebGPU session: the inherited session's first run hangs forever without a word; so does a WebGPU
+# session the child makes itself (it is made, then its first run hangs); so does the inherited session's destruction
+# (``del sess``, or the interpreter's exit; an ortcapture session with a captured graph: SIGSEGV). CUDA does not
+# support fork either: a child cannot use the CUDA context its parent made. ORT's CPU EP survives (measured: an
+# inherited CPU session, intra-op threads and all, runs in the child). So each device session records its :class:`Origin`; the at-fork hook marks, in the child, every origin
+# made before the fork and keeps those sessions and their graphs alive for good (never destroyed: no device call),
+# and :data:`FORKED_DEVICES` names the devices the parent had in use, which a session made in the child refuses too.
+
+
+class Origin:
+    """Where a device session was made: the process (``pid``), its execution providers other than the CPU EP
+    (``eps``) and their device kinds (``kinds``: ``"cuda"``, ``"webgpu"``, or the EP's name for other EPs).
+
+    ``forked`` turns True in an ``os.fork()`` child of that process (the at-fork hook at the end of this module), or
+    is True from the start for a session made in a child on a device its parent had in use
+    (``inherited`` False then). Every path of the session (and of its graphs and IOBindings) that reaches native code
+    tests it first — one attribute read, behind a truth test of :data:`FORKED_DEVICES` that is all a process not
+    forked from a device user pays — and calls :meth:`check`.
+    """
+
+    __slots__ = ("pid", "eps", "kinds", "forked", "inherited")
+
+    def __init__(self, eps=(), kinds=(), *, inherited: bool = True) -> None:
+        self.pid = os.getpid()
+        self.eps = tuple(eps)
+        self.kinds = tuple(kinds)
+        self.forked = not inherited
+        self.inherited = inherited
+
+    def check(self, what: str = "") -> None:
+        """Raise :class:`~ortcapture.errors.CaptureError` (``kind`` ``"fork"``) when :attr:`forked`: the call would
+        reach ORT's device state in a process that did not make it (ORT and Dawn would hang or crash there)."""
+        if self.forked:
+            raise self.error(what)
+
+    def error(self, what: str = "") -> CaptureError:
+        """The :class:`~ortcapture.errors.CaptureError` :meth:`check` raises (``kind`` ``"fork"``)."""
+        eps = ", ".join(self.eps)
+        head = f"{what}: " if what else ""
+        if self.inherited:
+            text = (f"{head}this InferenceSession ({eps}) was created in process {self.pid} before os.fork(); this is "
+                    f"process {os.getpid()}, a child of it. ORT's CUDA/WebGPU device state does not survive fork (the "
+                    "run would hang or crash without a word). Fork before the parent makes device sessions and make them "
+                    "in the child, or use the 'spawn' (or 'forkserver') start method: "
+                    "multiprocessing.set_start_method('spawn')")
+        else:
+            used = ", ".join(sorted(set(self.kinds) & FORKED_DEVICES))
+            text = (f"{head}this InferenceSession ({eps}) was made in process {self.pid}, which os.fork() made from a "
+                    f"process that had already used {used}: ORT's device state there is per process and does not "
+                    "survive fork, so a session made in the child hangs on its first run too (measured: WebGPU). Use "
+                    "the 'spawn' (or 'forkserver') start method, multiprocessing.set_start_method('spawn'), or fork "
+                    "before the parent makes any device session")
+        err = CaptureError(text)
+        err.kind = "fork"
+        return err
+
+
+#: the origin of a session with no device EP (ORT's CPU EP survives fork): never marked
+NO_DEVICE = Origin()
+#: device kinds (see :class:`Origin`) an ancestor process had sessions on when ``os.fork()`` made this process;
+#: empty unless this process is such a child. Filled in place by the at-fork hook (modules import it by name and
+#: test it first: an empty set costs one truth test)
+FORKED_DEVICES: set[str] = set()
+_USED_DEVICES: set[str] = set()  # device kinds this process (or an ancestor before a fork) made sessions on
+_HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # session or graph -> its Origin
+_KEPT: list = []  # where keeping objects alive for good through a leaked reference is not possible
+
+
+def device_origin(eps, kinds) -> Origin:
+    """The :class:`Origin` of a C session just built in this process with execution providers ``eps`` (those other
+    than the CPU EP) on device kinds ``kinds``: :data:`NO_DEVICE` without any; one already ``forked`` (its every use
+    raises) when this process is an ``os.fork()`` child of one that had sessions on one of those devices."""
+    if not kinds:
+        return NO_DEVICE
+    if FORKED_DEVICES.intersection(kinds):
+        return Origin(eps, kinds, inherited=False)
+    _USED_DEVICES.update(kinds)
+    return Origin(eps, kinds)
+
+
+def hold(obj, origin: Origin) -> None:
+    """Mark ``origin`` forked in every ``os.fork()`` child while ``obj`` (a session or graph made with it) is alive
+    here, and keep ``obj`` alive for good there: its destruction would reach the device (measured on WebGPU: a hang)."""
+    if origin is NO_DEVICE or origin.forked:
+        _HELD.pop(obj, None)
+        return
+    _HELD[obj] = origin
+
+
+def origin_of(obj) -> Origin:
+    """The :class:`Origin` :func:`hold` recorded for ``obj`` (a session), :data:`NO_DEVICE` when none."""
+    try:
+        return _HELD.get(obj, NO_DEVICE)
+    except TypeError:  # unhashable or not weakly referenceable: not a session ortcapture made
+        return NO_DEVICE
+
+
+def check_device(kind: str, what: str = "") -> None:
+    """Raise :class:`~ortcapture.errors.CaptureError` (``kind`` ``"fork"``) when device kind ``kind`` (an OrtValue's:
+    ``"cuda"``, ``"webgpu"``) is in :data:`FORKED_DEVICES`: its buffers belong to the parent's device state, which
+    does not survive fork (a copy would hang or crash)."""
+    if kind in FORKED_DEVICES:
+        where = f" ({what})" if what else ""
+        err = CaptureError(
+            f"a transfer of a {kind} buffer{where} in process {os.getpid()}, which os.fork() made from a process that "
+            f"had already used {kind}: ORT's {kind} device state does not survive fork, so the copy would hang or "
+            "crash without a word. Use the 'spawn' (or 'forkserver') start method: "
+            "multiprocessing.set_start_method('spawn')")
+        err.kind = "fork"
+        raise err
+
+
+def _keep_forever(objs: list) -> None:
+    """Never free ``objs`` (nor what they hold): one reference that is never given back, so neither ``del`` nor the
+    interpreter's exit destroys them (a module-level list would be cleared at exit)."""
+    try:
+        import ctypes
+
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(objs))
+    except Exception:  # noqa: BLE001 - no ctypes: kept until the interpreter's exit at least
+        _KEPT.append(objs)
+
+
+def _after_fork_in_child() -> None:
+    """The at-fork hook (in the child): the parent's devices are inherited; every session and graph held
+    (:func:`hold`) is marked and kept alive for good; runs the parent left unsettled are dropped unsettled (their
+    synchronisation would reach the device)."""
+    FORKED_DEVICES.update(_USED_DEVICES)
+    kept = []
+    for obj, origin in list(_HELD.items()):
+        origin.forked = True
+        kept.append(obj)
+    kept.extend(binding for binding, _ in UNSETTLED)
+    UNSETTLED.clear()
+    if kept:
+        _keep_forever(kept)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
