@@ -164,3 +164,19 @@ def test_new_options_are_checked(tmp_path):
             ServeOptions(str(model), **kwargs).checked()
     with pytest.raises(CaptureError, match="16 visible"):
         read_token(str(short))
+
+
+def test_model_config_and_an_empty_body():
+    """Triton's model configuration at /config (what tritonclient's get_model_config reads); an empty infer body is
+    said to be empty."""
+    be = FakeBackend()
+    r = routes.Router(SPEC, be.ready, be.infer)
+    res = _call(r, "GET", "/v2/models/tiny/config")
+    assert res.status == 200
+    cfg = json.loads(res.body)
+    assert cfg["name"] == "tiny" and cfg["max_batch_size"] == SPEC.max_rows and cfg["backend"] == "onnxruntime"
+    assert [i["name"] for i in cfg["input"]] == [s.name for s in SPEC.inputs]
+    first = SPEC.inputs[0]
+    assert cfg["input"][0]["data_type"] == "TYPE_" + first.datatype and cfg["input"][0]["dims"] == list(first.shape[1:])
+    res = _call(r, "POST", "/v2/models/tiny/infer", b"")
+    assert res.status == 400 and "empty" in json.loads(res.body)["error"]

@@ -230,6 +230,8 @@ def test_metadata_matches_the_model(server):
                                {"name": "probs", "datatype": "FP32", "shape": [-1, 3]},
                                {"name": "feat", "datatype": "FP32", "shape": [3, -1]}]
     assert _get(f"{server.url}/v2/models/nope")[0] == 404
+    cfg = client.get_model_config(MODEL)  # Triton's model configuration
+    assert cfg["max_batch_size"] == 8 and cfg["input"] == [{"name": "X", "data_type": "TYPE_FP32", "dims": [4]}]
 
 
 def test_mixed_requests_from_8_threads(server, reference):

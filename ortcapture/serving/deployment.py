@@ -459,7 +459,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
                        wait_for_ingress_deployment_creation=True, wait_for_applications_running=False)
     scheme = "https" if options.ssl_certfile else "http"
     say(f"HTTP up at {scheme}://{options.host}:{options.port} (ready: 503 until warm); warming up {options.replicas} "
-        f"replica(s): one graph per bucket {list(options.buckets)}")
+        + (f"replica(s): one graph per bucket {list(options.buckets)}" if provider != "cpu" and options.arm == "ortcapture"
+           else "replica(s) without capture: each batch runs at its own size"))
     _wait_running(model_app, startup_timeout_s)
     return f"{scheme}://{options.host}:{options.port}"
 

@@ -148,6 +148,25 @@ _FIRST_PIECE = 64
 _MAX_PIECE = 1 << 20
 
 
+def model_config(spec: ModelSpec) -> dict:
+    """The body of ``GET /v2/models/{name}/config``, in the shape of Triton's model configuration (what
+    ``tritonclient``'s ``get_model_config`` returns): ``name``, ``platform``, ``backend``, ``max_batch_size`` (the
+    rows one request may have) and ``input``/``output`` with ``data_type`` (``TYPE_FP32``...) and ``dims`` — without
+    the batch dim where the tensor carries it (Triton's convention when ``max_batch_size`` > 0), -1 for dynamic."""
+    def t(s: TensorSpec, batched: bool) -> dict:
+        dims = [int(d) for d in s.shape]
+        if batched and dims:
+            dims = dims[1:]
+        return {"name": s.name, "data_type": "TYPE_" + s.datatype.replace("BYTES", "STRING"),
+                "dims": dims}
+    batch0 = {n for n, ax in spec.batch_axes.items() if ax == 0}
+    batched_out = bool(batch0)
+    return {"name": spec.name, "platform": spec.platform, "backend": "onnxruntime",
+            "max_batch_size": int(spec.max_rows) if batch0 else 0,
+            "input": [t(s, s.name in batch0) for s in spec.inputs],
+            "output": [t(s, batched_out and bool(s.shape) and s.shape[0] == -1) for s in spec.outputs]}
+
+
 def decode_body(body: bytes, content_encoding: str | None, cap: int) -> bytes:
     """``body`` decompressed per ``Content-Encoding`` (``gzip``, ``deflate`` (zlib), ``identity`` or none), at most
     ``cap`` bytes. ``gzip`` is a series of members (RFC 1952 §2.2), each inflated in turn (empty ones too);
@@ -231,7 +250,10 @@ def _no_constant(token: str):
 
 
 def _load_json(raw: bytes) -> Any:
-    """``raw`` parsed as strict JSON: Python's ``NaN``, ``Infinity`` and ``-Infinity`` tokens are refused (400)."""
+    """``raw`` parsed as strict JSON: Python's ``NaN``, ``Infinity`` and ``-Infinity`` tokens are refused (400), and
+    so is an empty body (said as such)."""
+    if not bytes(raw).strip():
+        raise ProtocolError("the request body is empty: an infer request is a JSON object with 'inputs'")
     try:
         return json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError

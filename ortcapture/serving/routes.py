@@ -9,6 +9,7 @@
 ``GET  /v2``                                       server metadata
 ``GET  /v2/models/{name}[/versions/{v}]``          model metadata (shapes with -1 for dynamic dims)
 ``GET  /v2/models/{name}[/versions/{v}]/ready``    200 / 503
+``GET  /v2/models/{name}[/versions/{v}]/config``   Triton's model configuration (name, platform, max_batch_size, dims)
 ``POST /v2/models/{name}[/versions/{v}]/infer``    inference (JSON tensors, binary tensor data extension)
 ``GET  /v2/models[/{name}[/versions/{v}]]/stats``  Triton's statistics extension + ``ortcapture`` per replica
 =================================================  ==========================================================
@@ -163,6 +164,8 @@ class Router:
             return self._get(method) or json_response(200, protocol.model_metadata(self.spec))
         if tail == ["ready"]:
             return self._get(method) or await self._readiness()
+        if tail == ["config"]:
+            return self._get(method) or json_response(200, protocol.model_config(self.spec))
         if tail == ["stats"]:
             return self._get(method) or self._stats()
         if tail == ["infer"]:
