@@ -202,7 +202,12 @@ class ReplicaCore:
                 self.check_graphs()
             # the health check's input and its answer, replayed once now
             self._health_feeds = self.example
+            before = self._replays()
             self._health_answer = self.session.run(None, self._health_feeds)
+            after = self._replays()
+            # the bucket the health check replays (counted apart from traffic in report())
+            self._health_bucket = next((k for k, n in after.items() if n > before.get(k, 0)), None)
+            self.health_replays = 1
         else:
             self.runner = None
             self.captures = False
@@ -229,6 +234,7 @@ class ReplicaCore:
         if self.session is None:
             return
         got = self.session.run(None, self._health_feeds)
+        self.health_replays += 1
         for i, (a, b) in enumerate(zip(got, self._health_answer)):
             a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
             scale = max(float(np.max(np.abs(b64))) if b64.size else 0.0, 1e-30)
@@ -312,6 +318,12 @@ class ReplicaCore:
                                                       and not isinstance(r, RequestError) and healthy)
         return out
 
+    def _replays(self) -> dict:
+        """Replays per bucket so far (``{}`` without buckets)."""
+        if not self.captures:
+            return {}
+        return {k: b["replayed"] for k, b in self.session.bucket_stats()["buckets"].items()}
+
     def _rows_per_bucket(self, histogram: Mapping[int, int]) -> dict:
         """Request rows run per bucket (``{"batch=4": rows}``, the bucket a run of r rows pads to; runs past the
         largest bucket under ``"uncaptured"``), from the runner's histogram of rows per run."""
@@ -361,7 +373,10 @@ class ReplicaCore:
                              else "cuda:0" if self.provider == "cuda" else self.provider)
             bs = self.bucket_stats()
             rep["graphs_per_bucket"] = {k: len(b["gpu_graph_ids"]) for k, b in bs["buckets"].items()}
-            rep["replayed_per_bucket"] = {k: b["replayed"] for k, b in bs["buckets"].items()}
+            # traffic only: the health checks' replays are counted apart (health_replays)
+            rep["replayed_per_bucket"] = {k: b["replayed"] - (self.health_replays if k == self._health_bucket else 0)
+                                          for k, b in bs["buckets"].items()}
+            rep["health_replays"] = self.health_replays
             rep["padding_waste_per_bucket"] = {k: b["padding_waste"] for k, b in bs["buckets"].items()}
             rep["graphs_captured"] = bs["captured"]
             rep["uncaptured"] = bs["uncaptured"]
