@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 
@@ -122,6 +123,11 @@ def run(args) -> int:
     else:
         provider = "cpu"
     from ortcapture.serving import deployment
+
+    # Serve's driver-side INFO lines ("Connecting to existing Serve app ... New http_options ... will not be
+    # applied", said of the Serve this command just started) read as if --port were ignored: the command says what
+    # happens itself
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
     def ready(url: str) -> None:
         print(f"ortcapture serve: {options.name} on {provider} ({options.replicas} replica(s), buckets "

@@ -575,6 +575,16 @@ def stop(options: ServeOptions, deployed: bool = True) -> None:
     if not deployed and options.address:
         ray.shutdown()
         return
+    import contextlib
+    import sys
+
+    # Ray's driver prints the raylet's "Task ServeController... killed by ray.kill" lines of a shutdown to stdout,
+    # which carries only the URL: they go to stderr with the rest of the log
+    with contextlib.redirect_stdout(sys.stderr):
+        _stop(options)
+
+
+def _stop(options: ServeOptions) -> None:
     try:
         try:  # requests in flight finish first: Serve's own shutdown closes the proxy's connections with them
             ingress = ray_serve.get_deployment_handle(INGRESS_DEPLOYMENT, options.app_name)
