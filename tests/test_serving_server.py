@@ -503,15 +503,25 @@ def _negated_model() -> bytes:
     return m.SerializeToString()
 
 
-def _replace(model: Path) -> subprocess.CompletedProcess:
-    args = [str(model), "--name", MODEL, "--address", "auto", "--replace", "--provider", PROVIDER, "--replicas", "2",
+def _cluster_address(server: Server) -> str:
+    """The Ray cluster the server started (its log says "Ray cluster at HOST:PORT")."""
+    import re
+
+    server.tail()  # flushes the log
+    found = re.findall(r"Ray cluster at (\S+)", server.log.read_text(errors="replace"))
+    assert found, server.tail()
+    return found[0]
+
+
+def _replace(model: Path, address: str) -> subprocess.CompletedProcess:
+    args = [str(model), "--name", MODEL, "--address", address, "--replace", "--provider", PROVIDER, "--replicas", "2",
             "--batch-wait-ms", "20", "--max-body-mib", "1", "--graceful-shutdown-s", "5"]
     return _serve(args + (["--gpus-per-replica", "0.5"] if PROVIDER == "cuda" else []), timeout=STARTUP_S)
 
 
 def test_a_model_is_replaced_in_place_without_downtime(server, reference, tmp_path):
     """Issue 43, item 3: replacing the served model is Ray Serve's in-place application update
-    (``ortcapture serve NEW --name NAME --address auto --replace``), not an accident of port sharing: two threads
+    (``ortcapture serve NEW --name NAME --address ADDRESS --replace``, the address the server printed), not an accident of port sharing: two threads
     send throughout; no request fails; every answer is the old model's or the new one's; afterwards only the new
     one's. Then back to the old model the same way."""
     import onnxruntime as ort
@@ -553,7 +563,7 @@ def test_a_model_is_replaced_in_place_without_downtime(server, reference, tmp_pa
         try:
             time.sleep(1.0)
             t0 = time.monotonic()
-            proc = _replace(model)
+            proc = _replace(model, _cluster_address(server))
             took = time.monotonic() - t0
             time.sleep(1.0)
         finally:
@@ -572,7 +582,7 @@ def test_a_model_is_replaced_in_place_without_downtime(server, reference, tmp_pa
             assert all(_close(_infer(client, x).as_numpy(n), w) for n, w in want_after(x).items())
     other_name = tmp_path / "other.onnx"
     other_name.write_bytes(tiny.add_model(shape=("batch", 4)))
-    proc = _replace(other_name)  # another API under the same name: refused, nothing changes
+    proc = _replace(other_name, _cluster_address(server))  # another API under the same name: refused, nothing changes
     assert proc.returncode == 2 and "API differs" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     deadline = time.monotonic() + 30  # the replaced replicas' last reports leave /stats (routes.STALE_S)
     while len(server.stats()["ortcapture"]["replicas"]) != 2:

@@ -111,6 +111,8 @@ def run(args) -> int:
         # the new local cluster stays on 127.0.0.1 too (read when Ray is imported); a --replace of a loopback
         # server joins its cluster on 127.0.0.1
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if options.address:  # read by Ray at import: the token of a cluster this command joins
+        config.join_auth_env()
     try:
         import ray  # noqa: F401 - only to say what is missing
         from ray import serve  # noqa: F401
@@ -133,6 +135,9 @@ def run(args) -> int:
         print(f"ortcapture serve: {options.name} on {provider} ({options.replicas} replica(s), buckets "
               f"{list(options.buckets)}) at {url}/v2/models/{options.name}", file=sys.stderr, flush=True)
         print(url, flush=True)
+        # from here on stdout has said all it says: what Ray's driver prints there later (the raylet's "A worker
+        # died ..." when a replica is replaced, its shutdown lines) goes to stderr with the rest of the log
+        sys.stdout = sys.stderr
 
     if args.replace:
         try:

@@ -265,6 +265,20 @@ def check_host(host: str, bind: bool = True) -> None:
     raise CaptureError(f"--host {host!r} cannot be listened on here (not an address of this machine?): {why}")
 
 
+def join_auth_env() -> None:
+    """Call before ``import ray`` when joining a running cluster. Ray 2.60 turns its token authentication on for every
+    cluster ``ray.init`` starts, but a driver that joins one by an explicit address does not look for the token
+    unless ``RAY_AUTH_MODE=token`` is set when Ray is imported (measured: "Failed to connect to Ray cluster",
+    "Authentication token is missing or incorrect"; ``address="auto"`` finds it). Where ``RAY_AUTH_MODE`` is unset and
+    a token is at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, or Ray's default ``~/.ray/auth_token``), it sets
+    ``RAY_AUTH_MODE=token``; an explicit ``RAY_AUTH_MODE`` is left alone."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or Path(path).is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def check_buckets(buckets) -> tuple[int, ...]:
     """``buckets`` (ints, or a comma-separated string ``"1,2,4,8"``) as an ascending tuple of distinct ints >= 1.
     Raises :class:`CaptureError` otherwise (an empty entry, as in ``"1,,2"`` or ``"1,2,"``, included)."""

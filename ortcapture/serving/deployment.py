@@ -440,6 +440,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
         if callable(term):  # ray.init replaces a Python SIGTERM handler with its own (it aborts the process)
             signal.signal(signal.SIGTERM, term)
+        if not options.address:  # what --address takes to join it (ortcapture serve --replace, ray status)
+            say(f"Ray cluster at {ray.get_runtime_context().gcs_address}")
     http = {"host": options.host, "port": options.port}
     if options.ssl_certfile:
         http.update(ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
@@ -486,7 +488,8 @@ def replace_model(options: ServeOptions, provider: str, *, on_status: Callable[[
     downtime: Ray Serve's in-place application update of the model application (new replicas are started with
     ``options`` — a new model file, buckets, replicas — and warmed up; the old ones finish their requests in flight
     and stop; requests meanwhile wait for a replica instead of failing). The HTTP ingress, its port and its
-    ``/stats`` stay. Joins ``options.address`` (``"auto"`` on a node of the cluster) unless Ray is initialised.
+    ``/stats`` stay. Joins ``options.address`` (``"auto"`` on a node of the cluster) unless Ray is initialised (Ray
+    2.60's token authentication: see :func:`ortcapture.serving.config.join_auth_env`, called before ``import ray``).
 
     Raises:
         ServeRefused: no server of that name runs there (nothing is deployed), or the new model's inputs, outputs,
