@@ -180,3 +180,32 @@ def test_model_config_and_an_empty_body():
     assert cfg["input"][0]["data_type"] == "TYPE_" + first.datatype and cfg["input"][0]["dims"] == list(first.shape[1:])
     res = _call(r, "POST", "/v2/models/tiny/infer", b"")
     assert res.status == 400 and "empty" in json.loads(res.body)["error"]
+
+
+def test_a_tls_pair_that_does_not_load_is_refused_before_ray_starts(tmp_path):
+    """A swapped certificate/key pair (or a key of another certificate) left Ray Serve's proxy not listening while the
+    server printed its https URL: now one line before anything starts."""
+    from tests.test_serving_server import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    _, key2 = _self_signed(other)
+    model = tmp_path / "m.onnx"
+    model.write_bytes(tiny.bucket_model())
+    ServeOptions(str(model), ssl_certfile=str(cert), ssl_keyfile=str(key)).checked()  # the right pair loads
+    for c, k in ((key, cert), (cert, key2)):
+        with pytest.raises(CaptureError, match="not a certificate and its private key") as info:
+            ServeOptions(str(model), ssl_certfile=str(c), ssl_keyfile=str(k)).checked()
+        assert "\n" not in str(info.value)
+
+
+def test_json_that_does_not_parse_names_the_header_it_trusted():
+    """tritonclient can leave an Inference-Header-Content-Length in a reused headers dict: the 400 says which part it
+    read as JSON."""
+    from ortcapture.serving import protocol
+    from ortcapture.serving.protocol import ProtocolError
+
+    body = b'{"inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
+    with pytest.raises(ProtocolError, match="Inference-Header-Content-Length"):
+        protocol.parse_infer_request(body, "20", SPEC)

@@ -107,10 +107,14 @@ def run(args) -> int:
         if broken:
             raise CaptureError(broken + ("; --provider webgpu serves on WebGPU instead" if options.provider == "auto"
                                          else ""))
-    if options.loopback() or (args.replace and options.host_is_loopback()):
-        # the new local cluster stays on 127.0.0.1 too (read when Ray is imported); a --replace of a loopback
-        # server joins its cluster on 127.0.0.1
+    if options.host_is_loopback():
+        # a new local cluster stays on 127.0.0.1 too (read when Ray is imported), and a server on loopback that joins
+        # a cluster (--address, --replace) joins it on 127.0.0.1 (else Ray dials the machine's own address, where a
+        # loopback cluster does not listen, and retries forever)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if options.max_batch_size > options.buckets[-1]:
+        _say(f"note: --max-batch-size {options.max_batch_size} is beyond the largest bucket {options.buckets[-1]}: "
+             "batches of more rows run uncaptured (counted as 'oversize' in /stats)")
     if options.address:  # read by Ray at import: the token of a cluster this command joins
         config.join_auth_env()
     try:

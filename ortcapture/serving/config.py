@@ -165,6 +165,8 @@ class ServeOptions:
         for what, path in (("ssl_certfile", o.ssl_certfile), ("ssl_keyfile", o.ssl_keyfile)):
             if path is not None and not Path(str(path)).is_file():
                 raise CaptureError(f"{opt(what)} {path}: no such file")
+        if o.ssl_certfile is not None:
+            check_tls(str(o.ssl_certfile), str(o.ssl_keyfile), opt("ssl_certfile"), opt("ssl_keyfile"))
         if o.token_file is not None:
             o.token = read_token(o.token_file, opt("token_file"))
         if _not_int(o.max_body_bytes) or o.max_body_bytes < 1024:
@@ -222,6 +224,20 @@ def read_token(path: str, what: str = "token_file") -> str:
         raise CaptureError(f"{what} {path}: its first line must be a token of at least 16 visible ASCII characters "
                            "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
     return token
+
+
+def check_tls(certfile: str, keyfile: str, cert_opt: str = "ssl_certfile", key_opt: str = "ssl_keyfile") -> None:
+    """Load the certificate and key as the HTTPS server will (``ssl.SSLContext.load_cert_chain``), before Ray starts:
+    a swapped pair, a key of another certificate or a password-protected key otherwise leaves Ray Serve's proxy not
+    listening at all while the server says it serves. Raises :class:`CaptureError` (one line)."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(certfile, keyfile, password=lambda: b"")
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise CaptureError(f"{cert_opt} {certfile} / {key_opt} {keyfile}: not a certificate and its private key "
+                           f"(PEM, unencrypted): {getattr(exc, 'reason', None) or exc}") from None
 
 
 def check_port(host: str, port: int) -> None:

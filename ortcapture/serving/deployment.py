@@ -456,6 +456,7 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     # the ingress first, in its own application: HTTP answers (readiness 503) before the model replicas are warm
     ray_serve.run_many([ray_serve.RunTarget(ingress.bind(options, None, model_app), name=options.app_name,
                                             route_prefix="/")], wait_for_applications_running=True)
+    _check_listening(options.host, options.port)
     ray_serve.run_many([ray_serve.RunTarget(model.bind(options, provider, options.app_name), name=model_app,
                                             route_prefix=None)],
                        wait_for_ingress_deployment_creation=True, wait_for_applications_running=False)
@@ -465,6 +466,25 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
            else "replica(s) without capture: each batch runs at its own size"))
     _wait_running(model_app, startup_timeout_s)
     return f"{scheme}://{options.host}:{options.port}"
+
+
+def _check_listening(host: str, port: int, timeout_s: float = 30.0) -> None:
+    """Raise :class:`ServeFailed` unless something accepts TCP connections on ``host:port`` within ``timeout_s``:
+    Ray Serve's proxy can fail to listen (a TLS pair uvicorn refuses) while Serve reports the application RUNNING."""
+    import socket
+
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((target, port), timeout=1.0):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise ServeFailed(f"Ray Serve's HTTP proxy is not listening on {host}:{port} after {timeout_s:.0f} s "
+                                  f"({exc.strerror or exc}); the proxy's log under /tmp/ray/session_latest/logs/serve "
+                                  "says why") from None
+            time.sleep(0.2)
 
 
 def _wait_running(app: str, timeout_s: float) -> None:

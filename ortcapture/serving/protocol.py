@@ -359,7 +359,13 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
     n_header = _header_length(header_length, len(body))
     raw_json = body if n_header is None else body[:n_header]
     binary = memoryview(body)[n_header:] if n_header is not None else memoryview(b"")
-    req = _load_json(raw_json)
+    try:
+        req = _load_json(raw_json)
+    except ProtocolError as exc:
+        if n_header is not None and n_header < len(body):  # e.g. a client that kept the header of another request
+            raise ProtocolError(f"{exc} (read as the first {n_header} of {len(body)} bytes, as the {HEADER_LENGTH} "
+                                "header says)") from None
+        raise
     if not isinstance(req, dict):
         raise ProtocolError("the request must be a JSON object")
     rid = req.get("id")
