@@ -1,12 +1,9 @@
 """The architecture's promises, checked: one ORT run call, one feed-copy function, ORT's classes taken at import
-(ortcapture keeps working when ``onnxruntime.InferenceSession`` is replaced), deprecated module shims."""
+(ortcapture keeps working when ``onnxruntime.InferenceSession`` is replaced)."""
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
-import sys
-import warnings
 
 import numpy as np
 import onnxruntime as ort
@@ -100,22 +97,6 @@ def test_automatic_graph_ids_start_at_one(backend):
     feeds = {"A": np.ones((2, 4), np.float32), "B": np.ones((2, 4), np.float32)}
     with sess.capture(feeds) as g:
         assert g.graph_id == 1  # 0 is what a raw run without a gpu_graph_id entry uses
-
-
-@pytest.mark.parametrize("old", ["binding", "buffers", "capture", "compat", "cudart", "gate", "providers",
-                                 "registry", "shapes", "values"])
-def test_old_module_names_still_work_and_warn(old):
-    sys.modules.pop(f"ortcapture.{old}", None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(f"ortcapture.{old}")
-    assert any(issubclass(w.category, DeprecationWarning) and f"ortcapture.{old}" in str(w.message) for w in seen)
-    assert dir(mod)  # names resolve through the private module
-    target = {"gate": "_ort.sync", "shapes": "_ort.specialize", "binding": "_core.binding",
-              "capture": "_core.capture", "registry": "_core.registry", "buffers": "_memory.buffers"}.get(old, f"_ort.{old}")
-    private = importlib.import_module(f"ortcapture.{target}")
-    name = next(n for n in dir(private) if not n.startswith("__"))
-    assert getattr(mod, name) is getattr(private, name)
 
 
 def test_public_surface_is_all():
