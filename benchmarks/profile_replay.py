@@ -393,7 +393,8 @@ def worker(args) -> dict:
                 for k, fn in stage.profile(name, host).items():
                     arms["staging: " + k] = fn
             res["staging_kind"] = getattr(g, "host_staging", None)
-            staging_mod = sys.modules.get("ortcapture._staging") or transfer  # the staging code moved out of transfer
+            staging_mod = (sys.modules.get("ortcapture._transfer.host_copy") or sys.modules.get("ortcapture._staging")
+                           or transfer)  # the staging code moved out of transfer, then into ortcapture._transfer
             res["staging_threads"] = getattr(staging_mod, "STAGING_THREADS", None)
             if hasattr(os, "sched_getaffinity"):
                 res["usable_cpus"] = len(os.sched_getaffinity(0))

@@ -126,7 +126,7 @@ def constant_outputs_of(path_or_bytes, static_sig):
 def check_tensor_io(session) -> None:
     """Raise :class:`CaptureUnsupportedError` naming the inputs/outputs that are not numeric tensors (strings,
     sequences, maps such as ``ZipMap``'s, optional values): no fixed device buffer can hold them."""
-    from ortcapture.transfer import ONNX_TO_NP
+    from ortcapture._ort.values import ONNX_TO_NP
 
     bad = [f"{role} {m.name!r} is {m.type}" for role, metas in (("input", session.get_inputs()),
                                                                  ("output", session.get_outputs()))

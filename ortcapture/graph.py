@@ -15,7 +15,11 @@ import numpy as np
 
 from ortcapture._memory import compact as _compact
 from ortcapture._ort import compat, compute_stream
-from ortcapture import _staging, transfer
+from ortcapture._ort.values import ONNX_TO_NP, meta
+from ortcapture._transfer import check as tcheck
+from ortcapture._transfer import copy as tcopy
+from ortcapture._transfer import staging as _staging
+from ortcapture._transfer import targets as ttargets
 from ortcapture._core.binding import IOBinding
 from ortcapture._ort.compat import OrtValue
 from ortcapture._core.reference import check_frozen
@@ -65,7 +69,7 @@ class ReplayOutput(OrtValue):
             StaleOutputError: a later replay or re-capture rewrote the buffer before or during the copy.
         """
         self._check()
-        arr = transfer.to_numpy(self._fixed)
+        arr = tcopy.to_numpy(self._fixed)
         self._check()  # a replay from another thread began meanwhile: the copy may mix two replays
         return arr
 
@@ -89,7 +93,7 @@ def _source_spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, numpy dtype) of an example feed: numpy array (0-d included), OrtValue or DLPack tensor; raises
     :class:`TransferError` naming the input and the type for anything else (:func:`ortcapture.transfer.source_spec`)."""
     try:
-        return transfer.source_spec(value)
+        return tcheck.source_spec(value)
     except TransferError as exc:
         raise TransferError(f"feed {name!r}: {exc}") from None
 
@@ -125,7 +129,7 @@ def example_specs(session, example_feeds: Mapping[str, Any]) -> dict[str, tuple[
 
 def _check_model_input(meta, shape: tuple, dtype: np.dtype) -> None:
     """Refuse an example feed whose dtype or fixed dims contradict the model's input (before ORT errors out)."""
-    want = transfer.ONNX_TO_NP.get(meta.type)
+    want = ONNX_TO_NP.get(meta.type)
     if want is not None and dtype != want:
         raise TransferError(f"input {meta.name!r} is {meta.type} in the model; the example feed is {dtype}")
     dims = list(meta.shape or [])
@@ -210,9 +214,9 @@ class CapturedGraph:
         self.inputs: dict[str, OrtValue] = {name: new_buffer(shape, dtype) for name, (shape, dtype) in specs.items()}
         self.outputs: dict[str, OrtValue] = {}
         self._initial_state: dict[str, OrtValue] = {}
-        transfer.copy_feeds(self.inputs, example_feeds)
+        ttargets.copy_feeds(self.inputs, example_feeds)
         # int64 feeds that came device to device (WebGPU OrtValues) are range-checked once, here (host ones were)
-        transfer.check_int64_inputs(self.inputs, [n for n, v in example_feeds.items() if not isinstance(v, np.ndarray)])
+        tcopy.check_int64_inputs(self.inputs, [n for n, v in example_feeds.items() if not isinstance(v, np.ndarray)])
         self.outputs = self._allocate_outputs(new_buffer)
         self._state = self._check_state(state or {})
         self._binding = IOBinding(session)
@@ -226,9 +230,9 @@ class CapturedGraph:
         self._state_dst = [self.inputs[i] for i in self._state.values()]
         for iname in self._state.values():
             buf = self.inputs[iname]
-            self._initial_state[iname] = new_buffer(buf.shape(), transfer.np_dtype_of(buf))
+            self._initial_state[iname] = new_buffer(buf.shape(), tcheck.np_dtype_of(buf))
         if self._state:
-            transfer.copy(self._state_dst, list(self._initial_state.values()))
+            tcopy.copy(self._state_dst, list(self._initial_state.values()))
         if not self._captured:
             self._record = _NotCaptured()
         else:
@@ -255,7 +259,7 @@ class CapturedGraph:
         with cs.guard:
             cs.run_uncaptured(probe)
         outs = probe.get_outputs()  # one per bound name, in binding order
-        return {name: new_buffer(v.shape(), transfer.np_dtype_of(v)) for name, v in zip(names, outs)}
+        return {name: new_buffer(v.shape(), tcheck.np_dtype_of(v)) for name, v in zip(names, outs)}
 
     def _check_state(self, state: Mapping[str, str]) -> dict[str, str]:
         targets = list(state.values())
@@ -401,12 +405,12 @@ class CapturedGraph:
                         if type(feeds) is dict and len(feeds) == 1 and not UNSETTLED:
                             for name, value in feeds.items():
                                 hit = self._targets._last.get(name)  # noqa: SLF001 - the graph's own targets
-                            if hit is not None and (hit[0]() is not value or transfer.COPY_BACKEND is not None):
+                            if hit is not None and (hit[0]() is not value or tcopy.COPY_BACKEND is not None):
                                 hit = None
                         if hit is not None:
                             hit[1](value)
                         else:
-                            transfer.copy_feeds(self._targets, feeds)
+                            ttargets.copy_feeds(self._targets, feeds)
                     # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so
                     # a read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before
                     # and after). Feeds were copied above, before it turned odd: this graph's own previous outputs may
@@ -432,11 +436,11 @@ class CapturedGraph:
                         else:
                             self._replay()
                         if self._state:
-                            transfer.copy(self._state_src, self._state_dst)
+                            tcopy.copy(self._state_src, self._state_dst)
                         if copy_outputs is False:
                             return res
                         if out is None and copy_outputs is True and self._staging is None and not self._stage_auto:
-                            return [transfer.to_numpy(v) for v in self._output_list]
+                            return [tcopy.to_numpy(v) for v in self._output_list]
                         return self._host_outputs(copy_outputs, out)
                     finally:
                         self._generation += 1
@@ -533,7 +537,7 @@ class CapturedGraph:
             raise TransferError(f"out must be a mapping {{output name: array}} or a list, got {type(out).__name__}")
         for i, arr in picked.items():
             buf = self._output_list[i]
-            m = transfer.meta(buf)
+            m = meta(buf)
             if not isinstance(arr, np.ndarray):
                 raise TransferError(f"out[{names[i]!r}] must be a numpy array, got {type(arr).__name__}")
             if arr.shape != m.shape or arr.dtype != m.dtype:
@@ -728,7 +732,7 @@ class CapturedGraph:
                 st.upload_async({name: st.host_inputs[name] for name in host})
             st.wait()
             if rest:
-                transfer.copy_feeds(g._targets, rest)  # noqa: SLF001
+                ttargets.copy_feeds(g._targets, rest)  # noqa: SLF001
             nxt = next(it, end)
             error = None
             job = None
@@ -747,7 +751,7 @@ class CapturedGraph:
             try:
                 g._replay()  # noqa: SLF001
                 if g._state:  # noqa: SLF001
-                    transfer.copy(g._state_src, g._state_dst)  # noqa: SLF001
+                    tcopy.copy(g._state_src, g._state_dst)  # noqa: SLF001
                 done = job.result() if job is not None else None  # before k's readback: n == 1 reuses the buffers
                 st.read(dict.fromkeys(names))
             finally:
@@ -799,9 +803,9 @@ class CapturedGraph:
             for name in values:
                 if name not in self._initial_state:
                     raise CaptureError(f"{name!r} is not a state input ({list(self._initial_state)})")
-            transfer.copy_feeds({n: self.inputs[n] for n in values}, values)  # all checked before any change
+            ttargets.copy_feeds({n: self.inputs[n] for n in values}, values)  # all checked before any change
             rest = [n for n in self._initial_state if n not in values]
-            transfer.copy([self._initial_state[n] for n in rest], [self.inputs[n] for n in rest])
+            tcopy.copy([self._initial_state[n] for n in rest], [self.inputs[n] for n in rest])
 
     @property
     def state_inputs(self) -> list[str]:
@@ -878,7 +882,7 @@ class CapturedGraph:
         groups = {"outputs": self.outputs}
         if everything:
             groups.update(inputs=self.inputs, initial_state=self._initial_state)
-        return {k: {n: transfer.to_numpy(v) for n, v in d.items()} for k, d in groups.items()}
+        return {k: {n: tcopy.to_numpy(v) for n, v in d.items()} for k, d in groups.items()}
 
     def recapture(self, saved: dict, move: bool = False) -> None:
         """Capture this graph again on its session's rebuilt C session, side-effect free: a new IOBinding of the same
@@ -899,14 +903,14 @@ class CapturedGraph:
                 for key, bufs in (("inputs", self.inputs), ("outputs", self.outputs),
                                   ("initial_state", self._initial_state)):
                     for name, old in list(bufs.items()):
-                        bufs[name] = cs.new_buffer(old.shape(), transfer.np_dtype_of(old))
-                    transfer.restore(bufs, saved[key])  # the values they held: no input rule applies again
+                        bufs[name] = cs.new_buffer(old.shape(), tcheck.np_dtype_of(old))
+                    tcopy.restore(bufs, saved[key])  # the values they held: no input rule applies again
                 self._rebind()
             replays = self._record.replays if self._record is not None else 0
             self._record = cs.capture(self._binding, self.graph_id, self._run_options, owner=self)
             self._record.replays = replays
             self._plan()
-            transfer.restore(self.outputs, saved["outputs"])
+            tcopy.restore(self.outputs, saved["outputs"])
         finally:
             self._generation += 1
 
@@ -951,7 +955,7 @@ class CapturedGraph:
         #: ... and plain numpy feeds and copy_outputs=True take it unasked where the inputs and outputs hold
         #: _staging.PINNED_AUTO_MIN bytes ($ORTCAPTURE_PINNED_MIN, default 1 MiB; None: never unasked); otherwise
         #: nothing is pinned until host_inputs, host_outputs, copy_outputs="pinned", out= or run_many ask for it
-        io_bytes = sum(transfer.meta(v).nbytes for v in (*self.inputs.values(), *self.outputs.values()))
+        io_bytes = sum(meta(v).nbytes for v in (*self.inputs.values(), *self.outputs.values()))
         self._stage_auto = (self._pin_ok and _staging.PINNED_AUTO_MIN is not None
                             and io_bytes >= _staging.PINNED_AUTO_MIN)
         ref = weakref.ref(self)
@@ -959,7 +963,7 @@ class CapturedGraph:
         # the session's CUDA compute stream where it is known (ortcapture's own): remembered device-to-device feeds
         # are then queued on it ahead of the replay instead of waiting for each copy
         stream = cs.compute_stream() if gate and where == "cuda" and cs.compute_stream is not None else None
-        self._targets = transfer.FeedTargets(self.inputs, gate, st, factory, stream)
+        self._targets = ttargets.FeedTargets(self.inputs, gate, st, factory, stream)
         # ReplayOutput's fields known ahead: (buffer, its C OrtValue, its session)
         self._wrap_list = [(v, compat.c_value(v), getattr(v, "_session", None)) for v in self._output_list]
         self._replay = cs.replayer(self._binding, self._run_options, self._record) if self._record is not None \
@@ -1067,7 +1071,7 @@ def _split_request(graph, staging, feeds, n: int) -> tuple[dict, dict]:
         if type(v) is np.ndarray and staging.takes(name, v):
             host[name] = v
         else:
-            transfer.check_source(dst, v)  # the checks of the copy made later
+            tcopy.check_source(dst, v)  # the checks of the copy made later
             rest[name] = v
     return host, rest
 

@@ -31,7 +31,7 @@ from ortcapture._core.binding import IOBinding
 from ortcapture._buckets.run import BucketRunner
 from ortcapture._ort.compat import OrtInferenceSession
 from ortcapture._ort.model import ModelSource, external_folder
-from ortcapture import transfer
+from ortcapture._transfer import copy as tcopy
 from ortcapture._ort.providers import (
     CaptureInfo, detect_capture, device_kind, names_cuda_ep, normalize, requested_capture)
 from ortcapture._core.reference import check_ep_accuracy, reference_runner, verify_graph
@@ -959,7 +959,7 @@ class InferenceSession(OrtInferenceSession):
                 host = shapes.host_read_inputs(target.session)
             level = self._oc_verify if verify is None else level_of(verify)
             if host:
-                graph.freeze_inputs({n: transfer.to_numpy(graph.inputs[n]) for n in host})
+                graph.freeze_inputs({n: tcopy.to_numpy(graph.inputs[n]) for n in host})
             if level != "off":
                 reference, rtol = reference_runner(target, self._oc_args[0], self._oc_ref_cache)
                 graph.verification = verify_graph(graph, level, reference, rtol, keep=host,

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import transfer
+from ortcapture._transfer import targets as ttargets
 from tests import tiny
 
 _PKG = pathlib.Path(ortcapture.__file__).parent
@@ -50,13 +50,13 @@ def test_feeds_are_copied_by_one_function(backend, rng, monkeypatch):
     assert "copy_feeds" in graph_calls
     assert not {"update_inplace", "prepare", "commit"} & set(graph_calls)
     calls = []
-    real = transfer.copy_feeds
+    real = ttargets.copy_feeds
 
     def spy(buffers, feeds):
         calls.append(sorted(feeds))
         return real(buffers, feeds)
 
-    monkeypatch.setattr(transfer, "copy_feeds", spy)
+    monkeypatch.setattr(ttargets, "copy_feeds", spy)  # the implementation module: the graph calls it there
     sess = backend.session(tiny.add_model())
     a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
     with sess.capture({"A": a, "B": b}, verify=False) as g:  # verify= copies its input sets the same way

@@ -218,15 +218,16 @@ def test_feed_targets_remember_two_sources_per_input(monkeypatch):
     import numpy as np
     import onnxruntime as ort
 
-    from ortcapture import transfer
+    from ortcapture._transfer import copy as tcopy
+    from ortcapture._transfer import targets as ttargets
 
     dst = ort.OrtValue.ortvalue_from_numpy(np.zeros(4, np.float32))
-    targets = transfer.FeedTargets({"X": dst})
+    targets = ttargets.FeedTargets({"X": dst})
     copied: list = []
-    monkeypatch.setattr(transfer, "_direct_copier", lambda d, s, g, st=None: (lambda v, s=s: copied.append(s)))
+    monkeypatch.setattr(ttargets, "_direct_copier", lambda d, s, g, st=None: (lambda v, s=s: copied.append(s)))
     checked: list = []
-    real = transfer.update_inplace
-    monkeypatch.setattr(transfer, "update_inplace", lambda d, v: checked.append(v) or real(d, v))
+    real = ttargets.update_inplace
+    monkeypatch.setattr(ttargets, "update_inplace", lambda d, v: checked.append(v) or real(d, v))
     a, b, c = (ort.OrtValue.ortvalue_from_numpy(np.full(4, v, np.float32)) for v in (1, 2, 3))
     for v in (a, b, a, b, a):
         targets.copy({"X": v})
@@ -235,6 +236,6 @@ def test_feed_targets_remember_two_sources_per_input(monkeypatch):
     targets.copy({"X": a})
     targets.copy({"X": b})
     assert checked == [a, b, c, b] and copied == [a, b, a, a]
-    monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
+    monkeypatch.setattr(tcopy, "COPY_BACKEND", "cuda-python")
     targets.copy({"X": b})
     assert checked[-1] is b and len(checked) == 5

@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import _staging
+from ortcapture._transfer import host_copy as _host_copy
+from ortcapture._transfer import staging as _staging
 from ortcapture._ort import compat
 from tests import tiny
 from tests.conftest import Backend, cuda_available
@@ -232,8 +233,8 @@ def fake_pinned(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, rng, threads):
     fake, as_cuda = fake_pinned
-    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
-    monkeypatch.setattr(_staging, "_POOL", [])
+    monkeypatch.setattr(_host_copy, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_host_copy, "_POOL", [])
     shape = (3, 1000, 1000)  # 12 MB: chunked
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
     small = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.int64)))
@@ -286,7 +287,7 @@ def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch
     array kept alive until then); arrays made per call, small ones, refused ones and run_many's asynchronous uploads
     are never registered; a gone staging queues every registration."""
     fake, as_cuda = fake_pinned
-    monkeypatch.setattr(_staging, "STAGING_THREADS", 1)
+    monkeypatch.setattr(_host_copy, "STAGING_THREADS", 1)
     monkeypatch.setattr(_staging, "REGISTER_KEEP", 3)
     shape = (1, 3, 320, 320)  # 1.2 MB: above REGISTER_MIN
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
@@ -386,18 +387,18 @@ def test_pinned_staging_falls_back_to_pageable_when_cuda_refuses(fake_pinned, mo
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_host_copy_splits_big_copies_exactly(monkeypatch, rng, threads):
-    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
-    monkeypatch.setattr(_staging, "_POOL", [])
+    monkeypatch.setattr(_host_copy, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_host_copy, "_POOL", [])
     for shape in [(), (0, 3), (7,), (3, 333, 1001)]:  # the last: ~4 MB, split over the threads
         src = rng.random(shape).astype(np.float32)
-        out = _staging.host_copy(src)
+        out = _host_copy.host_copy(src)
         assert out.shape == src.shape and out.dtype == src.dtype and not np.shares_memory(out, src)
         np.testing.assert_array_equal(out, src)
         into = np.empty_like(src)
-        assert _staging.host_copy(src, into) is into
+        assert _host_copy.host_copy(src, into) is into
         np.testing.assert_array_equal(into, src)
     strided = np.empty((3, 333, 2002), np.float32)[:, :, ::2]  # a non-contiguous target: numpy's own copy
-    _staging.host_copy(src, strided)
+    _host_copy.host_copy(src, strided)
     np.testing.assert_array_equal(strided, src)
 
 
@@ -545,8 +546,8 @@ def test_cuda_big_numpy_feeds_through_pinned_staging(cuda, rng, monkeypatch, thr
     """A 12 MB feed goes in 1 MiB chunks (threads filling, DMA per chunk); every replay reads exactly its feed,
     through plain numpy, host_inputs, out= and pinned views, alternating with device feeds."""
     pytest.importorskip("cuda.bindings", reason="cuda-python")
-    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
-    monkeypatch.setattr(_staging, "_POOL", [])
+    monkeypatch.setattr(_host_copy, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_host_copy, "_POOL", [])
     shape = (3, 1000, 1000)
     sess = cuda.session(tiny.affine_model(shape))
     with sess.capture({"X": np.zeros(shape, np.float32)}) as g:
@@ -789,7 +790,7 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
     import os
 
     if not os.environ.get("ORTCAPTURE_STAGING_THREADS"):
-        assert _staging.STAGING_THREADS == min(3, _staging._usable_cpus())
+        assert _host_copy.STAGING_THREADS == min(3, _host_copy._usable_cpus())
     fake, as_cuda = fake_pinned
     shape = (3, 1000, 1000)
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
@@ -809,7 +810,7 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
         assert sum(c[3] for c in fake.calls if c[0] == "copy") == feed.nbytes and fake.calls[-1] == ("sync",)
         x.update_inplace(np.zeros(shape, np.float32))
     if hasattr(os, "sched_setaffinity"):  # the pinned pool's workers each run on one CPU of the process's mask
-        pool = _staging._pool(8, True)  # noqa: SLF001
+        pool = _host_copy._pool(8, True)  # noqa: SLF001
         cpus = [pool.submit(os.sched_getaffinity, 0).result() for _ in range(20)]
         assert all(len(c) == 1 and c <= os.sched_getaffinity(0) for c in cpus)
 
@@ -864,13 +865,13 @@ def test_pipelined_fill_never_waits_for_a_worker_that_has_not_started(fake_pinne
     pool = ThreadPoolExecutor(1)
     gate = threading.Event()
     blocker = pool.submit(gate.wait, 30)
-    monkeypatch.setattr(_staging, "_pool", lambda threads=None, pin=None: pool)
+    monkeypatch.setattr(_host_copy, "_pool", lambda threads=None, pin=None: pool)
     try:
         n = 5 << 20
         src = rng.integers(0, 255, n, dtype=np.uint8)
         flat = np.zeros(n, np.uint8)
         dev = np.zeros(n, np.uint8)
-        _staging._fill_and_send(flat, src, flat.ctypes.data, dev.ctypes.data, n, "stream", threads=2)
+        _host_copy._fill_and_send(flat, src, flat.ctypes.data, dev.ctypes.data, n, "stream", threads=2)
         assert not blocker.done()  # returned while the worker was still held
         np.testing.assert_array_equal(flat, src)
         np.testing.assert_array_equal(dev, src)  # every chunk's DMA queued (the fake copies at once)

@@ -479,7 +479,7 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
     """transfer._fast_pair decides update_inplace's hot path, the one fast copy (CapturedGraph.run copies feeds
     through transfer.copy_feeds, which calls update_inplace). CPU OrtValues stand in for CUDA ones here (their
     device recorded as cuda:N), so every clause can be flipped."""
-    from ortcapture import transfer
+    from ortcapture._transfer import copy as transfer  # the implementation module: its globals are patched
     from ortcapture._ort import compat
     from ortcapture._ort import values
 

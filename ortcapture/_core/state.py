@@ -416,7 +416,7 @@ class CaptureState:
 
 def _drain(record: CapturedGraphRecord) -> None:
     """Wait for the WebGPU queue: read back the record's smallest pinned output (see WEBGPU_DRAIN_EVERY)."""
-    from ortcapture import transfer
+    from ortcapture._transfer import copy as transfer
 
     values = [b for b in record.outputs.values() if b.value is not None]
     if values:
