@@ -1,4 +1,4 @@
-"""Strict in-place updates of fixed buffers, and copies between them — all validation lives here.
+"""Strict in-place updates of fixed buffers, and copies between them: the public face of :mod:`ortcapture._transfer`.
 
 ORT's own paths accept silently wrong input: ``OrtValue.update_inplace(numpy)`` checks only the element count
 (measured, onnxruntime-gpu 1.31.1: int32 bytes accepted into a float32 OrtValue and reinterpreted), copies the raw
