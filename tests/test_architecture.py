@@ -43,7 +43,7 @@ def test_orts_run_with_iobinding_is_called_from_one_place_in_the_core():
     assert where == {"_core/run.py": 1}, where
     # and every core path reaches ORT through it
     users = {p.relative_to(_PKG).as_posix() for p in CORE if "run_bound" in _calls(p)}
-    assert {"session.py", "_core/state.py", "_core/capture.py"} <= users
+    assert {"_session/session.py", "_core/state.py", "_core/capture.py"} <= users
 
 
 def test_feeds_are_copied_by_one_function(backend, rng, monkeypatch):

@@ -3,7 +3,8 @@
 The provider arguments with capture switched off, the ORT-version and WebGPU int64 checks, TensorRT profiles for
 ``buckets=``, the text of a refused capture, the model's constant outputs and the numeric-tensor I/O check.
 
-Moved verbatim out of :mod:`ortcapture.session`; the behaviour they guard against is described there.
+Moved verbatim out of :mod:`ortcapture.session` (then ``ortcapture._session_setup``); the behaviour they guard against
+is described in :mod:`ortcapture._session.session`.
 """
 from __future__ import annotations
 
