@@ -15,7 +15,7 @@ before the device finished them: :func:`ortcapture._ort.sync.settle`).
 
 This module only re-exports: the implementation is :mod:`ortcapture._transfer` (``check``, ``sources``, ``copy``,
 ``targets``, ``staging``, ``host_copy``). ``COPY_BACKEND`` (the forced device-to-device backend, set from
-``$ORTCAPTURE_COPY_BACKEND`` at import) is :data:`ortcapture._transfer.copy.COPY_BACKEND`: set it there.
+``$ORTCAPTURE_COPY_BACKEND`` at import) is :data:`ortcapture._ort.sync.COPY_BACKEND`: set it there.
 """
 from __future__ import annotations
 

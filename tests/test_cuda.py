@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ortcapture
+from ortcapture._ort import sync
 from ortcapture._transfer import copy as tcopy
 from tests import tiny
 from tests.conftest import Backend, cuda_available
@@ -59,7 +60,7 @@ def test_ortvalue_d2d_and_forced_cuda_python_backend(cuda, monkeypatch):
     from ortcapture._ort import compat
 
     assert compat.has_cuda_python(), "cuda-python expected on the GPU machine"
-    monkeypatch.setattr(tcopy, "COPY_BACKEND", "cuda-python")
+    monkeypatch.setattr(sync, "COPY_BACKEND", "cuda-python")
     called = []
     import ortcapture._ort.cudart as cudart
 
@@ -330,13 +331,13 @@ def test_repeated_cuda_feed_takes_the_one_fast_path_and_stays_checked(cuda, monk
     g.run({"X": srcs[1]})  # out is stale now: feeding it must raise, never copy the newer values silently
     with pytest.raises(ortcapture.StaleOutputError):
         g.run({"X": out})
-    old = tcopy.COPY_BACKEND
+    old = sync.COPY_BACKEND
     try:
-        tcopy.COPY_BACKEND = "cuda-python"  # the backend switch is honoured on the next call
+        sync.COPY_BACKEND = "cuda-python"  # the backend switch is honoured on the next call
         if pytest.importorskip("cuda.bindings", reason="cuda-python"):
             np.testing.assert_array_equal(g.run({"X": srcs[0]})[0], np.full((2, 4), 3.0))
     finally:
-        tcopy.COPY_BACKEND = old
+        sync.COPY_BACKEND = old
 
 
 def test_bf16_model_captures_from_numpy_and_torch_sources(cuda):
@@ -501,7 +502,7 @@ def test_callers_compute_stream_is_used_and_reported(cuda, monkeypatch):
             np.testing.assert_array_equal(g.run({"X": src})[0], np.full((1, 64), 2 * v + 1))
         assert _queued_copier(g, "X")[1]
         del g, sess
-        monkeypatch.setattr(compute_stream, "ENABLED", False)
+        monkeypatch.setattr(sync, "COMPUTE_STREAM", False)
         sess = cuda.session(tiny.affine_model((1, 64)))
         assert sess.compute_stream is None
         g = sess.capture({"X": np.zeros((1, 64), np.float32)})

@@ -27,6 +27,7 @@ from ortcapture._core.specs import example_specs
 from ortcapture._memory import compact as _compact
 from ortcapture._ort import compat
 from ortcapture._ort.compat import OrtValue
+from ortcapture._ort import sync as _sync
 from ortcapture._ort.sync import FORKED_DEVICES, UNSETTLED, hold
 from ortcapture._ort.values import meta
 from ortcapture._transfer import check as tcheck
@@ -277,7 +278,7 @@ class CapturedGraph:
                         if type(feeds) is dict and len(feeds) == 1 and not UNSETTLED:
                             for name, value in feeds.items():
                                 hit = self._targets._last.get(name)  # noqa: SLF001 - the graph's own targets
-                            if hit is not None and (hit[0]() is not value or tcopy.COPY_BACKEND is not None):
+                            if hit is not None and (hit[0]() is not value or _sync.COPY_BACKEND is not None):
                                 hit = None
                         if hit is not None:
                             hit[1](value)
@@ -621,13 +622,12 @@ class CapturedGraph:
         gate = cs.guard.holds_cuda_gate
         where = self._device.device_type if self._device is not None else None
         #: host data in and out can go through pinned staging: CUDA buffers, a CUDA session's guard, cuda-python
-        self._pin_ok = bool(gate and where == "cuda" and _staging.PINNED and compat.has_cuda_python())
+        self._pin_ok = bool(gate and where == "cuda" and _sync.PINNED and compat.has_cuda_python())
         #: ... and plain numpy feeds and copy_outputs=True take it unasked where the inputs and outputs hold
-        #: _staging.PINNED_AUTO_MIN bytes ($ORTCAPTURE_PINNED_MIN, default 1 MiB; None: never unasked); otherwise
+        #: _sync.PINNED_AUTO_MIN bytes ($ORTCAPTURE_PINNED_MIN, default 1 MiB; None: never unasked); otherwise
         #: nothing is pinned until host_inputs, host_outputs, copy_outputs="pinned", out= or run_many ask for it
         io_bytes = sum(meta(v).nbytes for v in (*self.inputs.values(), *self.outputs.values()))
-        self._stage_auto = (self._pin_ok and _staging.PINNED_AUTO_MIN is not None
-                            and io_bytes >= _staging.PINNED_AUTO_MIN)
+        self._stage_auto = self._pin_ok and _sync.PINNED_AUTO_MIN is not None and io_bytes >= _sync.PINNED_AUTO_MIN
         ref = weakref.ref(self)
         factory = (lambda: ref()._staging_now()) if self._stage_auto else None  # noqa: SLF001 - no graph <-> targets cycle
         # the session's CUDA compute stream where it is known (ortcapture's own): remembered device-to-device feeds

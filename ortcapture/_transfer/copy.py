@@ -4,12 +4,11 @@ Moved out of :mod:`ortcapture.transfer` unchanged; the public module re-exports 
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture._ort import compat
+from ortcapture._ort import compat, sync
 from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, WEBGPU_LOCK, settle
 from ortcapture._ort.values import STORAGE, ValueMeta, meta
@@ -18,12 +17,6 @@ from ortcapture._transfer.check import (
 )
 from ortcapture._transfer.sources import _WRAPPED, _as_numpy, _as_source
 from ortcapture.errors import CaptureUnsupportedError, TransferError
-
-
-
-#: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
-#: Set from $ORTCAPTURE_COPY_BACKEND at import; tests set it directly.
-COPY_BACKEND = os.environ.get("ORTCAPTURE_COPY_BACKEND") or None
 
 
 #: ORT's own device-to-device ``OrtValue.update_inplace(OrtValue)`` works (ORT >= 1.26; probed once at import on two
@@ -96,7 +89,7 @@ def _fast_pair(sm: ValueMeta | None, dm: ValueMeta, src: Any) -> bool:
     disjoint buffers (or different GPUs), ORT's own ``OrtValue.update_inplace(OrtValue)`` as the copy backend —
     everything the full checks below it would establish."""
     return (sm is not None and type(src) is _ORTVALUE and sm.kind == "cuda" == dm.kind and sm.dtype == dm.dtype
-            and sm.shape == dm.shape and bool(sm.span) and bool(dm.span) and COPY_BACKEND is None and _ORT_D2D
+            and sm.shape == dm.shape and bool(sm.span) and bool(dm.span) and sync.COPY_BACKEND is None and _ORT_D2D
             and (sm.span[1] <= dm.span[0] or dm.span[1] <= sm.span[0] or sm.device_id != dm.device_id))
 
 
@@ -338,7 +331,7 @@ def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: Value
     both_cuda = sm.kind == "cuda" and dm.kind == "cuda"
     if both_cuda and sm.device_id != dm.device_id:
         _peer(sm.device_id, dm.device_id)
-    if COPY_BACKEND == "cuda-python" and both_cuda:
+    if sync.COPY_BACKEND == "cuda-python" and both_cuda:
         from ortcapture._ort.cudart import memcpy_d2d
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)

@@ -1,93 +1,15 @@
-"""The staging copy threads and the threaded host memcpy of pinned staging fills (``host_copy``, ``_fill_and_send``).
+"""The threaded host memcpy of pinned staging fills (``host_copy``, ``_fill_and_send``) on the staging copy threads.
 
-Moved out of ``ortcapture._staging`` unchanged.
+Moved out of ``ortcapture._staging`` unchanged. The copy threads (process-wide thread pools) and the
+``ORTCAPTURE_STAGING_*`` settings are :mod:`ortcapture._ort.sync`'s (:func:`~ortcapture._ort.sync.staging_pool`).
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one: a container's cpuset, ``taskset``)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-#: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
-#: each thread claiming the next chunk and queuing its host-to-device copy as soon as it is in; the calling thread is
-#: one of them): $ORTCAPTURE_STAGING_THREADS, default 3 where the process may use 3 CPUs (1: the calling
-#: thread alone). On the H200 (9.8 MB YOLOv8n b8 input, ``benchmarks/bench_host_copy.py``, 1 MiB chunks) fill and
-#: upload together took 518-627 / 535-588 / 554-607 µs at 2 / 3 / 4 threads from a source in cache, and 705-753 /
-#: 598-622 / 617-681 µs from a new array each call (8 in turn, not in cache: the case plain numpy serving has); at 8
-#: threads 1126 µs: the host copies and the DMA contend for memory bandwidth. numpy releases the GIL for the copies;
-#: ``benchmarks/profile_replay.py`` times them.
-STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(3, _usable_cpus())
-
-
-#: Chunk of a pipelined fill (bytes; $ORTCAPTURE_STAGING_CHUNK); feeds up to twice this go in one piece
-STAGING_CHUNK = int(os.environ.get("ORTCAPTURE_STAGING_CHUNK") or 0) or 1 << 20
-
-
-_POOL: list = []
-
-
-_POOL_LOCK = threading.Lock()
-
-
-#: $ORTCAPTURE_STAGING_PIN=1: each staging worker thread runs on one CPU of its own (spread over the process's
-#: affinity mask) instead of wherever the scheduler wakes it. Off by default; the profile measures both. A burst of
-#: copies shorter than the scheduler's load balancing can otherwise land a woken worker on its waker's busy CPU.
-STAGING_PIN = os.environ.get("ORTCAPTURE_STAGING_PIN", "0") == "1"
-
-
-def _pinning_initializer(threads: int):
-    """A ThreadPoolExecutor initializer putting worker i (1 .. threads-1) on CPU ``cpus[i * len(cpus) // threads]``
-    of the process's affinity mask at the time (nothing where the OS has no affinity call or refuses it)."""
-    import itertools
-
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    counter = itertools.count(1)
-
-    def init() -> None:
-        i = next(counter)
-        try:
-            os.sched_setaffinity(0, {cpus[(i * len(cpus) // threads) % len(cpus)]})
-        except OSError:
-            pass
-    return init
-
-
-def _pool(threads: int | None = None, pin: bool | None = None):
-    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1); ``threads``/``pin``: a pool of
-    that many (pinned or not: :data:`STAGING_PIN`) instead (the profile's scaling runs), made once per choice. The
-    pool holds ``threads - 1`` workers: the calling thread copies a share itself."""
-    threads = STAGING_THREADS if threads is None else int(threads)
-    pin = STAGING_PIN if pin is None else bool(pin)
-    if threads <= 1:
-        return None
-    key = (threads, pin)
-    for k, pool in _POOL:
-        if k == key:
-            return pool
-    from concurrent.futures import ThreadPoolExecutor
-
-    with _POOL_LOCK:
-        for k, pool in _POOL:
-            if k == key:
-                return pool
-        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ortcapture-staging",
-                                  initializer=_pinning_initializer(threads) if pin else None)
-        _POOL.append((key, pool))
-    return pool
+from ortcapture._ort import sync
 
 
 #: Host copies bigger than four times this are split over the staging threads (the calling thread takes a part)
@@ -102,12 +24,12 @@ def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | 
     if dst is None:
         dst = np.empty_like(src)
     n = src.nbytes
-    pool = _pool(threads, pin) if n > 4 * PARALLEL_MIN else None
+    pool = sync.staging_pool(threads, pin) if n > 4 * PARALLEL_MIN else None
     if pool is None or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         np.copyto(dst, src)
         return dst
     s, d = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
-    step = max(PARALLEL_MIN, -(-n // (STAGING_THREADS if threads is None else threads)))
+    step = max(PARALLEL_MIN, -(-n // (sync.STAGING_THREADS if threads is None else threads)))
     futures = [pool.submit(np.copyto, d[a:a + step], s[a:a + step]) for a in range(step, n, step)]
     try:
         np.copyto(d[:step], s[:step])
@@ -140,15 +62,15 @@ def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: i
     from ortcapture._ort import cudart
 
     src = arr.reshape(-1).view(np.uint8)
-    chunk = STAGING_CHUNK
-    pool = _pool(threads, pin) if n > 2 * chunk else None
+    chunk = sync.STAGING_CHUNK
+    pool = sync.staging_pool(threads, pin) if n > 2 * chunk else None
     if pool is None:
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             np.copyto(flat[a:b], src[a:b])
             cudart.copy_async(dptr + a, hptr + a, b - a, stream)
         return
-    t = STAGING_THREADS if threads is None else int(threads)
+    t = sync.STAGING_THREADS if threads is None else int(threads)
     chunks = iter(range(0, n, chunk))
     lock = threading.Lock()  # the claims (a shared iterator is not thread-safe without the GIL)
 

@@ -3,54 +3,25 @@
 :class:`HostStaging` holds a graph's :attr:`~ortcapture.CapturedGraph.host_inputs` / ``host_outputs``: page-locked
 (``cudaHostAlloc`` through cuda-python) on CUDA, with ``cudaMemcpyAsync`` on a copy stream of the graph's own; ordinary
 numpy arrays elsewhere (WebGPU, CPU, no cuda-python, ``ORTCAPTURE_PINNED=0``). The threaded host memcpy the staging
-fills use is :mod:`ortcapture._transfer.host_copy`. Moved out of ``ortcapture._staging`` unchanged (which had moved
+fills use is :mod:`ortcapture._transfer.host_copy`; the ``ORTCAPTURE_PINNED*`` / ``ORTCAPTURE_REGISTER*`` settings are
+:mod:`ortcapture._ort.sync`'s. Moved out of ``ortcapture._staging`` unchanged (which had moved
 out of :mod:`ortcapture.transfer`, whose one copy and validation path, :func:`~ortcapture.transfer.update_inplace`, the
 pageable staging calls).
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Mapping
 
 import numpy as np
 
-from ortcapture._ort import compat
+from ortcapture._ort import compat, sync
 from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, settle
 from ortcapture._ort.values import STORAGE
-from ortcapture._transfer import host_copy as _host_copy
 from ortcapture._transfer.check import _dst_meta
 from ortcapture._transfer.copy import copy, to_numpy, update_inplace
 from ortcapture._transfer.host_copy import _fill, _fill_and_send, host_copy
-
-
-
-#: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
-PINNED = os.environ.get("ORTCAPTURE_PINNED", "1") != "0"
-
-
-def _auto_min(value: str | None) -> int | None:
-    """$ORTCAPTURE_PINNED_MIN: bytes; ``off`` (or ``none``): never unasked; unset: :data:`PINNED_AUTO_DEFAULT`."""
-    if value is None or not value.strip():
-        return PINNED_AUTO_DEFAULT
-    if value.strip().lower() in ("off", "none"):
-        return None
-    try:
-        return max(0, int(value))
-    except ValueError:
-        raise ValueError(f"ORTCAPTURE_PINNED_MIN must be a number of bytes or 'off', got {value!r}") from None
-
-
-#: Unasked staging's default threshold: graphs whose inputs and outputs hold at least 1 MiB
-PINNED_AUTO_DEFAULT = 1 << 20
-
-
-#: A graph whose inputs and outputs hold at least this many bytes stages plain numpy feeds and
-#: ``copy_outputs=True`` outputs through page-locked memory unasked ($ORTCAPTURE_PINNED_MIN; ``off``: only once a
-#: graph's host buffers are asked for: ``host_inputs``, ``copy_outputs="pinned"``, ``out=``, ``run_many``). Below it
-#: (small models) ORT's own pageable path is kept: its copies are too small for the staging to pay off.
-PINNED_AUTO_MIN = _auto_min(os.environ.get("ORTCAPTURE_PINNED_MIN"))
 
 
 class _PinnedBlock:
@@ -75,10 +46,6 @@ def _host_array(shape: tuple, dtype: np.dtype, pinned: bool) -> tuple[np.ndarray
     else:
         flat = np.empty(nbytes, np.uint8)
     return flat.view(dtype).reshape(shape), flat
-
-
-#: Page-locked bytes an :class:`_OutputPool` may hold beyond two sets of outputs ($ORTCAPTURE_PINNED_POOL_BYTES)
-OUTPUT_POOL_BYTES = int(os.environ.get("ORTCAPTURE_PINNED_POOL_BYTES") or 64 << 20)
 
 
 class _Lease:
@@ -111,7 +78,7 @@ class _OutputPool:
         self.nbytes = {n: int(np.prod(shape, dtype=np.int64)) * dt.itemsize for n, (shape, dt) in self.specs.items()}
         self.free = {n: collections.deque() for n in self.specs}
         self.held = 0
-        self.cap = OUTPUT_POOL_BYTES + 2 * sum(self.nbytes.values())
+        self.cap = sync.OUTPUT_POOL_BYTES + 2 * sum(self.nbytes.values())
 
     def take(self, name: str) -> np.ndarray | None:
         free = self.free[name]
@@ -128,20 +95,12 @@ class _OutputPool:
         return flat.view(dtype).reshape(shape)
 
 
-#: $ORTCAPTURE_REGISTER=0 turns off page-locking repeated numpy feeds in place (see :class:`_InPlace`)
-REGISTER = os.environ.get("ORTCAPTURE_REGISTER", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
 #: Feeds smaller than this (bytes) are always copied into the staging buffer: their copy costs less than a page pinned
 REGISTER_MIN = 256 << 10
 
 
 #: Arrays kept page-locked per input (a rotation of a few request buffers is common), most recently fed first
 REGISTER_KEEP = 4
-
-
-#: Bytes of callers' arrays one graph keeps page-locked (and alive) at most ($ORTCAPTURE_REGISTER_BYTES)
-REGISTER_BYTES = int(os.environ.get("ORTCAPTURE_REGISTER_BYTES") or 256 << 20)
 
 
 class _InPlace:
@@ -211,7 +170,7 @@ class _InPlace:
 
         regs = self.regs.setdefault(name, [])
         keep = regs[:REGISTER_KEEP - 1]  # what stays of this input's once the new one is in
-        if self.nbytes - sum(e[2] for e in regs[len(keep):]) + nbytes > REGISTER_BYTES or not _owns_memory(arr):
+        if self.nbytes - sum(e[2] for e in regs[len(keep):]) + nbytes > sync.REGISTER_BYTES or not _owns_memory(arr):
             return 0  # over the graph's cap: declined, never another input's evicted for it (no churn)
         ptr = int(arr.ctypes.data)
         try:
@@ -287,7 +246,7 @@ class HostStaging:
                  **{("out", n): _dst_meta(v) for n, v in outputs.items()}}
         kinds = {m.kind for m in metas.values()}
         devices = {m.device_id for m in metas.values()}
-        pinned = bool(pinned and PINNED and kinds == {"cuda"} and len(devices) == 1 and compat.has_cuda_python()
+        pinned = bool(pinned and sync.PINNED and kinds == {"cuda"} and len(devices) == 1 and compat.has_cuda_python()
                       and not any(m.dtype in STORAGE for m in metas.values()))
         self._stream = None
         self._events: dict[str, Any] = {}
@@ -380,7 +339,7 @@ class HostStaging:
             for name, arr in host.items():
                 update_inplace(self.inputs[name], arr)
             return
-        self.upload_async(host, in_place=REGISTER)
+        self.upload_async(host, in_place=sync.REGISTER)
         self.wait()
         if self._inplace is not None:  # evicted registrations (queued): their copies are done now
             free_released_staging()
@@ -510,14 +469,14 @@ class HostStaging:
                                                                                    self.wait())
         names = list(self.outputs)
         out["readback of every output (device -> host buffers)"] = lambda: self.read(names)
-        if self.pinned and self.takes(name, arr) and REGISTER:
+        if self.pinned and self.takes(name, arr) and sync.REGISTER:
             again = arr.copy()  # an array of the profile's own: page-locked in place from its second call (warm-up)
             out["upload of a numpy feed fed again (page-locked in place, one DMA)"] = \
                 lambda: self.upload({name: again})
         if self.pinned and self.takes(name, arr):  # the threads' effect: fill alone, fill pipelined with the DMA
             flat = self._flat[("in", name)]
             hptr, dptr, n = self._ptr[("in", name)]
-            for t, pin in [(t, False) for t in sorted({1, 2, 4, 8, _host_copy.STAGING_THREADS})] + [(8, True)]:
+            for t, pin in [(t, False) for t in sorted({1, 2, 4, 8, sync.STAGING_THREADS})] + [(8, True)]:
                 tag = f"{t} threads{', pinned' if pin else ''}"
                 out[f"fill, {tag} (host copy only)"] = lambda t=t, pin=pin: _fill(flat, arr, t, pin)
 

@@ -1,7 +1,7 @@
 """A graph's fixed input buffers as the replay path copies feeds into them: ``FeedTargets`` and ``copy_feeds``.
 
 Moved out of :mod:`ortcapture.transfer` unchanged; the public module re-exports the public names. ``COPY_BACKEND``
-is read from :mod:`ortcapture._transfer.copy`, where it is set.
+is read from :mod:`ortcapture._ort.sync`, where it is set.
 """
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ortcapture._ort import compat, compute_stream
+from ortcapture._ort import compat, compute_stream, sync
 from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import UNSETTLED, WEBGPU_LOCK, settle
-from ortcapture._transfer import copy as _copy
 from ortcapture._transfer.check import _alias, _name_it
 from ortcapture._transfer.copy import _CUDA_SHARED, _ORTVALUE, _fast_pair, commit, prepare, update_inplace
 from ortcapture.errors import TransferError
@@ -126,7 +125,7 @@ class FeedTargets:
     def _hit(self, name: str, value: Any) -> tuple | None:
         """The remembered ``(weakref, copy)`` of ``value`` for input ``name`` — the last source or the one before
         (made the last again) — or ``None`` (not seen, or ``COPY_BACKEND`` set: every copy checked)."""
-        if _copy.COPY_BACKEND is not None:
+        if sync.COPY_BACKEND is not None:
             return None
         hit = self._last.get(name)
         if hit is not None and hit[0]() is value:
@@ -177,7 +176,7 @@ def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None):
             with _CUDA_SHARED:
                 dst.update_inplace(s)
         return d2d
-    if (sm.kind == "webgpu" == dm.kind and _copy.COPY_BACKEND is None and compat.has_copy_tensors()
+    if (sm.kind == "webgpu" == dm.kind and sync.COPY_BACKEND is None and compat.has_copy_tensors()
             and _alias(src, sm, dst, dm) is None):
         targets, copy_tensors = [dst], compat.ort_copy_tensors
 
@@ -204,7 +203,7 @@ def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> Non
             which also precede its copy), so a refused call changes nothing.
     """
     if type(buffers) is FeedTargets:  # a graph's replay: sources validated before are copied straight away
-        if type(feeds) is dict and len(feeds) == 1 and _copy.COPY_BACKEND is None:
+        if type(feeds) is dict and len(feeds) == 1 and sync.COPY_BACKEND is None:
             for name, value in feeds.items():  # the replay hot path: one remembered source
                 hit = buffers._last.get(name)  # noqa: SLF001 - FeedTargets is this module's
                 if hit is not None and hit[0]() is value:
