@@ -232,8 +232,8 @@ class CapturedGraph:
         if self._many is not None:
             self._refuse_inside_many()
         guard = cs.guard
-        cg, lock = guard._cg, guard._lock  # noqa: SLF001 - the guard's inline paths, below
-        lock_only = guard._gate is None  # noqa: SLF001 - a session without the CUDA gate: the guard is its lock
+        # the guard's inline paths, below; lock_only: a session without the CUDA gate (the guard is its lock)
+        cg, lock, lock_only = guard.inline
         while True:  # a thread without its CUDA graph of the id (new thread, or after a compaction) captures first
             # ``with cs.guard:`` inlined (two Python frames less per replay): the lock alone where the guard is just
             # that, the CUDA gate's uncontended reader path exactly as SessionGuard.__enter__/__exit__ take it, or
@@ -265,7 +265,7 @@ class CapturedGraph:
                     self._raise_released()
                 # cs.thread_has(graph_id) inlined: off CUDA every thread may replay; on CUDA the thread's own set
                 if not self._captured or not cs.per_thread or self.graph_id in (
-                        getattr(cs._tls, "graphs", None) or ()):  # noqa: SLF001 - CaptureState's per-thread graphs
+                        getattr(cs.tls, "graphs", None) or ()):  # CaptureState's per-thread graphs
                     if not self._captured and compat.binding_c_session(self._binding) is not compat.c_session(
                             cs.session):
                         self._rebind()  # uncaptured_graph(): compact() or set_providers() replaced the C session
@@ -277,7 +277,7 @@ class CapturedGraph:
                         hit = None
                         if type(feeds) is dict and len(feeds) == 1 and not UNSETTLED:
                             for name, value in feeds.items():
-                                hit = self._targets._last.get(name)  # noqa: SLF001 - the graph's own targets
+                                hit = self._targets.last.get(name)  # the graph's own targets
                             if hit is not None and (hit[0]() is not value or _sync.COPY_BACKEND is not None):
                                 hit = None
                         if hit is not None:

@@ -35,7 +35,7 @@ def ensure_thread(self) -> None:
                 self._raise_released()
             # cs.thread_has(graph_id) inlined: off CUDA every thread may replay; on CUDA the thread's own set
             if not self._captured or not cs.per_thread or self.graph_id in (
-                    getattr(cs._tls, "graphs", None) or ()):  # noqa: SLF001 - CaptureState's per-thread graphs
+                    getattr(cs.tls, "graphs", None) or ()):  # CaptureState's per-thread graphs
                 return
         self._capture_for_thread()
 

@@ -241,15 +241,20 @@ class SessionGuard:
 
     ``origin``: the session's :class:`Origin`; in an ``os.fork()`` child of the process that made the session,
     entering raises its :class:`~ortcapture.errors.CaptureError` before any lock is taken (a lock another thread of
-    the parent held at the fork stays held in the child)."""
+    the parent held at the fork stays held in the child).
 
-    __slots__ = ("_lock", "_gate", "_cg", "_origin")
+    ``inline``: ``(gate or None, lock, lock only)`` for a caller that inlines this reader fast path itself
+    (``CapturedGraph.run``): the gate whose fast path it may take (``None``: never), the session's lock, and whether
+    the guard is that lock alone (no CUDA gate). Fixed at construction, read once per call."""
+
+    __slots__ = ("_lock", "_gate", "_cg", "_origin", "inline")
 
     def __init__(self, lock, cuda: bool, origin: "Origin | None" = None) -> None:
         self._lock = lock
         self._gate = CUDA_GATE.shared if cuda else None
         self._cg = CUDA_GATE if cuda and not NO_GIL else None  # the inline reader fast path's gate
         self._origin = origin if origin is not None else NO_DEVICE
+        self.inline = (self._cg, self._lock, self._gate is None)
 
     @property
     def origin(self) -> "Origin":
@@ -311,6 +316,7 @@ class CaptureGuard(SessionGuard):
         # no inline path (SessionGuard's enter/exit then take the gate's own code): the writer's side is the gate's
         self._cg = None
         self._origin = origin if origin is not None else NO_DEVICE
+        self.inline = (self._cg, self._lock, self._gate is None)
 
 
 #: One lock for all WebGPU work of the process (see the module docstring). Re-entrant.

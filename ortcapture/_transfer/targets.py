@@ -38,7 +38,7 @@ class FeedTargets:
         staging: the graph's :class:`HostStaging` for host (numpy) sources, or ``None``.
     """
 
-    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "stream", "_last", "_prev")
+    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "stream", "last", "_prev")
 
     def __init__(self, buffers: Mapping[str, OrtValue], gate_held: bool = False, staging=None,
                  make_staging=None, stream=None) -> None:
@@ -51,7 +51,7 @@ class FeedTargets:
         self.staging = staging
         #: ``() -> HostStaging``: makes the staging on the first numpy feed (graphs with pinned staging), or None
         self.make_staging = make_staging
-        self._last: dict[str, tuple] = {}  # name -> (weakref to the source, copy(src) into the buffer)
+        self.last: dict[str, tuple] = {}  # name -> (weakref to the source, copy(src) into the buffer)
         self._prev: dict[str, tuple] = {}  # name -> the one remembered before (double-buffered feeds alternate)
 
     def __getitem__(self, name: str) -> OrtValue:
@@ -127,12 +127,12 @@ class FeedTargets:
         (made the last again) — or ``None`` (not seen, or ``COPY_BACKEND`` set: every copy checked)."""
         if sync.COPY_BACKEND is not None:
             return None
-        hit = self._last.get(name)
+        hit = self.last.get(name)
         if hit is not None and hit[0]() is value:
             return hit
         prev = self._prev.get(name)
         if prev is not None and prev[0]() is value:
-            self._last[name] = prev
+            self.last[name] = prev
             if hit is None:
                 self._prev.pop(name, None)
             else:
@@ -142,13 +142,13 @@ class FeedTargets:
 
     def _remember(self, name: str, dst: OrtValue, src: Any) -> None:
         fn = _direct_copier(dst, src, self.gate_held, self.stream)
-        old = self._last.pop(name, None)
+        old = self.last.pop(name, None)
         if old is not None and old[0]() is not None:
             self._prev[name] = old
         if fn is None:
             return
         try:
-            self._last[name] = (weakref.ref(src), fn)
+            self.last[name] = (weakref.ref(src), fn)
         except TypeError:
             pass
 
@@ -205,7 +205,7 @@ def copy_feeds(buffers: Mapping[str, OrtValue], feeds: Mapping[str, Any]) -> Non
     if type(buffers) is FeedTargets:  # a graph's replay: sources validated before are copied straight away
         if type(feeds) is dict and len(feeds) == 1 and sync.COPY_BACKEND is None:
             for name, value in feeds.items():  # the replay hot path: one remembered source
-                hit = buffers._last.get(name)  # noqa: SLF001 - FeedTargets is this module's
+                hit = buffers.last.get(name)
                 if hit is not None and hit[0]() is value:
                     if UNSETTLED:
                         settle()
