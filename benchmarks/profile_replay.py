@@ -393,8 +393,11 @@ def worker(args) -> dict:
                 for k, fn in stage.profile(name, host).items():
                     arms["staging: " + k] = fn
             res["staging_kind"] = getattr(g, "host_staging", None)
-            staging_mod = sys.modules.get("ortcapture._staging") or transfer  # the staging code moved out of transfer
-            res["staging_threads"] = getattr(staging_mod, "STAGING_THREADS", None)
+            # where the tree under test keeps the setting: ortcapture._ort.sync (the process-wide state), before that
+            # ortcapture._transfer.host_copy, ortcapture._staging, ortcapture.transfer
+            where = [sys.modules.get(n) for n in ("ortcapture._ort.sync", "ortcapture._transfer.host_copy",
+                                                  "ortcapture._staging")] + [transfer]
+            res["staging_threads"] = next((m.STAGING_THREADS for m in where if hasattr(m, "STAGING_THREADS")), None)
             if hasattr(os, "sched_getaffinity"):
                 res["usable_cpus"] = len(os.sched_getaffinity(0))
         times = {}

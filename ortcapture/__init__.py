@@ -19,7 +19,6 @@ _EXPORTS = {
     "CaptureUnsupportedError": "ortcapture.errors", "GraphReleasedError": "ortcapture.errors",
     "PatchError": "ortcapture.errors", "TransferError": "ortcapture.errors", "StaleOutputError": "ortcapture.errors",
     "CaptureAbortedError": "ortcapture.errors", "PointerLifetimeWarning": "ortcapture.errors",
-    "VerificationError": "ortcapture._verify.compare",
     "EPAccuracyWarning": "ortcapture.errors",
     "VerificationError": "ortcapture._verify.compare",
     "CapturedGraph": "ortcapture.graph", "ReplayOutput": "ortcapture.graph",
@@ -34,9 +33,6 @@ _EXPORTS = {
 }
 #: public submodules, importable as attributes after a plain ``import ortcapture``
 _PUBLIC_MODULES = {"dropin", "errors", "graph", "session", "transfer", "webgpu", "serving", "cli"}
-#: deprecated aliases of modules that became private in 0.2.0 (each warns once on import; gone in 0.3.0)
-_DEPRECATED_MODULES = {"binding", "buffers", "capture", "compat", "cudart", "gate", "providers", "registry", "shapes",
-                       "values"}
 __all__ = sorted([*_EXPORTS, "webgpu", "serving", "__version__"])
 
 #: the error when no ONNX Runtime is installed (ortcapture depends on none: onnxruntime and onnxruntime-gpu are two
@@ -57,7 +53,7 @@ def _import(module: str):
 
 
 def __getattr__(name: str):
-    if name in _PUBLIC_MODULES or name in _DEPRECATED_MODULES:
+    if name in _PUBLIC_MODULES:
         return _import(f"ortcapture.{name}")
     module = _EXPORTS.get(name)
     if module is None:

@@ -98,14 +98,14 @@ def rng():
 
 @pytest.fixture
 def no_host_path(monkeypatch):
-    """Call it to make any host round trip in ortcapture.transfer fail the test from then on."""
-    from ortcapture import transfer
+    """Call it to make any host round trip in ortcapture's transfers (ortcapture._transfer) fail the test from then on."""
+    from ortcapture._transfer import copy as tcopy
 
     def boom(*a, **k):
         raise AssertionError("went through the host")
 
     def arm():
-        monkeypatch.setattr(transfer, "_copy_host_to", boom)
-        monkeypatch.setattr(transfer.np, "from_dlpack", boom)
+        monkeypatch.setattr(tcopy, "_copy_host_to", boom)
+        monkeypatch.setattr(tcopy.np, "from_dlpack", boom)
 
     return arm

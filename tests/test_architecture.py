@@ -1,19 +1,17 @@
 """The architecture's promises, checked: one ORT run call, one feed-copy function, ORT's classes taken at import
-(ortcapture keeps working when ``onnxruntime.InferenceSession`` is replaced), deprecated module shims."""
+(ortcapture keeps working when ``onnxruntime.InferenceSession`` is replaced)."""
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
 import sys
-import warnings
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import transfer
+from ortcapture._transfer import targets as ttargets
 from tests import tiny
 
 _PKG = pathlib.Path(ortcapture.__file__).parent
@@ -45,21 +43,21 @@ def test_orts_run_with_iobinding_is_called_from_one_place_in_the_core():
     assert where == {"_core/run.py": 1}, where
     # and every core path reaches ORT through it
     users = {p.relative_to(_PKG).as_posix() for p in CORE if "run_bound" in _calls(p)}
-    assert {"session.py", "_core/state.py", "_core/capture.py"} <= users
+    assert {"_session/session.py", "_core/state.py", "_core/capture.py"} <= users
 
 
 def test_feeds_are_copied_by_one_function(backend, rng, monkeypatch):
-    graph_calls = _calls(pathlib.Path(ortcapture.graph.__file__))
+    graph_calls = _calls(pathlib.Path(sys.modules[ortcapture.CapturedGraph.__module__].__file__))  # _core/graph.py
     assert "copy_feeds" in graph_calls
     assert not {"update_inplace", "prepare", "commit"} & set(graph_calls)
     calls = []
-    real = transfer.copy_feeds
+    real = ttargets.copy_feeds
 
     def spy(buffers, feeds):
         calls.append(sorted(feeds))
         return real(buffers, feeds)
 
-    monkeypatch.setattr(transfer, "copy_feeds", spy)
+    monkeypatch.setattr(ttargets, "copy_feeds", spy)  # the implementation module: the graph calls it there
     sess = backend.session(tiny.add_model())
     a, b = rng.random((2, 4), np.float32), rng.random((2, 4), np.float32)
     with sess.capture({"A": a, "B": b}, verify=False) as g:  # verify= copies its input sets the same way
@@ -100,22 +98,6 @@ def test_automatic_graph_ids_start_at_one(backend):
     feeds = {"A": np.ones((2, 4), np.float32), "B": np.ones((2, 4), np.float32)}
     with sess.capture(feeds) as g:
         assert g.graph_id == 1  # 0 is what a raw run without a gpu_graph_id entry uses
-
-
-@pytest.mark.parametrize("old", ["binding", "buffers", "capture", "compat", "cudart", "gate", "providers",
-                                 "registry", "shapes", "values"])
-def test_old_module_names_still_work_and_warn(old):
-    sys.modules.pop(f"ortcapture.{old}", None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(f"ortcapture.{old}")
-    assert any(issubclass(w.category, DeprecationWarning) and f"ortcapture.{old}" in str(w.message) for w in seen)
-    assert dir(mod)  # names resolve through the private module
-    target = {"gate": "_ort.sync", "shapes": "_ort.specialize", "binding": "_core.binding",
-              "capture": "_core.capture", "registry": "_core.registry", "buffers": "_memory.buffers"}.get(old, f"_ort.{old}")
-    private = importlib.import_module(f"ortcapture.{target}")
-    name = next(n for n in dir(private) if not n.startswith("__"))
-    assert getattr(mod, name) is getattr(private, name)
 
 
 def test_public_surface_is_all():

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import transfer
+from ortcapture._transfer import sources as tsources
 from ortcapture._ort import sync as _sync
 from ortcapture._core.run import run_options_for
 from ortcapture.errors import (BindingError, CaptureAbortedError, GraphReleasedError, PointerLifetimeWarning,
@@ -387,11 +387,11 @@ def test_bool_dlpack_goes_through_a_uint8_view_where_ort_refuses_bool():
     """ORT <= 1.31's DLPack converter raises a bare RuntimeError for DLPack bool ("Unsupported code 6"); the
     wrapper exports a uint8 view with ORT's is_bool flag instead (ORT 1.32 reads DLPack bool itself)."""
     c = np.array([[True, False, True], [False, False, True]])
-    value = transfer._dlpack_value(c, None)
+    value = tsources._dlpack_value(c, None)
     assert value.data_type() == "tensor(bool)"
     np.testing.assert_array_equal(value.numpy(), c)
     f = np.arange(6, dtype=np.float32).reshape(2, 3)
-    np.testing.assert_array_equal(transfer._dlpack_value(f, None).numpy(), f)
+    np.testing.assert_array_equal(tsources._dlpack_value(f, None).numpy(), f)
 
 
 def test_bool_producer_without_a_uint8_view_raises_transfer_error(monkeypatch):
@@ -403,7 +403,7 @@ def test_bool_producer_without_a_uint8_view_raises_transfer_error(monkeypatch):
 
     monkeypatch.setattr(_compat, "dlpack_takes_bool_flag", lambda: True)
     with pytest.raises(TransferError, match="no uint8 view"):
-        transfer._dlpack_value(NoView(np.array([True])), None)
+        tsources._dlpack_value(NoView(np.array([True])), None)
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from ortcapture._ort import compute_stream as cs
-from ortcapture._ort import cudart
+from ortcapture._ort import cudart, sync
 
 CUDA = "CUDAExecutionProvider"
 
@@ -84,9 +84,9 @@ def test_with_streams_leaves_ort_its_own_stream_where_none_can_be_made(monkeypat
     for bad in ("x", "-1", "1.0"):  # a malformed device_id: no stream made, ORT says what is wrong with it
         assert _with([(CUDA, {"enable_cuda_graph": "1", "device_id": bad})], {}) is None
     assert fake.made == []
-    monkeypatch.setattr(cs, "ENABLED", False)  # ORTCAPTURE_COMPUTE_STREAM=0
+    monkeypatch.setattr(sync, "COMPUTE_STREAM", False)  # ORTCAPTURE_COMPUTE_STREAM=0
     assert _with(entries, {}) is None and "user_compute_stream" not in entries[0][1]
-    monkeypatch.setattr(cs, "ENABLED", True)
+    monkeypatch.setattr(sync, "COMPUTE_STREAM", True)
     from ortcapture._ort import compat
 
     monkeypatch.setattr(compat, "cudart", lambda: None)  # no cuda-python
@@ -218,15 +218,15 @@ def test_feed_targets_remember_two_sources_per_input(monkeypatch):
     import numpy as np
     import onnxruntime as ort
 
-    from ortcapture import transfer
+    from ortcapture._transfer import targets as ttargets
 
     dst = ort.OrtValue.ortvalue_from_numpy(np.zeros(4, np.float32))
-    targets = transfer.FeedTargets({"X": dst})
+    targets = ttargets.FeedTargets({"X": dst})
     copied: list = []
-    monkeypatch.setattr(transfer, "_direct_copier", lambda d, s, g, st=None: (lambda v, s=s: copied.append(s)))
+    monkeypatch.setattr(ttargets, "_direct_copier", lambda d, s, g, st=None: (lambda v, s=s: copied.append(s)))
     checked: list = []
-    real = transfer.update_inplace
-    monkeypatch.setattr(transfer, "update_inplace", lambda d, v: checked.append(v) or real(d, v))
+    real = ttargets.update_inplace
+    monkeypatch.setattr(ttargets, "update_inplace", lambda d, v: checked.append(v) or real(d, v))
     a, b, c = (ort.OrtValue.ortvalue_from_numpy(np.full(4, v, np.float32)) for v in (1, 2, 3))
     for v in (a, b, a, b, a):
         targets.copy({"X": v})
@@ -235,6 +235,6 @@ def test_feed_targets_remember_two_sources_per_input(monkeypatch):
     targets.copy({"X": a})
     targets.copy({"X": b})
     assert checked == [a, b, c, b] and copied == [a, b, a, a]
-    monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
+    monkeypatch.setattr(sync, "COPY_BACKEND", "cuda-python")
     targets.copy({"X": b})
     assert checked[-1] is b and len(checked) == 5

@@ -155,8 +155,8 @@ def test_script_compares_raw_with_ortcapture(fake_dir, tmp_path, capsys):
     rows = {r["id"]: r for r in rep["rows"]}
     assert code == conf.FAIL and rep["ok"] is False
     assert rep["runs"]["raw"]["meta"]["session_class"].startswith("onnxruntime.")
-    assert rep["runs"]["patch"]["meta"]["session_class"] == "ortcapture.dropin.InferenceSession"
-    assert rep["runs"]["class"]["meta"]["session_class"] == "ortcapture.session.InferenceSession"
+    assert rep["runs"]["patch"]["meta"]["session_class"] == "ortcapture._session.dropin.InferenceSession"
+    assert rep["runs"]["class"]["meta"]["session_class"] == "ortcapture._session.session.InferenceSession"
     assert "CPUExecutionProvider" in rep["runs"]["raw"]["meta"]["providers"]
     # the split: the original method is gone, one test per part; part_c is not reached on raw ORT
     assert f"{T}test_parts" not in rows

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import ortcapture
-from ortcapture import transfer
+from ortcapture._ort import sync
+from ortcapture._transfer import copy as tcopy
 from tests import tiny
 from tests.conftest import Backend, cuda_available
 
@@ -59,7 +60,7 @@ def test_ortvalue_d2d_and_forced_cuda_python_backend(cuda, monkeypatch):
     from ortcapture._ort import compat
 
     assert compat.has_cuda_python(), "cuda-python expected on the GPU machine"
-    monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
+    monkeypatch.setattr(sync, "COPY_BACKEND", "cuda-python")
     called = []
     import ortcapture._ort.cudart as cudart
 
@@ -302,8 +303,8 @@ def test_prefer_nhwc_dynamic_dims_captures_via_specialization(cuda, reference_mo
 
 def test_repeated_cuda_feed_takes_the_one_fast_path_and_stays_checked(cuda, monkeypatch):
     """CapturedGraph.run copies feeds through transfer.copy_feeds -> update_inplace, whose one fast path
-    (transfer._fast_pair) takes CUDA OrtValues seen before without the full checks; anything else — a new object
-    (even one reusing a dead feed's id), a ReplayOutput, COPY_BACKEND set — is checked in full."""
+    (``ortcapture._transfer.copy._fast_pair``) takes CUDA OrtValues seen before without the full checks; anything
+    else — a new object (even one reusing a dead feed's id), a ReplayOutput, COPY_BACKEND set — is checked in full."""
     import gc
 
     import onnxruntime as ort
@@ -312,8 +313,8 @@ def test_repeated_cuda_feed_takes_the_one_fast_path_and_stays_checked(cuda, monk
     g = sess.capture({"X": np.zeros((2, 4), np.float32)})
     srcs = [ort.OrtValue.ortvalue_from_numpy(np.full((2, 4), v, np.float32), "cuda", 0) for v in (1.0, 2.0)]
     full = []
-    real = transfer._checked_value_source
-    monkeypatch.setattr(transfer, "_checked_value_source", lambda *a: full.append(1) or real(*a))
+    real = tcopy._checked_value_source
+    monkeypatch.setattr(tcopy, "_checked_value_source", lambda *a: full.append(1) or real(*a))
     for i in range(6):  # double-buffered feeds: after their first copy both stay on the fast path
         np.testing.assert_array_equal(g.run({"X": srcs[i & 1]})[0], np.full((2, 4), 2.0 * (1 + (i & 1)) + 1))
     assert len(full) == 2
@@ -330,13 +331,13 @@ def test_repeated_cuda_feed_takes_the_one_fast_path_and_stays_checked(cuda, monk
     g.run({"X": srcs[1]})  # out is stale now: feeding it must raise, never copy the newer values silently
     with pytest.raises(ortcapture.StaleOutputError):
         g.run({"X": out})
-    old = transfer.COPY_BACKEND
+    old = sync.COPY_BACKEND
     try:
-        transfer.COPY_BACKEND = "cuda-python"  # the backend switch is honoured on the next call
+        sync.COPY_BACKEND = "cuda-python"  # the backend switch is honoured on the next call
         if pytest.importorskip("cuda.bindings", reason="cuda-python"):
             np.testing.assert_array_equal(g.run({"X": srcs[0]})[0], np.full((2, 4), 3.0))
     finally:
-        transfer.COPY_BACKEND = old
+        sync.COPY_BACKEND = old
 
 
 def test_bf16_model_captures_from_numpy_and_torch_sources(cuda):
@@ -501,7 +502,7 @@ def test_callers_compute_stream_is_used_and_reported(cuda, monkeypatch):
             np.testing.assert_array_equal(g.run({"X": src})[0], np.full((1, 64), 2 * v + 1))
         assert _queued_copier(g, "X")[1]
         del g, sess
-        monkeypatch.setattr(compute_stream, "ENABLED", False)
+        monkeypatch.setattr(sync, "COMPUTE_STREAM", False)
         sess = cuda.session(tiny.affine_model((1, 64)))
         assert sess.compute_stream is None
         g = sess.capture({"X": np.zeros((1, 64), np.float32)})

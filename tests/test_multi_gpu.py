@@ -120,9 +120,9 @@ def test_cross_gpu_updates_are_peer_copies(two_gpus, no_host_path, monkeypatch):
     ortcapture.update_inplace(dst1, t0)
     np.testing.assert_array_equal(ortcapture.to_numpy(dst1), t0.cpu().numpy())
     # the cuda-python backend (ORT without OrtValue-to-OrtValue copies) does the same peer copy
-    from ortcapture import transfer
+    from ortcapture._ort import sync
 
-    monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
+    monkeypatch.setattr(sync, "COPY_BACKEND", "cuda-python")
     calls = []
     real = cudart.memcpy_d2d
     monkeypatch.setattr(cudart, "memcpy_d2d", lambda *a: (calls.append(a), real(*a)))

@@ -12,7 +12,9 @@ import onnxruntime as ort
 import pytest
 
 import ortcapture
-from ortcapture import _staging
+from ortcapture._ort import sync as _sync
+from ortcapture._transfer import host_copy as _host_copy
+from ortcapture._transfer import staging as _staging
 from ortcapture._ort import compat
 from tests import tiny
 from tests.conftest import Backend, cuda_available
@@ -26,7 +28,7 @@ def cuda():
 
 
 def _expected_kind(backend) -> str:
-    return "pinned" if backend.name == "cuda" and compat.has_cuda_python() and _staging.PINNED else "pageable"
+    return "pinned" if backend.name == "cuda" and compat.has_cuda_python() and _sync.PINNED else "pageable"
 
 
 # -- API surface, every backend ---------------------------------------------------------------------------------
@@ -220,7 +222,7 @@ def fake_pinned(monkeypatch):
                  "release_later", "free_pending", "set_device", "host_register"):
         monkeypatch.setattr(cudart, name, getattr(fake, name))
     monkeypatch.setattr(compat, "has_cuda_python", lambda: True)
-    monkeypatch.setattr(_staging, "PINNED", True)
+    monkeypatch.setattr(_sync, "PINNED", True)
 
     def as_cuda(v):
         m = meta(v)
@@ -232,8 +234,8 @@ def fake_pinned(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, rng, threads):
     fake, as_cuda = fake_pinned
-    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
-    monkeypatch.setattr(_staging, "_POOL", [])
+    monkeypatch.setattr(_sync, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_sync, "_POOL", [])
     shape = (3, 1000, 1000)  # 12 MB: chunked
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
     small = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 4), np.int64)))
@@ -286,7 +288,7 @@ def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch
     array kept alive until then); arrays made per call, small ones, refused ones and run_many's asynchronous uploads
     are never registered; a gone staging queues every registration."""
     fake, as_cuda = fake_pinned
-    monkeypatch.setattr(_staging, "STAGING_THREADS", 1)
+    monkeypatch.setattr(_sync, "STAGING_THREADS", 1)
     monkeypatch.setattr(_staging, "REGISTER_KEEP", 3)
     shape = (1, 3, 320, 320)  # 1.2 MB: above REGISTER_MIN
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
@@ -338,13 +340,13 @@ def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch
     send(view)
     assert all(k == "copy" for k, *_ in send(view))
     monkeypatch.setattr(_staging, "REGISTER_KEEP", 4)  # room for a 4th per input, but not in the graph's bytes:
-    monkeypatch.setattr(_staging, "REGISTER_BYTES", 3 * n + n // 2)  # 3 arrays (d, c, b are in)
+    monkeypatch.setattr(_sync, "REGISTER_BYTES", 3 * n + n // 2)  # 3 arrays (d, c, b are in)
     h = rng.random(shape, dtype=np.float32)
     send(h)
     fake.freed.clear()
     assert all(k == "copy" for k, *_ in send(h))  # declined: nothing evicted for it (no churn), copied
     assert not fake.freed and [id(r) for r in st._inplace.registered()] == [id(d), id(c), id(b)]
-    monkeypatch.setattr(_staging, "REGISTER_BYTES", 256 << 20)
+    monkeypatch.setattr(_sync, "REGISTER_BYTES", 256 << 20)
     monkeypatch.setattr(_staging, "REGISTER_KEEP", 3)
     f = rng.random(shape, dtype=np.float32)
     for _ in range(3):  # run_many's path: the caller does not wait before the array may change
@@ -352,7 +354,7 @@ def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch
         st.upload_async({"x": f})
         st.wait()
         assert not any(k == "register" for k, *_ in fake.calls)
-    monkeypatch.setattr(_staging, "REGISTER", False)
+    monkeypatch.setattr(_sync, "REGISTER", False)
     g_ = rng.random(shape, dtype=np.float32)
     send(g_)
     assert all(k == "copy" for k, *_ in send(g_))  # ORTCAPTURE_REGISTER=0
@@ -386,25 +388,25 @@ def test_pinned_staging_falls_back_to_pageable_when_cuda_refuses(fake_pinned, mo
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_host_copy_splits_big_copies_exactly(monkeypatch, rng, threads):
-    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
-    monkeypatch.setattr(_staging, "_POOL", [])
+    monkeypatch.setattr(_sync, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_sync, "_POOL", [])
     for shape in [(), (0, 3), (7,), (3, 333, 1001)]:  # the last: ~4 MB, split over the threads
         src = rng.random(shape).astype(np.float32)
-        out = _staging.host_copy(src)
+        out = _host_copy.host_copy(src)
         assert out.shape == src.shape and out.dtype == src.dtype and not np.shares_memory(out, src)
         np.testing.assert_array_equal(out, src)
         into = np.empty_like(src)
-        assert _staging.host_copy(src, into) is into
+        assert _host_copy.host_copy(src, into) is into
         np.testing.assert_array_equal(into, src)
     strided = np.empty((3, 333, 2002), np.float32)[:, :, ::2]  # a non-contiguous target: numpy's own copy
-    _staging.host_copy(src, strided)
+    _host_copy.host_copy(src, strided)
     np.testing.assert_array_equal(strided, src)
 
 
 def test_pageable_staging_where_no_pinned_memory(backend, monkeypatch, rng):
-    """WebGPU has no page-locked memory; with ORTCAPTURE_PINNED=0 (_staging.PINNED) CUDA graphs stage in ordinary
+    """WebGPU has no page-locked memory; with ORTCAPTURE_PINNED=0 (_sync.PINNED) CUDA graphs stage in ordinary
     host memory too: same API, same results."""
-    monkeypatch.setattr(_staging, "PINNED", False)
+    monkeypatch.setattr(_sync, "PINNED", False)
     sess = backend.session(tiny.affine_model())
     x = rng.random((2, 4), np.float32)
     with sess.capture({"X": x}, verify=False) as g:
@@ -435,8 +437,8 @@ def test_cuda_staging_is_unasked_for_big_graphs_only(cuda, rng, monkeypatch):
     and new host outputs through page-locked memory from the first call; a smaller one pins nothing until its host
     buffers are asked for; ``None`` (``off``) keeps every graph on ORT's path until asked."""
     pytest.importorskip("cuda.bindings", reason="cuda-python")
-    assert _staging.PINNED_AUTO_MIN == _staging.PINNED_AUTO_DEFAULT or os.environ.get("ORTCAPTURE_PINNED_MIN")
-    monkeypatch.setattr(_staging, "PINNED_AUTO_MIN", 1 << 20)
+    assert _sync.PINNED_AUTO_MIN == _sync.PINNED_AUTO_DEFAULT or os.environ.get("ORTCAPTURE_PINNED_MIN")
+    monkeypatch.setattr(_sync, "PINNED_AUTO_MIN", 1 << 20)
     small = cuda.session(tiny.affine_model())
     x = rng.random((2, 4), np.float32)
     with small.capture({"X": x}) as g:
@@ -452,7 +454,7 @@ def test_cuda_staging_is_unasked_for_big_graphs_only(cuda, rng, monkeypatch):
         assert g._staging is None
         np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
         assert g._staging is not None and g._staging.kind == "pinned"
-    monkeypatch.setattr(_staging, "PINNED_AUTO_MIN", None)
+    monkeypatch.setattr(_sync, "PINNED_AUTO_MIN", None)
     with big.capture({"X": xb}, verify=False) as g:
         np.testing.assert_array_equal(g.run({"X": xb})[0], xb * 2 + 1)
         assert g._staging is None  # off: plain numpy keeps ORT's path
@@ -464,7 +466,7 @@ def test_cuda_new_outputs_come_from_recycled_page_locked_blocks(cuda, rng, monke
     never overwritten by a later replay), in page-locked memory; a dropped result's block is reused; results kept
     past the pool's cap are still right (copied out of the staging buffer)."""
     rt = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python")
-    monkeypatch.setattr(_staging, "OUTPUT_POOL_BYTES", 0)  # the pool: two sets of outputs
+    monkeypatch.setattr(_sync, "OUTPUT_POOL_BYTES", 0)  # the pool: two sets of outputs
     shape = (2, 3, 320, 320)
     sess = cuda.session(tiny.affine_model(shape))
     with sess.capture({"X": np.zeros(shape, np.float32)}, verify=False) as g:
@@ -545,8 +547,8 @@ def test_cuda_big_numpy_feeds_through_pinned_staging(cuda, rng, monkeypatch, thr
     """A 12 MB feed goes in 1 MiB chunks (threads filling, DMA per chunk); every replay reads exactly its feed,
     through plain numpy, host_inputs, out= and pinned views, alternating with device feeds."""
     pytest.importorskip("cuda.bindings", reason="cuda-python")
-    monkeypatch.setattr(_staging, "STAGING_THREADS", threads)
-    monkeypatch.setattr(_staging, "_POOL", [])
+    monkeypatch.setattr(_sync, "STAGING_THREADS", threads)
+    monkeypatch.setattr(_sync, "_POOL", [])
     shape = (3, 1000, 1000)
     sess = cuda.session(tiny.affine_model(shape))
     with sess.capture({"X": np.zeros(shape, np.float32)}) as g:
@@ -789,7 +791,7 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
     import os
 
     if not os.environ.get("ORTCAPTURE_STAGING_THREADS"):
-        assert _staging.STAGING_THREADS == min(3, _staging._usable_cpus())
+        assert _sync.STAGING_THREADS == min(3, _sync._usable_cpus())
     fake, as_cuda = fake_pinned
     shape = (3, 1000, 1000)
     x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)))
@@ -809,7 +811,7 @@ def test_staging_threads_default_and_the_profiles_thread_counts(fake_pinned, rng
         assert sum(c[3] for c in fake.calls if c[0] == "copy") == feed.nbytes and fake.calls[-1] == ("sync",)
         x.update_inplace(np.zeros(shape, np.float32))
     if hasattr(os, "sched_setaffinity"):  # the pinned pool's workers each run on one CPU of the process's mask
-        pool = _staging._pool(8, True)  # noqa: SLF001
+        pool = _sync.staging_pool(8, True)
         cpus = [pool.submit(os.sched_getaffinity, 0).result() for _ in range(20)]
         assert all(len(c) == 1 and c <= os.sched_getaffinity(0) for c in cpus)
 
@@ -830,7 +832,7 @@ def test_output_pool_recycles_blocks_when_arrays_and_views_are_gone(monkeypatch)
     """_OutputPool: a block comes back once the array and every view of it are gone (from any thread), is handed
     out again, and past the cap the pool answers None rather than pin more."""
     monkeypatch.setattr(_staging, "_PinnedBlock", _FakeBlock)
-    monkeypatch.setattr(_staging, "OUTPUT_POOL_BYTES", 0)
+    monkeypatch.setattr(_sync, "OUTPUT_POOL_BYTES", 0)
     _FakeBlock.made = 0
     pool = _staging._OutputPool({"y": ((3, 4), np.float32), "z": ((0,), np.int64)})
     assert pool.cap == 2 * 48
@@ -864,13 +866,13 @@ def test_pipelined_fill_never_waits_for_a_worker_that_has_not_started(fake_pinne
     pool = ThreadPoolExecutor(1)
     gate = threading.Event()
     blocker = pool.submit(gate.wait, 30)
-    monkeypatch.setattr(_staging, "_pool", lambda threads=None, pin=None: pool)
+    monkeypatch.setattr(_sync, "staging_pool", lambda threads=None, pin=None: pool)
     try:
         n = 5 << 20
         src = rng.integers(0, 255, n, dtype=np.uint8)
         flat = np.zeros(n, np.uint8)
         dev = np.zeros(n, np.uint8)
-        _staging._fill_and_send(flat, src, flat.ctypes.data, dev.ctypes.data, n, "stream", threads=2)
+        _host_copy._fill_and_send(flat, src, flat.ctypes.data, dev.ctypes.data, n, "stream", threads=2)
         assert not blocker.done()  # returned while the worker was still held
         np.testing.assert_array_equal(flat, src)
         np.testing.assert_array_equal(dev, src)  # every chunk's DMA queued (the fake copies at once)

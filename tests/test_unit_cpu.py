@@ -479,12 +479,12 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
     """transfer._fast_pair decides update_inplace's hot path, the one fast copy (CapturedGraph.run copies feeds
     through transfer.copy_feeds, which calls update_inplace). CPU OrtValues stand in for CUDA ones here (their
     device recorded as cuda:N), so every clause can be flipped."""
-    from ortcapture import transfer
-    from ortcapture._ort import compat
+    from ortcapture._transfer import copy as transfer  # the implementation module: its globals are patched
+    from ortcapture._ort import compat, sync
     from ortcapture._ort import values
 
     monkeypatch.setattr(transfer, "_ORT_D2D", True)
-    monkeypatch.setattr(transfer, "COPY_BACKEND", None)
+    monkeypatch.setattr(sync, "COPY_BACKEND", None)
 
     def val(shape=(2, 3), dtype=np.float32, dev=0):
         v = ort.OrtValue.ortvalue_from_numpy(np.arange(np.prod(shape), dtype=dtype).reshape(shape))
@@ -508,9 +508,9 @@ def test_fast_pair_is_the_one_hot_path_test(monkeypatch):
     sub = Sub(compat.c_value(src))
     sub._ortcapture_meta = sm
     assert not transfer._fast_pair(sm, dm, sub)  # subclasses (ReplayOutput) go through the full checks
-    monkeypatch.setattr(transfer, "COPY_BACKEND", "cuda-python")
+    monkeypatch.setattr(sync, "COPY_BACKEND", "cuda-python")
     assert not transfer._fast_pair(sm, dm, src)
-    monkeypatch.setattr(transfer, "COPY_BACKEND", None)
+    monkeypatch.setattr(sync, "COPY_BACKEND", None)
     monkeypatch.setattr(transfer, "_ORT_D2D", False)
     assert not transfer._fast_pair(sm, dm, src)
 

@@ -113,7 +113,7 @@ def _owner(name: str, targets: list[str]) -> str | None:
 def render() -> str:
     """The generated part of docs/ARCHITECTURE.md (between the markers, markers excluded)."""
     mods = modules()
-    summaries = {name: summary(path) for name, path in mods.items()}  # every module checked, the shims too
+    summaries = {name: summary(path) for name, path in mods.items()}  # every module checked
     out = ["## Groups and their contracts", "",
            "Each contract of `.importlinter` (checked by `lint-imports .importlinter` in `tools/test.sh`), top layer",
            "first: a module may import only from layers below its own; the packages of one layer may import each",
@@ -156,15 +156,9 @@ def render() -> str:
         if names:
             heads = (" | " if indep else " : ").join(f"`{n}`" for n, _opt in layer if by_target.get(n))
             out += [f"### Layer {i}: {heads}", "", *table(names)]
-    rest = by_target.get(None, [])
-    deprecated = [n for n in rest if summaries[n].startswith("Deprecated:")]
-    root = [n for n in rest if n not in deprecated]
+    root = by_target.get(None, [])
     if root:
         out += ["### The package root (no layer)", "", *table(root)]
-    if deprecated:
-        out += ["### Deprecated aliases (no layer)", "",
-                "Each warns `DeprecationWarning` on import and resolves to the private module its docstring names: "
-                + ", ".join(f"`{n}`" for n in deprecated) + ".", ""]
     return "\n".join(out).rstrip("\n") + "\n\n"
 
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: mocked while the surface is read, as in the docs build (``autodoc_mock_imports``); never needed installed
 OPTIONAL = ["ray"]
 #: public module -> ``"__all__"`` (its exported names) or ``None`` (every public function and class defined in it)
-PUBLIC = {"ortcapture": "__all__", "ortcapture.webgpu": None, "ortcapture.dropin": "__all__",
+PUBLIC = {"ortcapture": "__all__", "ortcapture.webgpu": "__all__", "ortcapture.dropin": "__all__",
           "ortcapture.serving": "__all__"}
 
 

@@ -18,7 +18,7 @@ from ortcapture._buckets.values import cuda_ptr, dtype_of, np_dtype, shape_of
 from ortcapture._buckets.spec import sliced_lengths
 from ortcapture._ort.sync import CUDA_GATE
 from ortcapture._ort.values import device_id_of
-from ortcapture.transfer import to_numpy
+from ortcapture._transfer.copy import to_numpy
 
 
 # CUDA: feeds go straight into the fixed buffer's leading region (host or device source, one strided

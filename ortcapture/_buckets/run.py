@@ -35,7 +35,7 @@ from ortcapture._buckets.spec import BucketDim, check_output_axes, check_pad_val
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture.errors import CaptureAbortedError, CaptureError
-from ortcapture.transfer import update_inplace
+from ortcapture._transfer.copy import update_inplace
 
 log = logging.getLogger("ortcapture")
 

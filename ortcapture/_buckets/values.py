@@ -26,7 +26,7 @@ def repeated_byte(value) -> int | None:
 
 
 def np_dtype(value) -> np.dtype:
-    from ortcapture.transfer import np_dtype_of
+    from ortcapture._transfer.check import np_dtype_of
 
     return np_dtype_of(value)
 
@@ -61,7 +61,7 @@ def cuda_ptr(v) -> int | None:
 
 
 def to_host(v) -> np.ndarray:
-    from ortcapture.transfer import to_numpy
+    from ortcapture._transfer.copy import to_numpy
 
     if isinstance(v, compat.OrtValue):
         return to_numpy(v)

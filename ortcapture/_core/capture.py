@@ -9,7 +9,8 @@ import warnings
 import numpy as np
 
 from ortcapture._ort import compat
-from ortcapture import transfer
+from ortcapture._transfer import check as tcheck
+from ortcapture._transfer import copy as tcopy
 from ortcapture._core.binding import Bound, IOBinding
 from ortcapture._memory.buffers import allocate
 from ortcapture._core.run import run_bound, unsynchronised
@@ -159,7 +160,7 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
         rec.frozen = {n: np.array(b.value, copy=True) for n, b in binding.bound_inputs.items()
                       if n in host and b.kind == "cpu" and b.value is not None}
         if snapshots:
-            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+            tcopy.copy([t for t, _ in snapshots], [b for _, b in snapshots])
         sentinels = _fill_sentinels(binding, SENTINEL_BYTE, skip=state.constant_outputs())
         run()  # internal: not counted
         first = {name: _sentinel_mask(buf, pattern) for name, (buf, pattern) in sentinels.items()}
@@ -176,12 +177,12 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
                 elif both.any():
                     partial.append(name)
             if again:
-                transfer.copy([t for t, _ in again], [b for _, b in again])
+                tcopy.copy([t for t, _ in again], [b for _, b in again])
     except BaseException as exc:
         interrupted = not isinstance(exc, Exception)  # an interrupt: state as before, and a retry of the id is told
         if interrupted and snapshots:
             try:
-                transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+                tcopy.copy([t for t, _ in snapshots], [b for _, b in snapshots])
             except BaseException:  # noqa: BLE001 - best effort; the interrupt is what the caller sees
                 pass
         state.release(graph_id, aborted=interrupted)
@@ -251,7 +252,7 @@ def _abandon(state, graph_id: int, run_options, snapshots, exc: BaseException):
     terminate = bool(getattr(run_options, "terminate", False))
     if snapshots:
         try:
-            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+            tcopy.copy([t for t, _ in snapshots], [b for _, b in snapshots])
         except Exception:  # noqa: BLE001 - best effort; the capture error below is what the caller needs
             pass
     if state.info.releases_natively:
@@ -281,7 +282,7 @@ def _interrupted(state, graph_id: int, snapshots) -> None:
     was aborted and which id captures). Never raises: the interrupt is what the caller sees."""
     try:
         if snapshots:
-            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+            tcopy.copy([t for t, _ in snapshots], [b for _, b in snapshots])
     except BaseException:  # noqa: BLE001 - best effort; the interrupt is re-raised by the caller
         pass
     try:
@@ -303,8 +304,8 @@ def _snapshot_state(state, binding: IOBinding, declared) -> list:
         buf = ins[iname].value
         if buf is None:
             raise BindingError(f"state input {iname!r} must be bound as an OrtValue to be snapshotted")
-        tmp = allocate(state.session, state.device, buf.shape(), transfer.np_dtype_of(buf))
-        transfer.copy([buf], [tmp])
+        tmp = allocate(state.session, state.device, buf.shape(), tcheck.np_dtype_of(buf))
+        tcopy.copy([buf], [tmp])
         snapshots.append((tmp, buf))
     return snapshots
 
@@ -326,7 +327,7 @@ def capture_in_this_thread(state, binding: IOBinding, run_options) -> None:
         _runner(state, binding, run_options)()
     finally:  # an interrupt too: the warm-up runs' steps are undone (the thread captures again on its next run)
         if snapshots:
-            transfer.copy([t for t, _ in snapshots], [b for _, b in snapshots])
+            tcopy.copy([t for t, _ in snapshots], [b for _, b in snapshots])
 
 
 def _fill_sentinels(binding: IOBinding, byte: int, only=None, skip=()) -> dict:
@@ -347,14 +348,14 @@ def _fill_sentinels(binding: IOBinding, byte: int, only=None, skip=()) -> dict:
             pattern = np.full(m.shape, np.full(1, byte, np.uint8).repeat(4).view(np.int32)[0], np.int64)
         else:
             pattern = np.full(m.nbytes, byte, np.uint8).view(m.dtype).reshape(m.shape)
-        transfer.update_inplace(b.value, pattern)
+        tcopy.update_inplace(b.value, pattern)
         out[name] = (b.value, pattern)
     return out
 
 
 def _sentinel_mask(buf, pattern: np.ndarray) -> np.ndarray:
     """Per element (flattened): True where ``buf`` still holds ``pattern``'s bytes."""
-    got = transfer.to_numpy(buf)
+    got = tcopy.to_numpy(buf)
     item = pattern.dtype.itemsize
     a = np.ascontiguousarray(got).view(np.uint8).reshape(-1, item)
     b = np.ascontiguousarray(pattern).view(np.uint8).reshape(-1, item)

@@ -31,7 +31,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ortcapture._ort import compat
-from ortcapture import transfer
+from ortcapture._transfer import copy as tcopy
+from ortcapture._transfer import targets as ttargets
 from ortcapture._core.run import uncaptured_run_options
 from ortcapture._verify.compare import DEFAULT_RTOL, Report, VerificationError, verify
 from ortcapture.errors import CaptureError
@@ -113,9 +114,9 @@ def check_ep_accuracy(cs, graph, model_source: Any, cache: dict) -> None:
         ref = cpu_reference(model_source, cache)
         if ref is None:
             return
-        feeds = {n: transfer.to_numpy(v) for n, v in graph.inputs.items()}
+        feeds = {n: tcopy.to_numpy(v) for n, v in graph.inputs.items()}
         names = [o.name for o in graph.session.get_outputs()]
-        got = [transfer.to_numpy(graph.outputs[n]) for n in names]
+        got = [tcopy.to_numpy(graph.outputs[n]) for n in names]
         want = ref.run(names, feeds)
     except Exception:  # noqa: BLE001 - a report, never a refusal
         return
@@ -149,9 +150,9 @@ def _run_with_ort_values(cs, feeds: dict, ro) -> list:
     for name, x in feeds.items():
         x = np.asarray(x)
         buf = cs.new_buffer(x.shape, x.dtype)
-        transfer.update_inplace(buf, x)
+        tcopy.update_inplace(buf, x)
         vals[name] = buf
-    return [transfer.to_numpy(v) for v in cs.session.run_with_ort_values(None, vals, ro)]
+    return [tcopy.to_numpy(v) for v in cs.session.run_with_ort_values(None, vals, ro)]
 
 
 def verify_graph(graph, level: str, reference: Callable[[dict], list], rtol: float | None,
@@ -165,7 +166,7 @@ def verify_graph(graph, level: str, reference: Callable[[dict], list], rtol: flo
     if level == "off":
         return Report(level)
     names = [o.name for o in graph.session.get_outputs()]
-    example = {n: transfer.to_numpy(v) for n, v in graph.inputs.items()}
+    example = {n: tcopy.to_numpy(v) for n, v in graph.inputs.items()}
     kept_outputs: list = []
     before = graph.replays
 
@@ -186,10 +187,10 @@ def verify_graph(graph, level: str, reference: Callable[[dict], list], rtol: flo
     finally:
         if not graph.released:
             graph.uncount_replays(graph.replays - before)
-            transfer.copy_feeds(graph.inputs, example)  # inputs and state= inputs: the example's initial values
+            ttargets.copy_feeds(graph.inputs, example)  # inputs and state= inputs: the example's initial values
             # the outputs as the example replay left them (a name listed twice: one buffer); no input rule applies
             # to them (an int64 output beyond int32 is what the EP computed)
-            transfer.restore(graph.outputs, dict(zip(names, kept_outputs)))
+            tcopy.restore(graph.outputs, dict(zip(names, kept_outputs)))
 
 
 def _name_copy_only(exc: VerificationError, model_source: Any, graph) -> None:
@@ -215,7 +216,7 @@ def check_frozen(frozen: Mapping[str, np.ndarray], feeds: Mapping[str, Any]) -> 
         if name not in feeds:
             continue
         got = feeds[name]
-        got = transfer.to_numpy(got) if not isinstance(got, (np.ndarray, np.generic, list, tuple, int, float)) \
+        got = tcopy.to_numpy(got) if not isinstance(got, (np.ndarray, np.generic, list, tuple, int, float)) \
             else np.asarray(got)
         if got.shape != want.shape or not np.array_equal(got, want):
             err = CaptureError(

@@ -171,7 +171,8 @@ class CaptureState:
         self.per_thread = info is not None and info.device_type == "cuda"
         #: replays between two WebGPU queue drains (0: never; see WEBGPU_DRAIN_EVERY)
         self.drain_every = WEBGPU_DRAIN_EVERY if info is not None and info.device_type == "webgpu" else 0
-        self._tls = threading.local()
+        #: per thread: ``graphs``, the ids captured in the thread (CUDA graphs are per thread; read inline by replays)
+        self.tls = threading.local()
         #: ``probe() -> bool``: is a foreign CUDA graph capture in progress that a replay would break (a blocking
         #: stream of the calling thread's current CUDA context, or torch's current stream; ORT PR #32081)?
         #: See make_capture_probe
@@ -319,14 +320,14 @@ class CaptureState:
         """Whether the calling thread may replay ``graph_id`` now (always True off CUDA)."""
         if not self.per_thread:
             return True
-        graphs = getattr(self._tls, "graphs", None)
+        graphs = getattr(self.tls, "graphs", None)
         return graphs is not None and graph_id in graphs
 
     def _thread_add(self, graph_id: int) -> None:
         if self.per_thread:
-            graphs = getattr(self._tls, "graphs", None)
+            graphs = getattr(self.tls, "graphs", None)
             if graphs is None:
-                graphs = self._tls.graphs = set()
+                graphs = self.tls.graphs = set()
             graphs.add(graph_id)
 
     def ensure_thread(self, binding, graph_id: int, run_options) -> bool:
@@ -394,7 +395,7 @@ class CaptureState:
         """This member's C session was rebuilt (``InferenceSession.compact``): every graph it held and every retired
         id is gone, and no thread has a CUDA graph of it yet. The caller holds :attr:`capture_guard`."""
         self.registry = GraphRegistry(self.info)
-        self._tls = threading.local()
+        self.tls = threading.local()
         if self.pool is not None:
             self.pool.clear()
 
@@ -416,7 +417,7 @@ class CaptureState:
 
 def _drain(record: CapturedGraphRecord) -> None:
     """Wait for the WebGPU queue: read back the record's smallest pinned output (see WEBGPU_DRAIN_EVERY)."""
-    from ortcapture import transfer
+    from ortcapture._transfer import copy as transfer
 
     values = [b for b in record.outputs.values() if b.value is not None]
     if values:

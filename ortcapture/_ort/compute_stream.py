@@ -18,15 +18,12 @@ device, no ``providers=``) keeps ORT's own stream.
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Mapping
 
-from ortcapture._ort import compat
+from ortcapture._ort import compat, sync
 from ortcapture._ort.providers import _truthy, device_ordinal
 
-#: $ORTCAPTURE_COMPUTE_STREAM=0: leave the CUDA EP's stream to ORT (feed copies then wait, as ORT's own do)
-ENABLED = os.environ.get("ORTCAPTURE_COMPUTE_STREAM", "1") != "0"
 _CUDA = "CUDAExecutionProvider"
 #: EPs that may share a session with the CUDA EP whose stream is known: a CPU EP (no stream of its own)
 _NO_STREAM_EPS = frozenset({"CPUExecutionProvider"})
@@ -68,7 +65,7 @@ def with_streams(names: list[str], options: list[dict], streams: dict[int, Any])
     created where missing (a non-blocking stream on that device; normally under the CUDA gate: ORT's builds of CUDA
     sessions hold it). Returns the CUDA EP's stream (an int), or ``None`` where none was given (disabled, no
     cuda-python, a malformed ``device_id``, creation failed: ORT's own stream then, as without ortcapture)."""
-    if not ENABLED or compat.cudart() is None:
+    if not sync.COMPUTE_STREAM or compat.cudart() is None:
         return None
     given = None
     for name, opts in zip(names, options):
@@ -187,7 +184,7 @@ class SessionStreams:
         given, or ORT's own normalised form (``check_and_normalize_provider_args``: the same argument checks, which
         raise for what ORT would refuse) with a ``user_compute_stream`` of this session's own for the CUDA EP
         (:func:`wants_stream`) and that stream. :meth:`built` records it once ORT has built the session."""
-        if not ENABLED or not providers or compat.cudart() is None:
+        if not sync.COMPUTE_STREAM or not providers or compat.cudart() is None:
             return providers, provider_options, None
         names, options = compat.normalized_providers(providers, provider_options)  # raises as ORT would
         options = [dict(o) for o in options]  # never the caller's dicts

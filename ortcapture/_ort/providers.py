@@ -229,7 +229,7 @@ def session_args(provider: str, capture: bool, sess_options=None, device_id: int
         return {"sess_options": so, "providers": [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]}
     if provider != "webgpu":
         raise ValueError(f"provider must be 'cuda' or 'webgpu', got {provider!r}")
-    from ortcapture import webgpu
+    from ortcapture._ort import webgpu
 
     return {"sess_options": webgpu.session_options(capture, so, extra)}
 
@@ -241,7 +241,7 @@ def pick_provider(requested: str = "auto") -> str:
     ``"auto"`` skips a CUDA EP that onnxruntime-gpu lists but that does not load (ORT itself would log the load
     failure and run on the CPU). Raises :class:`~ortcapture.errors.CaptureUnsupportedError` saying why when neither
     is usable: ``"cuda"`` names the cause of the failed load; ``"auto"`` names both causes."""
-    from ortcapture import webgpu
+    from ortcapture._ort import webgpu
     from ortcapture._ort import cuda_probe
     from ortcapture.errors import CaptureUnsupportedError
 

@@ -1,4 +1,4 @@
-"""The only process-wide state of ortcapture: the CUDA capture gate, the WebGPU lock, unsettled runs, and fork.
+"""The only process-wide state of ortcapture: CUDA capture gate, WebGPU lock, unsettled runs, fork, settings, threads.
 
 * :data:`CUDA_GATE`: a CUDA graph capture excludes every other ortcapture CUDA call (below).
 * :data:`WEBGPU_LOCK`: one re-entrant lock for all WebGPU work of the process (sessions, captured or not, and
@@ -10,10 +10,14 @@
 * :data:`FORKED_DEVICES` and every device session's :class:`Origin`: what a process made by ``os.fork()`` inherited
   from its parent, marked by the one ``os.register_at_fork`` hook of ortcapture (at the end of this module), so that a
   session made before the fork raises :class:`~ortcapture.errors.CaptureError` in the child instead of hanging.
+* The settings: every ``ORTCAPTURE_*`` environment variable the library reads (:data:`COPY_BACKEND`,
+  :data:`COMPUTE_STREAM`, :data:`STAGING_THREADS`, :data:`PINNED`, ...; docs/INSTALL.md lists them), each read once,
+  at import; the modules that use them read them here at call time.
+* The staging copy threads (:func:`staging_pool`): the process-wide thread pools pinned staging fills copy on.
 
 Everything else ortcapture keeps lives in a session (:mod:`ortcapture._core.state`) or a graph. Caches that are
 process-wide but only memoise facts (the installed ORT's features in :mod:`ortcapture._ort.compat`, peer access in
-:mod:`ortcapture._ort.cudart`, DLPack wrappers in :mod:`ortcapture.transfer`) hold no state a user can observe.
+:mod:`ortcapture._ort.cudart`, DLPack wrappers in :mod:`ortcapture._transfer.sources`) hold no state a user can observe.
 
 The CUDA capture gate in detail.
 
@@ -237,15 +241,20 @@ class SessionGuard:
 
     ``origin``: the session's :class:`Origin`; in an ``os.fork()`` child of the process that made the session,
     entering raises its :class:`~ortcapture.errors.CaptureError` before any lock is taken (a lock another thread of
-    the parent held at the fork stays held in the child)."""
+    the parent held at the fork stays held in the child).
 
-    __slots__ = ("_lock", "_gate", "_cg", "_origin")
+    ``inline``: ``(gate or None, lock, lock only)`` for a caller that inlines this reader fast path itself
+    (``CapturedGraph.run``): the gate whose fast path it may take (``None``: never), the session's lock, and whether
+    the guard is that lock alone (no CUDA gate). Fixed at construction, read once per call."""
+
+    __slots__ = ("_lock", "_gate", "_cg", "_origin", "inline")
 
     def __init__(self, lock, cuda: bool, origin: "Origin | None" = None) -> None:
         self._lock = lock
         self._gate = CUDA_GATE.shared if cuda else None
         self._cg = CUDA_GATE if cuda and not NO_GIL else None  # the inline reader fast path's gate
         self._origin = origin if origin is not None else NO_DEVICE
+        self.inline = (self._cg, self._lock, self._gate is None)
 
     @property
     def origin(self) -> "Origin":
@@ -307,6 +316,7 @@ class CaptureGuard(SessionGuard):
         # no inline path (SessionGuard's enter/exit then take the gate's own code): the writer's side is the gate's
         self._cg = None
         self._origin = origin if origin is not None else NO_DEVICE
+        self.inline = (self._cg, self._lock, self._gate is None)
 
 
 #: One lock for all WebGPU work of the process (see the module docstring). Re-entrant.
@@ -520,6 +530,143 @@ def _keep_forever(objs: list) -> None:
         _KEPT.append(objs)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# settings: the ORTCAPTURE_* environment variables ortcapture reads, each once, at import (docs/INSTALL.md lists
+# them). The modules that use them read them here, at call time: set them here (tests do).
+# ---------------------------------------------------------------------------------------------------------------
+#: Force a device-to-device backend: None (auto), "ort" (OrtValue.update_inplace) or "cuda-python" (cudaMemcpyAsync).
+#: Set from $ORTCAPTURE_COPY_BACKEND at import; tests set it here.
+COPY_BACKEND = os.environ.get("ORTCAPTURE_COPY_BACKEND") or None
+
+
+#: $ORTCAPTURE_COMPUTE_STREAM=0: leave the CUDA EP's stream to ORT (feed copies then wait, as ORT's own do)
+COMPUTE_STREAM = os.environ.get("ORTCAPTURE_COMPUTE_STREAM", "1") != "0"
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one: a container's cpuset, ``taskset``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+#: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
+#: each thread claiming the next chunk and queuing its host-to-device copy as soon as it is in; the calling thread is
+#: one of them): $ORTCAPTURE_STAGING_THREADS, default 3 where the process may use 3 CPUs (1: the calling
+#: thread alone). On the H200 (9.8 MB YOLOv8n b8 input, ``benchmarks/bench_host_copy.py``, 1 MiB chunks) fill and
+#: upload together took 518-627 / 535-588 / 554-607 µs at 2 / 3 / 4 threads from a source in cache, and 705-753 /
+#: 598-622 / 617-681 µs from a new array each call (8 in turn, not in cache: the case plain numpy serving has); at 8
+#: threads 1126 µs: the host copies and the DMA contend for memory bandwidth. numpy releases the GIL for the copies;
+#: ``benchmarks/profile_replay.py`` times them.
+STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(3, _usable_cpus())
+
+
+#: Chunk of a pipelined fill (bytes; $ORTCAPTURE_STAGING_CHUNK); feeds up to twice this go in one piece
+STAGING_CHUNK = int(os.environ.get("ORTCAPTURE_STAGING_CHUNK") or 0) or 1 << 20
+
+
+#: $ORTCAPTURE_STAGING_PIN=1: each staging worker thread runs on one CPU of its own (spread over the process's
+#: affinity mask) instead of wherever the scheduler wakes it. Off by default; the profile measures both. A burst of
+#: copies shorter than the scheduler's load balancing can otherwise land a woken worker on its waker's busy CPU.
+STAGING_PIN = os.environ.get("ORTCAPTURE_STAGING_PIN", "0") == "1"
+
+
+#: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
+PINNED = os.environ.get("ORTCAPTURE_PINNED", "1") != "0"
+
+
+def _auto_min(value: str | None) -> int | None:
+    """$ORTCAPTURE_PINNED_MIN: bytes; ``off`` (or ``none``): never unasked; unset: :data:`PINNED_AUTO_DEFAULT`."""
+    if value is None or not value.strip():
+        return PINNED_AUTO_DEFAULT
+    if value.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"ORTCAPTURE_PINNED_MIN must be a number of bytes or 'off', got {value!r}") from None
+
+
+#: Unasked staging's default threshold: graphs whose inputs and outputs hold at least 1 MiB
+PINNED_AUTO_DEFAULT = 1 << 20
+
+
+#: A graph whose inputs and outputs hold at least this many bytes stages plain numpy feeds and
+#: ``copy_outputs=True`` outputs through page-locked memory unasked ($ORTCAPTURE_PINNED_MIN; ``off``: only once a
+#: graph's host buffers are asked for: ``host_inputs``, ``copy_outputs="pinned"``, ``out=``, ``run_many``). Below it
+#: (small models) ORT's own pageable path is kept: its copies are too small for the staging to pay off.
+PINNED_AUTO_MIN = _auto_min(os.environ.get("ORTCAPTURE_PINNED_MIN"))
+
+
+#: Page-locked bytes an :class:`ortcapture._transfer.staging._OutputPool` may hold beyond two sets of outputs
+#: ($ORTCAPTURE_PINNED_POOL_BYTES)
+OUTPUT_POOL_BYTES = int(os.environ.get("ORTCAPTURE_PINNED_POOL_BYTES") or 64 << 20)
+
+
+#: $ORTCAPTURE_REGISTER=0 turns off page-locking repeated numpy feeds in place
+#: (see :class:`ortcapture._transfer.staging._InPlace`)
+REGISTER = os.environ.get("ORTCAPTURE_REGISTER", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+#: Bytes of callers' arrays one graph keeps page-locked (and alive) at most ($ORTCAPTURE_REGISTER_BYTES)
+REGISTER_BYTES = int(os.environ.get("ORTCAPTURE_REGISTER_BYTES") or 256 << 20)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the staging copy threads: process-wide thread pools (ortcapture._transfer.host_copy copies on them)
+# ---------------------------------------------------------------------------------------------------------------
+_POOL: list = []
+_POOL_LOCK = threading.Lock()
+
+
+def _pinning_initializer(threads: int):
+    """A ThreadPoolExecutor initializer putting worker i (1 .. threads-1) on CPU ``cpus[i * len(cpus) // threads]``
+    of the process's affinity mask at the time (nothing where the OS has no affinity call or refuses it)."""
+    import itertools
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    counter = itertools.count(1)
+
+    def init() -> None:
+        i = next(counter)
+        try:
+            os.sched_setaffinity(0, {cpus[(i * len(cpus) // threads) % len(cpus)]})
+        except OSError:
+            pass
+    return init
+
+
+def staging_pool(threads: int | None = None, pin: bool | None = None):
+    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1); ``threads``/``pin``: a pool of
+    that many (pinned or not: :data:`STAGING_PIN`) instead (the profile's scaling runs), made once per choice. The
+    pool holds ``threads - 1`` workers: the calling thread copies a share itself."""
+    threads = STAGING_THREADS if threads is None else int(threads)
+    pin = STAGING_PIN if pin is None else bool(pin)
+    if threads <= 1:
+        return None
+    key = (threads, pin)
+    for k, pool in _POOL:
+        if k == key:
+            return pool
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _POOL_LOCK:
+        for k, pool in _POOL:
+            if k == key:
+                return pool
+        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ortcapture-staging",
+                                  initializer=_pinning_initializer(threads) if pin else None)
+        _POOL.append((key, pool))
+    return pool
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the at-fork hook: the one os.register_at_fork of ortcapture (the fork notes above)
+# ---------------------------------------------------------------------------------------------------------------
 def _after_fork_in_child() -> None:
     """The at-fork hook (in the child): the parent's devices are inherited; every session and graph held
     (:func:`hold`) is marked and kept alive for good; runs the parent left unsettled are dropped unsettled (their

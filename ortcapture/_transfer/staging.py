@@ -2,123 +2,26 @@
 
 :class:`HostStaging` holds a graph's :attr:`~ortcapture.CapturedGraph.host_inputs` / ``host_outputs``: page-locked
 (``cudaHostAlloc`` through cuda-python) on CUDA, with ``cudaMemcpyAsync`` on a copy stream of the graph's own; ordinary
-numpy arrays elsewhere (WebGPU, CPU, no cuda-python, ``ORTCAPTURE_PINNED=0``). :func:`host_copy` is the threaded host
-memcpy the staging fills use. Moved out of :mod:`ortcapture.transfer` unchanged (which keeps the one copy and
-validation path, :func:`~ortcapture.transfer.update_inplace`, that the pageable staging calls).
+numpy arrays elsewhere (WebGPU, CPU, no cuda-python, ``ORTCAPTURE_PINNED=0``). The threaded host memcpy the staging
+fills use is :mod:`ortcapture._transfer.host_copy`; the ``ORTCAPTURE_PINNED*`` / ``ORTCAPTURE_REGISTER*`` settings are
+:mod:`ortcapture._ort.sync`'s. Moved out of ``ortcapture._staging`` unchanged (which had moved
+out of :mod:`ortcapture.transfer`, whose one copy and validation path, :func:`~ortcapture.transfer.update_inplace`, the
+pageable staging calls).
 """
 from __future__ import annotations
 
-import os
-import threading
 import weakref
 from typing import Any, Mapping
 
 import numpy as np
 
-from ortcapture._ort import compat
+from ortcapture._ort import compat, sync
 from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, settle
 from ortcapture._ort.values import STORAGE
-from ortcapture.transfer import _dst_meta, copy, to_numpy, update_inplace
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# host staging: a graph's own host buffers for host feeds and host outputs
-# ---------------------------------------------------------------------------------------------------------------
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one: a container's cpuset, ``taskset``)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-#: Host memcpy threads of a pinned staging fill (a big numpy feed is copied into the page-locked buffer in chunks,
-#: each thread claiming the next chunk and queuing its host-to-device copy as soon as it is in; the calling thread is
-#: one of them): $ORTCAPTURE_STAGING_THREADS, default 3 where the process may use 3 CPUs (1: the calling
-#: thread alone). On the H200 (9.8 MB YOLOv8n b8 input, ``benchmarks/bench_host_copy.py``, 1 MiB chunks) fill and
-#: upload together took 518-627 / 535-588 / 554-607 µs at 2 / 3 / 4 threads from a source in cache, and 705-753 /
-#: 598-622 / 617-681 µs from a new array each call (8 in turn, not in cache: the case plain numpy serving has); at 8
-#: threads 1126 µs: the host copies and the DMA contend for memory bandwidth. numpy releases the GIL for the copies;
-#: ``benchmarks/profile_replay.py`` times them.
-STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(3, _usable_cpus())
-#: Chunk of a pipelined fill (bytes; $ORTCAPTURE_STAGING_CHUNK); feeds up to twice this go in one piece
-STAGING_CHUNK = int(os.environ.get("ORTCAPTURE_STAGING_CHUNK") or 0) or 1 << 20
-#: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
-PINNED = os.environ.get("ORTCAPTURE_PINNED", "1") != "0"
-
-
-def _auto_min(value: str | None) -> int | None:
-    """$ORTCAPTURE_PINNED_MIN: bytes; ``off`` (or ``none``): never unasked; unset: :data:`PINNED_AUTO_DEFAULT`."""
-    if value is None or not value.strip():
-        return PINNED_AUTO_DEFAULT
-    if value.strip().lower() in ("off", "none"):
-        return None
-    try:
-        return max(0, int(value))
-    except ValueError:
-        raise ValueError(f"ORTCAPTURE_PINNED_MIN must be a number of bytes or 'off', got {value!r}") from None
-
-
-#: Unasked staging's default threshold: graphs whose inputs and outputs hold at least 1 MiB
-PINNED_AUTO_DEFAULT = 1 << 20
-#: A graph whose inputs and outputs hold at least this many bytes stages plain numpy feeds and
-#: ``copy_outputs=True`` outputs through page-locked memory unasked ($ORTCAPTURE_PINNED_MIN; ``off``: only once a
-#: graph's host buffers are asked for: ``host_inputs``, ``copy_outputs="pinned"``, ``out=``, ``run_many``). Below it
-#: (small models) ORT's own pageable path is kept: its copies are too small for the staging to pay off.
-PINNED_AUTO_MIN = _auto_min(os.environ.get("ORTCAPTURE_PINNED_MIN"))
-_POOL: list = []
-_POOL_LOCK = threading.Lock()
-
-
-#: $ORTCAPTURE_STAGING_PIN=1: each staging worker thread runs on one CPU of its own (spread over the process's
-#: affinity mask) instead of wherever the scheduler wakes it. Off by default; the profile measures both. A burst of
-#: copies shorter than the scheduler's load balancing can otherwise land a woken worker on its waker's busy CPU.
-STAGING_PIN = os.environ.get("ORTCAPTURE_STAGING_PIN", "0") == "1"
-
-
-def _pinning_initializer(threads: int):
-    """A ThreadPoolExecutor initializer putting worker i (1 .. threads-1) on CPU ``cpus[i * len(cpus) // threads]``
-    of the process's affinity mask at the time (nothing where the OS has no affinity call or refuses it)."""
-    import itertools
-
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    counter = itertools.count(1)
-
-    def init() -> None:
-        i = next(counter)
-        try:
-            os.sched_setaffinity(0, {cpus[(i * len(cpus) // threads) % len(cpus)]})
-        except OSError:
-            pass
-    return init
-
-
-def _pool(threads: int | None = None, pin: bool | None = None):
-    """The process's staging copy threads (``None`` with :data:`STAGING_THREADS` 1); ``threads``/``pin``: a pool of
-    that many (pinned or not: :data:`STAGING_PIN`) instead (the profile's scaling runs), made once per choice. The
-    pool holds ``threads - 1`` workers: the calling thread copies a share itself."""
-    threads = STAGING_THREADS if threads is None else int(threads)
-    pin = STAGING_PIN if pin is None else bool(pin)
-    if threads <= 1:
-        return None
-    key = (threads, pin)
-    for k, pool in _POOL:
-        if k == key:
-            return pool
-    from concurrent.futures import ThreadPoolExecutor
-
-    with _POOL_LOCK:
-        for k, pool in _POOL:
-            if k == key:
-                return pool
-        pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ortcapture-staging",
-                                  initializer=_pinning_initializer(threads) if pin else None)
-        _POOL.append((key, pool))
-    return pool
+from ortcapture._transfer.check import _dst_meta
+from ortcapture._transfer.copy import copy, to_numpy, update_inplace
+from ortcapture._transfer.host_copy import _fill, _fill_and_send, host_copy
 
 
 class _PinnedBlock:
@@ -143,10 +46,6 @@ def _host_array(shape: tuple, dtype: np.dtype, pinned: bool) -> tuple[np.ndarray
     else:
         flat = np.empty(nbytes, np.uint8)
     return flat.view(dtype).reshape(shape), flat
-
-
-#: Page-locked bytes an :class:`_OutputPool` may hold beyond two sets of outputs ($ORTCAPTURE_PINNED_POOL_BYTES)
-OUTPUT_POOL_BYTES = int(os.environ.get("ORTCAPTURE_PINNED_POOL_BYTES") or 64 << 20)
 
 
 class _Lease:
@@ -179,7 +78,7 @@ class _OutputPool:
         self.nbytes = {n: int(np.prod(shape, dtype=np.int64)) * dt.itemsize for n, (shape, dt) in self.specs.items()}
         self.free = {n: collections.deque() for n in self.specs}
         self.held = 0
-        self.cap = OUTPUT_POOL_BYTES + 2 * sum(self.nbytes.values())
+        self.cap = sync.OUTPUT_POOL_BYTES + 2 * sum(self.nbytes.values())
 
     def take(self, name: str) -> np.ndarray | None:
         free = self.free[name]
@@ -196,14 +95,12 @@ class _OutputPool:
         return flat.view(dtype).reshape(shape)
 
 
-#: $ORTCAPTURE_REGISTER=0 turns off page-locking repeated numpy feeds in place (see :class:`_InPlace`)
-REGISTER = os.environ.get("ORTCAPTURE_REGISTER", "1").strip().lower() not in ("0", "off", "false", "no")
 #: Feeds smaller than this (bytes) are always copied into the staging buffer: their copy costs less than a page pinned
 REGISTER_MIN = 256 << 10
+
+
 #: Arrays kept page-locked per input (a rotation of a few request buffers is common), most recently fed first
 REGISTER_KEEP = 4
-#: Bytes of callers' arrays one graph keeps page-locked (and alive) at most ($ORTCAPTURE_REGISTER_BYTES)
-REGISTER_BYTES = int(os.environ.get("ORTCAPTURE_REGISTER_BYTES") or 256 << 20)
 
 
 class _InPlace:
@@ -273,7 +170,7 @@ class _InPlace:
 
         regs = self.regs.setdefault(name, [])
         keep = regs[:REGISTER_KEEP - 1]  # what stays of this input's once the new one is in
-        if self.nbytes - sum(e[2] for e in regs[len(keep):]) + nbytes > REGISTER_BYTES or not _owns_memory(arr):
+        if self.nbytes - sum(e[2] for e in regs[len(keep):]) + nbytes > sync.REGISTER_BYTES or not _owns_memory(arr):
             return 0  # over the graph's cap: declined, never another input's evicted for it (no churn)
         ptr = int(arr.ctypes.data)
         try:
@@ -349,7 +246,7 @@ class HostStaging:
                  **{("out", n): _dst_meta(v) for n, v in outputs.items()}}
         kinds = {m.kind for m in metas.values()}
         devices = {m.device_id for m in metas.values()}
-        pinned = bool(pinned and PINNED and kinds == {"cuda"} and len(devices) == 1 and compat.has_cuda_python()
+        pinned = bool(pinned and sync.PINNED and kinds == {"cuda"} and len(devices) == 1 and compat.has_cuda_python()
                       and not any(m.dtype in STORAGE for m in metas.values()))
         self._stream = None
         self._events: dict[str, Any] = {}
@@ -442,7 +339,7 @@ class HostStaging:
             for name, arr in host.items():
                 update_inplace(self.inputs[name], arr)
             return
-        self.upload_async(host, in_place=REGISTER)
+        self.upload_async(host, in_place=sync.REGISTER)
         self.wait()
         if self._inplace is not None:  # evicted registrations (queued): their copies are done now
             free_released_staging()
@@ -572,14 +469,14 @@ class HostStaging:
                                                                                    self.wait())
         names = list(self.outputs)
         out["readback of every output (device -> host buffers)"] = lambda: self.read(names)
-        if self.pinned and self.takes(name, arr) and REGISTER:
+        if self.pinned and self.takes(name, arr) and sync.REGISTER:
             again = arr.copy()  # an array of the profile's own: page-locked in place from its second call (warm-up)
             out["upload of a numpy feed fed again (page-locked in place, one DMA)"] = \
                 lambda: self.upload({name: again})
         if self.pinned and self.takes(name, arr):  # the threads' effect: fill alone, fill pipelined with the DMA
             flat = self._flat[("in", name)]
             hptr, dptr, n = self._ptr[("in", name)]
-            for t, pin in [(t, False) for t in sorted({1, 2, 4, 8, STAGING_THREADS})] + [(8, True)]:
+            for t, pin in [(t, False) for t in sorted({1, 2, 4, 8, sync.STAGING_THREADS})] + [(8, True)]:
                 tag = f"{t} threads{', pinned' if pin else ''}"
                 out[f"fill, {tag} (host copy only)"] = lambda t=t, pin=pin: _fill(flat, arr, t, pin)
 
@@ -621,99 +518,3 @@ def _release_handles(handles) -> None:
 
     for kind, h in handles:
         cudart.release_later(kind, h)
-
-
-#: Host copies bigger than four times this are split over the staging threads (the calling thread takes a part)
-PARALLEL_MIN = 256 << 10
-
-
-def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | None = None,
-              pin: bool | None = None) -> np.ndarray:
-    """``src`` (a host array) copied into ``dst`` (same shape and dtype; default a new array), split over the staging
-    threads (``threads``, default :data:`STAGING_THREADS`) where it is big and both are C-contiguous (numpy releases
-    the GIL for the copies; the calling thread copies the first part); returns ``dst``."""
-    if dst is None:
-        dst = np.empty_like(src)
-    n = src.nbytes
-    pool = _pool(threads, pin) if n > 4 * PARALLEL_MIN else None
-    if pool is None or not (src.flags.c_contiguous and dst.flags.c_contiguous):
-        np.copyto(dst, src)
-        return dst
-    s, d = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
-    step = max(PARALLEL_MIN, -(-n // (STAGING_THREADS if threads is None else threads)))
-    futures = [pool.submit(np.copyto, d[a:a + step], s[a:a + step]) for a in range(step, n, step)]
-    try:
-        np.copyto(d[:step], s[:step])
-        for a, fut in zip(range(step, n, step), futures):  # a part no worker has started yet: copied here
-            if fut.cancel():
-                np.copyto(d[a:a + step], s[a:a + step])
-    finally:
-        for fut in futures:
-            fut.cancel() or fut.exception()
-    return dst
-
-
-def _fill(flat: np.ndarray, arr: np.ndarray, threads: int | None = None, pin: bool | None = None) -> None:
-    """Copy ``arr``'s bytes into ``flat``, in chunks spread over the staging threads where there are several."""
-    host_copy(arr.reshape(-1).view(np.uint8), flat, threads=threads, pin=pin)
-
-
-def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream,
-                   threads: int | None = None, pin: bool | None = None, device: int = 0) -> None:
-    """Copy ``arr``'s bytes into the page-locked ``flat`` and queue their host-to-device copy to ``dptr`` on
-    ``stream`` (of CUDA ``device``), in chunks of :data:`STAGING_CHUNK`: the calling thread and up to
-    ``threads - 1`` staging workers (``threads`` default :data:`STAGING_THREADS`) each claim the next chunk, copy it
-    and queue its DMA themselves as soon as it is in, until none is left. The calling thread starts at once, so a
-    worker that wakes late (a sleeping core) costs only its share of the parallelism, never a wait; every DMA is
-    queued when this returns (the caller records its event after them). Measured on the H200 (9.8 MB,
-    ``benchmarks/bench_host_copy.py``): two threads each sending their own 1 MiB chunks 498-613 µs, against
-    525-693 µs for chunks handed to a 4-thread pool with the caller queuing every DMA, 563-756 µs for
-    ``cudaMemcpyAsync`` from pageable memory (ORT's ``update_inplace(numpy)`` path) and 890-1046 µs for a host copy
-    then one DMA; 256 KiB chunks were slower (the calls' cost)."""
-    from ortcapture._ort import cudart
-
-    src = arr.reshape(-1).view(np.uint8)
-    chunk = STAGING_CHUNK
-    pool = _pool(threads, pin) if n > 2 * chunk else None
-    if pool is None:
-        for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            np.copyto(flat[a:b], src[a:b])
-            cudart.copy_async(dptr + a, hptr + a, b - a, stream)
-        return
-    t = STAGING_THREADS if threads is None else int(threads)
-    chunks = iter(range(0, n, chunk))
-    lock = threading.Lock()  # the claims (a shared iterator is not thread-safe without the GIL)
-
-    def work(worker: bool) -> None:
-        if worker:
-            _worker_device(device)
-        while True:
-            with lock:
-                a = next(chunks, None)
-            if a is None:
-                return
-            b = min(n, a + chunk)
-            np.copyto(flat[a:b], src[a:b])
-            cudart.copy_async(dptr + a, hptr + a, b - a, stream)
-
-    futures = [pool.submit(work, True) for _ in range(t - 1)]
-    try:
-        work(False)
-    finally:  # nothing may still write the buffer once this returns (an error here included)
-        errors = [e for e in (None if f.cancel() else f.exception() for f in futures) if e is not None]
-    if errors:
-        raise errors[0]
-
-
-_TLS = threading.local()
-
-
-def _worker_device(device: int) -> None:
-    """Make CUDA ``device`` current in a staging worker thread (once per thread and device): its DMAs go on a
-    stream of that device."""
-    if getattr(_TLS, "device", None) != device:
-        from ortcapture._ort import cudart
-
-        cudart.set_device(device)
-        _TLS.device = device

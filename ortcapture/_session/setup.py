@@ -3,7 +3,8 @@
 The provider arguments with capture switched off, the ORT-version and WebGPU int64 checks, TensorRT profiles for
 ``buckets=``, the text of a refused capture, the model's constant outputs and the numeric-tensor I/O check.
 
-Moved verbatim out of :mod:`ortcapture.session`; the behaviour they guard against is described there.
+Moved verbatim out of :mod:`ortcapture.session` (then ``ortcapture._session_setup``); the behaviour they guard against
+is described in :mod:`ortcapture._session.session`.
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def constant_outputs_of(path_or_bytes, static_sig):
 def check_tensor_io(session) -> None:
     """Raise :class:`CaptureUnsupportedError` naming the inputs/outputs that are not numeric tensors (strings,
     sequences, maps such as ``ZipMap``'s, optional values): no fixed device buffer can hold them."""
-    from ortcapture.transfer import ONNX_TO_NP
+    from ortcapture._ort.values import ONNX_TO_NP
 
     bad = [f"{role} {m.name!r} is {m.type}" for role, metas in (("input", session.get_inputs()),
                                                                  ("output", session.get_outputs()))
