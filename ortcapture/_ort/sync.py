@@ -672,6 +672,14 @@ def _after_fork_in_child() -> None:
     (:func:`hold`) is marked and kept alive for good; runs the parent left unsettled are dropped unsettled (their
     synchronisation would reach the device)."""
     FORKED_DEVICES.update(_USED_DEVICES)
+    if FORKED_DEVICES:
+        # Garbage the parent had not collected yet (sessions, graphs, buffers of released graphs in reference
+        # cycles) must not be destroyed here: that reaches the parent's device state (measured on WebGPU: the child
+        # hung in gc.collect() after a batch runner's sessions). gc.freeze() moves every object alive at the fork to
+        # the permanent generation, which the child's collections never look at.
+        import gc
+
+        gc.freeze()
     kept = []
     for obj, origin in list(_HELD.items()):
         origin.forked = True
