@@ -209,3 +209,43 @@ def test_json_that_does_not_parse_names_the_header_it_trusted():
     body = b'{"inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
     with pytest.raises(ProtocolError, match="Inference-Header-Content-Length"):
         protocol.parse_infer_request(body, "20", SPEC)
+
+
+def test_property_interleaved_good_and_bad_requests_each_get_exactly_their_own_answer(core):
+    """Issue 43, item 8: random interleavings of good requests and bad ones of every kind — a value only the model
+    refuses (an index out of range: ORT's own error, found after batching), a wrong dtype, a wrong fixed dim — batched
+    together: every good request gets exactly its own right answer, every bad one exactly its own 4xx, whose text
+    names no other request's value."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    kinds = st.sampled_from(["good", "good", "good", "index", "dtype", "shape"])
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(plan=st.lists(st.tuples(kinds, st.integers(1, 3)), min_size=1, max_size=9), seed=st.integers(0, 2**16))
+    def check(plan, seed):
+        rng = np.random.default_rng(seed)
+        requests, secrets = [], []
+        for i, (kind, rows) in enumerate(plan):
+            q = _req(rng, rows, bad=(1000 + 97 * i + seed % 89) if kind == "index" else None)
+            if kind == "dtype":
+                q["X"] = q["X"].astype(np.float64)
+            elif kind == "shape":
+                q["X"] = np.zeros((rows, 5), np.float32)
+            requests.append(q)
+            secrets.append(str(1000 + 97 * i + seed % 89) if kind == "index" else None)
+        answers = core.answers(core.run(requests))
+        assert len(answers) == len(requests)
+        for i, ((kind, rows), q, a) in enumerate(zip(plan, requests, answers)):
+            if kind == "good":
+                assert "outputs" in a, a
+                np.testing.assert_allclose(a["outputs"]["Y"], _want(q), rtol=1e-6)
+                continue
+            assert a.get("status") == 400, (kind, a)
+            others = [s for j, s in enumerate(secrets) if s is not None and j != i]
+            assert not any(s in a["error"] for s in others), (a["error"], others)
+            if kind == "index":
+                assert secrets[i] in a["error"]
+
+    check()
