@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from ortcapture._ort import compat
 from ortcapture._memory.buffers import BufferPool, allocate
@@ -42,22 +42,21 @@ WEBGPU_DRAIN_EVERY = 256
 
 
 class GraphPool:
-    """The live :class:`~ortcapture.graph.CapturedGraph` s of one session family, by ``gpu_graph_id`` and by key.
+    """The live :class:`~ortcapture.graph.CapturedGraph` s of one session family, by ``gpu_graph_id``.
 
-    An explicit key -> graph pool, as ORT-GenAI's ``CapturedGraphPool`` (``captured_graph_pool.h``): the key is the
-    graph's shape signature (``((input name, shape), ...)``), so a caller can find a graph already captured for a set
-    of shapes. Graphs are held weakly: a graph dropped by its user is collected, and its id comes back from
-    :meth:`take_collected` so that the session releases it.
+    Graphs are held weakly: a graph dropped by its user is collected, and its id comes back from
+    :meth:`take_collected` so that the session releases it. (Which graph serves a feed is decided by its owner — a
+    captured graph by its user, a bucket by the bucket runner — not looked up here: the key-to-graph lookups this pool
+    once offered had no caller, issue 42.)
     """
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ReferenceType] = {}
-        self._keys: dict[int, Any] = {}
         self._collected: list[tuple[int, weakref.ReferenceType]] = []
         self._lock = threading.Lock()
 
-    def add(self, graph, key: Any) -> None:
-        """Register ``graph`` (its ``graph_id`` must be free in the pool) under shape key ``key``."""
+    def add(self, graph) -> None:
+        """Register ``graph`` (its ``graph_id`` must be free in the pool)."""
         gid = graph.graph_id
         collected = self._collected
 
@@ -66,27 +65,11 @@ class GraphPool:
 
         with self._lock:
             self._refs[gid] = weakref.ref(graph, on_collect)
-            self._keys[gid] = key
-
-    def get(self, key: Any):
-        """The most recently captured live, unreleased graph for ``key``, or ``None``."""
-        with self._lock:
-            items = [(gid, ref) for gid, ref in self._refs.items() if self._keys.get(gid) == key]
-        for _, ref in reversed(items):
-            graph = ref()
-            if graph is not None and not graph.released:
-                return graph
-        return None
-
-    def by_id(self, graph_id: int):
-        ref = self._refs.get(graph_id)
-        return ref() if ref is not None else None
 
     def pop(self, graph_id: int):
         """Forget ``graph_id``; return its graph when still alive."""
         with self._lock:
             ref = self._refs.pop(graph_id, None)
-            self._keys.pop(graph_id, None)
         return ref() if ref is not None else None
 
     def __contains__(self, graph_id: int) -> bool:
@@ -113,7 +96,6 @@ class GraphPool:
             with self._lock:
                 if self._refs.get(gid) is ref:
                     del self._refs[gid]
-                    self._keys.pop(gid, None)
                     out.append(gid)
         return out
 
@@ -122,7 +104,6 @@ class GraphPool:
         live = self.graphs()
         with self._lock:
             self._refs.clear()
-            self._keys.clear()
         return live
 
 

@@ -97,7 +97,7 @@ def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None,
             gid = fam.free_id() if graph_id is None else check_graph_id(graph_id)
             fam.check_free(gid)
             graph = CapturedGraph(target, example_feeds, gid, state=state)
-            fam.graphs.add(graph, graph.shape_key)
+            fam.graphs.add(graph)
             host = shapes.host_read_inputs(target.session)
         level = self._oc_verify if verify is None else level_of(verify)
         if host:
