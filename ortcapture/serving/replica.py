@@ -143,10 +143,10 @@ class PaddedSession:
 
 
 def _client_fault(exc: Exception) -> bool:
-    """An ortcapture check refused the request: :class:`~ortcapture.serving.RequestError`, or an input check of the
-    session (``TransferError`` and ortcapture's other ``ValueError`` s; ORT's own errors are plain ``Exception`` subclasses)."""
-    return isinstance(exc, (RequestError, TransferError)) or (
-        isinstance(exc, ValueError) and type(exc).__module__.startswith("ortcapture"))
+    """An input check refused the request: :class:`~ortcapture.serving.RequestError` or the session's feed checks
+    (``TransferError``). Not every ``CaptureError``: a bucket whose capture or verification failed is the server's,
+    and goes through :meth:`ReplicaCore.answers`' health rule like ORT's own errors."""
+    return isinstance(exc, (RequestError, TransferError))
 
 
 def _np(onnx_type: str):
@@ -285,8 +285,8 @@ class ReplicaCore:
         Who is at fault, decided by behaviour, not by message text (the runner has already run every request of a
         failed chunk alone, so an exception here is the request's *own* run's):
 
-        * a :class:`~ortcapture.serving.RequestError` or an ortcapture input check (``TransferError``, a
-          ``ValueError``): 400 with its text (it names only this request's inputs);
+        * a :class:`~ortcapture.serving.RequestError` or an ortcapture input check (``TransferError``): 400 with
+          its text (it names only this request's inputs);
         * any other exception (ORT's own, e.g. a Gather index out of range on the CPU EP): the request's own fault
           — 400 with its text — when another request of the batch ran, or when the health check
           (:meth:`check_health`, at most once per batch) passes right after; otherwise the device or session is
