@@ -53,7 +53,10 @@ REPO = os.path.dirname(HERE)
 
 #: case name -> (model, batch)
 CASES = {"tiny": ("tiny", 1), "yolo1": ("reference", 1), "yolo8": ("reference", 8),
-         "affine8": ("affine", 8)}  # YOLOv8n's batch-8 input (8x3x320x320) through a 2-node model: transfers only
+         "affine8": ("affine", 8),
+         # issue 42: plain run() with buckets [1,2,4,8] against g.run(numpy) on a graph of the request's size, paired,
+         # a mixed batch 1-8 stream and 300 reused arrays (benchmarks/bucket_arms.py): YOLOv8n 320, and a 64x64 MatMul
+         "buckets": ("reference", 0), "buckets_matmul": ("matmul", 0)}  # YOLOv8n's batch-8 input (8x3x320x320) through a 2-node model: transfers only
 #: the cases that also time numpy in -> numpy out and a stream of requests
 HOST_IO_CASES = ("yolo8", "affine8")
 
@@ -149,6 +152,11 @@ def worker(args) -> dict:
         if int(err):
             raise SystemExit(f"cudaSetDeviceFlags: {err}")
     ortcapture = _import_tree(args.pkg)
+    if args.case.startswith("buckets"):
+        sys.path.insert(0, HERE)
+        import bucket_arms
+
+        return bucket_arms.run_arms(ortcapture, args.provider, CASES[args.case][0], args.iters)
     import numpy as np
 
     from ortcapture import transfer
@@ -582,7 +590,12 @@ def main() -> int:
             order = list(trees) if p % 2 == 0 else list(trees)[::-1]
             for t in order:
                 r = _spawn(trees[t], case, args)
-                if r is not None:
+                if r is not None and "arms" in r:  # the bucket arms
+                    runs[t].append(r)
+                    print(f"{case:6} {t:4} proc {p}: " + "; ".join(
+                        f"{k} x{v['median per-pair ratio']:.3f}" for k, v in r["arms"].items())
+                        + f"; mixed 1-8 {r['mixed 1-8']['us per request']:.0f} µs/request", flush=True)
+                elif r is not None:
                     runs[t].append(r)
                     ov = r["overhead"]
                     aw = r.get("after_wait_us", {})
@@ -612,7 +625,15 @@ GOALS = [("tiny", "extra µs per call over the same graph driven raw", 3.0, True
          ("yolo8", "plain numpy in and out / device-resident replay", 1.45, True),
          ("yolo8", "plain numpy in and out, 8 arrays in turn / device-resident replay", 1.45, True),
          ("yolo8", "plain numpy in and out, a new array just written / device-resident replay", 1.45, True),
-         ("yolo8", "run_many(numpy), copies=2 throughput / device-resident replays'", 0.90, False)]
+         ("yolo8", "run_many(numpy), copies=2 throughput / device-resident replays'", 0.90, False),
+         # issue 42: buckets at CapturedGraph.run's speed (median per-pair ratio), the mixed stream per request
+         ("buckets", "buckets run() / g.run(numpy), batch 8, same array", 1.05, True),
+         ("buckets", "buckets run() / g.run(numpy), batch 8, new array", 1.05, True),
+         ("buckets", "buckets run() / g.run(numpy), batch 1, same array", 1.05, True),
+         ("buckets", "buckets run() / g.run(numpy), batch 1, new array", 1.05, True),
+         ("buckets", "mixed batch 1-8 stream, µs per request", 1800.0, True),
+         ("buckets_matmul", "buckets run() / g.run(numpy), batch 8, same array", 1.05, True),
+         ("buckets_matmul", "buckets run() / g.run(numpy), batch 8, new array", 1.05, True)]
 
 
 def goals(report: dict) -> list[dict]:
@@ -624,7 +645,11 @@ def goals(report: dict) -> list[dict]:
             continue
         np_, st = m.get("numpy_us", {}), m.get("stream_per_s", {})
         dev, base = np_.get("device-resident replay"), st.get("device-resident replays")
-        if what.startswith("extra"):
+        if what.startswith("buckets run()"):
+            v = m.get("arms", {}).get(what.split(", ", 1)[1], {}).get("median per-pair ratio")
+        elif what.startswith("mixed"):
+            v = m.get("mixed 1-8", {}).get("us per request")
+        elif what.startswith("extra"):
             v = m.get("overhead", {}).get("paired_extra_us")
         elif what.startswith("host_inputs"):
             v = np_.get("g.run(g.host_inputs, copy_outputs='pinned')", 0) / dev if dev else None
@@ -654,6 +679,11 @@ def _print_summary(report: dict) -> None:
             for sect in ("overhead", "steps_us", "after_wait_us", "paired_us", "numpy_us", "stream_per_s"):
                 for k, v in m.get(sect, {}).items():
                     rows.setdefault((sect, k), {})[t] = v
+            for arm, vals in m.get("arms", {}).items():  # the bucket arms
+                for k, v in vals.items():
+                    rows.setdefault((arm, k), {})[t] = v
+            for k, v in m.get("mixed 1-8", {}).items():
+                rows.setdefault(("mixed 1-8", k), {})[t] = v
         print(f"{'':62}" + "".join(f"{t:>12}" for t in names))
         for (sect, k), vals in rows.items():
             print(f"{sect + ': ' + k:62.62}" + "".join(f"{vals[t]:12.2f}" if t in vals else f"{'-':>12}"

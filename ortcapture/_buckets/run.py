@@ -1,9 +1,10 @@
 """Plain ``sess.run()`` served from captured graphs, one per bucket (issue 16): pad up, replay, slice back.
 
 A session made with ``buckets=`` hands its plain runs here. A request picks the smallest bucket >= each bucketed dim;
-its feeds are copied into that graph's fixed buffers (host feeds through a per-graph host staging array whose tail
-is zeroed, CUDA device feeds device to device into the buffer's leading region with cuda-python), the graph replays,
-and the outputs are sliced back along the axes that follow the bucketed dims (:mod:`ortcapture._buckets.spec`). Each
+its feeds go through the graph's own feed path (issue 42): a request that fills the bucket is ``graph.run(feeds)``,
+a smaller one is written into the leading rows of the fixed buffers with the rest padded and only its rows read back
+(``CapturedGraph.feed_rows`` / ``read_rows``, :mod:`ortcapture._core.rows`: the graph's staging, page-locked on CUDA),
+sliced along the axes that follow the bucketed dims (:mod:`ortcapture._buckets.spec`). Each
 graph is captured on first use (or by ``warmup``) and checked once by :mod:`ortcapture._verify.compare` against the
 uncaptured run of the unpadded feeds. Runs it cannot serve captured (oversize, inconsistent dims, feeds ORT would
 refuse) run uncaptured (``gpu_graph_id=-1``) and are counted.
@@ -28,10 +29,11 @@ from ortcapture._buckets import feeds as _bucket_feeds
 from ortcapture._buckets.feeds import requested_outputs
 from ortcapture._ort import compat
 from ortcapture._verify import compare as _verify
-from ortcapture._buckets.copy import cuda_fill, cuda_read, fill_staging, slice_output
-from ortcapture._buckets.values import (dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
-                                       wrap_outputs)
-from ortcapture._buckets.spec import BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets
+from ortcapture._buckets.values import dtype_of, input_dtype, np_dtype, shape_of, wrap_outputs
+from ortcapture._buckets.spec import (BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets,
+                                     sliced_lengths)
+from ortcapture._core.rows import cut as cut_rows
+from ortcapture._core.rows import to_host
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture.errors import CaptureAbortedError, CaptureError
@@ -40,24 +42,30 @@ from ortcapture._transfer.copy import update_inplace
 log = logging.getLogger("ortcapture")
 
 OVERSIZE = ("uncaptured", "split")
+#: numpy dtype -> its name in a pool key (``str(dtype)`` costs ~1 µs a call; torch's dtype names are the same strings)
+_DTYPE_NAMES = {np.dtype(t): str(np.dtype(t)) for t in (np.float32, np.float16, np.float64, np.int64, np.int32,
+                                                         np.int8, np.uint8, np.bool_, np.int16, np.uint16)}
 
 
 class _Entry:
-    """One captured bucket: the graph, its host staging arrays and what was last written into them."""
+    """One captured bucket: the graph and the region the last request wrote into its fixed inputs."""
 
-    def __init__(self, graph, bucket: dict[str, int], staging: dict[str, np.ndarray], label: str):
+    def __init__(self, graph, bucket: dict[str, int], label: str):
         self.graph = graph
         self.bucket = bucket
-        self.staging = staging
         self.label = label
+        #: {input: the shape of the region the last request wrote}; missing: every row (a full request, capture)
         self.filled: dict[str, tuple] = {}
-        self.layouts: dict[str, tuple] = {}  # see ortcapture._buckets.copy.layout
+        #: {output: {axis: length}} the relations keep of each output of a request that fills the bucket
+        self.full_cut: dict[str, dict[int, int]] | None = None
+        self.whole = False  # ... and it keeps every output whole
         self.lock = threading.Lock()
         self.evicted = False  # released by max_graphs: a thread that looked it up before looks again
         self.threads: set[int] = set()
         self.replayed = 0
         self.rows = 0
         self.padded_rows = 0
+        self.capacity = math.prod(bucket.values())  # rows (the product of the bucketed sizes) of each replay
         self.device_bytes = sum(int(np.prod(v.shape())) * np.dtype(np_dtype(v)).itemsize
                                 for v in itertools.chain(graph.inputs.values(), graph.outputs.values()))
 
@@ -89,10 +97,8 @@ class BucketRunner:
         self._specs = _bucket_feeds.specs(session)  # what ORT's plain run takes per input
         self.dims: list[BucketDim] = parse_buckets(buckets, {m.name: list(m.shape) for m in metas})
         self._declared = check_output_axes(output_axes, self.output_names, self.dims)
-        #: {input: numpy scalar} padded rows hold (default 0); inputs whose pad value is no repeated byte are padded
-        #: through the host staging array even on the CUDA direct path (cudaMemset2D sets bytes)
+        #: {input: numpy scalar} padded rows hold (default 0)
         self._pad = check_pad_values(pad_values, {m.name: input_dtype(m.type) for m in metas}, self.dims)
-        self._pad_byte = {n: repeated_byte(v) for n, v in self._pad.items()}
         if oversize not in OVERSIZE:
             raise CaptureError(f"oversize must be one of {OVERSIZE}, got {oversize!r}")
         self.oversize = oversize
@@ -110,6 +116,8 @@ class BucketRunner:
         self._host_read = host_read_inputs(session)
         self._rel: dict[str, dict] | None = None
         self._entries: OrderedDict = OrderedDict()
+        #: {signature: (sizes, pool key)} of numpy feeds served before (see _signature); at most 1024, then cleared
+        self._known: dict[tuple, tuple] = {}
         self._lock = threading.RLock()
         self._counts = {"replayed": 0, "uncaptured": 0, "captured": 0, "oversize": 0, "split": 0, "evicted": 0}
         self._rows = self._padded_rows = 0  # request rows and padded rows of every counted replay (padding_waste)
@@ -117,8 +125,9 @@ class BucketRunner:
         if self.device_type == "cuda":
             opts = session.get_provider_options().get("CUDAExecutionProvider", {})
             self._exact = str(opts.get("use_tf32", "1")) == "0"
-        #: CUDA with cuda-python: feeds and outputs copied region by region (see _bucket_copy.cuda_fill)
-        self._direct = self.device_type == "cuda" and compat.cudart() is not None
+        #: {input: bucketed axes}: the axes along which a request's feed may be shorter than its bucket's buffer
+        self._per_thread = self.device_type == "cuda"  # CUDA graphs are per thread: the first replay captures
+        self._axes = {name: tuple(a for a, _ in sites) for name, sites in self._sites.items()}
         self._worker = ThreadPoolExecutor(1, "ortcapture-replay") if replay_thread else None
         self._worker_ident: int | None = None
         self._warned_oversize = False
@@ -143,8 +152,23 @@ class BucketRunner:
     def _run_here(self, output_names, input_feed, run_options, ort_values, count: bool = True):
         if self._worker is not None:
             self._worker_ident = threading.get_ident()
+        sig = self._signature(input_feed)
+        if sig is not None:  # numpy feeds of shapes and dtypes served before: straight to their graph
+            hit = self._known.get(sig)
+            if hit is not None:
+                sizes, key = hit
+                entry = self._entries.get(key)
+                names = self._names(output_names)
+                if type(entry) is _Entry and names is not None:
+                    if self.max_graphs is not None:
+                        with self._lock:
+                            if key in self._entries:
+                                self._entries.move_to_end(key)
+                    outs = self._replay(entry, input_feed, sizes, names, count=count)
+                    if outs is not None:
+                        return outs if not ort_values else wrap_outputs(outs, ort_values)
         feeds = self._host_feeds(input_feed, ort_values)
-        names = self._output_names(output_names)
+        names = self._names(output_names)
         if feeds is None or names is None:
             return self._plain(output_names, input_feed, run_options, ort_values)
         sizes = self._request_sizes(feeds)
@@ -164,16 +188,39 @@ class BucketRunner:
             self._warn_oversize(sizes)
             return self._plain(output_names, input_feed, run_options, ort_values)
         while True:  # again when another thread evicted the graph (max_graphs) between the look-up and the replay
-            entry = self._entry(feeds, sizes, bucket)
+            key = self._key(feeds, bucket)
+            entry = self._entry(feeds, sizes, bucket, key)
             if entry is None:
                 return self._plain(output_names, input_feed, run_options, ort_values)
             outs = self._replay(entry, feeds, sizes, names, count=count)
             if outs is not None:
                 break
-        if count:
-            with self._lock:
-                self._counts["replayed"] += 1
-        return wrap_outputs(outs, ort_values)
+        if sig is not None:  # checked (every feed ORT takes, consistent sizes, in a bucket): known from now on
+            known = self._known
+            if len(known) >= 1024:
+                known.clear()
+            known[sig] = (sizes, key)
+        return outs if not ort_values else wrap_outputs(outs, ort_values)
+
+    def _names(self, output_names) -> list[str] | None:
+        """:meth:`_output_names`, with ``None`` answered by :attr:`output_names` itself (the replay then returns the
+        graph's outputs as they come)."""
+        return self.output_names if output_names is None else self._output_names(output_names)
+
+    def _signature(self, input_feed) -> tuple | None:
+        """``((shape, dtype), ...)`` of the feeds in input order where every feed is a numpy array and no input is
+        read on the host (its values are part of a graph's key), else ``None``. A signature seen before was checked
+        then (:meth:`_convert_feeds`: the same shapes and dtypes pass the same checks) and maps to its sizes and pool
+        key: :attr:`_known` (shapes and dtypes, never array identities)."""
+        if type(input_feed) is not dict or self._host_read or len(input_feed) != len(self.input_names):
+            return None
+        sig = []
+        for name in self.input_names:
+            v = input_feed.get(name)
+            if type(v) is not np.ndarray:
+                return None
+            sig.append((v.shape, v.dtype))
+        return tuple(sig)
 
     def note_uncaptured(self) -> None:
         """Count a request the caller ran uncaptured in this runner's place (the drop-in's fallback for a refused
@@ -258,7 +305,8 @@ class BucketRunner:
             for axis, _ in self._sites.get(name, ()):
                 shape[axis] = -1
             host = v.tobytes() if name in self._host_read and isinstance(v, np.ndarray) else None
-            parts.append((name, tuple(shape), str(dtype_of(v)), host))
+            dt = v.dtype if type(v) is np.ndarray else dtype_of(v)
+            parts.append((name, tuple(shape), _DTYPE_NAMES.get(dt) or str(dt), host))
         return tuple(bucket[d.label] for d in self.dims), tuple(parts)
 
     def _resized(self, feeds: dict, sizes: Mapping[str, int]) -> dict:
@@ -279,8 +327,8 @@ class BucketRunner:
         return out
 
     # -- graphs -----------------------------------------------------------------------------------------------
-    def _entry(self, feeds: dict, sizes: dict, bucket: dict) -> _Entry | None:
-        key = self._key(feeds, bucket)
+    def _entry(self, feeds: dict, sizes: dict, bucket: dict, key: tuple | None = None) -> _Entry | None:
+        key = self._key(feeds, bucket) if key is None else key
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -300,7 +348,7 @@ class BucketRunner:
                 self._evict()
             label = ", ".join(f"{k}={v}" for k, v in bucket.items())
             t0 = time.perf_counter()
-            padded = {n: np.array(v, copy=True) for n, v in self._resized(feeds, bucket).items()}  # ours: staging
+            padded = self._resized(feeds, bucket)
             try:
                 graph = self._s.capture(padded, verify=False)  # checked below, padded against unpadded
             except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
@@ -311,8 +359,7 @@ class BucketRunner:
                 if err is exc:
                     raise
                 raise err from exc
-            entry = _Entry(graph, dict(bucket), padded, label)
-            entry.filled = {n: shape_of(feeds[n]) for n in self._sites}  # the example's region, zeroed on a shrink
+            entry = _Entry(graph, dict(bucket), label)  # captured on the padded feeds: every row written
             entry.threads.add(threading.get_ident())
             try:
                 self._verify(entry, feeds, sizes)
@@ -337,6 +384,10 @@ class BucketRunner:
                 with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
                     e.evicted = True
                     e.graph.release()
+                    # the session's totals outlive evicted graphs
+                    self._counts["replayed"] += e.replayed
+                    self._rows += e.rows
+                    self._padded_rows += e.padded_rows
                 self._counts["evicted"] += 1
                 log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
                 return
@@ -449,56 +500,53 @@ class BucketRunner:
                 count: bool = True) -> list | None:
         """The request's outputs from ``entry``'s graph (new arrays, one per name, never views of each other or of
         ortcapture's buffers); ``None`` when the graph was evicted meanwhile (look it up again)."""
-        direct = self._direct
         with entry.lock:
             if entry.evicted:
                 return None
             tid = threading.get_ident()
-            first_here = tid not in entry.threads and self.device_type == "cuda"
-            t0 = time.perf_counter()
-            graph_feeds = {}
-            for name, v in feeds.items():
-                axes = self._sites.get(name)
-                if not axes:
-                    graph_feeds[name] = v
-                elif direct and len(axes) == 1 and self._pad_byte.get(name, 0) is not None:
-                    if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
-                        v = np.ascontiguousarray(v)
-                    if not cuda_fill(entry, name, v, axes[0][0], self._pad_byte):
-                        if not isinstance(v, np.ndarray):  # a strided or foreign device tensor
-                            v = np.ascontiguousarray(to_host(v))
-                        if not cuda_fill(entry, name, v, axes[0][0], self._pad_byte):
-                            graph_feeds[name] = v  # the graph's copy names what does not match
-                elif isinstance(v, np.ndarray):
-                    graph_feeds[name] = fill_staging(entry, name, v, axes, self._pad)
+            first_here = self._per_thread and tid not in entry.threads
+            t0 = time.perf_counter() if first_here else 0.0
+            graph = entry.graph
+            if sizes == entry.bucket:  # the request fills the bucket: the graph's own run, as g.run(feeds)
+                outs = graph.run(feeds)
+                if entry.filled:
+                    entry.filled.clear()  # every row written
+                cut = entry.full_cut
+                if cut is None:  # what the relations keep of each output at the bucket's own sizes (once)
+                    cut = entry.full_cut = {n: {a: k for a, k in self._lengths(n, sizes, graph).items()
+                                                if k != o.shape[a]} for n, o in zip(self.output_names, outs)}
+                    entry.whole = not any(cut.values())
+                if entry.whole and names is self.output_names:
+                    result = outs
                 else:
-                    update_inplace(entry.graph.inputs[name], fill_staging(entry, name, to_host(v), axes, self._pad))
-            if direct:
-                outs = entry.graph.run(graph_feeds, copy_outputs=False)
-                by_name = dict(zip(self.output_names, outs))
-                result = [cuda_read(entry, n, by_name[n], self._rel[n], sizes) for n in names]
-            else:
-                outs = entry.graph.run(graph_feeds)
-                by_name = dict(zip(self.output_names, outs))
-                result = [slice_output(by_name[n], self._rel[n], sizes, n) for n in names]
-            if len(set(names)) < len(names):  # a name asked for twice: separate arrays, as ORT returns them
+                    by_name = dict(zip(self.output_names, outs))
+                    result = [cut_rows(by_name[n], cut[n]) if cut[n] else by_name[n] for n in names]
+            else:  # its rows into the fixed buffers, the rest padded; only its rows back (ortcapture._core.rows)
+                outs = None
+                graph.feed_rows(feeds, self._axes, pad=self._pad, last=entry.filled)
+                for name in self._axes:
+                    entry.filled[name] = shape_of(feeds[name])
+                graph.run(None, copy_outputs=False)
+                result = graph.read_rows(names, {n: self._lengths(n, sizes, graph) for n in set(names)})
+            if result is not outs and len(set(names)) < len(names):  # a name asked twice: separate arrays, as ORT
                 seen: set[str] = set()
                 result = [r.copy() if n in seen or seen.add(n) else r for n, r in zip(names, result)]
             if first_here:
                 entry.threads.add(tid)
                 log.info("ortcapture: bucket %s captured for thread %s in %.3f s (CUDA graphs are per thread)",
                          entry.label, threading.current_thread().name, time.perf_counter() - t0)
-            if count:
+            if count:  # the entry's counts; stats() adds them up, _evict() folds them into the session's totals
                 entry.replayed += 1
-                req = math.prod(sizes.values())
-                pad = math.prod(entry.bucket.values()) - req
+                req = entry.capacity if result is outs else math.prod(sizes.values())
                 entry.rows += req
-                entry.padded_rows += pad
-        if count:  # the session's totals outlive evicted graphs (never under entry.lock: _evict locks the other way)
-            with self._lock:
-                self._rows += req
-                self._padded_rows += pad
+                entry.padded_rows += entry.capacity - req
         return result
+    def _lengths(self, name: str, sizes: Mapping[str, int], graph) -> dict[int, int]:
+        """``{axis: length}`` of output ``name`` for a request of ``sizes``; raises :class:`CaptureError` where that is
+        beyond the bucket graph's output (the relation does not hold there)."""
+        rel = self._rel[name]
+        return sliced_lengths(rel, sizes, tuple(graph.outputs[name].shape()), name) if rel else {}
+
     def _split(self, feeds: dict, sizes: dict, names: Sequence[str]) -> list | None:
         """Oversize along one bucketed dim: chunks of the largest bucket, outputs joined along the following axes;
         ``None`` (run uncaptured) unless every requested output follows the dim on exactly one axis. An output
@@ -531,9 +579,8 @@ class BucketRunner:
                     return None
                 part = self._replay(entry, chunk, csizes, names)
             parts.append(part)
-        with self._lock:
+        with self._lock:  # each part's replay was counted by _replay
             self._counts["split"] += 1
-            self._counts["replayed"] += len(parts)
         return [np.concatenate([p[i] for p in parts], axis=next(iter(rels[n]))) for i, n in enumerate(names)]
 
     # -- public helpers ---------------------------------------------------------------------------------------
@@ -612,8 +659,11 @@ class BucketRunner:
             for b in per.values():
                 rows, padded_rows = b.pop("rows"), b.pop("padded_rows")
                 b["padding_waste"] = padded_rows / max(rows + padded_rows, 1)
-            rows, padded = self._rows, self._padded_rows  # every replay, evicted graphs' too
-            return {**self._counts, "padding_waste": padded / max(rows + padded, 1), "buckets": per,
+            live = [e for e in self._entries.values() if isinstance(e, _Entry)]
+            rows = self._rows + sum(e.rows for e in live)  # every replay, evicted graphs' too
+            padded = self._padded_rows + sum(e.padded_rows for e in live)
+            counts = {**self._counts, "replayed": self._counts["replayed"] + sum(e.replayed for e in live)}
+            return {**counts, "padding_waste": padded / max(rows + padded, 1), "buckets": per,
                     "refused": sum(1 for e in self._entries.values() if isinstance(e, _Refused))}
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ortcapture._core import many as _many
 from ortcapture._core import outputs as _outputs
+from ortcapture._core import rows as _rows
 from ortcapture._core import specs as _specs
 from ortcapture._core.binding import IOBinding
 from ortcapture._core.outputs import ReplayOutput
@@ -312,7 +313,7 @@ class CapturedGraph:
                             tcopy.copy(self._state_src, self._state_dst)
                         if copy_outputs is False:
                             return res
-                        if out is None and copy_outputs is True and self._staging is None and not self._stage_auto:
+                        if out is None and copy_outputs is True and self._numpy_out:
                             return [tcopy.to_numpy(v) for v in self._output_list]
                         return self._host_outputs(copy_outputs, out)
                     finally:
@@ -382,6 +383,7 @@ class CapturedGraph:
         if st is None:
             st = self._staging = _staging.HostStaging(self.inputs, self.outputs, pinned=self._pin_ok)
             self._targets.staging = st
+            self._numpy_out = self._numpy_out and not st.pinned
         return st
 
     # -- streams of requests ------------------------------------------------------------------------------------
@@ -433,6 +435,8 @@ class CapturedGraph:
     _settle_queued = _many.settle_queued
     _pipeline = _many.pipeline
     _pipeline_steps = _many.pipeline_steps
+    # a request's rows in the fixed buffers (buckets), through this graph's staging: ortcapture._core.rows
+    feed_rows, read_rows = _rows.feed_rows, _rows.read_rows
 
     def _capture_for_thread(self) -> None:
         """Capture this graph's id in the calling thread (outside the guard; the capture guard instead). The thread's
@@ -628,6 +632,8 @@ class CapturedGraph:
         #: nothing is pinned until host_inputs, host_outputs, copy_outputs="pinned", out= or run_many ask for it
         io_bytes = sum(meta(v).nbytes for v in (*self.inputs.values(), *self.outputs.values()))
         self._stage_auto = self._pin_ok and _sync.PINNED_AUTO_MIN is not None and io_bytes >= _sync.PINNED_AUTO_MIN
+        #: copy_outputs=True reads each output with ORT's own copy (no page-locked staging to read through)
+        self._numpy_out = not self._stage_auto and (st is None or not st.pinned)
         ref = weakref.ref(self)
         factory = (lambda: ref()._staging_now()) if self._stage_auto else None  # noqa: SLF001 - no graph <-> targets cycle
         # the session's CUDA compute stream where it is known (ortcapture's own): remembered device-to-device feeds

@@ -385,6 +385,13 @@ def copy_async(dst: int, src: int, nbytes: int, stream) -> None:
     _check(err, "cudaMemcpyAsync")
 
 
+def memset_async(dst: int, value: int, nbytes: int, stream) -> None:
+    """``cudaMemsetAsync(dst, value, nbytes, stream)``: ``nbytes`` device bytes set to the byte ``value``. Raises
+    :class:`RuntimeError`."""
+    (err,) = compat.cudart().cudaMemsetAsync(dst, int(value), nbytes, stream)
+    _check(err, "cudaMemsetAsync")
+
+
 def record(event, stream) -> None:
     """``cudaEventRecord(event, stream)``."""
     (err,) = compat.cudart().cudaEventRecord(event, stream)

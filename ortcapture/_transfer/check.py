@@ -142,6 +142,19 @@ def _check_match(dm: ValueMeta, shape: tuple, dtype: np.dtype, what: str) -> Non
         )
 
 
+def check_rows(name: str, shape: tuple, dtype: np.dtype, dst: OrtValue, axes: tuple[int, ...]) -> None:
+    """Whether a source of ``shape`` and ``dtype`` fits the leading region of fixed buffer ``dst`` (a bucket's
+    request, :meth:`CapturedGraph.feed_rows`): the buffer's dtype and rank, each dim along ``axes`` at most the
+    buffer's, every other dim equal. Raises :class:`TransferError` naming input ``name``."""
+    dm = _dst_meta(dst)
+    if dtype != dm.dtype:
+        raise TransferError(f"input {name!r}: dtype mismatch: the source is {dtype}, the buffer is {dm.dtype}")
+    if len(shape) != len(dm.shape) or any(
+            (s > d) if ax in axes else (s != d) for ax, (s, d) in enumerate(zip(shape, dm.shape))):
+        raise TransferError(f"input {name!r}: shape mismatch: the source has shape {tuple(shape)}, the buffer "
+                            f"{dm.shape} (at most that along axes {tuple(axes)}, equal elsewhere)")
+
+
 def _alias(a: OrtValue, am: ValueMeta, b: OrtValue, bm: ValueMeta) -> str | None:
     """``"same"`` when a and b are one buffer, ``"overlap"`` when their bytes overlap, else ``None``."""
     if a is b or compat.c_value(a) is compat.c_value(b):

@@ -10,6 +10,7 @@ pageable staging calls).
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Mapping
 
@@ -281,6 +282,8 @@ class HostStaging:
             self._flat[(role, name)] = flat
             if pinned:
                 self._ptr[(role, name)] = (int(flat.ctypes.data), m.span[0] if m.span else 0, m.nbytes)
+        #: {input: the shape of the region upload_rows last wrote into the host input array}; unknown: all of it
+        self._host_rows: dict[str, tuple] = {}
         self._wrappers = None  # pageable readback: CPU OrtValues over host_outputs (made on first use)
         #: recycled page-locked blocks for :meth:`read_new` (pinned only)
         self._out_pool = _OutputPool({n: (m.shape, m.dtype) for (role, n), m in metas.items() if role == "out"}) \
@@ -370,6 +373,90 @@ class HostStaging:
                     _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n, stream, device=self.device_id)
             cudart.record(self._events[name], stream)
             self._busy.add(name)
+
+    def upload_rows(self, name: str, arr: np.ndarray, axes: tuple[int, ...], pad, pad_byte: int | None,
+                    last: tuple | None) -> None:
+        """Write ``arr`` into the leading region of input ``name``'s device buffer (a bucket's request: fewer rows
+        along ``axes`` than the buffer holds) and set the rest of the region ``last`` wrote before (``None``: the
+        whole buffer) to ``pad``; done when this returns. ``arr``: C-contiguous, the buffer's dtype and rank, each
+        dim at most the buffer's and equal off ``axes`` (the caller checked: :func:`ortcapture._transfer.check.
+        check_rows`). ``pad_byte``: the byte ``pad`` repeats, or ``None``.
+
+        Pinned, one axis with nothing before it (a batch on axis 0): the request's rows are a prefix of the buffer,
+        copied in chunks by the staging threads, each chunk's DMA queued as soon as it is in (as :meth:`upload`),
+        the rows ``last`` wrote beyond them set on the device (``cudaMemsetAsync``) — the rest of the buffer is not
+        sent. Otherwise the region is written into :attr:`host_inputs` ``[name]`` with the rest of it set to
+        ``pad``, and that whole array is uploaded (pinned: one DMA; pageable: :func:`update_inplace`)."""
+        own = self.host_inputs[name]
+        full = own.shape
+        if self.pinned and len(axes) == 1 and math.prod(full[:axes[0]]) == 1:
+            from ortcapture._ort import cudart
+
+            axis = axes[0]
+            inner = math.prod(full[axis + 1:]) * own.itemsize
+            n = arr.shape[axis]
+            stop = full[axis] if last is None else last[axis]
+            if UNSETTLED:
+                settle()
+            if name in self._busy:
+                cudart.wait_event(self._events[name])
+                self._busy.discard(name)
+            hptr, dptr, _ = self._ptr[("in", name)]
+            stream = self._stream
+            if n * inner:
+                _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n * inner, stream, device=self.device_id)
+            if stop > n and inner:
+                tail = (stop - n) * inner
+                if pad_byte is not None:
+                    cudart.memset_async(dptr + n * inner, pad_byte, tail, stream)
+                else:
+                    own[(slice(None),) * axis + (slice(n, stop),)] = pad
+                    cudart.copy_async(dptr + n * inner, hptr + n * inner, tail, stream)
+            cudart.record(self._events[name], stream)
+            self._busy.add(name)
+            self.wait()
+            return
+        if self.pinned and name in self._busy:
+            from ortcapture._ort import cudart
+
+            cudart.wait_event(self._events[name])
+            self._busy.discard(name)
+        # the host array's own extent: rows beyond the region it last held are pad already (the device may differ,
+        # but the whole array is sent)
+        before = self._host_rows.get(name)
+        if before != arr.shape:
+            if len(axes) == 1 and before is not None:
+                axis = axes[0]
+                if before[axis] > arr.shape[axis]:
+                    own[(slice(None),) * axis + (slice(arr.shape[axis], before[axis]),)] = pad
+            else:
+                own.fill(pad)
+        own[tuple(slice(0, k) for k in arr.shape)] = arr
+        self._host_rows[name] = arr.shape
+        self.upload({name: own})
+
+    def read_rows(self, name: str, axis: int, n: int) -> np.ndarray | None:
+        """Output ``name``'s first ``n`` rows along ``axis`` as a new host array (pinned, nothing before ``axis``:
+        one DMA of that prefix into a block of the recycling pool, see :meth:`read_new`); ``None`` where this
+        staging cannot (pageable, rows not a prefix, the pool's cap reached): the caller reads the whole output."""
+        pool = self._out_pool
+        if pool is None:
+            return None
+        full, dtype = pool.specs[name]
+        if math.prod(full[:axis]) != 1:
+            return None
+        arr = pool.take(name)
+        if arr is None:
+            return None
+        from ortcapture._ort import cudart
+
+        if UNSETTLED:
+            settle()
+        nbytes = n * math.prod(full[axis + 1:]) * dtype.itemsize
+        if nbytes:
+            cudart.copy_async(arr.ctypes.data, self._ptr[("out", name)][1], nbytes, self._stream)
+        self.wait()
+        return arr[(slice(None),) * axis + (slice(0, n),)]
 
     def fill(self, host: Mapping[str, np.ndarray]) -> None:
         """Copy each array into its page-locked host input buffer only (pinned; no device copy), once the buffer's
