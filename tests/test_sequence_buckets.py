@@ -67,13 +67,13 @@ def test_probes_and_staging_pad_with_pad_values(backend):
     sess = backend.session(model, buckets={"seq": [8, 16]}, pad_values={"ids": VOCAB - 1})
     runner = sess._oc_buckets
     seen = []
-    plain = runner._plain_run
+    plain = runner.host.run_uncaptured
 
     def spy(names, feeds, opts, ort_values):
         seen.append({k: np.array(v, copy=True) for k, v in feeds.items()})
         return plain(names, feeds, opts, ort_values)
 
-    runner._plain_run = spy
+    runner.host.run_uncaptured = spy
     rng = np.random.default_rng(2)
     for seq in (6, 3, 12, 7):
         feeds = text_batch(rng, 1, seq, pad_tail=False)

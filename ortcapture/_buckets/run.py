@@ -6,7 +6,8 @@ is zeroed, CUDA device feeds device to device into the buffer's leading region w
 and the outputs are sliced back along the axes that follow the bucketed dims (:mod:`ortcapture._buckets.spec`). Each
 graph is captured on first use (or by ``warmup``) and checked once by :mod:`ortcapture._verify.compare` against the
 uncaptured run of the unpadded feeds. Runs it cannot serve captured (oversize, inconsistent dims, feeds ORT would
-refuse) run uncaptured (``gpu_graph_id=-1``) and are counted.
+refuse) run uncaptured (``gpu_graph_id=-1``) and are counted. The runner reaches its session only through
+:class:`ortcapture._buckets.host.BucketHost` (the session layer implements it).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from ortcapture._buckets import feeds as _bucket_feeds
 from ortcapture._buckets.feeds import requested_outputs
+from ortcapture._buckets.host import BucketHost
 from ortcapture._ort import compat
 from ortcapture._verify import compare as _verify
 from ortcapture._buckets.copy import cuda_fill, cuda_read, fill_staging, slice_output
@@ -70,19 +72,19 @@ class _Refused:
 class BucketRunner:
     """The bucket machinery of one session (see the module docstring); built by ``InferenceSession(buckets=...)``."""
 
-    def __init__(self, session, st, plain, buckets: Mapping, *, reference=None, output_axes=None, oversize: str = "uncaptured",
+    def __init__(self, host: BucketHost, buckets: Mapping, *, output_axes=None, oversize: str = "uncaptured",
                  verify: Any = True, max_graphs: int | None = None, replay_thread: bool = False,
                  pad_values: Mapping[str, Any] | None = None):
+        st = host.state
+        session = host.session
         if st.info is None and not st.deferred:
             raise CaptureError("buckets= needs a session whose providers request graph capture (CUDA "
                                "enable_cuda_graph=1, TensorRT trt_cuda_graph_enable=1, or WebGPU enableGraphCapture=1: "
                                "ortcapture.webgpu.session_options(capture=True))")
-        self._s = session
-        self._plain_run = plain  # the session's run without buckets: (names, feeds, run_options, ort_values)
-        #: ``() -> (feeds -> outputs) or None``: the verification's reference where the session's own uncaptured run
-        #: is not one (a capture-enabled WebGPU session runs int64 as 32-bit even uncaptured; issue 15)
-        self._reference_factory = reference
-        self._reference = None
+        #: the session, reached through this interface only (ortcapture._buckets.host)
+        self.host = host
+        self._s = session  # ORT's metadata of the session (get_inputs, get_outputs)
+        self._reference = None  # feeds -> outputs, made on first use (BucketHost.reference)
         metas = session.get_inputs()
         self.input_names = [m.name for m in metas]
         self.output_names = [o.name for o in session.get_outputs()]
@@ -197,7 +199,7 @@ class BucketRunner:
         if count:
             with self._lock:
                 self._counts["uncaptured"] += 1
-        return self._plain_run(output_names, input_feed, uncaptured(run_options), ort_values)
+        return self.host.run_uncaptured(output_names, input_feed, uncaptured(run_options), ort_values)
 
     # -- feeds ------------------------------------------------------------------------------------------------
     def _host_feeds(self, input_feed, ort_values: bool) -> dict | None:
@@ -302,7 +304,7 @@ class BucketRunner:
             t0 = time.perf_counter()
             padded = {n: np.array(v, copy=True) for n, v in self._resized(feeds, bucket).items()}  # ours: staging
             try:
-                graph = self._s.capture(padded, verify=False)  # checked below, padded against unpadded
+                graph = self.host.capture(padded)  # checked below, padded against unpadded
             except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
                 if not (isinstance(exc, CaptureError) or _from_ort(exc)):
                     raise
@@ -350,7 +352,7 @@ class BucketRunner:
 
         def run(sizes):
             try:
-                outs = self._plain_run(None, self._resized(feeds, sizes), uncaptured(None), False)
+                outs = self.host.run_uncaptured(None, self._resized(feeds, sizes), uncaptured(None), False)
             except Exception as exc:  # noqa: BLE001 - ORT's own types: the feeds were valid, resized they are not
                 if not _from_ort(exc):
                     raise
@@ -410,8 +412,8 @@ class BucketRunner:
             return self._replay(entry, fs, self._request_sizes(fs), self.output_names, count=False)
 
         if self._reference is None:
-            made = self._reference_factory() if self._reference_factory is not None else None
-            self._reference = made or (lambda fs: self._plain_run(None, fs, uncaptured(None), False))
+            to = self.host
+            self._reference = to.reference() or (lambda fs: to.run_uncaptured(None, fs, uncaptured(None), False))
         reference = self._reference
         checks = [(host, sizes)]
         worst = self._most_padded(entry.bucket, sizes)
