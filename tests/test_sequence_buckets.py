@@ -81,7 +81,7 @@ def test_probes_and_staging_pad_with_pad_values(backend):
     probes = [f for f in seen if f["ids"].shape[1] > 6 and f["ids"].shape[1] in (8, 16)]
     assert probes, "the output-axis probes ran on padded feeds"
     assert all((f["ids"][:, 6:] == VOCAB - 1).all() and (f["attention_mask"][:, 6:] == 0).all() for f in probes)
-    for entry in runner._entries.values():  # host staging: the tail beyond the last request holds the pad value
+    for entry in runner._graphs.entries():  # host staging: the tail beyond the last request holds the pad value
         last = entry.filled.get("ids")
         if last is not None and "ids" in entry.staging:
             assert (entry.staging["ids"][:, last[1]:] == VOCAB - 1).all()
@@ -280,8 +280,8 @@ def test_the_fixed_buffers_hold_the_pad_values_after_a_shrinking_request(backend
             for g, w in zip(s_attn.run(None, feeds), want_a):
                 close(g, w, TOL[backend.name])
             close(s_conv.run(None, {"X": x})[0], want_c, TOL[backend.name])
-            (e_attn,) = s_attn._oc_buckets._entries.values()
-            (e_conv,) = s_conv._oc_buckets._entries.values()
+            (e_attn,) = s_attn._oc_buckets._graphs.entries()
+            (e_conv,) = s_conv._oc_buckets._graphs.entries()
             ids, mask = to_numpy(e_attn.graph.inputs["ids"]), to_numpy(e_attn.graph.inputs["attention_mask"])
             assert (ids[:, seq:] == -1).all() and (mask[:, seq:] == 0).all()
             assert (to_numpy(e_conv.graph.inputs["X"])[..., seq:] == np.float32(-1e9)).all()

@@ -19,7 +19,6 @@ import shlex
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
@@ -34,6 +33,7 @@ from ortcapture._buckets.copy import cuda_fill, cuda_read, fill_staging, slice_o
 from ortcapture._buckets.values import (dtype_of, input_dtype, np_dtype, repeated_byte, shape_of, to_host,
                                        wrap_outputs)
 from ortcapture._buckets.spec import BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets
+from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture.errors import CaptureAbortedError, CaptureError
@@ -62,11 +62,6 @@ class _Entry:
         self.padded_rows = 0
         self.device_bytes = sum(int(np.prod(v.shape())) * np.dtype(np_dtype(v)).itemsize
                                 for v in itertools.chain(graph.inputs.values(), graph.outputs.values()))
-
-
-class _Refused:
-    def __init__(self, error: Exception):
-        self.error = error
 
 
 class BucketRunner:
@@ -111,8 +106,9 @@ class BucketRunner:
                 self._sites.setdefault(name, []).append((axis, d.label))
         self._host_read = host_read_inputs(session)
         self._rel: dict[str, dict] | None = None
-        self._entries: OrderedDict = OrderedDict()
         self._lock = threading.RLock()
+        #: request key (_key) -> _Entry or Refused: the one key -> graph map (ortcapture._core.dispatch), under _lock
+        self._graphs = GraphDispatcher(max_graphs, full="evict", lock=self._lock)
         self._counts = {"replayed": 0, "uncaptured": 0, "captured": 0, "oversize": 0, "split": 0, "evicted": 0}
         self._rows = self._padded_rows = 0  # request rows and padded rows of every counted replay (padding_waste)
         self._exact = False
@@ -284,22 +280,20 @@ class BucketRunner:
     def _entry(self, feeds: dict, sizes: dict, bucket: dict) -> _Entry | None:
         key = self._key(feeds, bucket)
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._graphs.get(key)
             if entry is not None:
-                self._entries.move_to_end(key)
-                if isinstance(entry, _Refused):
+                if isinstance(entry, Refused):
                     raise entry.error
                 return entry
             if self._rel is None:
                 try:
                     self._rel = self._decide_relations(feeds, bucket)
                 except CaptureError as exc:  # remembered for this key: the same request does not probe again
-                    self._entries[key] = _Refused(exc)
+                    self._graphs.refuse(key, exc)
                     raise
-            if self.max_graphs is not None and self._live() >= self.max_graphs:
-                # WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
-                # (sess.compact_threshold) rebuilds the C session
-                self._evict()
+            # at max_graphs: WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
+            # (sess.compact_threshold) rebuilds the C session
+            self._evict()
             label = ", ".join(f"{k}={v}" for k, v in bucket.items())
             t0 = time.perf_counter()
             padded = {n: np.array(v, copy=True) for n, v in self._resized(feeds, bucket).items()}  # ours: staging
@@ -309,7 +303,7 @@ class BucketRunner:
                 if not (isinstance(exc, CaptureError) or _from_ort(exc)):
                     raise
                 err = self._padding_failed(exc, label) if _from_ort(exc) else exc
-                self._entries[key] = _Refused(err)
+                self._graphs.refuse(key, err)
                 if err is exc:
                     raise
                 raise err from exc
@@ -321,27 +315,23 @@ class BucketRunner:
             except BaseException as exc:  # an interrupt too: no graph is left behind, and only a refusal is kept
                 graph.release()
                 if isinstance(exc, CaptureError):
-                    self._entries[key] = _Refused(exc)
+                    self._graphs.refuse(key, exc)
                 raise
-            self._entries[key] = entry
+            self._graphs.add(key, entry)
             self._counts["captured"] += 1
             log.info("ortcapture: captured bucket %s (gpu_graph_id=%d) for thread %s in %.3f s", label,
                      graph.graph_id, threading.current_thread().name, time.perf_counter() - t0)
             return entry
 
-    def _live(self) -> int:
-        return sum(1 for e in self._entries.values() if isinstance(e, _Entry))
-
     def _evict(self) -> None:
-        for key, e in self._entries.items():
-            if isinstance(e, _Entry):
-                del self._entries[key]
-                with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
-                    e.evicted = True
-                    e.graph.release()
-                self._counts["evicted"] += 1
-                log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
-                return
+        """Make room for one more graph under ``max_graphs``: release the least recently used (the caller holds
+        the lock)."""
+        for e in self._graphs.make_room():
+            with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
+                e.evicted = True
+                e.graph.release()
+            self._counts["evicted"] += 1
+            log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
 
     def _decide_relations(self, feeds: dict, bucket: dict) -> dict[str, dict]:
         probes = {}
@@ -601,22 +591,21 @@ class BucketRunner:
         """See ``InferenceSession.bucket_stats``."""
         with self._lock:
             per: dict[str, dict] = {}  # a bucket may hold several graphs: one per value of the non-bucketed dims
-            for e in self._entries.values():
-                if isinstance(e, _Entry):
-                    b = per.setdefault(e.label, {"replayed": 0, "device_bytes": 0, "rows": 0, "padded_rows": 0,
-                                                 "threads": 0, "gpu_graph_ids": []})
-                    b["replayed"] += e.replayed
-                    b["device_bytes"] += e.device_bytes
-                    b["rows"] += e.rows
-                    b["padded_rows"] += e.padded_rows
-                    b["threads"] = max(b["threads"], len(e.threads))
-                    b["gpu_graph_ids"].append(e.graph.graph_id)
+            for e in self._graphs.entries():
+                b = per.setdefault(e.label, {"replayed": 0, "device_bytes": 0, "rows": 0, "padded_rows": 0,
+                                             "threads": 0, "gpu_graph_ids": []})
+                b["replayed"] += e.replayed
+                b["device_bytes"] += e.device_bytes
+                b["rows"] += e.rows
+                b["padded_rows"] += e.padded_rows
+                b["threads"] = max(b["threads"], len(e.threads))
+                b["gpu_graph_ids"].append(e.graph.graph_id)
             for b in per.values():
                 rows, padded_rows = b.pop("rows"), b.pop("padded_rows")
                 b["padding_waste"] = padded_rows / max(rows + padded_rows, 1)
             rows, padded = self._rows, self._padded_rows  # every replay, evicted graphs' too
             return {**self._counts, "padding_waste": padded / max(rows + padded, 1), "buckets": per,
-                    "refused": sum(1 for e in self._entries.values() if isinstance(e, _Refused))}
+                    "refused": self._graphs.refused()}
 
     def close(self) -> None:
         if self._worker is not None:
