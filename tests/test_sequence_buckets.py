@@ -67,13 +67,13 @@ def test_probes_and_staging_pad_with_pad_values(backend):
     sess = backend.session(model, buckets={"seq": [8, 16]}, pad_values={"ids": VOCAB - 1})
     runner = sess._oc_buckets
     seen = []
-    plain = runner._plain_run
+    plain = runner.host.run_uncaptured
 
     def spy(names, feeds, opts, ort_values):
         seen.append({k: np.array(v, copy=True) for k, v in feeds.items()})
         return plain(names, feeds, opts, ort_values)
 
-    runner._plain_run = spy
+    runner.host.run_uncaptured = spy
     rng = np.random.default_rng(2)
     for seq in (6, 3, 12, 7):
         feeds = text_batch(rng, 1, seq, pad_tail=False)
@@ -82,7 +82,7 @@ def test_probes_and_staging_pad_with_pad_values(backend):
     assert probes, "the output-axis probes ran on padded feeds"
     assert all((f["ids"][:, 6:] == VOCAB - 1).all() and (f["attention_mask"][:, 6:] == 0).all() for f in probes)
     checked = 0
-    for entry in runner._entries.values():  # the graph's fixed input: the rows beyond the last request hold the pad
+    for entry in runner._graphs.entries():  # the graph's fixed input: the rows beyond the last request hold the pad
         last = entry.filled.get("ids")
         if last is not None:
             ids = ortcapture.to_numpy(entry.graph.inputs["ids"])
@@ -284,8 +284,8 @@ def test_the_fixed_buffers_hold_the_pad_values_after_a_shrinking_request(backend
             for g, w in zip(s_attn.run(None, feeds), want_a):
                 close(g, w, TOL[backend.name])
             close(s_conv.run(None, {"X": x})[0], want_c, TOL[backend.name])
-            (e_attn,) = s_attn._oc_buckets._entries.values()
-            (e_conv,) = s_conv._oc_buckets._entries.values()
+            (e_attn,) = s_attn._oc_buckets._graphs.entries()
+            (e_conv,) = s_conv._oc_buckets._graphs.entries()
             ids, mask = to_numpy(e_attn.graph.inputs["ids"]), to_numpy(e_attn.graph.inputs["attention_mask"])
             assert (ids[:, seq:] == -1).all() and (mask[:, seq:] == 0).all()
             assert (to_numpy(e_conv.graph.inputs["X"])[..., seq:] == np.float32(-1e9)).all()

@@ -747,7 +747,7 @@ def test_graph_wiring_of_pinned_staging(backend, rng, monkeypatch):
         made = []
         monkeypatch.setattr(_staging, "HostStaging", lambda i, o, pinned: made.append(pinned) or _ModelStaging(g, log))
         g._pin_ok = True  # as _plan decides for CUDA buffers, a CUDA guard and cuda-python
-        g._targets.make_staging = g._staging_now
+        g._targets.make_staging = g.staging_now
         np.testing.assert_array_equal(g.run({"A": b})[0], 2 * b)  # numpy feed: staging made, feed uploaded
         assert made == [True] and [e[0] for e in log] == ["upload", "send", "read"]
         log.clear()

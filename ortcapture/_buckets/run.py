@@ -7,7 +7,8 @@ a smaller one is written into the leading rows of the fixed buffers with the res
 sliced along the axes that follow the bucketed dims (:mod:`ortcapture._buckets.spec`). Each
 graph is captured on first use (or by ``warmup``) and checked once by :mod:`ortcapture._verify.compare` against the
 uncaptured run of the unpadded feeds. Runs it cannot serve captured (oversize, inconsistent dims, feeds ORT would
-refuse) run uncaptured (``gpu_graph_id=-1``) and are counted.
+refuse) run uncaptured (``gpu_graph_id=-1``) and are counted. The runner reaches its session only through
+:class:`ortcapture._buckets.host.BucketHost` (the session layer implements it).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import shlex
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +27,7 @@ import numpy as np
 
 from ortcapture._buckets import feeds as _bucket_feeds
 from ortcapture._buckets.feeds import requested_outputs
+from ortcapture._buckets.host import BucketHost
 from ortcapture._ort import compat
 from ortcapture._verify import compare as _verify
 from ortcapture._buckets.values import dtype_of, input_dtype, np_dtype, shape_of, wrap_outputs
@@ -34,6 +35,7 @@ from ortcapture._buckets.spec import (BucketDim, check_output_axes, check_pad_va
                                      sliced_lengths)
 from ortcapture._core.rows import cut as cut_rows
 from ortcapture._core.rows import to_host
+from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture.errors import CaptureAbortedError, CaptureError
@@ -70,27 +72,22 @@ class _Entry:
                                 for v in itertools.chain(graph.inputs.values(), graph.outputs.values()))
 
 
-class _Refused:
-    def __init__(self, error: Exception):
-        self.error = error
-
-
 class BucketRunner:
     """The bucket machinery of one session (see the module docstring); built by ``InferenceSession(buckets=...)``."""
 
-    def __init__(self, session, st, plain, buckets: Mapping, *, reference=None, output_axes=None, oversize: str = "uncaptured",
+    def __init__(self, host: BucketHost, buckets: Mapping, *, output_axes=None, oversize: str = "uncaptured",
                  verify: Any = True, max_graphs: int | None = None, replay_thread: bool = False,
                  pad_values: Mapping[str, Any] | None = None):
+        st = host.state
+        session = host.session
         if st.info is None and not st.deferred:
             raise CaptureError("buckets= needs a session whose providers request graph capture (CUDA "
                                "enable_cuda_graph=1, TensorRT trt_cuda_graph_enable=1, or WebGPU enableGraphCapture=1: "
                                "ortcapture.webgpu.session_options(capture=True))")
-        self._s = session
-        self._plain_run = plain  # the session's run without buckets: (names, feeds, run_options, ort_values)
-        #: ``() -> (feeds -> outputs) or None``: the verification's reference where the session's own uncaptured run
-        #: is not one (a capture-enabled WebGPU session runs int64 as 32-bit even uncaptured; issue 15)
-        self._reference_factory = reference
-        self._reference = None
+        #: the session, reached through this interface only (ortcapture._buckets.host)
+        self.host = host
+        self._s = session  # ORT's metadata of the session (get_inputs, get_outputs)
+        self._reference = None  # feeds -> outputs, made on first use (BucketHost.reference)
         metas = session.get_inputs()
         self.input_names = [m.name for m in metas]
         self.output_names = [o.name for o in session.get_outputs()]
@@ -115,10 +112,11 @@ class BucketRunner:
                 self._sites.setdefault(name, []).append((axis, d.label))
         self._host_read = host_read_inputs(session)
         self._rel: dict[str, dict] | None = None
-        self._entries: OrderedDict = OrderedDict()
         #: {signature: (sizes, pool key)} of numpy feeds served before (see _signature); at most 1024, then cleared
         self._known: dict[tuple, tuple] = {}
         self._lock = threading.RLock()
+        #: request key (_key) -> _Entry or Refused: the one key -> graph map (ortcapture._core.dispatch), under _lock
+        self._graphs = GraphDispatcher(max_graphs, full="evict", lock=self._lock)
         self._counts = {"replayed": 0, "uncaptured": 0, "captured": 0, "oversize": 0, "split": 0, "evicted": 0}
         self._rows = self._padded_rows = 0  # request rows and padded rows of every counted replay (padding_waste)
         self._exact = False
@@ -157,13 +155,10 @@ class BucketRunner:
             hit = self._known.get(sig)
             if hit is not None:
                 sizes, key = hit
-                entry = self._entries.get(key)
+                # least recently used order matters only under max_graphs (peek: one dict read, no lock)
+                entry = self._graphs.peek(key) if self.max_graphs is None else self._graphs.get(key)
                 names = self._names(output_names)
                 if type(entry) is _Entry and names is not None:
-                    if self.max_graphs is not None:
-                        with self._lock:
-                            if key in self._entries:
-                                self._entries.move_to_end(key)
                     outs = self._replay(entry, input_feed, sizes, names, count=count)
                     if outs is not None:
                         return outs if not ort_values else wrap_outputs(outs, ort_values)
@@ -244,7 +239,7 @@ class BucketRunner:
         if count:
             with self._lock:
                 self._counts["uncaptured"] += 1
-        return self._plain_run(output_names, input_feed, uncaptured(run_options), ort_values)
+        return self.host.run_uncaptured(output_names, input_feed, uncaptured(run_options), ort_values)
 
     # -- feeds ------------------------------------------------------------------------------------------------
     def _host_feeds(self, input_feed, ort_values: bool) -> dict | None:
@@ -330,32 +325,30 @@ class BucketRunner:
     def _entry(self, feeds: dict, sizes: dict, bucket: dict, key: tuple | None = None) -> _Entry | None:
         key = self._key(feeds, bucket) if key is None else key
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._graphs.get(key)
             if entry is not None:
-                self._entries.move_to_end(key)
-                if isinstance(entry, _Refused):
+                if isinstance(entry, Refused):
                     raise entry.error
                 return entry
             if self._rel is None:
                 try:
                     self._rel = self._decide_relations(feeds, bucket)
                 except CaptureError as exc:  # remembered for this key: the same request does not probe again
-                    self._entries[key] = _Refused(exc)
+                    self._graphs.refuse(key, exc)
                     raise
-            if self.max_graphs is not None and self._live() >= self.max_graphs:
-                # WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
-                # (sess.compact_threshold) rebuilds the C session
-                self._evict()
+            # at max_graphs: WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
+            # (sess.compact_threshold) rebuilds the C session
+            self._evict()
             label = ", ".join(f"{k}={v}" for k, v in bucket.items())
             t0 = time.perf_counter()
             padded = self._resized(feeds, bucket)
             try:
-                graph = self._s.capture(padded, verify=False)  # checked below, padded against unpadded
+                graph = self.host.capture(padded)  # checked below, padded against unpadded
             except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
                 if not (isinstance(exc, CaptureError) or _from_ort(exc)):
                     raise
                 err = self._padding_failed(exc, label) if _from_ort(exc) else exc
-                self._entries[key] = _Refused(err)
+                self._graphs.refuse(key, err)
                 if err is exc:
                     raise
                 raise err from exc
@@ -366,31 +359,27 @@ class BucketRunner:
             except BaseException as exc:  # an interrupt too: no graph is left behind, and only a refusal is kept
                 graph.release()
                 if isinstance(exc, CaptureError):
-                    self._entries[key] = _Refused(exc)
+                    self._graphs.refuse(key, exc)
                 raise
-            self._entries[key] = entry
+            self._graphs.add(key, entry)
             self._counts["captured"] += 1
             log.info("ortcapture: captured bucket %s (gpu_graph_id=%d) for thread %s in %.3f s", label,
                      graph.graph_id, threading.current_thread().name, time.perf_counter() - t0)
             return entry
 
-    def _live(self) -> int:
-        return sum(1 for e in self._entries.values() if isinstance(e, _Entry))
-
     def _evict(self) -> None:
-        for key, e in self._entries.items():
-            if isinstance(e, _Entry):
-                del self._entries[key]
-                with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
-                    e.evicted = True
-                    e.graph.release()
-                    # the session's totals outlive evicted graphs
-                    self._counts["replayed"] += e.replayed
-                    self._rows += e.rows
-                    self._padded_rows += e.padded_rows
-                self._counts["evicted"] += 1
-                log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
-                return
+        """Make room for one more graph under ``max_graphs``: release the least recently used (the caller holds
+        the lock)."""
+        for e in self._graphs.make_room():
+            with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
+                e.evicted = True
+                e.graph.release()
+                # the session's totals outlive evicted graphs
+                self._counts["replayed"] += e.replayed
+                self._rows += e.rows
+                self._padded_rows += e.padded_rows
+            self._counts["evicted"] += 1
+            log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
 
     def _decide_relations(self, feeds: dict, bucket: dict) -> dict[str, dict]:
         probes = {}
@@ -401,7 +390,7 @@ class BucketRunner:
 
         def run(sizes):
             try:
-                outs = self._plain_run(None, self._resized(feeds, sizes), uncaptured(None), False)
+                outs = self.host.run_uncaptured(None, self._resized(feeds, sizes), uncaptured(None), False)
             except Exception as exc:  # noqa: BLE001 - ORT's own types: the feeds were valid, resized they are not
                 if not _from_ort(exc):
                     raise
@@ -461,8 +450,8 @@ class BucketRunner:
             return self._replay(entry, fs, self._request_sizes(fs), self.output_names, count=False)
 
         if self._reference is None:
-            made = self._reference_factory() if self._reference_factory is not None else None
-            self._reference = made or (lambda fs: self._plain_run(None, fs, uncaptured(None), False))
+            to = self.host
+            self._reference = to.reference() or (lambda fs: to.run_uncaptured(None, fs, uncaptured(None), False))
         reference = self._reference
         checks = [(host, sizes)]
         worst = self._most_padded(entry.bucket, sizes)
@@ -646,25 +635,24 @@ class BucketRunner:
         """See ``InferenceSession.bucket_stats``."""
         with self._lock:
             per: dict[str, dict] = {}  # a bucket may hold several graphs: one per value of the non-bucketed dims
-            for e in self._entries.values():
-                if isinstance(e, _Entry):
-                    b = per.setdefault(e.label, {"replayed": 0, "device_bytes": 0, "rows": 0, "padded_rows": 0,
-                                                 "threads": 0, "gpu_graph_ids": []})
-                    b["replayed"] += e.replayed
-                    b["device_bytes"] += e.device_bytes
-                    b["rows"] += e.rows
-                    b["padded_rows"] += e.padded_rows
-                    b["threads"] = max(b["threads"], len(e.threads))
-                    b["gpu_graph_ids"].append(e.graph.graph_id)
+            for e in self._graphs.entries():
+                b = per.setdefault(e.label, {"replayed": 0, "device_bytes": 0, "rows": 0, "padded_rows": 0,
+                                             "threads": 0, "gpu_graph_ids": []})
+                b["replayed"] += e.replayed
+                b["device_bytes"] += e.device_bytes
+                b["rows"] += e.rows
+                b["padded_rows"] += e.padded_rows
+                b["threads"] = max(b["threads"], len(e.threads))
+                b["gpu_graph_ids"].append(e.graph.graph_id)
             for b in per.values():
                 rows, padded_rows = b.pop("rows"), b.pop("padded_rows")
                 b["padding_waste"] = padded_rows / max(rows + padded_rows, 1)
-            live = [e for e in self._entries.values() if isinstance(e, _Entry)]
+            live = self._graphs.entries()
             rows = self._rows + sum(e.rows for e in live)  # every replay, evicted graphs' too
             padded = self._padded_rows + sum(e.padded_rows for e in live)
             counts = {**self._counts, "replayed": self._counts["replayed"] + sum(e.replayed for e in live)}
             return {**counts, "padding_waste": padded / max(rows + padded, 1), "buckets": per,
-                    "refused": sum(1 for e in self._entries.values() if isinstance(e, _Refused))}
+                    "refused": self._graphs.refused()}
 
     def close(self) -> None:
         if self._worker is not None:

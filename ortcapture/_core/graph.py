@@ -294,14 +294,11 @@ class CapturedGraph:
                         if copy_outputs is False:  # the wrappers made before ORT's call, not after its GPU wait
                             gen = self._generation + 1  # its value once this returns
                             res = []
-                            for v, c, s in self._wrap_list:  # _wrap inlined: ReplayOutput's fields written here
+                            for v in self._output_list:  # ReplayOutput.__init__ inlined (its three fields)
                                 r = _new(ReplayOutput)
-                                r._ortvalue = c  # noqa: SLF001 - the same writes as ReplayOutput.__init__
-                                r._numpy_obj = None  # noqa: SLF001
-                                r._session = s  # noqa: SLF001
-                                r._fixed = v  # noqa: SLF001
-                                r._graph = self  # noqa: SLF001
-                                r._generation = gen  # noqa: SLF001
+                                r.fixed_buffer = v
+                                r.graph = self
+                                r.generation = gen
                                 res.append(r)
                         count = self._replay_count
                         if count is not None:  # ORT's call and the replay count, no frame of ours between
@@ -319,7 +316,7 @@ class CapturedGraph:
                     finally:
                         self._generation += 1
             except BaseException:
-                self._settle_queued()  # a feed copy queued ahead of a replay that failed: not left in flight
+                self.settle_queued()  # a feed copy queued ahead of a replay that failed: not left in flight
                 raise
             finally:
                 if lock_only:
@@ -365,7 +362,7 @@ class CapturedGraph:
         with self._cs.guard:
             if self._released:
                 self._raise_released()
-            return self._staging_now()
+            return self.staging_now()
 
     @property
     def host_staging(self) -> str:
@@ -377,8 +374,11 @@ class CapturedGraph:
             return st.kind
         return "pinned" if self._pin_ok else "pageable"
 
-    def _staging_now(self):
-        """The graph's :class:`ortcapture._staging.HostStaging`, made on first use. The caller holds the guard."""
+    def staging_now(self):
+        """The graph's :class:`ortcapture._transfer.staging.HostStaging`, made on first use (:attr:`host_inputs` for
+        users). The caller holds the session guard.
+
+        :meta private:"""
         st = self._staging
         if st is None:
             st = self._staging = _staging.HostStaging(self.inputs, self.outputs, pinned=self._pin_ok)
@@ -426,17 +426,15 @@ class CapturedGraph:
             raise TransferError(f"run_many's copy_outputs must be True or 'pinned', got {copy_outputs!r}")
         if FORKED_DEVICES:  # an os.fork() child: at the call, not at the first item (ortcapture._ort.sync.Origin)
             self._cs.origin.check("CapturedGraph.run_many()")
-        return self._many_iter(iter(requests), [self, *self._copies], copy_outputs)
+        return _many.many_iter(self, iter(requests), [self, *self._copies], copy_outputs)
 
-    # methods defined in ortcapture._core.many: run_many's steps, the wait for queued feed copies
+    # methods defined in ortcapture._core.many: a graph's own steps of run_many (the stream calls each graph of it
+    # through them), the wait for queued feed copies
     _refuse_inside_many = _many.refuse_inside_many
-    _ensure_thread = _many.ensure_thread
-    _many_iter = _many.many_iter
-    _settle_queued = _many.settle_queued
-    _pipeline = _many.pipeline
-    _pipeline_steps = _many.pipeline_steps
-    # a request's rows in the fixed buffers (buckets), through this graph's staging: ortcapture._core.rows
-    feed_rows, read_rows = _rows.feed_rows, _rows.read_rows
+    ensure_thread = _many.ensure_thread
+    many_begin, many_feed, many_replay, many_end = _many.many_begin, _many.many_feed, _many.many_replay, _many.many_end
+    settle_queued = _many.settle_queued
+    feed_rows, read_rows = _rows.feed_rows, _rows.read_rows  # a request's rows (buckets): ortcapture._core.rows
 
     def _capture_for_thread(self) -> None:
         """Capture this graph's id in the calling thread (outside the guard; the capture guard instead). The thread's
@@ -635,13 +633,11 @@ class CapturedGraph:
         #: copy_outputs=True reads each output with ORT's own copy (no page-locked staging to read through)
         self._numpy_out = not self._stage_auto and (st is None or not st.pinned)
         ref = weakref.ref(self)
-        factory = (lambda: ref()._staging_now()) if self._stage_auto else None  # noqa: SLF001 - no graph <-> targets cycle
+        factory = (lambda: ref().staging_now()) if self._stage_auto else None  # weak: no graph <-> targets cycle
         # the session's CUDA compute stream where it is known (ortcapture's own): remembered device-to-device feeds
         # are then queued on it ahead of the replay instead of waiting for each copy
         stream = cs.compute_stream() if gate and where == "cuda" and cs.compute_stream is not None else None
         self._targets = ttargets.FeedTargets(self.inputs, gate, st, factory, stream)
-        # ReplayOutput's fields known ahead: (buffer, its C OrtValue, its session)
-        self._wrap_list = [(v, compat.c_value(v), getattr(v, "_session", None)) for v in self._output_list]
         self._replay = cs.replayer(self._binding, self._run_options, self._record) if self._record is not None \
             else None
         #: the replay with nothing to add to ORT's call but the count (no host-read inputs to check, no queue
@@ -661,7 +657,6 @@ class CapturedGraph:
     def _drop_buffers(self) -> None:
         self._binding = None
         self._targets = None
-        self._wrap_list = []
         self._replay = None
         self._replay_run = self._replay_count = None
         staging = getattr(self, "_staging", None)  # None too when a failed capture() drops what it made so far

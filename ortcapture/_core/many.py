@@ -1,7 +1,9 @@
 """``CapturedGraph.run_many``'s steps: a stream of requests overlapped with the replays (page-locked staging).
 
-Moved out of :mod:`ortcapture.graph` unchanged. The functions taking ``self`` are methods of
-:class:`ortcapture._core.graph.CapturedGraph` (assigned in its class body); the others are their helpers.
+The functions taking ``self`` are methods of :class:`ortcapture._core.graph.CapturedGraph` (assigned in its class
+body) or functions of one graph that ``run_many`` calls; the stream calls each graph of it (the graph and its
+buffer-set copies) only through the graph's public-named steps (``ensure_thread``, ``many_begin``, ``many_feed``,
+``many_replay``, ``many_end``, ``settle_queued``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def refuse_inside_many(self) -> None:
 
 
 def ensure_thread(self) -> None:
-    """Give the calling thread its CUDA graph of this id (as :meth:`run` does before its first replay)."""
+    """Give the calling thread its CUDA graph of this id now, as :meth:`run` does before its first replay there (once
+    per thread; a no-op off CUDA). Raises :class:`GraphReleasedError` after ``release()``."""
     cs = self._cs
     while True:
         with cs.guard:
@@ -40,6 +43,76 @@ def ensure_thread(self) -> None:
         self._capture_for_thread()
 
 
+# -- a graph's own steps of a run_many over it and its buffer-set copies: methods of CapturedGraph (:meta private:
+# for users), called by the functions below on each graph of the stream (the caller holds the session guard)
+
+def many_begin(self, ident: int):
+    """run_many's step: take this graph for the iterating thread ``ident``; its host staging, or ``None`` when the
+    thread has no CUDA graph of the id yet (:meth:`ensure_thread` outside the guard, then again). Raises
+    :class:`GraphReleasedError` after ``release()``, :class:`CaptureError` when a run_many holds it already.
+
+    :meta private:"""
+    if self._released:
+        self._raise_released()
+    if self._many is not None:
+        raise CaptureError("run_many() of a graph that a run_many() iterates already")
+    if self._captured and not self._cs.thread_has(self.graph_id):
+        return None
+    self._many = ident
+    return self.staging_now()
+
+
+def many_end(self) -> None:
+    """run_many's step: let go of this graph (:meth:`many_begin`).
+
+    :meta private:"""
+    self._many = None
+
+
+def many_feed(self, staging, upload, rest: dict) -> None:
+    """run_many's step, before a replay: raise :class:`GraphReleasedError` after ``release()``; send ``upload``
+    (names of page-locked inputs the helper filled, or ``None``) and wait for ``staging``'s uploads; copy ``rest``
+    (checked) into the fixed inputs.
+
+    :meta private:"""
+    if self._released:
+        self._raise_released()
+    if upload is not None:
+        staging.upload_async({name: staging.host_inputs[name] for name in upload})
+    staging.wait()
+    if rest:
+        ttargets.copy_feeds(self._targets, rest)
+
+
+def many_replay(self, job, staging, names):
+    """run_many's step: replay (declared state carried), then wait for the helper's ``job`` (its result is returned)
+    and read the outputs into ``staging``'s page-locked buffers, the outputs marked as being rewritten throughout.
+
+    :meta private:"""
+    self._generation += 1
+    try:
+        self._replay()
+        if self._state:
+            tcopy.copy(self._state_src, self._state_dst)
+        done = job.result() if job is not None else None  # before the readback: one buffer set reuses the buffers
+        staging.read(dict.fromkeys(names))
+    finally:
+        self._generation += 1
+    return done
+
+
+def settle_queued(self) -> None:
+    """After a failed or interrupted replay: wait for the feed copies queued on the session's compute stream
+    (``FeedTargets.stream``), so none stays in flight while its source is reused; never raises.
+
+    :meta private:"""
+    targets = getattr(self, "_targets", None)
+    stream = getattr(targets, "stream", None)
+    if stream is not None:
+        compute_stream.settle(stream[0])
+
+
+# -- run_many over a graph and its copies: the stream (functions of the graph that run_many calls)
 
 def many_iter(self, it, graphs, mode):
     n = len(graphs)
@@ -55,60 +128,53 @@ def many_iter(self, it, graphs, mode):
     cs = self._cs
     probe = cs.capture_probe
     me = threading.get_ident()
+    taken: list = []
+    stagings: list = []
+    ex = None
     while True:  # every graph captured for this thread, checked again under the guard
         for g in graphs:
-            g._ensure_thread()  # noqa: SLF001
+            g.ensure_thread()
         cs.guard.__enter__()
-        if all(not g._captured or cs.thread_has(g.graph_id) for g in graphs if not g._released):  # noqa: SLF001
+        try:
+            for g in graphs:
+                st = g.many_begin(me)
+                if st is None:
+                    break
+                taken.append(g)
+                stagings.append(st)
+        except BaseException:
+            for g in taken:
+                g.many_end()
+            cs.guard.__exit__(None, None, None)
+            raise
+        if len(taken) == n:
             break
+        for g in taken:
+            g.many_end()
+        taken, stagings = [], []
         cs.guard.__exit__(None, None, None)
-    ex = None
-    stagings: list = []
-    owned = False
     try:
-        for g in graphs:
-            if g._released:  # noqa: SLF001
-                g._raise_released()  # noqa: SLF001
-            if g._many is not None:  # noqa: SLF001
-                raise CaptureError("run_many() of a graph that a run_many() iterates already")
-        stagings = [g._staging_now() for g in graphs]  # noqa: SLF001
-        for g in graphs:
-            g._many = me  # noqa: SLF001
-        owned = True
         ex = ThreadPoolExecutor(1, thread_name_prefix="ortcapture-run-many")
-        yield from self._pipeline(it, graphs, stagings, mode, ex, probe)
+        yield from pipeline(self, it, graphs, stagings, mode, ex, probe)
     finally:
         if ex is not None:
             ex.shutdown(wait=True)  # the helper's copies queued, then waited for: none in flight after the guard
             for st in stagings:
                 st.wait()
-        if owned:
-            for g in graphs:
-                g._many = None  # noqa: SLF001
+        for g in taken:
+            g.many_end()
         cs.guard.__exit__(None, None, None)
 
 
-
-def settle_queued(self) -> None:
-    """After a failed or interrupted replay: wait for the feed copies queued on the session's compute stream
-    (``FeedTargets.stream``), so none stays in flight while its source is reused; never raises."""
-    targets = getattr(self, "_targets", None)
-    stream = getattr(targets, "stream", None)
-    if stream is not None:
-        compute_stream.settle(stream[0])
-
-
-
 def pipeline(self, it, graphs, stagings, mode, ex, probe):
-    """run_many's steps (:meth:`_pipeline_steps`); where they fail, the feed copies queued on each graph's
+    """run_many's steps (:func:`pipeline_steps`); where they fail, the feed copies queued on each graph's
     compute stream are waited for before the error propagates."""
     try:
-        yield from self._pipeline_steps(it, graphs, stagings, mode, ex, probe)
+        yield from pipeline_steps(self, it, graphs, stagings, mode, ex, probe)
     except BaseException:
         for g in graphs:
-            g._settle_queued()  # noqa: SLF001 - run_many's own graphs
+            g.settle_queued()
         raise
-
 
 
 def pipeline_steps(self, it, graphs, stagings, mode, ex, probe):
@@ -117,13 +183,14 @@ def pipeline_steps(self, it, graphs, stagings, mode, ex, probe):
     outputs copied out); replay k; read k's outputs back; yield k-1's (``"pinned"``: k's)."""
     n = len(graphs)
     names = self._output_names
+    cs = self._cs  # the copies are captured on the same session (capture(..., copies=N))
     end = object()
     feeds = next(it, end)
     if feeds is end:
         return
     host, rest = _split_request(graphs[0], stagings[0], feeds, n)
     if probe is not None and probe():  # before the first copy, as every step checks before its replay
-        self._cs.check_foreign_capture()
+        cs.check_foreign_capture()
     stagings[0].upload_async(host)
     pending = None  # request k-1's buffer set index, outputs not yet copied out (copy_outputs=True)
     k = 0
@@ -131,14 +198,9 @@ def pipeline_steps(self, it, graphs, stagings, mode, ex, probe):
         i = k % n
         g, st = graphs[i], stagings[i]
         if probe is not None and probe():
-            g._cs.check_foreign_capture()  # noqa: SLF001
-        if g._released:  # noqa: SLF001
-            g._raise_released()  # noqa: SLF001
-        if n == 1 and k:  # the helper filled the page-locked buffers during the last replay: send them now
-            st.upload_async({name: st.host_inputs[name] for name in host})
-        st.wait()
-        if rest:
-            ttargets.copy_feeds(g._targets, rest)  # noqa: SLF001
+            cs.check_foreign_capture()
+        # n == 1: the helper filled the page-locked buffers during the last replay: send them now
+        g.many_feed(st, host if n == 1 and k else None, rest)
         nxt = next(it, end)
         error = None
         job = None
@@ -153,15 +215,7 @@ def pipeline_steps(self, it, graphs, stagings, mode, ex, probe):
                             stagings[pending] if pending is not None else None, names)
         elif pending is not None:
             job = ex.submit(_stage_job, None, {}, False, stagings[pending], names)
-        g._generation += 1  # noqa: SLF001
-        try:
-            g._replay()  # noqa: SLF001
-            if g._state:  # noqa: SLF001
-                tcopy.copy(g._state_src, g._state_dst)  # noqa: SLF001
-            done = job.result() if job is not None else None  # before k's readback: n == 1 reuses the buffers
-            st.read(dict.fromkeys(names))
-        finally:
-            g._generation += 1  # noqa: SLF001
+        done = g.many_replay(job, st, names)
         if done is not None:
             yield done
         if mode == "pinned":
@@ -179,7 +233,6 @@ def pipeline_steps(self, it, graphs, stagings, mode, ex, probe):
             return
         feeds = nxt
         k += 1
-
 
 
 def _check_complete(graph, feeds) -> None:
@@ -200,8 +253,9 @@ def _split_request(graph, staging, feeds, n: int) -> tuple[dict, dict]:
         raise TransferError(f"each request must be a mapping {{input name: value}}, got {type(feeds).__name__}")
     if n > 1:
         _check_complete(graph, feeds)
-    if graph._frozen:  # noqa: SLF001 - the graph module's own helper
-        check_frozen(graph._frozen, feeds)  # noqa: SLF001
+    frozen = graph.frozen_inputs
+    if frozen:
+        check_frozen(frozen, feeds)
     host, rest = {}, {}
     for name, v in feeds.items():
         dst = graph.inputs.get(name)

@@ -25,29 +25,36 @@ class ReplayOutput(OrtValue):
     It *is* the graph's fixed device buffer (no copy), so the next replay overwrites it. Reading it through
     ``numpy()``/``np.asarray``/DLPack after that raises :class:`StaleOutputError`; ``is_stale`` tells. Copy what
     you need to keep (``ortcapture.to_numpy``) before the next ``run``.
+
+    Its three fields are set when it is made (by the graph's replay, without a call) and never change: assign none.
     """
 
+    __slots__ = {
+        "fixed_buffer": "The graph's fixed output buffer (an OrtValue of ``CapturedGraph.outputs``) this output is.",
+        "graph": "The :class:`~ortcapture.graph.CapturedGraph` whose replay returned it.",
+        "generation": "The graph's :attr:`~ortcapture.graph.CapturedGraph.generation` when it was returned.",
+    }
+    # ORT's own OrtValue fields, read through to the fixed buffer's (OrtValue.__init__ never runs on this class)
+    _ortvalue, _session, _numpy_obj = compat.view_fields("fixed_buffer")
+
     def __init__(self, value: OrtValue, graph: "CapturedGraph", generation: int):
-        # plain attribute writes instead of OrtValue.__init__: this is on the replay hot path
-        self._ortvalue = compat.c_value(value)
-        self._numpy_obj = None
-        self._session = getattr(value, "_session", None)  # ORT >= 1.30: the WebGPU allocator's session
-        self._fixed = value  # the registered buffer: its metadata (device kind before ORT 1.30) is known
-        self._graph = graph
-        self._generation = generation
+        # the replay hot path (CapturedGraph.run) writes these three fields itself, without this call
+        self.fixed_buffer = value  # the registered buffer: its metadata (device kind before ORT 1.30) is known
+        self.graph = graph
+        self.generation = generation
 
     @property
     def is_stale(self) -> bool:
         """Whether a later replay (or a re-capture: a new thread's capture, ``sess.compact()``) has rewritten
         the buffer since this output was returned; reading a stale output raises :class:`StaleOutputError`."""
-        return self._graph.generation != self._generation
+        return self.graph.generation != self.generation
 
     def _check(self) -> None:
         if self.is_stale:
             raise StaleOutputError(
-                f"this output of gpu_graph_id={self._graph.graph_id} was overwritten by a later replay or "
-                f"re-capture (a new thread's capture, or sess.compact()) (generation {self._generation}, now "
-                f"{self._graph.generation}); copy outputs before the next run"
+                f"this output of gpu_graph_id={self.graph.graph_id} was overwritten by a later replay or "
+                f"re-capture (a new thread's capture, or sess.compact()) (generation {self.generation}, now "
+                f"{self.graph.generation}); copy outputs before the next run"
             )
 
     def numpy(self) -> np.ndarray:
@@ -60,7 +67,7 @@ class ReplayOutput(OrtValue):
             StaleOutputError: a later replay or re-capture rewrote the buffer before or during the copy.
         """
         self._check()
-        arr = tcopy.to_numpy(self._fixed)
+        arr = tcopy.to_numpy(self.fixed_buffer)
         self._check()  # a replay from another thread began meanwhile: the copy may mix two replays
         return arr
 
@@ -136,7 +143,7 @@ def check_outputs_arg(self, copy_outputs, out):
 
 def host_outputs(self, mode, out) -> list:
     """The outputs on the host through the graph's staging (the caller holds the guard, after the replay)."""
-    st = self._staging_now()
+    st = self.staging_now()
     names = self._output_names
     if mode is True and not out:  # new arrays: each read straight into a recycled page-locked block
         return st.read_new(names)

@@ -71,7 +71,7 @@ def feed_rows(self, feeds: Mapping[str, Any], axes: Mapping[str, tuple[int, ...]
                 continue
             p = pad.get(name, 0)
             if isinstance(v, np.ndarray):
-                self._staging_now().upload_rows(name, v, ax, p, _repeated_byte(p, v.dtype), last.get(name))
+                self.staging_now().upload_rows(name, v, ax, p, _repeated_byte(p, v.dtype), last.get(name))
             else:
                 _device_rows(self.inputs[name], name, v, ax, p, last.get(name))
 
@@ -88,7 +88,7 @@ def read_rows(self, names: Sequence[str], lengths: Mapping[str, Mapping[int, int
     with self._cs.guard:
         if self._released:
             self._raise_released()
-        staging = self._staging_now() if self._pin_ok else self._staging
+        staging = self.staging_now() if self._pin_ok else self._staging
         whole = []
         for i, name in enumerate(names):
             rows = lengths.get(name)

@@ -9,7 +9,8 @@
   ortcapture's own session, for libraries that build sessions themselves) must not make ortcapture call itself
   (measured before: ``RecursionError`` on the first capture).
 * The private attributes of ORT's Python objects (the C session, C OrtValue, C IOBinding) are read only here
-  (:func:`c_session`, :func:`c_value`, :func:`c_binding`, :func:`c_device`).
+  (:func:`c_session`, :func:`c_value`, :func:`c_binding`, :func:`c_device`, :func:`view_fields`), and torch's
+  (:func:`torch_capture_query`: its CUDA-initialised flag and C capture query, one frame per replay).
 """
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ def binding_c_session(binding):
 def c_value(value: OrtValue):
     """The C ``OrtValue`` behind a Python OrtValue (ORT's ``_ortvalue``)."""
     return value._ortvalue
+
+
+def view_fields(attr: str) -> tuple:
+    """ORT's own fields of an ``OrtValue`` (``_ortvalue``, ``_session``, ``_numpy_obj``) for a subclass whose instances
+    skip ``OrtValue.__init__`` and view another OrtValue held in their attribute ``attr`` (ortcapture's
+    ``ReplayOutput``): ``(_ortvalue, _session, _numpy_obj)`` class attributes — the first two read through to that
+    value's by C-level getters (no Python frame), the third ``None`` (such an instance keeps no numpy array alive)."""
+    from operator import attrgetter
+
+    return property(attrgetter(f"{attr}._ortvalue")), property(attrgetter(f"{attr}._session")), None
 
 
 def c_binding(binding: OrtIOBinding):
@@ -282,3 +293,38 @@ def rebuild_c_session(session: OrtInferenceSession, providers, provider_options,
     except Exception as exc:  # noqa: BLE001 - ORT raises its own types (e.g. NoSuchFile: the model file is gone)
         raise RebuildFailed(exc, bool(pinned)) from exc
 
+
+# -- torch (optional): its capture query for cudart.make_capture_probe ------------------------------------------
+def torch_capture_query(torch):
+    """``torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()`` as one frame: torch's own C
+    query where this torch has it (its two Python wrappers cost ~0.9 µs per replay on the H200 host), the public
+    API elsewhere; a capture error raised by torch's query counts as capturing (:func:`_torch_capture_error`).
+    Moved here from ``cudart``: torch's own internals, like ORT's, are read in this module only."""
+    cuda = torch.cuda
+    c_query = getattr(getattr(torch, "_C", None), "_cuda_isCurrentStreamCapturing", None)
+    if c_query is None or not isinstance(getattr(cuda, "_initialized", None), bool):
+        def public() -> bool:
+            try:
+                return bool(cuda.is_initialized() and cuda.is_current_stream_capturing())
+            except RuntimeError as exc:
+                return _torch_capture_error(exc)
+        return public
+
+    def fast() -> bool:
+        if not cuda._initialized:  # what is_initialized() reads (False in a forked child too)
+            return False
+        try:
+            return bool(c_query())
+        except RuntimeError as exc:
+            return _torch_capture_error(exc)
+
+    return fast
+
+
+def _torch_capture_error(exc: RuntimeError) -> bool:
+    """True for torch's error of a capture in progress (``torch.AcceleratorError`` of cudaErrorStreamCapture*:
+    "... depend on a capturing blocking stream", "operation not permitted when stream is capturing", "... during
+    capture"); any other error (e.g. a sticky illegal memory access) is raised again, as torch's own."""
+    if "captur" in str(exc).lower():
+        return True
+    raise exc

@@ -227,44 +227,10 @@ def make_capture_probe():
             torch = modules.get("torch")
             if torch is None or getattr(torch, "cuda", None) is None:  # (or torch half imported: not yet bound)
                 return False
-            torch_query = _torch_capture_query(torch)
+            torch_query = compat.torch_capture_query(torch)
         return torch_query()
 
     return probe
-
-
-def _torch_capture_query(torch):
-    """``torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()`` as one frame: torch's own C
-    query where this torch has it (its two Python wrappers cost ~0.9 µs per replay on the H200 host), the public
-    API elsewhere; a capture error raised by torch's query counts as capturing (:func:`_torch_capture_error`)."""
-    cuda = torch.cuda
-    c_query = getattr(getattr(torch, "_C", None), "_cuda_isCurrentStreamCapturing", None)
-    if c_query is None or not isinstance(getattr(cuda, "_initialized", None), bool):
-        def public() -> bool:
-            try:
-                return bool(cuda.is_initialized() and cuda.is_current_stream_capturing())
-            except RuntimeError as exc:
-                return _torch_capture_error(exc)
-        return public
-
-    def fast() -> bool:
-        if not cuda._initialized:  # noqa: SLF001 - what is_initialized() reads (False in a forked child too)
-            return False
-        try:
-            return bool(c_query())
-        except RuntimeError as exc:
-            return _torch_capture_error(exc)
-
-    return fast
-
-
-def _torch_capture_error(exc: RuntimeError) -> bool:
-    """True for torch's error of a capture in progress (``torch.AcceleratorError`` of cudaErrorStreamCapture*:
-    "... depend on a capturing blocking stream", "operation not permitted when stream is capturing", "... during
-    capture"); any other error (e.g. a sticky illegal memory access) is raised again, as torch's own."""
-    if "captur" in str(exc).lower():
-        return True
-    raise exc
 
 
 # cudaErrorStreamCapture* (900-908): a capture in progress made the legacy stream query illegal

@@ -70,7 +70,7 @@ def meta(value: OrtValue) -> ValueMeta:
         return m
     if not isinstance(value, OrtValue):
         raise TransferError(f"expected an onnxruntime.OrtValue, got {type(value).__name__}")
-    fixed = getattr(value, "_fixed", None)  # a ReplayOutput: a view of a registered buffer
+    fixed = getattr(value, "fixed_buffer", None)  # a ReplayOutput: a view of a registered buffer
     if fixed is not None:
         return meta(fixed)
     if not value.is_tensor():

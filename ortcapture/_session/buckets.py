@@ -5,11 +5,44 @@ Moved out of :mod:`ortcapture.session` unchanged. The functions are methods of
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
+from ortcapture._buckets.host import BucketHost
+from ortcapture._buckets.run import BucketRunner
 from ortcapture._core.reference import reference_runner
 from ortcapture._ort.sync import FORKED_DEVICES
 from ortcapture.errors import CaptureError
+
+
+class SessionBucketHost(BucketHost):
+    """:class:`ortcapture._buckets.host.BucketHost` for an :class:`~ortcapture.InferenceSession`: the one way its bucket
+    runner reaches it (the session's plain run without buckets, its ``capture``, its bucket reference)."""
+
+    def __init__(self, session, state, plain: Callable, reference: Callable):
+        self.session = session
+        self.state = state
+        self._plain = plain  # InferenceSession._oc_plain_run
+        self._reference = reference  # InferenceSession._oc_bucket_reference
+
+    def run_uncaptured(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any], run_options,
+                       ort_values: bool) -> list:
+        """See :meth:`BucketHost.run_uncaptured`."""
+        return self._plain(output_names, feeds, run_options, ort_values)
+
+    def capture(self, feeds: Mapping[str, Any]):
+        """See :meth:`BucketHost.capture`."""
+        return self.session.capture(feeds, verify=False)
+
+    def reference(self):
+        """See :meth:`BucketHost.reference`."""
+        return self._reference()
+
+
+def oc_new_buckets(self, buckets) -> BucketRunner:
+    """A :class:`BucketRunner` for this session's ``buckets=`` (at construction, and again after ``set_providers``
+    replaced the C session); it reaches the session through a :class:`SessionBucketHost` only."""
+    host = SessionBucketHost(self, self._oc_state, self._oc_plain_run, self._oc_bucket_reference)
+    return BucketRunner(host, buckets, **self._oc_bucket_args)
 
 
 def oc_bucket_reference(self):

@@ -13,6 +13,7 @@ import numpy as np
 
 from ortcapture._buckets.feeds import from_list, requested_outputs
 from ortcapture._buckets.feeds import specs as input_specs
+from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import replay_cannot_honour
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture._core.run import explicit_graph_id as _explicit_graph_id
@@ -51,8 +52,8 @@ class AutoCaptureSession(InferenceSession):
                           f"capture on failed ({type(exc).__name__}: {str(exc)[:300]})", RuntimeWarning,
                           stacklevel=2)
             super().__init__(path_or_bytes, *caller, **kwargs)
-        self._oc_graphs_by_key: dict[tuple, Any] = {}  # feed key -> CapturedGraph, or None (run uncaptured)
-        self._oc_auto_lock = threading.Lock()
+        #: feed key -> CapturedGraph, or Refused (run uncaptured): the one key -> graph map (ortcapture._core.dispatch)
+        self._oc_graphs = GraphDispatcher(self._oc_defaults["max_graphs"], full="refuse")
         self._oc_warned: set[str] = set()
         self.stats = {"replayed": 0, "captured": 0, "uncaptured": 0}
         self._oc_host_inputs = host_read_inputs(self)
@@ -156,10 +157,12 @@ class AutoCaptureSession(InferenceSession):
             return None
         key = tuple((n, feeds[n].shape, feeds[n].dtype.str,
                      feeds[n].tobytes() if n in self._oc_host_inputs else None) for n in names)
-        with self._oc_auto_lock:
-            if key in self._oc_graphs_by_key:
-                return self._oc_graphs_by_key[key]
-            if len(self._oc_graphs_by_key) >= self._oc_defaults["max_graphs"]:
+        graphs = self._oc_graphs
+        with graphs.lock:
+            known = graphs.get(key)
+            if known is not None:
+                return None if isinstance(known, Refused) else known
+            if not graphs.admits():
                 self._oc_warn("max_graphs", f"more than max_graphs={self._oc_defaults['max_graphs']} distinct input "
                                             "shapes: the others run uncaptured")
                 return None
@@ -170,10 +173,11 @@ class AutoCaptureSession(InferenceSession):
             except Exception as exc:  # noqa: BLE001 - whatever refused the capture: run uncaptured instead
                 if graph is not None:
                     graph.release()
-                    graph = None
                 self._oc_warn(f"capture:{type(exc).__name__}", f"inputs of shapes "
                               f"{ {n: s for n, s, _, _ in key} } run uncaptured: {exc}")
-            self._oc_graphs_by_key[key] = graph
+                graphs.refuse(key, exc)
+                return None
+            graphs.add(key, graph)
             return graph
 
     def _oc_warn(self, kind: str, message: str) -> None:

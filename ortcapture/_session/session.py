@@ -26,7 +26,6 @@ from ortcapture._ort.compute_stream import SessionStreams
 from ortcapture._verify import inspect as _inspect
 from ortcapture._ort import specialize as shapes
 from ortcapture._core.binding import IOBinding
-from ortcapture._buckets.run import BucketRunner
 from ortcapture._ort.compat import OrtInferenceSession
 from ortcapture._ort.model import ModelSource, external_folder
 from ortcapture._session import buckets as _buckets_api
@@ -171,8 +170,7 @@ class InferenceSession(OrtInferenceSession):
                                     max_graphs=max_graphs, replay_thread=replay_thread, pad_values=pad_values)
         self._oc_buckets = None
         if buckets is not None:
-            self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, buckets,
-                                            reference=self._oc_bucket_reference, **self._oc_bucket_args)
+            self._oc_buckets = self._oc_new_buckets(buckets)
         elif (output_axes is not None or oversize != "uncaptured" or max_graphs is not None or replay_thread
               or pad_values is not None):
             raise CaptureError("output_axes=, oversize=, max_graphs=, replay_thread= and pad_values= go with buckets=")
@@ -622,8 +620,7 @@ class InferenceSession(OrtInferenceSession):
                 if self._oc_buckets is not None:  # the graphs went with the old C session
                     self._oc_buckets.close()
                     self._oc_buckets = None
-                    self._oc_buckets = BucketRunner(self, self._oc_state, self._oc_plain_run, self._oc_buckets_spec,
-                                                    reference=self._oc_bucket_reference, **self._oc_bucket_args)
+                    self._oc_buckets = self._oc_new_buckets(self._oc_buckets_spec)
             except Exception:
                 # the C session was already replaced: describe what it really is (no capture), then report
                 self._oc_setup(None, False, st.static_shapes)
@@ -632,6 +629,7 @@ class InferenceSession(OrtInferenceSession):
 
     # -- buckets: methods defined in ortcapture._session.buckets --------------------------------------------------
     _oc_bucket_reference = _buckets_api.oc_bucket_reference
+    _oc_new_buckets = _buckets_api.oc_new_buckets
     warmup = _buckets_api.warmup
     bucket_stats = _buckets_api.bucket_stats
     bucket_dims = _buckets_api.bucket_dims
