@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from ortcapture._ort.values import ONNX_TO_NP, STORAGE, ValueMeta, meta
 from ortcapture._transfer.check import (
-    CPU, GPU, INT32_RANGE, NONE_VENDOR, can_copy, check_values, np_dtype_of, source_spec, value_rules,
+    CPU, GPU, INT32_RANGE, NONE_VENDOR, InputSpec, can_copy, check_feeds, check_values, input_specs, np_dtype_of,
+    source_spec, value_rules,
 )
 from ortcapture._transfer.copy import (
     check_int64_inputs, check_source, commit, copy, prepare, restore, to_numpy, update_inplace,
 )
 from ortcapture._transfer.targets import FeedTargets, copy_feeds
 
-__all__ = ["CPU", "GPU", "INT32_RANGE", "NONE_VENDOR", "ONNX_TO_NP", "STORAGE", "FeedTargets", "ValueMeta", "can_copy",
-           "check_int64_inputs", "check_source", "check_values", "commit", "copy", "copy_feeds", "meta",
+__all__ = ["CPU", "GPU", "INT32_RANGE", "NONE_VENDOR", "ONNX_TO_NP", "STORAGE", "FeedTargets", "InputSpec", "ValueMeta",
+           "can_copy", "check_feeds", "check_int64_inputs", "check_source", "check_values", "input_specs", "commit", "copy", "copy_feeds", "meta",
            "np_dtype_of", "prepare", "restore", "source_spec", "to_numpy", "update_inplace", "value_rules"]

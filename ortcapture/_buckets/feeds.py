@@ -12,37 +12,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ortcapture._ort.values import ONNX_TO_NP
-
-
-class InputSpec:
-    """One model input: ``name``, ``dtype`` (numpy, ``None`` for types numpy cannot name) and ``dims`` (int when
-    fixed, else ``None``)."""
-
-    __slots__ = ("name", "dtype", "dims")
-
-    def __init__(self, name: str, onnx_type: str, shape: Sequence[Any]):
-        self.name = name
-        self.dtype = ONNX_TO_NP.get(onnx_type)
-        self.dims = tuple(d if isinstance(d, int) else None for d in shape)
-
-    def problem(self, shape: Sequence[int], dtype: Any) -> str | None:
-        """Why a value of ``shape`` and ``dtype`` (numpy dtype, or a framework's dtype name) is not a feed ORT takes
-        for this input; ``None`` when it is."""
-        if (self.dtype is not None and not (isinstance(dtype, np.dtype) and dtype == self.dtype)
-                and str(dtype).replace("torch.", "") != str(self.dtype)):
-            return f"input {self.name!r} is {self.dtype} in the model, the feed is {dtype}"
-        if len(shape) != len(self.dims):
-            return f"input {self.name!r} has rank {len(self.dims)} in the model, the feed has shape {tuple(shape)}"
-        for ax, (want, got) in enumerate(zip(self.dims, shape)):
-            if want is not None and int(got) != want:
-                return f"input {self.name!r} axis {ax} is fixed at {want} in the model, the feed has {int(got)}"
-        return None
+from ortcapture._transfer.check import InputSpec, input_specs
 
 
 def specs(session) -> dict[str, InputSpec]:
-    """``{input name: InputSpec}`` of a session's inputs."""
-    return {m.name: InputSpec(m.name, m.type, m.shape) for m in session.get_inputs()}
+    """``{input name: InputSpec}`` of a session's inputs (:func:`ortcapture._transfer.check.input_specs`)."""
+    return input_specs(session.get_inputs())
 
 
 def from_list(spec: InputSpec, value: list) -> np.ndarray | None:

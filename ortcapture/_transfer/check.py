@@ -4,14 +4,14 @@ Moved out of :mod:`ortcapture.transfer` unchanged; the public module re-exports 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ortcapture._ort import compat
 from ortcapture._ort.compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
 from ortcapture._ort.sync import FORKED_DEVICES, check_device
-from ortcapture._ort.values import ValueMeta, meta
+from ortcapture._ort.values import ONNX_TO_NP, ValueMeta, meta
 from ortcapture.errors import TransferError
 
 
@@ -269,3 +269,68 @@ def check_values(rules: Mapping[np.dtype, Any], feeds: Mapping[str, Any]) -> Non
             except TransferError as exc:
                 _name_it(exc, name)
                 raise
+
+
+class InputSpec:
+    """One model input as ORT's plain ``run`` takes it: ``name``, ``dtype`` (numpy; ``None`` for element types numpy
+    cannot name: strings, sequences, maps) and ``dims`` (an int where the model fixes the dim, else ``None``). Built
+    from a session's ``get_inputs()`` or from the model file alone (``onnx``): no device, no session — the check a
+    serving tier applies to each request before it joins a batch is this one (:func:`check_feeds`)."""
+
+    __slots__ = ("name", "dtype", "dims")
+
+    def __init__(self, name: str, onnx_type: str, shape: Sequence[Any]):
+        self.name = name
+        self.dtype = ONNX_TO_NP.get(onnx_type)
+        self.dims = tuple(d if isinstance(d, int) and d >= 0 else None for d in shape)
+
+    def problem(self, shape: Sequence[int], dtype: Any) -> str | None:
+        """Why a value of ``shape`` and ``dtype`` (numpy dtype, or a framework's dtype name) is not a feed ORT takes
+        for this input (another element type — no casts —, rank or fixed dim); ``None`` when it is."""
+        if (self.dtype is not None and not (isinstance(dtype, np.dtype) and dtype == self.dtype)
+                and str(dtype).replace("torch.", "") != str(self.dtype)):
+            return f"input {self.name!r} is {self.dtype} in the model, the feed is {dtype}"
+        if len(shape) != len(self.dims):
+            return f"input {self.name!r} has rank {len(self.dims)} in the model, the feed has shape {tuple(shape)}"
+        for ax, (want, got) in enumerate(zip(self.dims, shape)):
+            if want is not None and int(got) != want:
+                return f"input {self.name!r} axis {ax} is fixed at {want} in the model, the feed has {int(got)}"
+        return None
+
+
+def input_specs(inputs) -> dict[str, InputSpec]:
+    """``{input name: InputSpec}`` of ``inputs``: a session's ``get_inputs()`` (``name``, ``type``, ``shape``) or
+    ``(name, onnx type string, shape)`` triples."""
+    out = {}
+    for m in inputs:
+        name, onnx_type, shape = (m.name, m.type, m.shape) if hasattr(m, "name") else m
+        out[name] = InputSpec(name, onnx_type, shape)
+    return out
+
+
+def check_feeds(specs: Mapping[str, InputSpec], feeds: Mapping[str, Any],
+                rules: Mapping[np.dtype, Any] | None = None) -> None:
+    """The feed plan's check without a device: every input of ``specs`` exactly once, each a numpy array ORT's run
+    takes for it (:meth:`InputSpec.problem`), and, with ``rules`` (:func:`value_rules` of the device the graphs run
+    on), values the device's buffers hold. What passes here is what a captured graph's copy then accepts.
+
+    Raises:
+        TransferError: the first problem, its message starting with ``input 'NAME'`` where it concerns one input.
+    """
+    if not isinstance(feeds, Mapping):
+        raise TransferError(f"feeds must be a mapping {{input name: array}}, got a {type(feeds).__name__}")
+    missing = [n for n in specs if n not in feeds]
+    if missing:
+        raise TransferError(f"input {missing[0]!r} missing: the model takes {list(specs)}")
+    unknown = [k for k in feeds if k not in specs]
+    if unknown:
+        raise TransferError(f"input {unknown[0]!r} unknown: the model takes {list(specs)}")
+    for name, spec in specs.items():
+        v = feeds[name]
+        if not isinstance(v, np.ndarray):
+            raise TransferError(f"input {name!r} must be a numpy array, got a {type(v).__name__}")
+        problem = spec.problem(v.shape, v.dtype)
+        if problem is not None:
+            raise TransferError(problem)
+    if rules:
+        check_values(rules, feeds)
