@@ -7,9 +7,10 @@ batch to a session replica. Its contract (the drain policy of LitServe, the queu
 * at most ``max_in_flight`` batches run at once; while they all run, new items queue, and the next batch takes every
   queued item that fits (so under load batches fill from the queue without any waiting);
 * once it has its first items, a batch waits for more only while others are arriving: it takes what is queued,
-  yields to the event loop once, and as long as a new item came in during the last wait it waits again, at most
-  ``gap_s`` per wait and ``max_wait_s`` in all (``--batch-wait-ms``: the longest wait, not a fixed one). A lone
-  request on an idle queue therefore runs after one event-loop turn;
+  yields to the event loop once, and waits only if others are arriving — several were queued, one came in during
+  that turn, or the last two arrivals were less than ``gap_s`` apart — and then as long as a new item came in
+  during the last wait, at most ``gap_s`` per wait and ``max_wait_s`` in all (``--batch-wait-ms``: the longest
+  wait, not a fixed one). A lone request on an idle queue therefore runs after one event-loop turn;
 * ``run(items)`` must return one result per item, in order; each submitter gets its own item's result. If ``run``
   raises, every item of that batch gets the exception. A submitter that is cancelled (a client gone, a timeout)
   while its item waits leaves the queue; once its batch runs, its result is dropped.
@@ -67,6 +68,8 @@ class AdaptiveBatcher:
         self._slots: asyncio.Semaphore | None = None
         self._loop_task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
+        self._last_put = float("-inf")
+        self._interval = float("inf")  # between the last two arrivals (seconds)
         self.batches = 0
         self.items = 0
 
@@ -83,7 +86,10 @@ class AdaptiveBatcher:
             self._slots = asyncio.Semaphore(self.max_in_flight)
             self._loop_task = asyncio.get_running_loop().create_task(self._form_batches())
         item = Item(int(rows), payload)
-        item.future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        item.future = loop.create_future()
+        now = loop.time()
+        self._interval, self._last_put = now - self._last_put, now
         self._queue.append(item)
         self._arrived.set()
         try:
@@ -120,7 +126,7 @@ class AdaptiveBatcher:
             rows = self._take(batch, 0)
             deadline = loop.time() + self.max_wait_s
             await asyncio.sleep(0)  # one turn: what is ready to arrive arrives
-            arriving = len(batch) > 1 or self._arrived.is_set()
+            arriving = len(batch) > 1 or self._arrived.is_set() or self._interval < self.gap_s
             rows = self._take(batch, rows)
             while arriving and rows < self.max_rows and batch and not self._queue:  # (a queued item that did not fit: full)
                 remaining = deadline - loop.time()

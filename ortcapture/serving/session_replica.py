@@ -48,6 +48,9 @@ class ModelSession:
         ctx = ray_serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self._app = stats_app or ctx.app_name
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
         self._reporter: asyncio.Task | None = None
         self._stats = None
         self._metrics = _Metrics(options.name)
@@ -82,7 +85,11 @@ class ModelSession:
 
     async def stats(self) -> dict:
         """This replica's report (:meth:`ReplicaCore.report`) with its replica id."""
-        return {"replica": self.replica_id, **self.core.report()}
+        return {"replica": self.replica_id, **self._report()}
+
+    def _report(self) -> dict:
+        """:meth:`ReplicaCore.report` plus the Ray node this replica runs on (``node``)."""
+        return {**self.core.report(), "node": self.node_id}
 
     async def check_health(self) -> None:
         """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the
@@ -99,7 +106,7 @@ class ModelSession:
             try:
                 if self._stats is None:
                     self._stats = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._app)
-                await self._stats.report.remote(self.replica_id, self.core.report())
+                await self._stats.report.remote(self.replica_id, self._report())
                 self._metrics.graphs(self.core)
             except asyncio.CancelledError:
                 raise
