@@ -56,7 +56,7 @@ def build_app(options: ServeOptions, provider: str):
     """
     model_layout(options)  # refuse an unservable layout before any replica starts
     session, tier, stats = _deployments(options, provider)
-    return tier.bind(options, provider, session.bind(options, provider), None, stats.bind())
+    return tier.bind(options, provider, session.bind(options, provider), None, stats.bind(options.loopback()))
 
 
 def ingress_replicas(options: ServeOptions) -> int:
@@ -156,7 +156,7 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     session, tier, stats = _deployments(options, provider)
     model_app = model_app_name(options)
     # the tier first, in its own application: HTTP answers (readiness 503) before the session replicas are warm
-    ray_serve.run_many([ray_serve.RunTarget(tier.bind(options, provider, None, model_app, stats.bind()),
+    ray_serve.run_many([ray_serve.RunTarget(tier.bind(options, provider, None, model_app, stats.bind(options.loopback())),
                                             name=options.app_name, route_prefix="/")],
                        wait_for_applications_running=True)
     _check_listening(options.host, options.port)

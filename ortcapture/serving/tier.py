@@ -310,9 +310,11 @@ class ModelTier:
 class ModelStats:
     """The ``ModelStats`` deployment's class (one replica): the latest report of each session replica
     (:meth:`report`) and tier replica (:meth:`tier`), dropped :data:`~ortcapture.serving.routes.STALE_S` seconds
-    after its last push."""
+    after its last push. ``loopback``: bind its inter-deployment gRPC server to 127.0.0.1
+    (:func:`~ortcapture.serving.ray_common.keep_replica_grpc_on_loopback`)."""
 
-    def __init__(self):
+    def __init__(self, loopback: bool = False):
+        keep_replica_grpc_on_loopback(loopback)
         self._replicas: dict[str, tuple[float, dict]] = {}
         self._tiers: dict[str, tuple[float, dict]] = {}
 
