@@ -1,23 +1,25 @@
 #!/usr/bin/env python3
-"""Serving numbers for issue 29 (and issue 34's single-GPU part): the same deployment code as ``ortcapture serve``,
+"""Serving numbers for issues 29 and 44: ``ortcapture serve``'s deployments against what a user writes instead,
 YOLOv8n (nudenet 320n), clients in separate processes sending one image per request.
 
 Arms (server side; one Ray Serve application each, deployed in turn on one local Ray cluster):
-  A     plain ORT session, ORT's defaults (CUDA: cuDNN searches again on every batch-size change)
-  B     plain ORT, every batch padded to the largest bucket (one input shape: the careful workaround)
-  C     ortcapture buckets [1,2,4,8] (captured graphs), max_concurrent_batches=1
-  C2    C with max_concurrent_batches=2 (the next batch forms while the GPU works)
-  noop  no model run (Ray Serve's own ceiling)
-  C-2rep  (--two-replicas) C with 2 replicas on one GPU, --gpus-per-replica 0.5
-Per arm, client level (1, 8, 32 concurrent clients) and path (a Ray ``DeploymentHandle`` to the model deployment,
-and HTTP through ``tritonclient.http`` to the Open Inference Protocol ingress): images/s, p50/p99 latency (ms),
+  noop1..noop8   a hand-written no-op deployment (answers zeros, runs no model) with 1/2/4/8 replicas: Ray's ceiling
+  hand-buckets   hand-written (~30 lines, below): @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002), the
+                 requests concatenated, one ortcapture.InferenceSession(buckets=[1,2,4,8]), rows sliced back
+  hand-padded    the same with a plain onnxruntime.InferenceSession, every batch padded to 8 rows
+  product        ortcapture serve's deployments with their defaults (the batching tier "Model" in front of one
+                 "ModelSession" replica)
+  product-2rep   the same with 2 session replicas at 0.5 GPU each
+The hand-written arms are reached through a handle only (they have no HTTP routes). Per arm, client level and
+path (a Ray ``DeploymentHandle`` to the ``Model`` deployment, and HTTP through ``tritonclient.http`` to the Open
+Inference Protocol): images/s, p50/p99 latency (ms),
 the batch-size histogram (rows per batch run, from the replicas' reports), and every response checked against the
 CPU EP's answer for the same image (4 fixed images; a response off by more than 1e-2 of the output's max counts as
 wrong). Clients: up to 8 processes (one thread per client each: 32 clients = 8 x 4), started once, connected to
 the cluster once. Writes serving.json (+ serving.png with matplotlib) to --out (default $OUT).
 
-Usage (H200): python benchmarks/bench_serving.py --model PATH/320n.onnx [--seconds 3] [--two-replicas]
-Quick CPU check: python benchmarks/bench_serving.py --provider cpu --arms C,noop --levels 1,4 --seconds 1 ...
+Usage (H200): python benchmarks/bench_serving.py --model PATH/320n.onnx [--seconds 3] --arms product,hand-buckets
+Quick CPU check: python benchmarks/bench_serving.py --provider cpu --arms product,noop1 --levels 1,4 --seconds 1 ...
 """
 from __future__ import annotations
 
@@ -35,10 +37,77 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ARMS = {"A": {"arm": "plain"}, "B": {"arm": "padded"}, "C": {"arm": "ortcapture"},
-        "C2": {"arm": "ortcapture", "max_concurrent_batches": 2}, "noop": {"arm": "noop"},
-        "C-2rep": {"arm": "ortcapture", "replicas": 2, "gpus_per_replica": 0.5}}
+ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
+        "hand-buckets": {"hand": "buckets"}, "hand-padded": {"hand": "padded"},
+        "product": {}, "product-2rep": {"replicas": 2, "gpus_per_replica": 0.5}}
 TOL = 1e-2
+
+
+# -- what a user writes instead (handle only; ~30 lines each) -------------------------------------------------------
+def _user_session(model, provider, dims, capture, buckets=None, input_name=None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    for name, size in dims.items():
+        so.add_free_dimension_override_by_name(name, size)
+    if provider == "cuda":
+        providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if capture else "0"}), "CPUExecutionProvider"]
+    else:
+        providers = ["CPUExecutionProvider"]
+    if buckets:
+        import ortcapture
+
+        return ortcapture.InferenceSession(model, so, providers=providers, buckets={(input_name, 0): buckets},
+                                           replay_thread=True)
+    return ort.InferenceSession(model, so, providers=providers)
+
+
+def _user_deployments():
+    """The two hand-written deployments of issue 44 and the no-op one, as classes for ``serve.deployment``."""
+    from ray import serve
+
+    class UserBuckets:
+        def __init__(self, model, provider, dims, input_name):
+            self.sess = _user_session(model, provider, dims, provider != "cpu", [1, 2, 4, 8], input_name)
+            self.input = input_name
+
+        @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
+        async def infer(self, requests: list[dict]) -> list[dict]:
+            rows = [r[self.input].shape[0] for r in requests]
+            out = self.sess.run(None, {self.input: np.concatenate([r[self.input] for r in requests])})
+            names = [o.name for o in self.sess.get_outputs()]
+            answers, start = [], 0
+            for n in rows:
+                answers.append({"outputs": {k: v[start:start + n] for k, v in zip(names, out)}})
+                start += n
+            return answers
+
+    class UserPadded(UserBuckets):
+        def __init__(self, model, provider, dims, input_name):
+            self.sess = _user_session(model, provider, dims, False)
+            self.input = input_name
+
+        @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
+        async def infer(self, requests: list[dict]) -> list[dict]:
+            rows = [r[self.input].shape[0] for r in requests]
+            x = np.concatenate([r[self.input] for r in requests])
+            x = np.concatenate([x, np.zeros((8 - x.shape[0], *x.shape[1:]), x.dtype)]) if x.shape[0] < 8 else x
+            out = self.sess.run(None, {self.input: x})
+            names = [o.name for o in self.sess.get_outputs()]
+            answers, start = [], 0
+            for n in rows:
+                answers.append({"outputs": {k: v[start:start + n] for k, v in zip(names, out)}})
+                start += n
+            return answers
+
+    class UserNoop:
+        def __init__(self, *args):
+            pass
+
+        async def infer(self, request: dict) -> dict:
+            return {"outputs": {}}
+
+    return {"buckets": UserBuckets, "padded": UserPadded, "noop": UserNoop}
 
 
 def _images(shape, n=4):
@@ -74,7 +143,7 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                     r = handle.infer.remote({input_name: x}).result(timeout_s=60)
                     if "error" in r:
                         raise RuntimeError(r["error"])
-                    return r["outputs"][output_name]
+                    return r["outputs"].get(output_name) if check else None
             else:
                 import tritonclient.http as http
 
@@ -101,7 +170,8 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                     continue
                 t1 = time.perf_counter()
                 ref = refs[j]
-                if check and y.shape != ref.shape or not np.allclose(y, ref, rtol=0, atol=TOL * float(np.abs(ref).max())):
+                if check and (y.shape != ref.shape or not np.allclose(y, ref, rtol=0,
+                                                                      atol=TOL * float(np.abs(ref).max()))):
                     with lock:
                         wrong[0] += 1
                 if t0 >= t_meas:
@@ -143,9 +213,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="YOLOv8n ONNX file (default: the cached reference model, nudenet 320n)")
     ap.add_argument("--provider", default="cuda", choices=["cuda", "webgpu", "cpu"])
-    ap.add_argument("--arms", default="A,B,C,C2,noop", help=f"comma-separated, from {list(ARMS)}")
-    ap.add_argument("--two-replicas", action="store_true", help="also C-2rep: 2 replicas, 0.5 GPU each")
-    ap.add_argument("--levels", default="1,8,32", help="concurrent clients")
+    ap.add_argument("--arms", default="noop1,noop4,hand-buckets,hand-padded,product",
+                    help=f"comma-separated, from {list(ARMS)}")
+    ap.add_argument("--levels", default="1,8,32,64", help="concurrent clients")
     ap.add_argument("--paths", default="handle,http")
     ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per arm, level and path")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per arm, level and path (the JSON keeps "
@@ -177,7 +247,10 @@ def main() -> int:
     model = args.model or str(models.reference_model())
     dims = {k: int(v) for k, v in (kv.split("=") for kv in args.dims.split(",") if kv)}
     levels = [int(x) for x in args.levels.split(",")]
-    arms = [a for a in args.arms.split(",") if a] + (["C-2rep"] if args.two_replicas else [])
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"unknown arm(s) {unknown}: from {list(ARMS)}")
     paths = [p for p in args.paths.split(",") if p]
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
@@ -214,11 +287,10 @@ def main() -> int:
                "batch_wait_ms": args.batch_wait_ms, "seconds": args.seconds, "ray": where, "runs": [],
                "onnxruntime": ort.__version__, "ray_version": ray.__version__}
     if args.smoke:
-        opts = ServeOptions(**{**base.__dict__, "arm": "noop", "app_name": "smoke"}).checked()
+        opts = ServeOptions(**{**base.__dict__, "app_name": "smoke"}).checked()
         url = deployment.start(opts, args.provider, on_status=log)
         x = _images(shape, 1)[0]
-        r = deployment.ray_serve.get_deployment_handle("Model", deployment.model_app_name(opts)).infer.remote(
-            {input_name: x}).result(timeout_s=60)
+        r = deployment.model_handle(opts.app_name).infer.remote({input_name: x}).result(timeout_s=60)
         log(f"smoke: one noop request answered {sorted(r.get('outputs', r))}; stats {_stats(url, 'yolo').get('name')}")
         results["smoke"] = {"ok": "outputs" in r}
         deployment.stop(opts)
@@ -236,38 +308,49 @@ def main() -> int:
         clients.append((p, a))
     log(f"{nproc} client processes")
 
+    user = _user_deployments()
     for arm in arms:
-        spec = ARMS[arm]
+        spec = dict(ARMS[arm])
+        hand = spec.pop("hand", None)
         opts = ServeOptions(**{**base.__dict__, **spec, "app_name": f"bench-{arm}".replace("_", "-")}).checked()
         t0 = time.perf_counter()
         try:
-            url = deployment.start(opts, args.provider, on_status=None, startup_timeout_s=150)
+            if hand:  # what a user writes instead: one deployment named Model, handle only
+                gpus = 1 if args.provider == "cuda" and hand != "noop" else 0
+                dep = deployment.ray_serve.deployment(user[hand], name="Model", num_replicas=spec.get("replicas", 1),
+                                                      max_ongoing_requests=64,
+                                                      ray_actor_options={"num_gpus": gpus, "num_cpus": 1})
+                deployment.ray_serve.run(dep.bind(model, args.provider, dims, input_name), name=opts.app_name,
+                                         route_prefix=None)
+                url = None
+            else:
+                url = deployment.start(opts, args.provider, on_status=None, startup_timeout_s=150)
         except Exception as exc:  # noqa: BLE001 - recorded, next arm
             log(f"arm {arm}: failed to start: {exc}")
             results["runs"].append({"arm": arm, "error": str(exc)})
             deployment.ray_serve.shutdown()
             continue
         startup = time.perf_counter() - t0
-        log(f"arm {arm} up in {startup:.1f} s ({spec})")
-        app = deployment.model_app_name(opts)
+        log(f"arm {arm} up in {startup:.1f} s ({ARMS[arm]})")
+        app = opts.app_name  # the handle's deployment "Model": the batching tier, or the hand-written one
         for level in levels:
-            if arm == "C-2rep" and level == 1:
+            if arm == "product-2rep" and level == 1:
                 continue
             procs = min(nproc, level)
             per = [level // procs + (1 if k < level % procs else 0) for k in range(procs)]
-            for path, rep in ((p, k) for p in paths for k in range(args.repeats)):
-                before = _stats(url, "yolo")
+            for path, rep in ((p, k) for p in paths if url or p == "handle" for k in range(args.repeats)):
+                before = _stats(url, "yolo") if url else {}
                 for (p, conn), n in zip(clients, per):
-                    conn.send((path, app, url, n, args.seconds, args.warm, arm != "noop"))
+                    conn.send((path, app, url, n, args.seconds, args.warm, hand != "noop"))
                 outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
                 time.sleep(1.3)  # the replicas push their counters every second
-                after = _stats(url, "yolo")
+                after = _stats(url, "yolo") if url else {}
                 lat = np.array(sorted(x for o in outs for x in o["latencies"]))
                 run = {"arm": arm, "level": level, "path": path, "repeat": rep, "startup_s": round(startup, 2),
                        "requests": int(lat.size), "images_per_s": round(lat.size / args.seconds, 1),
                        "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3) if lat.size else None,
                        "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3) if lat.size else None,
-                       "wrong": sum(o["wrong"] for o in outs) if arm != "noop" else None, "errors": sum(o["n_errors"] for o in outs),
+                       "wrong": sum(o["wrong"] for o in outs) if hand != "noop" else None, "errors": sum(o["n_errors"] for o in outs),
                        "error_sample": [e for o in outs for e in o["errors"]][:3],
                        "batch_histogram": _diff(_histogram(after), _histogram(before)),
                        "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
@@ -277,7 +360,8 @@ def main() -> int:
                 log(f"{arm:6} {level:3} clients {path:6}: {run['images_per_s']:8.1f} img/s  p50 {run['p50_ms']} ms  "
                     f"p99 {run['p99_ms']} ms  wrong {run['wrong']} errors {run['errors']}  "
                     f"batches {run['batch_histogram']}")
-        deployment.ray_serve.delete(app)
+        if not hand:
+            deployment.ray_serve.delete(deployment.model_app_name(opts))
         deployment.ray_serve.delete(opts.app_name)
         json.dump(results, open(os.path.join(args.out, "serving.json"), "w"), indent=1, default=str)
     for p, conn in clients:

@@ -22,14 +22,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", default="auto", choices=["auto", "cuda", "webgpu", "cpu"],
                    help="auto: CUDA if onnxruntime-gpu's CUDA EP loads (refused when it is installed and does "
                         "not), else WebGPU; cpu: the CPU EP without capture (a baseline)")
-    p.add_argument("--replicas", type=int, default=1, help="model replicas, one session each (default 1)")
+    p.add_argument("--replicas", type=int, default=1, help="session replicas, one session each (default 1)")
+    p.add_argument("--ingress-replicas", type=int, default=None,
+                   help="replicas of the batching tier (HTTP, the handle's infer; one call per batch to a session "
+                        "replica; no GPU, no reserved CPU); default min(4, cluster CPUs // 2), at least 1")
     p.add_argument("--gpus-per-replica", type=float, default=None,
                    help="Ray GPUs per replica (default 1 for cuda, 0 otherwise; 0.5 puts two on one GPU)")
     p.add_argument("--max-batch-size", type=int, default=None, help="rows per batch (default: the largest bucket)")
     p.add_argument("--batch-wait-ms", type=float, default=2.0,
-                   help="how long a batch waits for more requests after its first (default 2 ms)")
+                   help="the longest a batch waits for more requests after its first, only while more arrive: a "
+                        "lone request runs at once (default 2 ms)")
     p.add_argument("--max-concurrent-batches", type=int, default=2,
-                   help="batches in flight per replica (default 2: the next batch forms while the GPU works)")
+                   help="batches in flight per tier replica, run at once per session replica (default 2: the next "
+                        "batch forms while the GPU works)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="fix another dynamic input dim, e.g. --dim height=320 --dim width=320")
     p.add_argument("--max-body-mib", type=float, default=64.0, help="request body cap in MiB (default 64)")
@@ -76,7 +81,7 @@ def options_from(args):
         raise CaptureError(f"--num-cpus must be >= 1, got {args.num_cpus}")
     return ServeOptions(
         model=args.model, name=args.name, buckets=args.buckets, provider=args.provider, replicas=args.replicas,
-        gpus_per_replica=args.gpus_per_replica, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
+        ingress_replicas=args.ingress_replicas, gpus_per_replica=args.gpus_per_replica, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
         max_concurrent_batches=args.max_concurrent_batches, host=args.host, port=args.port, address=args.address,
         dims=dims, max_body_bytes=int(args.max_body_mib * 1024 * 1024),
         graceful_shutdown_s=args.graceful_shutdown_s, request_timeout_s=args.request_timeout_s,

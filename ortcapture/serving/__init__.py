@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import importlib
 
-from ortcapture.serving.batch import BatchRunner, RequestError
+from ortcapture.serving.batch import BatchRunner
+from ortcapture.serving.requests import RequestError
 
 #: names imported on first use (PEP 562), so ``import ortcapture.serving`` never imports ray:
 #: ``{name: module}``
 _LAZY: dict[str, str] = {
     "ServeOptions": "ortcapture.serving.config",
     "build_app": "ortcapture.serving.deployment", "serve": "ortcapture.serving.deployment",
-    "ServeFailed": "ortcapture.serving.deployment",
+    "ServeFailed": "ortcapture.serving.deployment", "model_handle": "ortcapture.serving.deployment",
 }
 
 __all__ = sorted(["BatchRunner", "RequestError", *_LAZY])

@@ -39,26 +39,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ortcapture.errors import CaptureError, TransferError
+from ortcapture.errors import CaptureError
+from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, split_feeds, take
 from ortcapture.session import InferenceSession
-from ortcapture.transfer import ONNX_TO_NP, check_values, value_rules
+from ortcapture.transfer import ONNX_TO_NP, value_rules
+
+__all__ = ["BatchRunner", "RequestError"]
 
 #: one model tensor for protocol metadata: (name, numpy dtype, shape with -1 for dynamic dims)
 TensorSpec = tuple[str, np.dtype, tuple[int, ...]]
-
-
-class RequestError(ValueError):
-    """One request is bad: names the input and what is wrong (a client error, HTTP 400). The other requests of
-    the batch are unaffected.
-
-    Attributes:
-        input: the input's name, or ``None`` when the request as a whole is wrong (not a mapping, several inputs
-            disagreeing on the rows).
-    """
-
-    def __init__(self, message: str, input: str | None = None):  # noqa: A002 - the protocol's word
-        super().__init__(message)
-        self.input = input
 
 
 class BatchRunner:
@@ -159,7 +148,8 @@ class BatchRunner:
         # the value rules of the fixed buffers the feeds are copied into (int64 within int32 on WebGPU): the very
         # checks the copy applies, run on each request alone (rows()) so a bad value never reaches a batch
         info = getattr(session, "requested_capture", None) if isinstance(session, InferenceSession) else None
-        self._value_rules = value_rules(info.device_type) if info is not None else {}
+        self.check = RequestCheck(self.inputs, self.input_axes, self.max_rows,
+                                  value_rules(info.device_type) if info is not None else {}, self.dim, self.split)
         self._counts = Counter({"requests": 0, "failed_requests": 0, "bad_requests": 0, "batches": 0,
                                 "failed_batches": 0, "rows": 0, "isolation_runs": 0})
         self._histogram: Counter = Counter()
@@ -266,78 +256,10 @@ class BatchRunner:
 
     # -- one request ------------------------------------------------------------------------------------------
     def rows(self, request: Mapping[str, np.ndarray]) -> int:
-        """Check one request alone and return its rows along the bucketed dim.
-
-        Args:
-            request: ``{input name: numpy.ndarray}`` with every model input exactly once, each of the input's dtype
-                and rank, fixed dims as in the model, every input carrying the bucketed dim with the same length.
-
-        Returns:
-            The request's rows (>= 1).
-
-        Raises:
-            RequestError: not a mapping; an input missing or not the model's; a value that is not a numpy array
-                (lists, scalars, device tensors); another dtype (no casts: ``float64`` for a ``float32`` input is
-                refused), rank or fixed dim; inputs disagreeing on the rows; 0 rows; more than :attr:`max_rows`
-                rows with ``split=False``; values the session's fixed buffers refuse
-                (:func:`ortcapture.transfer.value_rules`: int64 outside int32 for a WebGPU session, whose EP would
-                keep the low 32 bits) — the same check the copy into the graph applies, so such a value fails its
-                own request here and never the batch it would have joined.
-        """
-        if not isinstance(request, Mapping):
-            raise RequestError(f"a request is a mapping {{input name: numpy array}}, got a {type(request).__name__}")
-        missing = [n for n in self._names if n not in request]
-        if missing:
-            raise RequestError(f"input(s) {missing} missing: the model takes {self._names}", missing[0])
-        unknown = [k for k in request if k not in self._types]
-        if unknown:
-            raise RequestError(f"input(s) {unknown!r} unknown: the model takes {self._names}", str(unknown[0]))
-        rows: dict[str, int] = {}
-        for name in self._names:
-            v = request[name]
-            if not isinstance(v, np.ndarray):
-                raise RequestError(f"input {name!r} must be a numpy array, got a {type(v).__name__}", name)
-            want = self._types[name]
-            if v.dtype != want:
-                raise RequestError(f"input {name!r} is {want} in the model, the request's is {v.dtype}", name)
-            shape = self._shapes[name]
-            if v.ndim != len(shape):
-                raise RequestError(f"input {name!r} has rank {len(shape)} in the model (shape {list(shape)}), the "
-                                   f"request's has shape {list(v.shape)}", name)
-            for ax, (d, got) in enumerate(zip(shape, v.shape)):
-                if d >= 0 and got != d:
-                    raise RequestError(f"input {name!r} axis {ax} is fixed at {d} in the model, the request's is "
-                                       f"{got}", name)
-            if name in self.input_axes:
-                rows[name] = int(v.shape[self.input_axes[name]])
-        try:
-            check_values(self._value_rules, request)
-        except TransferError as exc:
-            raise RequestError(str(exc), next((n for n in self._names if str(exc).startswith(f"input {n!r}")),
-                                              None)) from None
-        if len(set(rows.values())) > 1:
-            raise RequestError(f"the inputs disagree on the rows along {self.dim!r}: "
-                               + ", ".join(f"{n!r} axis {self.input_axes[n]}: {r}" for n, r in rows.items()))
-        n = next(iter(rows.values()))
-        first = next(iter(rows))
-        if n < 1:
-            raise RequestError(f"input {first!r} has 0 rows along {self.dim!r} (axis {self.input_axes[first]})", first)
-        if n > self.max_rows and not self.split:
-            raise RequestError(f"input {first!r} has {n} rows along {self.dim!r} (axis {self.input_axes[first]}), "
-                               f"more than the {self.max_rows} one run takes: send at most {self.max_rows} per "
-                               "request", first)
-        return n
-
-    def _group_key(self, request: Mapping[str, np.ndarray]) -> tuple:
-        parts = []
-        for name in self._names:
-            v = request[name]
-            axis = self.input_axes.get(name)
-            if axis is None:  # one value for the whole run: requests must agree on it exactly
-                parts.append((v.shape, v.tobytes()))
-            else:
-                parts.append(tuple(-1 if ax == axis else d for ax, d in enumerate(v.shape)))
-        return tuple(parts)
+        """Check one request alone and return its rows along the bucketed dim: :meth:`RequestCheck.rows
+        <ortcapture.serving.requests.RequestCheck.rows>` with this session's inputs, :attr:`max_rows`, ``split``
+        and the value rules of the session's device (raises :class:`RequestError`)."""
+        return self.check.rows(request)
 
     # -- many requests ----------------------------------------------------------------------------------------
     def run(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
@@ -362,7 +284,7 @@ class BatchRunner:
             except RequestError as exc:
                 results[i] = exc
                 continue
-            groups.setdefault(self._group_key(request), []).append((i, n))
+            groups.setdefault(group_key(request, self._names, self.input_axes), []).append((i, n))
         runs = bad = isolation_runs = 0
         histogram: Counter = Counter()
         failed_runs = 0
@@ -381,7 +303,7 @@ class BatchRunner:
                 for i, start, stop in chunk:
                     rows = stop - start
                     if not isinstance(results[i], Exception):  # else an earlier chunk of a split request failed
-                        _add_piece(results, i, {n: _take(o, self.output_axes[n], offset, offset + rows)
+                        _add_piece(results, i, {n: take(o, self.output_axes[n], offset, offset + rows)
                                                 for n, o in outs.items()})
                     offset += rows
         for i, r in enumerate(results):
@@ -430,43 +352,22 @@ class BatchRunner:
             for i, n in members:
                 start = 0
                 while start < n:
-                    take = min(n - start, cap - used)
-                    cur.append((i, start, start + take))
-                    start += take
-                    used += take
+                    piece = min(n - start, cap - used)
+                    cur.append((i, start, start + piece))
+                    start += piece
+                    used += piece
                     if used == cap:
                         chunks.append(cur)
                         cur, used = [], 0
             if cur:
                 chunks.append(cur)
             return chunks
-        bins: list[list] = []  # [rows used, [(index, rows)]]
-        for i, n in sorted(members, key=lambda m: -m[1]):
-            for b in bins:
-                if b[0] + n <= cap:
-                    b[0] += n
-                    b[1].append((i, n))
-                    break
-            else:
-                bins.append([n, [(i, n)]])
-        chunks = [sorted((i, 0, n) for i, n in b[1]) for b in bins]
-        return sorted(chunks, key=lambda c: c[0][0])
+        return pack(members, cap)
 
     def _run_chunk(self, requests: Sequence[Mapping[str, np.ndarray]], chunk: list[tuple[int, int, int]],
                    total: int) -> dict[str, np.ndarray]:
         """One session run of ``chunk``'s rows; ``{output: array}`` with ``total`` rows along each output's axis."""
-        first = requests[chunk[0][0]]
-        feeds = {}
-        for name in self._names:
-            axis = self.input_axes.get(name)
-            if axis is None:
-                feeds[name] = first[name]
-                continue
-            parts = []
-            for i, start, stop in chunk:
-                v = requests[i][name]
-                parts.append(v if start == 0 and stop == v.shape[axis] else _take(v, axis, start, stop))
-            feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+        feeds = join(requests, chunk, self._names, self.input_axes)
         outs = dict(zip(self._output_names, self.session.run(None, feeds)))
         for name, o in outs.items():
             axis = self.output_axes[name]
@@ -475,6 +376,44 @@ class BatchRunner:
                                    f"{total} rows, where axis {axis} should have {total}: it does not follow "
                                    f"{self.dim!r} as measured")
         return outs
+
+    def run_joined(self, feeds: Mapping[str, np.ndarray], rows: Sequence[int]) -> dict[str, np.ndarray] | list:
+        """Run one batch that a batching tier has checked (:meth:`rows`, once per request), grouped and joined
+        already (:func:`ortcapture.serving.requests.join`): one session run, no check again.
+
+        Args:
+            feeds: ``{input: numpy array}``, the requests' rows concatenated along the batched dim (``sum(rows)``
+                rows, at most :attr:`max_rows`); inputs without the batched dim are the group's one value.
+            rows: each request's rows, in the order they were joined.
+
+        Returns:
+            ``{output: array}`` with ``sum(rows)`` rows along each output's :attr:`output_axes` axis (the caller
+            slices each request's rows back), or — when that run raised — a list with one entry per request, its
+            own run alone (at most one each, counted as ``isolation_runs``): ``{output: array}`` or the exception
+            its own run raised.
+        """
+        rows = [int(r) for r in rows]
+        total = sum(rows)
+        whole = [(0, 0, total)]
+        try:
+            outs = self._run_chunk([feeds], whole, total)
+            failed = None
+        except Exception:  # noqa: BLE001 - each request is run alone: only the faulty one fails
+            parts = split_feeds(feeds, rows, self.input_axes)
+            failed = [None] * len(rows)
+            isolation = self._isolate(parts, [(i, 0, n) for i, n in enumerate(rows)], failed)
+            failed = [r if isinstance(r, Exception) else r[0] for r in failed]
+        with self._lock:
+            c = self._counts
+            c["requests"] += len(rows)
+            c["batches"] += 1
+            c["rows"] += total
+            self._histogram[total] += 1
+            if failed is not None:
+                c["failed_batches"] += 1
+                c["isolation_runs"] += isolation
+                c["failed_requests"] += sum(isinstance(r, Exception) for r in failed)
+        return outs if failed is None else failed
 
     def stats(self) -> dict:
         """Runner-level counters since the runner was made.
@@ -495,8 +434,3 @@ def _add_piece(results: list, i: int, piece: dict) -> None:
         results[i] = [piece]
     else:
         results[i].append(piece)
-
-
-def _take(x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
-    """``x[start:stop]`` along ``axis`` (a view)."""
-    return x[(slice(None),) * axis + (slice(start, stop),)]

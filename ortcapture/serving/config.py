@@ -26,9 +26,8 @@ PROVIDERS = ("auto", "cuda", "webgpu", "cpu")
 ENV_PASSED = ("VK_ICD_FILENAMES", "VK_DRIVER_FILES", "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "ORTCAPTURE_CACHE",
               "ORTCAPTURE_DEBUG", "ORTCAPTURE_COPY_BACKEND", "XDG_RUNTIME_DIR", "LD_LIBRARY_PATH",
               "CUDA_MODULE_LOADING", "MESA_SHADER_CACHE_DIR")
-#: server-side arms for benchmarks: ``ortcapture`` (buckets, captured graphs), ``plain`` (ORT's plain run of each
-#: batch), ``padded`` (plain run, every batch padded to the largest bucket), ``noop`` (no model run: Ray's ceiling)
-ARMS = ("ortcapture", "plain", "padded", "noop")
+#: batching-tier replicas when not given: ``min(MAX_DEFAULT_INGRESS_REPLICAS, cluster CPUs // 2)``, at least 1
+MAX_DEFAULT_INGRESS_REPLICAS = 4
 
 
 @dataclass
@@ -41,13 +40,18 @@ class ServeOptions:
         buckets: batch sizes with a captured graph each, ascending (default ``[1, 2, 4, 8]``).
         provider: ``auto`` (CUDA when onnxruntime-gpu offers it, else WebGPU when it captures here), ``cuda``,
             ``webgpu``, or ``cpu`` (the CPU EP without capture: a baseline; requests are still batched).
-        replicas: model replicas (one session each).
+        replicas: session replicas (one session each: the ``ModelSession`` deployment).
+        ingress_replicas: replicas of the batching tier (the ``Model`` deployment: HTTP, the handle's ``infer``,
+            one call per batch to a session replica); ``None``: ``min(4, cluster CPUs // 2)``, at least 1
+            (:func:`default_ingress_replicas`). They take no CPU reservation of Ray's.
         gpus_per_replica: Ray's ``num_gpus`` per replica; default 1 for CUDA, 0 otherwise (Ray sets
             ``CUDA_VISIBLE_DEVICES``; 0.5 puts two replicas on one GPU).
         cpus_per_replica: Ray's ``num_cpus`` per replica (default 1).
         max_batch_size: rows one batch may hold; default the largest bucket (larger batches run uncaptured).
-        batch_wait_ms: how long a batch waits for more requests after its first (milliseconds).
-        max_concurrent_batches: batches in flight per replica (the next forms while the device works).
+        batch_wait_ms: the longest a batch waits for more requests after its first (milliseconds); it waits only
+            while more arrive: a lone request runs at once.
+        max_concurrent_batches: batches in flight per batching-tier replica and run at once per session replica
+            (the next forms while the device works).
         host / port: where HTTP listens (default 127.0.0.1:8000).
         address: a running Ray cluster to join (``ray.init(address=...)``); default ``None``: start a new local
             one, never attach to one by accident.
@@ -68,7 +72,6 @@ class ServeOptions:
         token_file: a file holding a bearer token (its first line); every endpoint but ``/v2/health/*`` then
             requires ``Authorization: Bearer <token>`` (401 otherwise). ``None``: no authentication.
         env: extra environment variables for the replicas (added to those of :data:`ENV_PASSED` set here).
-        arm: what the replicas run (:data:`ARMS`; benchmarks).
         app_name: the Ray Serve application name (default ``ortcapture-<name>``).
     """
 
@@ -77,6 +80,7 @@ class ServeOptions:
     buckets: Sequence[int] = (1, 2, 4, 8)
     provider: str = "auto"
     replicas: int = 1
+    ingress_replicas: int | None = None
     gpus_per_replica: float | None = None
     cpus_per_replica: float = 1.0
     max_batch_size: int | None = None
@@ -97,7 +101,6 @@ class ServeOptions:
     token_file: str | None = None
     token: str | None = field(default=None, repr=False)
     env: Mapping[str, str] = field(default_factory=dict)
-    arm: str = "ortcapture"
     app_name: str | None = None
 
     def checked(self, cli: bool = False) -> "ServeOptions":
@@ -110,7 +113,7 @@ class ServeOptions:
 
         Raises:
             CaptureError: a missing/empty model file; a name the URL cannot carry; buckets not ascending ints >= 1;
-                an unknown provider or arm; replicas < 1; negative GPUs or CPUs; max batch size < 1; negative waits;
+                an unknown provider; replicas or ingress replicas < 1; negative GPUs or CPUs; max batch size < 1; negative waits;
                 a port outside 1..65535; a host that is not a string, does not resolve (``socket.getaddrinfo``) or,
                 for a new local cluster (no ``address``), cannot be listened on here (a bind on port 0 fails); a bad
                 dims entry or body cap.
@@ -132,10 +135,10 @@ class ServeOptions:
         o.buckets = check_buckets(o.buckets)
         if o.provider not in PROVIDERS:
             raise CaptureError(f"--provider {o.provider!r}: one of {', '.join(PROVIDERS)}")
-        if o.arm not in ARMS:
-            raise CaptureError(f"arm {o.arm!r}: one of {ARMS}")
         if _not_int(o.replicas) or o.replicas < 1:
             raise CaptureError(f"--replicas must be an int >= 1, got {o.replicas!r}")
+        if o.ingress_replicas is not None and (_not_int(o.ingress_replicas) or not 1 <= o.ingress_replicas <= 1024):
+            raise CaptureError(f"{opt('ingress_replicas')} must be an int in 1..1024, got {o.ingress_replicas!r}")
         for what, v in (("--gpus-per-replica", o.gpus_per_replica), ("cpus_per_replica", o.cpus_per_replica)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6):
                 raise CaptureError(f"{what} must be a number >= 0, got {v!r}")
@@ -205,6 +208,12 @@ class ServeOptions:
         if self.gpus_per_replica is not None:
             return float(self.gpus_per_replica)
         return 1.0 if provider == "cuda" else 0.0
+
+
+def default_ingress_replicas(cpus: float | None) -> int:
+    """Batching-tier replicas for a cluster of ``cpus`` CPUs (``None``: unknown, 1): ``min(4, cpus // 2)``, at
+    least 1 — so a ``ray start --num-cpus 2`` cluster runs one."""
+    return max(1, min(MAX_DEFAULT_INGRESS_REPLICAS, int(cpus or 0) // 2))
 
 
 def _not_int(v) -> bool:

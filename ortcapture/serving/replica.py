@@ -4,11 +4,12 @@
 Python so it can be tested and benchmarked in one process. It builds one :class:`ortcapture.InferenceSession` with
 ``buckets=`` on the batch dim and ``replay_thread=True`` (one session-owned thread captures and replays every graph:
 CUDA graphs are per thread), warms every bucket up in the constructor, and asserts one captured graph per bucket.
-Requests go through :class:`ortcapture.serving.BatchRunner` (checked one by one, grouped, concatenated, run, split).
+Requests go through :class:`ortcapture.serving.BatchRunner`: :meth:`ReplicaCore.run_joined` runs the batches a
+batching tier checked and joined already (one run each, no check again); :meth:`ReplicaCore.run` checks, groups,
+joins, runs and splits a list of requests itself (tests, one-process use).
 
-The ``cpu`` provider and the benchmark arms ``plain``/``padded`` serve an uncaptured session with the same runner
-(``BatchRunner(dim=...)``): ORT's plain run of each batch, or of each batch padded to the largest bucket
-(:class:`PaddedSession`).
+The ``cpu`` provider serves an uncaptured session with the same runner (``BatchRunner(dim=...)``): ORT's plain run
+of each batch at its own size.
 """
 from __future__ import annotations
 
@@ -43,13 +44,12 @@ def _session_options(options: ServeOptions, layout: ModelLayout):
 
 
 def build_session(options: ServeOptions, layout: ModelLayout, provider: str):
-    """The replica's session for ``provider`` (``cuda``, ``webgpu`` or ``cpu``) and ``options.arm``.
+    """The replica's session for ``provider`` (``cuda``, ``webgpu`` or ``cpu``).
 
-    ``ortcapture`` arm on ``cuda``/``webgpu``: ``ortcapture.InferenceSession(..., buckets={batch: buckets},
-    replay_thread=True)`` with capture switched on the ORT way (CUDA ``enable_cuda_graph=1`` on the device Ray gave
-    the replica, device 0 of its ``CUDA_VISIBLE_DEVICES``; WebGPU through :func:`ortcapture.webgpu.session_options`).
-    The ``cpu`` provider and the ``plain`` arm: the same session without capture (it behaves exactly like ORT's);
-    ``padded``: that, wrapped in :class:`PaddedSession`.
+    ``cuda``/``webgpu``: ``ortcapture.InferenceSession(..., buckets={batch: buckets}, replay_thread=True)`` with
+    capture switched on the ORT way (CUDA ``enable_cuda_graph=1`` on the device Ray gave the replica, device 0 of its
+    ``CUDA_VISIBLE_DEVICES``; WebGPU through :func:`ortcapture.webgpu.session_options`). ``cpu``: the same session
+    without capture (it behaves exactly like ORT's).
 
     Raises:
         CaptureUnsupportedError / CaptureError: what ``ortcapture.InferenceSession`` raises (the model does not
@@ -58,88 +58,18 @@ def build_session(options: ServeOptions, layout: ModelLayout, provider: str):
     from ortcapture import webgpu
 
     so = _session_options(options, layout)
-    capture = options.arm == "ortcapture" and provider != "cpu"
     if provider == "cuda":
-        kwargs = {"providers": [("CUDAExecutionProvider", {"device_id": "0", "enable_cuda_graph": "1" if capture
-                                                           else "0"}), "CPUExecutionProvider"]}
+        kwargs = {"providers": [("CUDAExecutionProvider", {"device_id": "0", "enable_cuda_graph": "1"}),
+                                "CPUExecutionProvider"]}
     elif provider == "webgpu":
         kwargs = {}
-        so = webgpu.session_options(capture, so)
+        so = webgpu.session_options(True, so)
     elif provider == "cpu":
-        kwargs = {"providers": ["CPUExecutionProvider"]}
+        return InferenceSession(options.model, so, providers=["CPUExecutionProvider"])
     else:
         raise CaptureError(f"provider {provider!r}: resolve 'auto' first (ortcapture.pick_provider)")
-    if capture:
-        return InferenceSession(options.model, so, buckets={layout.bucket_key: list(options.buckets)},
-                                replay_thread=True, **kwargs)
-    sess = InferenceSession(options.model, so, **kwargs)
-    if options.arm == "padded":
-        return PaddedSession(sess, layout.spec.batch_axes, options.buckets[-1], layout.example)
-    return sess
-
-
-class PaddedSession:
-    """A session without capture whose every run is padded to ``pad_to`` rows (zeros) along the batch axes and
-    sliced back: one input shape for the EP, the careful workaround for ORT's cost per batch-size change (the
-    benchmark's arm B). Has what :class:`~ortcapture.serving.BatchRunner` (``dim=``) uses: ``get_inputs``,
-    ``get_outputs``, ``run``; ``bucket_stats()`` counts runs and padding.
-
-    Args:
-        session: an uncaptured ``InferenceSession``.
-        batch_axes: ``{input: axis}`` of the batch dim.
-        pad_to: rows every run is padded to.
-        example: ``{input: shape}`` at batch 1: the two probe runs (1 and 2 rows, unpadded) that find each
-            output's batch axes.
-    """
-
-    def __init__(self, session, batch_axes: Mapping[str, int], pad_to: int, example: Mapping[str, Sequence[int]]):
-        self.session = session
-        self._axes = dict(batch_axes)
-        self.pad_to = int(pad_to)
-        self._names = [o.name for o in session.get_outputs()]
-        types = {m.name: m.type for m in session.get_inputs()}
-
-        def zeros(rows):
-            return {n: np.zeros(tuple(rows if ax == self._axes.get(n) else d for ax, d in enumerate(shape)),
-                                _np(types[n])) for n, shape in example.items()}
-
-        one, two = (dict(zip(self._names, session.run(None, zeros(r)))) for r in (1, 2))
-        self._out_axes = {n: [ax for ax, (x, y) in enumerate(zip(one[n].shape, two[n].shape)) if (x, y) == (1, 2)]
-                          for n in self._names}
-        self._lock = threading.Lock()
-        self._runs = self._rows = self._padded = 0
-
-    def get_inputs(self):
-        """The wrapped session's ``get_inputs()`` (ORT's ``NodeArg`` list)."""
-        return self.session.get_inputs()
-
-    def get_outputs(self):
-        """The wrapped session's ``get_outputs()`` (ORT's ``NodeArg`` list)."""
-        return self.session.get_outputs()
-
-    def run(self, output_names, input_feed, run_options=None):
-        """The wrapped session's ``run``, with every input padded with zero rows along its batch axis to
-        :attr:`pad_to` rows and the outputs cut back to the request's rows (along the axes the probe runs found)."""
-        rows = next(int(input_feed[n].shape[ax]) for n, ax in self._axes.items() if n in input_feed)
-        pad = max(self.pad_to - rows, 0)
-        if pad:
-            input_feed = {n: _pad(v, self._axes[n], pad) if n in self._axes else v for n, v in input_feed.items()}
-        outs = self.session.run(output_names, input_feed, run_options)
-        with self._lock:
-            self._runs += 1
-            self._rows += rows
-            self._padded += pad
-        if not pad:
-            return outs
-        names = output_names or self._names
-        return [_cut(o, self._out_axes[n], rows) for n, o in zip(names, outs)]
-
-    def bucket_stats(self) -> dict:
-        """Counts in the shape of :meth:`ortcapture.InferenceSession.bucket_stats`: every run is ``uncaptured``;
-        ``padding_waste`` is padded rows / rows run (0..1)."""
-        with self._lock:
-            return {"replayed": 0, "uncaptured": self._runs, "captured": 0, "oversize": 0, "buckets": {},
-                    "refused": 0, "padding_waste": self._padded / max(self._rows + self._padded, 1)}
+    return InferenceSession(options.model, so, buckets={layout.bucket_key: list(options.buckets)},
+                            replay_thread=True, **kwargs)
 
 
 def _client_fault(exc: Exception) -> bool:
@@ -147,24 +77,6 @@ def _client_fault(exc: Exception) -> bool:
     (``TransferError``). Not every ``CaptureError``: a bucket whose capture or verification failed is the server's,
     and goes through :meth:`ReplicaCore.answers`' health rule like ORT's own errors."""
     return isinstance(exc, (RequestError, TransferError))
-
-
-def _np(onnx_type: str):
-    from ortcapture.transfer import ONNX_TO_NP
-
-    return ONNX_TO_NP[onnx_type]
-
-
-def _pad(v: np.ndarray, axis: int, extra: int) -> np.ndarray:
-    widths = [(0, 0)] * v.ndim
-    widths[axis] = (0, extra)
-    return np.pad(v, widths)
-
-
-def _cut(o: np.ndarray, axes: Sequence[int], rows: int) -> np.ndarray:
-    for ax in axes:
-        o = o[(slice(None),) * ax + (slice(0, rows),)]
-    return o
 
 
 class ReplicaCore:
@@ -188,29 +100,23 @@ class ReplicaCore:
         self.options = options
         self.provider = provider
         self.layout = model_layout(options)
-        self.arm = options.arm
-        self.session = None if self.arm == "noop" else build_session(options, self.layout, provider)
+        self.session = build_session(options, self.layout, provider)
         self.example = {n: np.zeros(s, t.dtype) for (n, s), t in zip(self.layout.example.items(),
                                                                        self.layout.spec.inputs)}
-        if self.session is not None:
-            self.captures = self.arm == "ortcapture" and provider != "cpu"
-            dim = None if self.captures else self.layout.bucket_key
-            self.runner = BatchRunner(self.session, max_rows=options.max_batch_size, example_feeds=self.example,
-                                      dim=dim)
-            if self.captures:
-                self.session.warmup(self.example)
-                self.check_graphs()
-            # the health check's input and its answer, replayed once now
-            self._health_feeds = self.example
-            before = self._replays()
-            self._health_answer = self.session.run(None, self._health_feeds)
-            after = self._replays()
-            # the bucket the health check replays (counted apart from traffic in report())
-            self._health_bucket = next((k for k, n in after.items() if n > before.get(k, 0)), None)
-            self.health_replays = 1
-        else:
-            self.runner = None
-            self.captures = False
+        self.captures = provider != "cpu"
+        dim = None if self.captures else self.layout.bucket_key
+        self.runner = BatchRunner(self.session, max_rows=options.max_batch_size, example_feeds=self.example, dim=dim)
+        if self.captures:
+            self.session.warmup(self.example)
+            self.check_graphs()
+        # the health check's input and its answer, replayed once now
+        self._health_feeds = self.example
+        before = self._replays()
+        self._health_answer = self.session.run(None, self._health_feeds)
+        after = self._replays()
+        # the bucket the health check replays (counted apart from traffic in report())
+        self._health_bucket = next((k for k, n in after.items() if n > before.get(k, 0)), None)
+        self.health_replays = 1
         self.warmup_s = time.perf_counter() - t0
         self._lock = threading.Lock()
         self._t = Counter()  # Triton-style totals: counts and nanoseconds
@@ -231,8 +137,6 @@ class ReplicaCore:
     def check_health(self) -> None:
         """Replay the smallest bucket on the start-up input and compare with the start-up answer; raise
         :class:`CaptureError` when it differs or the graphs per bucket changed."""
-        if self.session is None:
-            return
         got = self.session.run(None, self._health_feeds)
         self.health_replays += 1
         for i, (a, b) in enumerate(zip(got, self._health_answer)):
@@ -247,20 +151,31 @@ class ReplicaCore:
     # -- requests ----------------------------------------------------------------------------------------------
     def rows(self, feeds: Mapping[str, np.ndarray]) -> int:
         """:meth:`BatchRunner.rows` (raises :class:`~ortcapture.serving.RequestError`)."""
-        if self.runner is None:  # noop: count the batch dim only
-            return int(next(iter(feeds.values())).shape[0]) if feeds else 1
         return self.runner.rows(feeds)
 
     def run(self, requests: Sequence[Mapping[str, np.ndarray]], queued_ns: Sequence[int] = ()) -> list:
         """:meth:`BatchRunner.run` of ``requests`` plus counters; one result dict or exception per request."""
         t0 = time.perf_counter_ns()
-        if self.runner is None:
-            results: list = [self._noop(r) for r in requests]
-        else:
-            results = self.runner.run(requests)
-        dt = time.perf_counter_ns() - t0
+        results = self.runner.run(requests)
+        self._count(results, sum(self._rows_of(r) for r in requests), time.perf_counter_ns() - t0, queued_ns)
+        return results
+
+    def run_joined(self, feeds: Mapping[str, np.ndarray], rows: Sequence[int],
+                   queued_ns: Sequence[int] = ()) -> dict:
+        """One batch a batching tier checked and joined (:meth:`BatchRunner.run_joined`: one run, no check again)
+        plus counters. Returns ``{"outputs": {name: array}, "axes": {name: axis}}`` (every row of the batch; the
+        caller slices each request's rows back along ``axes``), or, when the run failed, ``{"answers": [...]}``:
+        each request's own answer (:meth:`answers`, run alone: outputs, a 400 or a 500)."""
+        t0 = time.perf_counter_ns()
+        got = self.runner.run_joined(feeds, rows)
+        results = got if isinstance(got, list) else [None] * len(rows)
+        self._count(results, sum(int(r) for r in rows), time.perf_counter_ns() - t0, queued_ns)
+        if isinstance(got, list):
+            return {"answers": self.answers(got)}
+        return {"outputs": got, "axes": self.runner.output_axes}
+
+    def _count(self, results: Sequence, rows: int, dt: int, queued_ns: Sequence[int]) -> None:
         ok = sum(not isinstance(r, Exception) for r in results)
-        rows = sum(self._rows_of(r) for r in requests)
         with self._lock:
             t = self._t
             t["success_count"] += ok
@@ -276,7 +191,6 @@ class ReplicaCore:
             b[0] += 1
             b[1] += dt
             self.last_inference_ms = int(time.time() * 1000)
-        return results
 
     def answers(self, results: Sequence) -> list[dict]:
         """What each request of a batch gets, from :meth:`run`'s ``results``: ``{"outputs": {name: array}}``, or
@@ -335,12 +249,6 @@ class ReplicaCore:
             out[key] = out.get(key, 0) + int(rows) * int(runs)
         return out
 
-    def _noop(self, feeds) -> dict:
-        """The ``noop`` arm's answer: zeros shaped like the outputs (dynamic dims = the request's rows)."""
-        rows = self.rows(feeds)
-        return {o.name: np.zeros(tuple(rows if d < 0 else d for d in o.shape), o.dtype)
-                for o in self.layout.spec.outputs}
-
     def _rows_of(self, feeds) -> int:
         try:
             return self.rows(feeds)
@@ -364,10 +272,10 @@ class ReplicaCore:
             "compute_infer": {"count": t.get("compute_infer_count", 0), "ns": t.get("compute_infer_ns", 0)},
             "inference_count": t.get("inference_count", 0), "execution_count": t.get("execution_count", 0),
             "last_inference": last, "batch_stats": batch,
-            "provider": self.provider, "arm": self.arm, "pid": os.getpid(),
+            "provider": self.provider, "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "warmup_s": round(self.warmup_s, 3),
         }
-        if self.session is not None:
+        if self.session is not None:  # None once closed
             info = getattr(self.session, "capture_info", None) or getattr(self.session, "requested_capture", None)
             rep["device"] = (f"{info.device_type}:{info.device_id}" if info is not None
                              else "cuda:0" if self.provider == "cuda" else self.provider)
@@ -392,13 +300,11 @@ class ReplicaCore:
             rep["failed_batches"] = runner["failed_batches"]
             rep["isolation_runs"] = runner["isolation_runs"]
             rep["client_faults_after_run"] = t.get("client_faults_after_run", 0)
-        else:  # noop: the batches Serve formed
-            rep["batch_size_histogram"] = {k: v["count"] for k, v in batch.items()}
         return rep
 
     def bucket_stats(self) -> dict:
         """The session's ``bucket_stats()`` (buckets); an uncaptured session: its runs, counted uncaptured."""
-        if self.captures or isinstance(self.session, PaddedSession):
+        if self.captures:
             return self.session.bucket_stats()
         runner = self.runner.stats()
         return {"replayed": 0, "uncaptured": runner["batches"], "captured": 0, "oversize": 0, "buckets": {},

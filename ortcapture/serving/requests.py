@@ -1,0 +1,191 @@
+"""Requests without a session: the one check of a request, grouping, packing into runs, joining and slicing rows.
+
+What the batching tier (:mod:`ortcapture.serving.tier`, no device, no session) and the session-side
+:class:`ortcapture.serving.BatchRunner` share, so a request is checked once and batched the same way on both sides:
+
+* :class:`RequestCheck` — a request's inputs against the model (names, dtypes, ranks, fixed dims, equal rows along
+  the batched dim, the row limit) and its values against the device's buffers
+  (:func:`ortcapture.transfer.value_rules`); a bad request fails alone with :class:`RequestError` (HTTP 400);
+* :func:`group_key` — requests that may share a run (same non-batched dims, equal values of the inputs that do not
+  carry the batched dim);
+* :func:`pack` — a group cut into runs of at most ``max_rows`` rows, whole requests, first-fit decreasing;
+* :func:`join` / :func:`take` — a run's feeds concatenated along the batched dim, and a run's output rows sliced back.
+
+Uses only numpy and ortcapture's public API.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ortcapture.errors import TransferError
+from ortcapture.transfer import check_values
+
+
+class RequestError(ValueError):
+    """One request is bad: names the input and what is wrong (a client error, HTTP 400). The other requests of
+    the batch are unaffected.
+
+    Attributes:
+        input: the input's name, or ``None`` when the request as a whole is wrong (not a mapping, several inputs
+            disagreeing on the rows).
+    """
+
+    def __init__(self, message: str, input: str | None = None):  # noqa: A002 - the protocol's word
+        super().__init__(message)
+        self.input = input
+
+
+class RequestCheck:
+    """The one check of a request, without a session.
+
+    Args:
+        inputs: ``[(name, numpy dtype, shape)]`` of the model's inputs in order, ``-1`` for the batched dim (and for
+            no other dim: every other dim is fixed).
+        input_axes: ``{input name: axis}`` of the inputs that carry the batched dim.
+        max_rows: the most rows one request may have (``split=False``).
+        value_rules: :func:`ortcapture.transfer.value_rules` of the device the rows are copied to (``{}``: none).
+        dim: the batched dim's label, for messages.
+        split: ``True``: a request may have more than ``max_rows`` rows (it is cut across runs).
+    """
+
+    def __init__(self, inputs: Sequence[tuple[str, Any, Sequence[int]]], input_axes: Mapping[str, int],
+                 max_rows: int, value_rules: Mapping | None = None, dim: str = "batch", split: bool = False):
+        self.names = [n for n, _, _ in inputs]
+        self.types = {n: np.dtype(t) for n, t, _ in inputs}
+        self.shapes = {n: tuple(int(d) for d in s) for n, _, s in inputs}
+        self.input_axes = dict(input_axes)
+        self.max_rows = int(max_rows)
+        self.value_rules = dict(value_rules or {})
+        self.dim = dim
+        self.split = bool(split)
+
+    def rows(self, request: Mapping[str, np.ndarray]) -> int:
+        """Check one request alone and return its rows along the batched dim.
+
+        Args:
+            request: ``{input name: numpy.ndarray}`` with every model input exactly once, each of the input's dtype
+                and rank, fixed dims as in the model, every input carrying the batched dim with the same length.
+
+        Returns:
+            The request's rows (>= 1).
+
+        Raises:
+            RequestError: not a mapping; an input missing or not the model's; a value that is not a numpy array
+                (lists, scalars, device tensors); another dtype (no casts: ``float64`` for a ``float32`` input is
+                refused), rank or fixed dim; inputs disagreeing on the rows; 0 rows; more than ``max_rows`` rows
+                with ``split=False``; values the device's fixed buffers refuse (``value_rules``: int64 outside int32
+                for WebGPU, whose EP would keep the low 32 bits) — the same check the copy into the graph applies,
+                so such a value fails its own request here and never the batch it would have joined.
+        """
+        if not isinstance(request, Mapping):
+            raise RequestError(f"a request is a mapping {{input name: numpy array}}, got a {type(request).__name__}")
+        missing = [n for n in self.names if n not in request]
+        if missing:
+            raise RequestError(f"input(s) {missing} missing: the model takes {self.names}", missing[0])
+        unknown = [k for k in request if k not in self.types]
+        if unknown:
+            raise RequestError(f"input(s) {unknown!r} unknown: the model takes {self.names}", str(unknown[0]))
+        rows: dict[str, int] = {}
+        for name in self.names:
+            v = request[name]
+            if not isinstance(v, np.ndarray):
+                raise RequestError(f"input {name!r} must be a numpy array, got a {type(v).__name__}", name)
+            want = self.types[name]
+            if v.dtype != want:
+                raise RequestError(f"input {name!r} is {want} in the model, the request's is {v.dtype}", name)
+            shape = self.shapes[name]
+            if v.ndim != len(shape):
+                raise RequestError(f"input {name!r} has rank {len(shape)} in the model (shape {list(shape)}), the "
+                                   f"request's has shape {list(v.shape)}", name)
+            for ax, (d, got) in enumerate(zip(shape, v.shape)):
+                if d >= 0 and got != d:
+                    raise RequestError(f"input {name!r} axis {ax} is fixed at {d} in the model, the request's is "
+                                       f"{got}", name)
+            if name in self.input_axes:
+                rows[name] = int(v.shape[self.input_axes[name]])
+        try:
+            check_values(self.value_rules, request)
+        except TransferError as exc:
+            raise RequestError(str(exc), next((n for n in self.names if str(exc).startswith(f"input {n!r}")),
+                                              None)) from None
+        if len(set(rows.values())) > 1:
+            raise RequestError(f"the inputs disagree on the rows along {self.dim!r}: "
+                               + ", ".join(f"{n!r} axis {self.input_axes[n]}: {r}" for n, r in rows.items()))
+        n = next(iter(rows.values()))
+        first = next(iter(rows))
+        if n < 1:
+            raise RequestError(f"input {first!r} has 0 rows along {self.dim!r} (axis {self.input_axes[first]})", first)
+        if n > self.max_rows and not self.split:
+            raise RequestError(f"input {first!r} has {n} rows along {self.dim!r} (axis {self.input_axes[first]}), "
+                               f"more than the {self.max_rows} one run takes: send at most {self.max_rows} per "
+                               "request", first)
+        return n
+
+
+def group_key(request: Mapping[str, np.ndarray], names: Sequence[str], input_axes: Mapping[str, int]) -> tuple:
+    """A checked request's group: requests of one group may share a run (same non-batched dims; an input that does
+    not carry the batched dim is one value for the whole run, so its bytes must be equal)."""
+    parts = []
+    for name in names:
+        v = request[name]
+        axis = input_axes.get(name)
+        if axis is None:
+            parts.append((v.shape, v.tobytes()))
+        else:
+            parts.append(tuple(-1 if ax == axis else d for ax, d in enumerate(v.shape)))
+    return tuple(parts)
+
+
+def pack(members: Sequence[tuple[int, int]], max_rows: int) -> list[list[tuple[int, int, int]]]:
+    """One group's runs: ``members`` are ``(request index, rows)``; returns lists of ``(index, 0, rows)`` of at most
+    ``max_rows`` rows each (whole requests, first-fit decreasing: fewest runs, little padding), requests in order
+    inside a run, runs ordered by their first request."""
+    bins: list[list] = []  # [rows used, [(index, rows)]]
+    for i, n in sorted(members, key=lambda m: -m[1]):
+        for b in bins:
+            if b[0] + n <= max_rows:
+                b[0] += n
+                b[1].append((i, n))
+                break
+        else:
+            bins.append([n, [(i, n)]])
+    chunks = [sorted((i, 0, n) for i, n in b[1]) for b in bins]
+    return sorted(chunks, key=lambda c: c[0][0])
+
+
+def join(requests: Sequence[Mapping[str, np.ndarray]], chunk: Sequence[tuple[int, int, int]], names: Sequence[str],
+         input_axes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """The feeds of one run: each batched input of ``chunk``'s ``(index, first row, end row)`` pieces concatenated
+    along its axis (one piece: the request's own array, no copy); an input without the batched dim is the first
+    request's (the group agrees on it)."""
+    first = requests[chunk[0][0]]
+    feeds = {}
+    for name in names:
+        axis = input_axes.get(name)
+        if axis is None:
+            feeds[name] = first[name]
+            continue
+        parts = []
+        for i, start, stop in chunk:
+            v = requests[i][name]
+            parts.append(v if start == 0 and stop == v.shape[axis] else take(v, axis, start, stop))
+        feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+    return feeds
+
+
+def split_feeds(feeds: Mapping[str, np.ndarray], rows: Sequence[int], input_axes: Mapping[str, int]) -> list[dict]:
+    """The inverse of :func:`join`: the joined ``feeds`` cut back into one feeds dict per request of ``rows`` rows
+    (views; inputs without the batched dim shared)."""
+    out, offset = [], 0
+    for n in rows:
+        out.append({name: take(v, input_axes[name], offset, offset + n) if name in input_axes else v
+                    for name, v in feeds.items()})
+        offset += n
+    return out
+
+
+def take(x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    """``x[start:stop]`` along ``axis`` (a view)."""
+    return x[(slice(None),) * axis + (slice(start, stop),)]

@@ -1,0 +1,164 @@
+"""The ``ModelSession`` deployment: the replicas that hold a model's session, one Ray call per batch.
+
+Each replica is one :class:`ortcapture.serving.replica.ReplicaCore` (one ``ortcapture.InferenceSession`` with
+``buckets=`` and ``replay_thread=True``, every bucket warmed up in the constructor, one graph per bucket asserted).
+The batching tier (:class:`ortcapture.serving.tier.ModelTier`, the ``Model`` deployment) checks every request once,
+forms batches and makes one :meth:`ModelSession.run_batch` call per batch, passing each run's rows joined into one
+numpy array per input (Ray's object store: zero-copy between processes of a node) and the rows of each request; the
+replica runs each once through its bucket session, without checking the requests again, on a worker thread that
+hands the replay to the session's own thread (so its event loop keeps taking the next batch), and returns the
+outputs whole: the tier slices each request's rows back. A run that fails is run again one request at a time, and
+:meth:`ReplicaCore.answers` decides 400 or 500 by behaviour.
+
+GPUs per replica: 1 for CUDA, 0 otherwise (Ray sets ``CUDA_VISIBLE_DEVICES``). ``check_health()`` replays the
+smallest bucket and checks its answer; shutting down lets batches in flight finish (``graceful_shutdown_s``) and
+releases the graphs. Per-replica metrics go through ``ray.serve.metrics``; every second each replica also pushes its
+counters to the ``ModelStats`` deployment for ``/stats``. This module imports Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from ray import serve as ray_serve
+
+from ortcapture.serving.config import ServeOptions
+from ortcapture.serving.ray_common import REPORT_EVERY_S, STATS_DEPLOYMENT, keep_replica_grpc_on_loopback
+from ortcapture.serving.replica import ReplicaCore
+
+
+class ModelSession:
+    """The ``ModelSession`` deployment's class (see the module docstring).
+
+    Args:
+        options: checked :class:`~ortcapture.serving.config.ServeOptions`.
+        provider: the resolved provider (``cuda``, ``webgpu``, ``cpu``).
+        stats_app: the application of the ``ModelStats`` deployment (default: this replica's own).
+
+    Raises:
+        CaptureError: what :class:`~ortcapture.serving.replica.ReplicaCore` raises (the model does not capture, ...).
+    """
+
+    def __init__(self, options: ServeOptions, provider: str, stats_app: str | None = None):
+        keep_replica_grpc_on_loopback(options.loopback())
+        self.options = options
+        self.core = ReplicaCore(options, provider)
+        self._pool = ThreadPoolExecutor(options.max_concurrent_batches, "ortcapture-batch")
+        ctx = ray_serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self._app = stats_app or ctx.app_name
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._reporter: asyncio.Task | None = None
+        self._stats = None
+        self._metrics = _Metrics(options.name)
+        self._metrics.graphs(self.core)
+
+    async def run_batch(self, runs: Sequence[tuple[dict, Sequence[int]]],
+                        queued_ns: Sequence[Sequence[int]] = ()) -> list[dict]:
+        """One batch of the tier: several runs (one per group of requests that can share a run).
+
+        Args:
+            runs: ``[(feeds, rows)]``: ``feeds`` ``{input: numpy array}`` with the requests' rows joined along the
+                batched dim (at most ``max_batch_size`` rows), ``rows`` each request's rows in order. Checked by the
+                tier already (:class:`~ortcapture.serving.requests.RequestCheck`): not checked again.
+            queued_ns: per run, each request's wait in the tier (nanoseconds; ``/stats``' queue time).
+
+        Returns:
+            Per run: :meth:`ReplicaCore.run_joined`'s answer — ``{"outputs", "axes"}`` (every row; the tier slices)
+            or ``{"answers": [...]}`` (the run failed: each request's own answer).
+        """
+        self._start_reporter()
+        loop = asyncio.get_running_loop()
+        queued = list(queued_ns) or [()] * len(runs)
+        return await loop.run_in_executor(self._pool, self._run_all, list(runs), queued)
+
+    def _run_all(self, runs: list, queued: list) -> list[dict]:
+        out = []
+        for (feeds, rows), q in zip(runs, queued):
+            answer = self.core.run_joined(feeds, rows, q)
+            self._metrics.batch(sum(int(r) for r in rows), answer, len(rows))
+            out.append(answer)
+        return out
+
+    async def stats(self) -> dict:
+        """This replica's report (:meth:`ReplicaCore.report`) with its replica id."""
+        return {"replica": self.replica_id, **self._report()}
+
+    def _report(self) -> dict:
+        """:meth:`ReplicaCore.report` plus the Ray node this replica runs on (``node``)."""
+        return {**self.core.report(), "node": self.node_id}
+
+    async def check_health(self) -> None:
+        """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the
+        replica unhealthy and Ray replaces it)."""
+        self._start_reporter()
+        await asyncio.get_running_loop().run_in_executor(None, self.core.check_health)
+
+    def _start_reporter(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                if self._stats is None:
+                    self._stats = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._app)
+                await self._stats.report.remote(self.replica_id, self._report())
+                self._metrics.graphs(self.core)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - ModelStats restarts or is not up yet: push again later
+                pass
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    def __del__(self):
+        """Graceful shutdown (Serve calls this after requests in flight finished): release the graphs."""
+        task = getattr(self, "_reporter", None)
+        if task is not None:
+            task.cancel()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.close()
+
+
+class _Metrics:
+    """Per-replica metrics through ``ray.serve.metrics`` (Ray adds the deployment, replica and application tags)."""
+
+    def __init__(self, model: str):
+        from ray.serve import metrics
+
+        self.tags = {"model": model}
+        self._requests = metrics.Counter("ortcapture_requests", "requests by outcome (ok, bad, failed)",
+                                         tag_keys=("model", "outcome"))
+        self._rows = metrics.Histogram("ortcapture_batch_rows", "rows per batch run",
+                                       boundaries=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64], tag_keys=("model",))
+        self._graphs = metrics.Gauge("ortcapture_graphs_captured", "graphs captured on this replica",
+                                     tag_keys=("model",))
+        self._uncaptured = metrics.Gauge("ortcapture_uncaptured_runs", "runs not served by a captured graph",
+                                         tag_keys=("model",))
+        self._waste = metrics.Gauge("ortcapture_padding_waste", "padded rows / rows replayed", tag_keys=("model",))
+
+    def requests(self, outcome: str, n: int = 1) -> None:
+        if n:
+            self._requests.inc(n, tags={**self.tags, "outcome": outcome})
+
+    def batch(self, rows: int, answer: dict, requests: int) -> None:
+        self._rows.observe(rows, tags=self.tags)
+        answers = answer.get("answers")
+        bad = 0 if answers is None else sum("error" in a for a in answers)
+        self.requests("ok", requests - bad)
+        self.requests("failed", bad)
+
+    def graphs(self, core: ReplicaCore) -> None:
+        if core.session is None:
+            return
+        s = core.bucket_stats()
+        self._graphs.set(s["captured"], tags=self.tags)
+        self._uncaptured.set(s["uncaptured"], tags=self.tags)
+        self._waste.set(s["padding_waste"], tags=self.tags)

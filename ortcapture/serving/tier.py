@@ -1,0 +1,356 @@
+"""The batching tier (the ``Model`` deployment): HTTP and handle requests, checked once, one Ray call per batch.
+
+:class:`ModelTier` runs on ``ingress_replicas`` replicas that hold no session and reserve no CPU of Ray's. Each one
+is what clients reach: the Open Inference Protocol's HTTP routes (:mod:`ortcapture.serving.routes`, with the body,
+queue and time bounds) and the handle method :meth:`ModelTier.infer`. A request is checked once, here, before it
+joins a batch (:class:`~ortcapture.serving.requests.RequestCheck`: the model's inputs and the device's value rules;
+a bad one is its own 400). An :class:`~ortcapture.serving.batcher.AdaptiveBatcher` forms batches of at most
+``max_batch_size`` rows (a lone request runs at once; a batch waits at most ``batch_wait_ms``, and only while more
+requests arrive; at most ``max_concurrent_batches`` batches in flight per tier replica), groups and joins each batch
+into runs (:func:`~ortcapture.serving.requests.group_key`, :func:`~ortcapture.serving.requests.pack`,
+:func:`~ortcapture.serving.requests.join`) and makes ONE call per batch to a ``ModelSession`` replica
+(:meth:`ortcapture.serving.session_replica.ModelSession.run_batch`), whose outputs it slices back per request.
+
+:class:`ModelStats` (one replica, no CPU) keeps the latest report of every session replica and tier replica for
+``/stats``. This module imports Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import ray
+from ray import serve as ray_serve
+
+from ortcapture.serving.batcher import AdaptiveBatcher, Item
+from ortcapture.serving.config import ServeOptions, model_layout
+from ortcapture.serving.protocol import ProtocolError
+from ortcapture.serving.ray_common import (REPORT_EVERY_S, RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT,
+                                           keep_replica_grpc_on_loopback)
+from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, take
+from ortcapture.serving.routes import STALE_S, Refusal, Router
+
+#: the provider's device for the value rules of :func:`ortcapture.transfer.value_rules`
+_DEVICE = {"cuda": "cuda", "webgpu": "webgpu", "cpu": "cpu"}
+
+
+class ModelTier:
+    """The ``Model`` deployment's class (see the module docstring).
+
+    Args:
+        options: checked :class:`~ortcapture.serving.config.ServeOptions`.
+        provider: the resolved provider (its device's value rules apply to every request).
+        session: a handle to the ``ModelSession`` deployment, or ``None``: the ``ModelSession`` deployment of
+            application ``session_app`` (looked up on first use).
+        session_app: where ``ModelSession`` runs (default: this replica's application).
+        stats: a handle to the ``ModelStats`` deployment, or ``None``: the one of this replica's application.
+    """
+
+    def __init__(self, options: ServeOptions, provider: str, session=None, session_app: str | None = None,
+                 stats=None):
+        import ortcapture
+        from ortcapture.transfer import value_rules
+
+        keep_replica_grpc_on_loopback(options.loopback())
+        self.options = options
+        self.spec = model_layout(options).spec
+        self.check = RequestCheck([(t.name, t.dtype, t.shape) for t in self.spec.inputs], self.spec.batch_axes,
+                                  options.max_batch_size, value_rules(_DEVICE.get(provider, provider)))
+        ctx = ray_serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self.session = session
+        self._session_app = session_app or ctx.app_name
+        self._stats_handle = stats
+        self._stats_app = ctx.app_name
+        self.batcher = AdaptiveBatcher(self._run_batch, max_rows=options.max_batch_size,
+                                       max_wait_s=options.batch_wait_ms / 1000.0,
+                                       max_in_flight=options.max_concurrent_batches)
+        self._ready_at = 0.0
+        self._ready = False
+        self._ready_lock: asyncio.Lock | None = None
+        self._draining = False  # set by drain(): new requests get a 503, the ones in flight finish
+        self._in_flight = 0  # HTTP requests being answered
+        self._infers = 0  # infer() calls being answered (HTTP and handle)
+        self._pending_bodies = 0  # requests whose body is still arriving
+        self._queued = 0  # requests waiting for a session replica's answer
+        self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "request_timeout": 0,
+                         "client_gone": 0, "bad_request": 0}
+        self._sent = {"session_calls": 0, "requests_sent": 0}
+        self._others: dict[str, tuple[float, dict]] = {}
+        self._reporter: asyncio.Task | None = None
+        self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
+                             token=options.token, ingress_stats=self._ingress_stats)
+
+    # -- the handle method and the router's backend -------------------------------------------------------------
+    async def infer(self, feeds: dict) -> dict:
+        """One request, ``{input name: numpy array}`` (its rows along the batch dim, at most ``max_batch_size``).
+
+        Returns:
+            ``{"outputs": {output name: numpy array}}`` (this request's rows only), or ``{"error": message,
+            "status": code}``: 400 for the request's own fault (checked here before it joins a batch, or its own
+            run refused it while the session replica is healthy), 500 when the model failed on a healthy-looking
+            request and the replica is not healthy, 503 (with ``"retry_after"``) when ``max_queued`` requests wait
+            already, no session replica answered within ``request_timeout_s``, or none could run it.
+        """
+        self._start_reporter()
+        o = self.options
+        try:
+            rows = self.check.rows(feeds)
+        except RequestError as exc:
+            self._refused["bad_request"] += 1
+            return {"error": str(exc), "status": 400}
+        if self._queued >= o.max_queued:
+            self._refused["queue_full"] += 1
+            return {"error": f"{self._queued} requests are queued already; try again", "status": 503,
+                    "retry_after": RETRY_AFTER_S}
+        self._queued += 1
+        self._infers += 1
+        try:
+            return await asyncio.wait_for(self.batcher.submit(rows, feeds), o.request_timeout_s)
+        except asyncio.TimeoutError:
+            self._refused["request_timeout"] += 1
+            return {"error": f"no model replica answered within {o.request_timeout_s:g} s", "status": 503,
+                    "retry_after": RETRY_AFTER_S}
+        finally:
+            self._queued -= 1
+            self._infers -= 1
+
+    async def _run_batch(self, items: list[Item]) -> list[dict]:
+        """The batcher's ``run``: group and join the batch into runs, ONE call to a session replica, rows back."""
+        names, axes = self.check.names, self.check.input_axes
+        requests = [it.payload for it in items]
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        for k, it in enumerate(items):
+            groups.setdefault(group_key(it.payload, names, axes), []).append((k, it.rows))
+        chunks = [c for members in groups.values() for c in pack(members, self.options.max_batch_size)]
+        now = time.perf_counter_ns()
+        runs = [(join(requests, c, names, axes), [stop for _, _, stop in c]) for c in chunks]
+        queued = [[now - items[k].queued_ns for k, _, _ in c] for c in chunks]
+        if self.session is None:
+            self.session = ray_serve.get_deployment_handle(SESSION_DEPLOYMENT, self._session_app)
+        self._sent["session_calls"] += 1
+        self._sent["requests_sent"] += len(items)
+        try:
+            answers = await self.session.run_batch.remote(runs, queued)
+        except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
+            text = str(exc).splitlines()[0][:300] if str(exc) else ""
+            return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
+                     "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
+        results: list[Any] = [None] * len(items)
+        for chunk, answer in zip(chunks, answers):
+            if "answers" in answer:  # the run failed: each request's own answer
+                for (k, _, _), a in zip(chunk, answer["answers"]):
+                    results[k] = a
+                continue
+            outs, out_axes, offset = answer["outputs"], answer["axes"], 0
+            for k, _, n in chunk:
+                results[k] = {"outputs": {name: np.ascontiguousarray(take(o, out_axes[name], offset, offset + n))
+                                          for name, o in outs.items()}}
+                offset += n
+        return results
+
+    # -- HTTP ---------------------------------------------------------------------------------------------------
+    async def __call__(self, request):
+        from starlette.responses import Response
+
+        if self._draining:
+            return Response(b'{"error": "the server is shutting down"}', status_code=503,
+                            headers={"content-type": "application/json"})
+        self._start_reporter()
+        self._in_flight += 1
+        try:
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            path = request.url.path
+            if path.rstrip("/").endswith("/stats"):
+                await self._refresh_reports()
+
+            async def read_body(cap: int) -> bytes:
+                return await self._read_body(request, cap)
+
+            res = await self.router.handle(request.method, path, headers, read_body)
+            return Response(res.body, status_code=res.status, headers=res.headers)
+        finally:
+            self._in_flight -= 1
+
+    async def _read_body(self, request, cap: int) -> bytes:
+        """The request body, bounded three ways: at most ``cap`` bytes (413); at most
+        ``options.max_pending_bodies`` bodies arriving at once per tier replica (503 at once, ``Connection:
+        close``); and a body that makes no progress for ``options.body_timeout_s`` seconds is refused (408,
+        ``Connection: close``). Ray Serve's proxy hands the request over after its headers and streams the body on
+        demand, so without these a thousand connections that send headers and stall hold every slot."""
+        o = self.options
+        if self._pending_bodies >= o.max_pending_bodies:
+            self._refused["bodies_pending"] += 1
+            raise Refusal(f"{self._pending_bodies} requests are sending their bodies already; try again",
+                          503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+        self._pending_bodies += 1
+        try:
+            chunks, n = [], 0
+            stream = request.stream().__aiter__()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(stream.__anext__(), o.body_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    self._refused["body_timeout"] += 1
+                    raise Refusal(f"the request body made no progress for {o.body_timeout_s:g} s", 408,
+                                  {"Connection": "close"}) from None
+                except Exception as exc:  # noqa: BLE001 - starlette's ClientDisconnect: the client went away
+                    self._refused["client_gone"] += 1
+                    raise Refusal(f"the client closed the connection before its body arrived "
+                                  f"({type(exc).__name__})", 400, {"Connection": "close"}) from None
+                n += len(chunk)
+                if n > cap:
+                    raise ProtocolError(f"request body is past the cap of {cap} bytes", 413)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            self._pending_bodies -= 1
+
+    # -- lifecycle, readiness, reports ---------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> dict:
+        """Graceful shutdown, first step, on this tier replica: answer new HTTP requests with a 503 and wait (at
+        most ``timeout_s`` seconds) until the requests in flight have their answers. Returns ``{"replica": id,
+        "in_flight": requests still in flight then (0 normally)}``."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while (self._in_flight or self._infers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return {"replica": self.replica_id, "in_flight": self._in_flight + self._infers}
+
+    async def layout(self) -> dict:
+        """What clients see of the served model (:func:`ortcapture.serving.deployment.replace_model` checks a
+        replacement against it)."""
+        return api_of(self.spec)
+
+    async def ready(self) -> bool:
+        """Whether a ``ModelSession`` replica is running (warm), asked of the Serve controller: a yes is trusted for
+        0.5 s, a no is asked again (at most every 50 ms)."""
+        if self._draining:
+            return False
+        asked = self._ready_at
+        if self._ready and time.monotonic() - asked < 0.5:
+            return True
+        if self._ready_lock is None:
+            self._ready_lock = asyncio.Lock()
+        async with self._ready_lock:
+            if self._ready_at == asked or time.monotonic() - self._ready_at > 0.05:
+                try:
+                    self._ready = await asyncio.get_running_loop().run_in_executor(None, session_running,
+                                                                                   self._session_app)
+                except Exception:  # noqa: BLE001 - the controller is busy: keep the last answer
+                    pass
+                self._ready_at = time.monotonic()
+        return self._ready
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: starts this replica's report loop (nothing to check: no session)."""
+        self._start_reporter()
+
+    def _stats_target(self):
+        if self._stats_handle is None:
+            self._stats_handle = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._stats_app)
+        return self._stats_handle
+
+    def _own(self) -> dict:
+        o = self.options
+        return {"pending_bodies": self._pending_bodies, "max_pending_bodies": o.max_pending_bodies,
+                "queued": self._queued, "max_queued": o.max_queued, "refused": dict(self._refused), **self._sent,
+                "http_errors": {str(k): v for k, v in self.router.http_errors.items()}}
+
+    def _ingress_stats(self) -> dict:
+        """``/stats``' ``ortcapture.ingress``: the counters of every tier replica heard from (this one live, the
+        others as last pushed), summed; ``replicas`` tier replicas. Per-replica caps (``max_queued``,
+        ``max_pending_bodies``) are this replica's."""
+        total = self._own()
+        n = 1
+        for rid, (t, other) in self._others.items():
+            if rid == self.replica_id or time.monotonic() - t > STALE_S:
+                continue
+            n += 1
+            for key in ("pending_bodies", "queued", "session_calls", "requests_sent"):
+                total[key] += other.get(key, 0)
+            for part in ("refused", "http_errors"):
+                for k, v in (other.get(part) or {}).items():
+                    total[part][k] = total[part].get(k, 0) + v
+        total["http_errors"] = dict(sorted(total["http_errors"].items()))
+        total["replicas"] = n
+        return total
+
+    async def _refresh_reports(self) -> None:
+        """Fetch ``ModelStats``' reports now (``/stats`` shows the session replicas' last pushes: at most ~1 s
+        old)."""
+        try:
+            snap = await asyncio.wait_for(self._stats_target().snapshot.remote(), 5.0)
+        except Exception:  # noqa: BLE001 - ModelStats restarting: show what is known
+            return
+        now = time.monotonic()
+        for rid, (age, data) in snap["replicas"].items():
+            self.router.report(rid, data, now=now - age)
+        self._others = {rid: (now - age, data) for rid, (age, data) in snap["tiers"].items()}
+
+    def _start_reporter(self) -> None:
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await self._stats_target().tier.remote(self.replica_id, self._own())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - ModelStats restarts or is not up yet: push again later
+                pass
+            await asyncio.sleep(REPORT_EVERY_S)
+
+
+class ModelStats:
+    """The ``ModelStats`` deployment's class (one replica): the latest report of each session replica
+    (:meth:`report`) and tier replica (:meth:`tier`), dropped :data:`~ortcapture.serving.routes.STALE_S` seconds
+    after its last push. ``loopback``: bind its inter-deployment gRPC server to 127.0.0.1
+    (:func:`~ortcapture.serving.ray_common.keep_replica_grpc_on_loopback`)."""
+
+    def __init__(self, loopback: bool = False):
+        keep_replica_grpc_on_loopback(loopback)
+        self._replicas: dict[str, tuple[float, dict]] = {}
+        self._tiers: dict[str, tuple[float, dict]] = {}
+
+    async def report(self, replica: str, data: dict) -> None:
+        """A session replica's counters (:meth:`ortcapture.serving.replica.ReplicaCore.report`)."""
+        self._replicas[str(replica)] = (time.monotonic(), dict(data))
+
+    async def tier(self, replica: str, data: dict) -> None:
+        """A tier replica's own counters (its bounds, refusals, calls to the session replicas)."""
+        self._tiers[str(replica)] = (time.monotonic(), dict(data))
+
+    async def snapshot(self) -> dict:
+        """``{"replicas": {id: (age_s, report)}, "tiers": {id: (age_s, counters)}}``, fresh ones only."""
+        now = time.monotonic()
+        out = {}
+        for key, store in (("replicas", self._replicas), ("tiers", self._tiers)):
+            for k in [k for k, (t, _) in store.items() if now - t > STALE_S]:
+                del store[k]
+            out[key] = {k: (now - t, d) for k, (t, d) in store.items()}
+        return out
+
+
+def session_running(app: str) -> bool:
+    """Whether application ``app``'s ``ModelSession`` deployment has a RUNNING replica (asks Serve's controller)."""
+    status = ray_serve.status().applications.get(app)
+    if status is None:
+        return False
+    dep = status.deployments.get(SESSION_DEPLOYMENT)
+    if dep is None:
+        return False
+    return any(str(getattr(k, "value", k)) == "RUNNING" and n > 0 for k, n in dep.replica_states.items())
+
+
+def api_of(spec) -> dict:
+    """What a client of the tier sees of a model: inputs and outputs (name, datatype, shape), batch axes, the row
+    limit — equal for a replacement."""
+    return {"inputs": [(t.name, t.datatype, list(t.shape)) for t in spec.inputs],
+            "outputs": [(t.name, t.datatype, list(t.shape)) for t in spec.outputs],
+            "batch_axes": dict(spec.batch_axes), "max_rows": int(spec.max_rows)}
