@@ -33,9 +33,11 @@ from ray import serve as ray_serve
 
 from ortcapture.serving.batch import RequestError
 from ortcapture.serving.config import ServeOptions, check_port, model_layout
+from ortcapture.serving.grpc_service import GrpcIngress, grpc_options, proxy_runtime_env
 from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.routes import Refusal, Router
+from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
 MODEL_DEPLOYMENT = "Model"
 
@@ -198,7 +200,7 @@ class _Metrics:
         self._waste.set(s["padding_waste"], tags=self.tags)
 
 
-class IngressReplica:
+class IngressReplica(GrpcIngress):  # hook: the gRPC methods (ortcapture.serving.grpc_service)
     """The ``Ingress`` deployment's class: the Open Inference Protocol over HTTP in front of ``model`` (a handle
     to the ``Model`` deployment), or, with ``model=None``, of the ``Model`` deployment of application
     ``model_app`` (looked up once it runs)."""
@@ -220,8 +222,10 @@ class IngressReplica:
         self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "request_timeout": 0,
                          "client_gone": 0}
         self.options = options
+        # hook: system shared memory, its registry one named actor per application (ortcapture.serving.shm_store)
+        self.shm = ShmStore(ActorRegistry(f"{options.app_name}-shm"), allow_remote=options.allow_remote_shared_memory)
         self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
-                             token=options.token, ingress_stats=self._stats)
+                             token=options.token, ingress_stats=self._stats, shm=self.shm)
 
     async def __call__(self, request):
         from starlette.responses import Response
@@ -243,6 +247,7 @@ class IngressReplica:
         deadline = time.monotonic() + timeout_s
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        await self.shm.shutdown()  # hook: every shared memory region unregistered and unmapped
         return self._in_flight
 
     async def _handle(self, request):
@@ -253,7 +258,8 @@ class IngressReplica:
         async def read_body(cap: int) -> bytes:
             return await self._read_body(request, cap)
 
-        res = await self.router.handle(request.method, request.url.path, headers, read_body)
+        client = request.client.host if request.client else None  # hook: shared memory registration is loopback's
+        res = await self.router.handle(request.method, request.url.path, headers, read_body, client)
         return Response(res.body, status_code=res.status, headers=res.headers)
 
     async def _read_body(self, request, cap: int) -> bytes:
@@ -420,6 +426,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     say = on_status or (lambda msg: None)
     if not options.address and not ray.is_initialized():
         check_port(options.host, options.port)  # Ray's proxy binds with SO_REUSEPORT: it would share the port
+        if options.grpc_port:  # hook: the gRPC port too
+            check_port(options.host, options.grpc_port)
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if options.address:
@@ -430,6 +438,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
             gpus = options.gpus(provider) * options.replicas
             if gpus and provider == "cuda":
                 kwargs["num_gpus"] = None  # Ray counts the GPUs itself
+            if proxy_runtime_env(options):  # hook: Ray's gRPC proxy binds --host, not every interface
+                kwargs["runtime_env"] = proxy_runtime_env(options)
         kwargs.update(ray_init or {})
         say("starting Ray" if not options.address else f"joining the Ray cluster at {options.address}")
         import signal
@@ -447,7 +457,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
         http.update(ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
     if options.address:
         _check_joined_serve(options)
-    ray_serve.start(http_options=http, proxy_location="HeadOnly")
+    grpc = {"grpc_options": grpc_options(options)} if options.grpc_port else {}  # hook: gRPC
+    ray_serve.start(http_options=http, proxy_location="HeadOnly", **grpc)
     if options.address:
         _check_joined_serve(options)
     model_layout(options)
@@ -457,6 +468,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     ray_serve.run_many([ray_serve.RunTarget(ingress.bind(options, None, model_app), name=options.app_name,
                                             route_prefix="/")], wait_for_applications_running=True)
     _check_listening(options.host, options.port)
+    if options.grpc_port:  # hook: gRPC
+        _check_listening(options.host, options.grpc_port)
     ray_serve.run_many([ray_serve.RunTarget(model.bind(options, provider, options.app_name), name=model_app,
                                             route_prefix=None)],
                        wait_for_ingress_deployment_creation=True, wait_for_applications_running=False)
