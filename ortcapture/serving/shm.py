@@ -25,6 +25,7 @@ import os
 import stat
 from dataclasses import dataclass
 from typing import Any, Mapping
+from urllib.parse import unquote
 
 from ortcapture.serving.protocol import ProtocolError
 
@@ -287,10 +288,9 @@ def is_loopback(peer: str | None) -> bool:
     if p.startswith("ipv4:"):
         p = p[5:].rsplit(":", 1)[0]
     elif p.startswith("ipv6:"):
-        p = p[5:]
+        p = unquote(p[5:])  # gRPC writes ipv6:%5B::1%5D:PORT
         if p.startswith("["):
             p = p[1:].split("]", 1)[0]
-        p = p.replace("%5B", "").replace("%5D", "")
     try:
         addr = ipaddress.ip_address(p.split("%", 1)[0])
     except ValueError:
