@@ -1,5 +1,6 @@
-"""The Open Inference Protocol's gRPC form (KServe v2 ``inference.GRPCInferenceService``) through Ray Serve's gRPC
-proxy, and the conversion of its messages to and from what the REST path decodes.
+"""The Open Inference Protocol's gRPC form through Ray Serve's gRPC proxy, its messages to and from the REST path's.
+
+KServe v2's ``inference.GRPCInferenceService``, with Triton's shared memory RPCs.
 
 The service and its messages are Triton's own generated modules, ``tritonclient.grpc.service_pb2`` /
 ``service_pb2_grpc`` (Triton's service is a superset of KServe v2's, with the shared memory RPCs): the server speaks

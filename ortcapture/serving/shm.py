@@ -1,4 +1,4 @@
-"""Triton's system shared memory extension: the region registry, the mapped regions and every bound check (no Ray).
+"""Triton's system shared memory extension: the region registry, mapped regions, every bound check (no Ray).
 
 A client puts a tensor in a POSIX shared memory object (``tritonclient.utils.shared_memory``: ``shm_open(key)``,
 ``/dev/shm/<key>``), registers a *region* of it under a server-wide ``name`` (``key``, ``offset``, ``byte_size``) and

@@ -1,5 +1,6 @@
-"""System shared memory in the ingress: where the registry lives, the HTTP endpoints, and infer requests that name
-regions (the pure rules are :mod:`ortcapture.serving.shm`).
+"""System shared memory in the ingress: the registry's home, the HTTP endpoints, infer requests naming regions.
+
+The pure rules are :mod:`ortcapture.serving.shm`.
 
 **Where a region lives.** The ingress maps it (the process that parses requests; a model replica may be another
 process on another node and never touches client memory). The registry — names to (key, offset, byte_size) — is one
