@@ -11,8 +11,11 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
                  "ModelSession" replica)
   product-2rep   the same with 2 session replicas at 0.5 GPU each
 The hand-written arms are reached through a handle only (they have no HTTP routes). Per arm, client level and
-path (a Ray ``DeploymentHandle`` to the ``Model`` deployment, and HTTP through ``tritonclient.http`` to the Open
-Inference Protocol): images/s, p50/p99 latency (ms),
+path (``handle``: a Ray ``DeploymentHandle`` to the ``Model`` deployment; ``http``: ``tritonclient.http`` binary
+tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tensors through Ray Serve's gRPC proxy;
+``shm``: ``tritonclient.grpc`` with the image and the answer in system shared memory regions registered once per
+client, ``tritonclient.utils.shared_memory``; the last two with ``--paths handle,http,grpc,shm``): images/s, p50/p99
+latency (ms),
 the batch-size histogram (rows per batch run, from the replicas' reports), and every response checked against the
 CPU EP's answer for the same image (4 fixed images; a response off by more than 1e-2 of the output's max counts as
 wrong). Clients: up to 8 processes (one thread per client each: 32 clients = 8 x 4), started once, connected to
@@ -131,11 +134,15 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
         path, app, url, threads, seconds, warm, check = msg
         lat, wrong, errors = [], [0], []
         lock = threading.Lock()
+        # the gRPC clients (and the shm path's regions, registered once per client) are set up before the clock
+        prepared = {k: _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
+                                  refs[0].nbytes, refs[0].shape) for k in range(threads)} \
+            if path in ("grpc", "shm") else {}
         t_end = time.perf_counter() + warm + seconds
         t_meas = time.perf_counter() + warm
 
         def run_thread(k):
-            mine = []
+            mine, cleanup = [], None
             if path == "handle":
                 handle = serve.get_deployment_handle("Model", app)
 
@@ -144,6 +151,8 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                     if "error" in r:
                         raise RuntimeError(r["error"])
                     return r["outputs"].get(output_name) if check else None
+            elif path in ("grpc", "shm"):
+                call, cleanup = prepared[k]
             else:
                 import tritonclient.http as http
 
@@ -177,6 +186,8 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                 if t0 >= t_meas:
                     mine.append(t1 - t0)
                 i += 1
+            if cleanup is not None:
+                cleanup()
             with lock:
                 lat.extend(mine)
 
@@ -187,6 +198,45 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
             t.join()
         conn.send({"latencies": lat, "wrong": wrong[0], "errors": errors[:5], "n_errors": len(errors)})
     ray.shutdown()
+
+
+def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
+    """One client thread's call for the ``grpc`` path (raw tensors) or the ``shm`` path (the image written to this
+    client's input region, the answer read from its output region: both registered once, here)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    if path == "grpc":
+        def call(x):
+            inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            return client.infer(model_name, [inp], outputs=[grpcclient.InferRequestedOutput(output_name)],
+                                client_timeout=60).as_numpy(output_name)
+        return call, client.close
+    import tritonclient.utils.shared_memory as shm
+
+    tag = f"b{os.getpid()}-{k}"
+    hin = shm.create_shared_memory_region(f"{tag}-in", f"/{tag}-in", in_bytes)
+    hout = shm.create_shared_memory_region(f"{tag}-out", f"/{tag}-out", out_bytes)
+    client.register_system_shared_memory(f"{tag}-in", f"/{tag}-in", in_bytes)
+    client.register_system_shared_memory(f"{tag}-out", f"/{tag}-out", out_bytes)
+    out = grpcclient.InferRequestedOutput(output_name)
+    out.set_shared_memory(f"{tag}-out", out_bytes)
+
+    def call(x):
+        shm.set_shared_memory_region(hin, [x])
+        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
+        inp.set_shared_memory(f"{tag}-in", in_bytes)
+        client.infer(model_name, [inp], outputs=[out], client_timeout=60)
+        return np.array(shm.get_contents_as_numpy(hout, np.float32, list(out_shape)))
+
+    def cleanup():
+        for name in (f"{tag}-in", f"{tag}-out"):
+            client.unregister_system_shared_memory(name)
+        shm.destroy_shared_memory_region(hin)
+        shm.destroy_shared_memory_region(hout)
+        client.close()
+    return call, cleanup
 
 
 def _stats(url, model_name):
@@ -227,6 +277,7 @@ def main() -> int:
     ap.add_argument("--dims", default="height=320,width=320",
                     help="the model's other dynamic dims, NAME=SIZE,... (default the 320x320 images)")
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--grpc-port", type=int, default=8012, help="the gRPC port (paths grpc and shm)")
     ap.add_argument("--num-gpus", type=int, default=None,
                     help="GPUs of the local Ray cluster (default: Ray detects them; 0 without CUDA)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -240,7 +291,7 @@ def main() -> int:
     import ray
 
     from ortcapture.cli import models
-    from ortcapture.serving import deployment
+    from ortcapture.serving import deployment, grpc_service
     from ortcapture.serving.config import ServeOptions, model_layout
 
     os.makedirs(args.out, exist_ok=True)
@@ -255,7 +306,9 @@ def main() -> int:
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
 
+    grpc_port = args.grpc_port if {"grpc", "shm"} & set(paths) else None
     base = ServeOptions(model, name="yolo", buckets=args.buckets, provider=args.provider, port=args.port,
+                        grpc_port=grpc_port,
                         batch_wait_ms=args.batch_wait_ms, dims=dims,
                         graceful_shutdown_s=2.0).checked()
     layout = model_layout(base)
@@ -268,6 +321,7 @@ def main() -> int:
 
     num_gpus = args.num_gpus if args.num_gpus is not None else (None if args.provider == "cuda" else 0)
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env=grpc_service.proxy_runtime_env(base),  # the gRPC proxy on --host, as ortcapture serve
              **({} if num_gpus is None else {"num_gpus": num_gpus}))
     if args.provider == "cuda" and not ray.cluster_resources().get("GPU"):
         log("Ray sees no GPU: pass --num-gpus N")
@@ -341,7 +395,8 @@ def main() -> int:
             for path, rep in ((p, k) for p in paths if url or p == "handle" for k in range(args.repeats)):
                 before = _stats(url, "yolo") if url else {}
                 for (p, conn), n in zip(clients, per):
-                    conn.send((path, app, url, n, args.seconds, args.warm, hand != "noop"))
+                    target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm") else url
+                    conn.send((path, app, target, n, args.seconds, args.warm, hand != "noop"))
                 outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
                 time.sleep(1.3)  # the replicas push their counters every second
                 after = _stats(url, "yolo") if url else {}

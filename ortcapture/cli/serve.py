@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests whose body is still arriving at once; past it 503 at once (default 64)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM), with --ssl-keyfile")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
+    # hook: gRPC and system shared memory (ortcapture.serving.grpc_service, ortcapture.serving.shm_store)
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the protocol's gRPC form (tritonclient.grpc) on --host:PORT (default: no gRPC)")
+    p.add_argument("--allow-remote-shared-memory", action="store_true",
+                   help="accept system shared memory registrations from clients not on loopback (default: refused)")
     p.add_argument("--token-file", default=None,
                    help="require 'Authorization: Bearer TOKEN' (the file's first line) on every endpoint but "
                         "/v2/health/* (default: no authentication)")
@@ -86,7 +91,8 @@ def options_from(args):
         dims=dims, max_body_bytes=int(args.max_body_mib * 1024 * 1024),
         graceful_shutdown_s=args.graceful_shutdown_s, request_timeout_s=args.request_timeout_s,
         max_queued=args.max_queued, body_timeout_s=args.body_timeout_s, max_pending_bodies=args.max_pending_bodies,
-        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, token_file=args.token_file).checked(cli=True)
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, token_file=args.token_file,
+        grpc_port=args.grpc_port, allow_remote_shared_memory=args.allow_remote_shared_memory).checked(cli=True)
 
 
 def _say(msg: str) -> None:
@@ -105,6 +111,8 @@ def run(args) -> int:
                            "its node)")
     if not options.address:  # a port in use: one line, exit 2, before anything slow (Ray, the provider probe)
         config.check_port(options.host, options.port)
+        if options.grpc_port:  # hook: the gRPC port too
+            config.check_port(options.host, options.grpc_port)
     if options.provider in ("auto", "cuda"):
         from ortcapture._ort import cuda_probe
 
@@ -127,6 +135,12 @@ def run(args) -> int:
         from ray import serve  # noqa: F401
     except ModuleNotFoundError:
         raise CaptureError("serving needs Ray Serve: pip install 'ortcapture[serve]'") from None
+    if options.grpc_port:  # hook: gRPC's service definitions are Triton's (tritonclient.grpc.service_pb2)
+        try:
+            from tritonclient.grpc import service_pb2  # noqa: F401
+        except ModuleNotFoundError:
+            raise CaptureError("--grpc-port needs tritonclient's gRPC modules: pip install 'ortcapture[serve]'") \
+                from None
     if options.provider in ("auto", "cuda", "webgpu"):
         if options.provider != "cuda":
             _say(f"choosing the provider ({options.provider}; WebGPU is probed in a child process)")
@@ -143,6 +157,8 @@ def run(args) -> int:
     def ready(url: str) -> None:
         print(f"ortcapture serve: {options.name} on {provider} ({options.replicas} replica(s), buckets "
               f"{list(options.buckets)}) at {url}/v2/models/{options.name}", file=sys.stderr, flush=True)
+        if options.grpc_port:  # hook: gRPC
+            _say(f"gRPC (tritonclient.grpc) at {options.host}:{options.grpc_port}")
         print(url, flush=True)
         # from here on stdout has said all it says: what Ray's driver prints there later (the raylet's "A worker
         # died ..." when a replica is replaced, its shutdown lines) goes to stderr with the rest of the log

@@ -73,6 +73,10 @@ class ServeOptions:
             requires ``Authorization: Bearer <token>`` (401 otherwise). ``None``: no authentication.
         env: extra environment variables for the replicas (added to those of :data:`ENV_PASSED` set here).
         app_name: the Ray Serve application name (default ``ortcapture-<name>``).
+        grpc_port: also serve the protocol's gRPC form on ``host:grpc_port`` (Ray Serve's gRPC proxy;
+            :mod:`ortcapture.serving.grpc_service`); ``None``: no gRPC.
+        allow_remote_shared_memory: accept shared memory registrations from clients that are not on loopback
+            (:mod:`ortcapture.serving.shm_store`; default: loopback clients only).
     """
 
     model: str
@@ -102,6 +106,9 @@ class ServeOptions:
     token: str | None = field(default=None, repr=False)
     env: Mapping[str, str] = field(default_factory=dict)
     app_name: str | None = None
+    # -- gRPC and shared memory (ortcapture.serving.grpc_service, ortcapture.serving.shm_store) --
+    grpc_port: int | None = None
+    allow_remote_shared_memory: bool = False
 
     def checked(self, cli: bool = False) -> "ServeOptions":
         """A copy with defaults resolved (``provider`` stays as given; resolve ``auto`` with
@@ -185,6 +192,7 @@ class ServeOptions:
         o.dims = dims
         o.env = {str(k): str(v) for k, v in dict(o.env).items()}
         o.app_name = o.app_name or f"ortcapture-{o.name}"
+        _check_grpc(o, opt)
         return o
 
     def replica_env(self) -> dict[str, str]:
@@ -247,6 +255,20 @@ def check_tls(certfile: str, keyfile: str, cert_opt: str = "ssl_certfile", key_o
     except (ssl.SSLError, OSError, ValueError) as exc:
         raise CaptureError(f"{cert_opt} {certfile} / {key_opt} {keyfile}: not a certificate and its private key "
                            f"(PEM, unencrypted): {getattr(exc, 'reason', None) or exc}") from None
+
+
+def _check_grpc(o: "ServeOptions", opt) -> None:
+    """The gRPC and shared memory options (:meth:`ServeOptions.checked`)."""
+    if o.grpc_port is not None:
+        if _not_int(o.grpc_port) or not 1 <= o.grpc_port <= 65535:
+            raise CaptureError(f"{opt('grpc_port')} must be in 1..65535, got {o.grpc_port!r}")
+        if o.grpc_port == o.port:
+            raise CaptureError(f"{opt('grpc_port')} {o.grpc_port} is the HTTP port too: give another one")
+        if o.address:
+            raise CaptureError(f"{opt('grpc_port')} serves gRPC from a new local cluster only (a joined cluster's "
+                               "Serve has its own gRPC options)")
+    if not isinstance(o.allow_remote_shared_memory, bool):
+        raise CaptureError(f"{opt('allow_remote_shared_memory')} must be true or false")
 
 
 def check_port(host: str, port: int) -> None:

@@ -27,6 +27,7 @@ import ray
 from ray import serve as ray_serve
 
 from ortcapture.serving.config import ServeOptions, check_port, default_ingress_replicas, model_layout
+from ortcapture.serving.grpc_service import grpc_options, proxy_runtime_env
 from ortcapture.serving.ray_common import SESSION_DEPLOYMENT, STATS_DEPLOYMENT, TIER_DEPLOYMENT
 from ortcapture.serving.session_replica import ModelSession
 from ortcapture.serving.tier import ModelStats, ModelTier, api_of
@@ -122,6 +123,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     say = on_status or (lambda msg: None)
     if not options.address and not ray.is_initialized():
         check_port(options.host, options.port)  # Ray's proxy binds with SO_REUSEPORT: it would share the port
+        if options.grpc_port:  # the gRPC port too
+            check_port(options.host, options.grpc_port)
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if options.address:
@@ -132,6 +135,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
             gpus = options.gpus(provider) * options.replicas
             if gpus and provider == "cuda":
                 kwargs["num_gpus"] = None  # Ray counts the GPUs itself
+            if proxy_runtime_env(options):  # Ray's gRPC proxy binds --host, not every interface
+                kwargs["runtime_env"] = proxy_runtime_env(options)
         kwargs.update(ray_init or {})
         say("starting Ray" if not options.address else f"joining the Ray cluster at {options.address}")
         import signal
@@ -149,7 +154,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
         http.update(ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
     if options.address:
         _check_joined_serve(options)
-    ray_serve.start(http_options=http, proxy_location="HeadOnly")
+    grpc = {"grpc_options": grpc_options(options)} if options.grpc_port else {}
+    ray_serve.start(http_options=http, proxy_location="HeadOnly", **grpc)
     if options.address:
         _check_joined_serve(options)
     model_layout(options)
@@ -160,6 +166,8 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
                                             name=options.app_name, route_prefix="/")],
                        wait_for_applications_running=True)
     _check_listening(options.host, options.port)
+    if options.grpc_port:
+        _check_listening(options.host, options.grpc_port)
     ray_serve.run_many([ray_serve.RunTarget(session.bind(options, provider, options.app_name), name=model_app,
                                             route_prefix=None)],
                        wait_for_ingress_deployment_creation=True, wait_for_applications_running=False)

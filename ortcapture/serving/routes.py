@@ -78,12 +78,14 @@ class Router:
         token: a bearer token: every endpoint but ``/v2/health/live`` and ``/v2/health/ready`` then needs
             ``Authorization: Bearer <token>`` (compared in constant time); ``None``: no authentication.
         ingress_stats: ``() -> dict`` shown under ``/stats``' ``ortcapture.ingress`` (queue, bodies in flight).
+        shm: system shared memory (:class:`ortcapture.serving.shm_store.ShmStore`): ``/v2/systemsharedmemory/...``
+            and infer requests that name regions; ``None``: neither.
     """
 
     def __init__(self, spec: ModelSpec, ready: Callable[[], Awaitable[bool]],
                  infer: Callable[[dict], Awaitable[Mapping]], *, server_name: str = "ortcapture",
                  server_version: str = "", token: str | None = None,
-                 ingress_stats: Callable[[], Mapping] | None = None):
+                 ingress_stats: Callable[[], Mapping] | None = None, shm=None):
         self.spec = spec
         self._token = None if token is None else token.encode()
         self._ingress_stats = ingress_stats
@@ -91,6 +93,9 @@ class Router:
         self._infer = infer
         self._server = {"name": server_name, "version": server_version,
                         "extensions": ["binary_tensor_data", "statistics"]}
+        self._shm = shm  # hook: system shared memory (ortcapture.serving.shm_store)
+        if shm is not None:
+            self._server["extensions"].append("system_shared_memory")
         self._reports: dict[str, tuple[float, dict]] = {}
         self.http_errors: dict[int, int] = {}
 
@@ -106,13 +111,19 @@ class Router:
             del self._reports[k]
         return [{"replica": k, **d} for k, (_, d) in sorted(self._reports.items())]
 
+    def server_metadata(self) -> dict:
+        """``GET /v2``'s body: name, version, extensions."""
+        return {**self._server, "extensions": list(self._server["extensions"])}
+
     # -- requests -----------------------------------------------------------------------------------------------
     async def handle(self, method: str, path: str, headers: Mapping[str, str],
-                     read_body: Callable[[int], Awaitable[bytes]]) -> Response:
+                     read_body: Callable[[int], Awaitable[bytes]], client: str | None = None) -> Response:
         """Answer one request. ``headers``: lower-case names. ``read_body(cap)``: the raw body, raising
-        :class:`~ortcapture.serving.protocol.ProtocolError` (413) past ``cap`` bytes. Never raises."""
+        :class:`~ortcapture.serving.protocol.ProtocolError` (413) past ``cap`` bytes. ``client``: the peer's
+        address (shared memory registration is for loopback clients). Never raises."""
         try:
-            response = self._authorize(path, headers) or await self._route(method.upper(), path, headers, read_body)
+            response = self._authorize(path, headers) or await self._route(method.upper(), path, headers, read_body,
+                                                                           client)
         except ProtocolError as exc:
             response = error(exc.status, str(exc), getattr(exc, "headers", None))
         except Exception as exc:  # noqa: BLE001 - a server fault: say what, keep serving
@@ -133,7 +144,7 @@ class Router:
             return None
         return error(401, "this server needs 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"})
 
-    async def _route(self, method: str, path: str, headers, read_body) -> Response:
+    async def _route(self, method: str, path: str, headers, read_body, client: str | None = None) -> Response:
         parts = [unquote(p) for p in path.split("?", 1)[0].strip("/").split("/")]
         if not parts or parts[0] != "v2":
             return error(404, f"unknown endpoint {path[:200]!r}: the Open Inference Protocol lives under /v2")
@@ -146,6 +157,8 @@ class Router:
             if rest[1] == "live":
                 return json_response(200, {"live": True})
             return await self._readiness()
+        if rest[0] == "systemsharedmemory" and self._shm is not None:  # hook: ortcapture.serving.shm_store
+            return await self._shm.route(method, rest[1:], client, read_body)
         if rest[0] != "models":
             return error(404, f"unknown endpoint {path[:200]!r}")
         if rest == ["models", "stats"]:
@@ -205,11 +218,18 @@ class Router:
             return error(503, f"model {self.spec.name!r} is not ready: its replicas are not warm yet")
         body = await read_body(cap)
         body = protocol.decode_body(body, headers.get("content-encoding"), cap)
-        request = protocol.parse_infer_request(body, headers.get(protocol.HEADER_LENGTH.lower()), self.spec)
+        header_length, plan = headers.get(protocol.HEADER_LENGTH.lower()), None
+        if self._shm is not None:  # hook: inputs read from shared memory regions (ortcapture.serving.shm_store)
+            body, header_length, plan = await self._shm.prepare_http(body, header_length, self.spec)
+        request = protocol.parse_infer_request(body, header_length, self.spec)
+        if plan is not None:
+            plan.take_outputs(request)
         result = await self._infer(request.inputs)
         if "error" in result:
             retry = result.get("retry_after")
             return error(int(result.get("status", 500)), str(result["error"]),
                          {"Retry-After": str(int(retry))} if retry is not None else None)
         payload, out_headers = protocol.encode_infer_response(self.spec, request, result["outputs"])
+        if plan is not None:  # hook: outputs written to shared memory regions
+            payload, out_headers = self._shm.finish_http(plan, result["outputs"], self.spec, payload, out_headers)
         return Response(200, payload, out_headers)

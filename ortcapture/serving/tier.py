@@ -26,17 +26,19 @@ from ray import serve as ray_serve
 
 from ortcapture.serving.batcher import AdaptiveBatcher, Item
 from ortcapture.serving.config import ServeOptions, model_layout
+from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.ray_common import (REPORT_EVERY_S, RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT,
                                            keep_replica_grpc_on_loopback)
 from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, take
 from ortcapture.serving.routes import STALE_S, Refusal, Router
+from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
 #: the provider's device for the value rules of :func:`ortcapture.transfer.value_rules`
 _DEVICE = {"cuda": "cuda", "webgpu": "webgpu", "cpu": "cpu"}
 
 
-class ModelTier:
+class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_service)
     """The ``Model`` deployment's class (see the module docstring).
 
     Args:
@@ -80,8 +82,10 @@ class ModelTier:
         self._sent = {"session_calls": 0, "requests_sent": 0}
         self._others: dict[str, tuple[float, dict]] = {}
         self._reporter: asyncio.Task | None = None
+        # system shared memory: its registry one named actor per application (ortcapture.serving.shm_store)
+        self.shm = ShmStore(ActorRegistry(f"{options.app_name}-shm"), allow_remote=options.allow_remote_shared_memory)
         self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
-                             token=options.token, ingress_stats=self._ingress_stats)
+                             token=options.token, ingress_stats=self._ingress_stats, shm=self.shm)
 
     # -- the handle method and the router's backend -------------------------------------------------------------
     async def infer(self, feeds: dict) -> dict:
@@ -169,7 +173,8 @@ class ModelTier:
             async def read_body(cap: int) -> bytes:
                 return await self._read_body(request, cap)
 
-            res = await self.router.handle(request.method, path, headers, read_body)
+            client = request.client.host if request.client else None  # shared memory registration is loopback's
+            res = await self.router.handle(request.method, path, headers, read_body, client)
             return Response(res.body, status_code=res.status, headers=res.headers)
         finally:
             self._in_flight -= 1
@@ -219,6 +224,7 @@ class ModelTier:
         deadline = time.monotonic() + timeout_s
         while (self._in_flight or self._infers) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        await self.shm.shutdown()  # every shared memory region unregistered and unmapped
         return {"replica": self.replica_id, "in_flight": self._in_flight + self._infers}
 
     async def layout(self) -> dict:

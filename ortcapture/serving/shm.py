@@ -1,0 +1,300 @@
+"""Triton's system shared memory extension: the region registry, mapped regions, every bound check (no Ray).
+
+A client puts a tensor in a POSIX shared memory object (``tritonclient.utils.shared_memory``: ``shm_open(key)``,
+``/dev/shm/<key>``), registers a *region* of it under a server-wide ``name`` (``key``, ``offset``, ``byte_size``) and
+names that region in an input's or a requested output's parameters (``shared_memory_region``,
+``shared_memory_offset``, ``shared_memory_byte_size``) instead of sending the bytes.
+
+* :class:`Regions` is the registry itself: names to :class:`Region` s, a taken name refused, a generation per
+  registration (so a process that mapped a region knows when its name now means another one). It holds no memory.
+* :class:`Maps` maps the regions a process reads or writes (lazily, once per generation; one file descriptor kept
+  per region, its size checked again before every access: a client that shrinks its object after registering gets a
+  400, never a SIGBUS in the server).
+* :func:`reference` checks one tensor's reference against its region (known name, integer offset and size, inside
+  the region) **before** anything is read or written; every refusal is a :class:`ShmError` (a 400) naming the
+  parameter.
+* :func:`check_key` keeps a key to one name under ``/dev/shm`` (no ``/`` inside it, no ``..``, no symbolic link).
+
+Registration is for clients on the server's machine: :func:`is_loopback` says whether a peer address is one.
+"""
+from __future__ import annotations
+
+import ipaddress
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any, Mapping
+from urllib.parse import unquote
+
+from ortcapture.serving.protocol import ProtocolError
+
+#: where POSIX shared memory objects live (``shm_open(key)`` is ``/dev/shm/<key without its leading slash>``)
+SHM_DIR = "/dev/shm"
+#: the parameters that name a region for one tensor
+REGION, OFFSET, BYTE_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
+PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
+
+
+class ShmError(ProtocolError):
+    """A shared memory request the server refuses: a 400 (``INVALID_ARGUMENT`` over gRPC), the message names the
+    region and the parameter."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered region: ``byte_size`` bytes of shared memory object ``key`` from ``offset``; ``generation``
+    tells two registrations of one name apart."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    generation: int = 0
+
+    def status(self) -> dict:
+        """Triton's status entry of the region: ``name``, ``key``, ``offset``, ``byte_size``."""
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ShmError(f"{what} must be an integer >= 0, got {value!r}"[:200])
+    return value
+
+
+def check_key(key) -> str:
+    """``key`` if it names one shared memory object (``/name`` or ``name``: one path component, not ``.``/``..``,
+    no NUL); raises :class:`ShmError` otherwise (a key with ``/`` inside would name any file)."""
+    if not isinstance(key, str):
+        raise ShmError(f"shared memory key must be a string, got {key!r}"[:200])
+    name = key[1:] if key.startswith("/") else key
+    if not name or "/" in name or "\0" in name or name in (".", "..") or len(name) > 255:
+        raise ShmError(f"shared memory key {key[:100]!r} is not the name of a shared memory object "
+                       "(one name, as shm_open takes it: '/name')")
+    return name
+
+
+def object_size(key: str) -> int:
+    """The size in bytes of shared memory object ``key``; :class:`ShmError` when it does not exist or is not a
+    regular file (a symbolic link is not followed)."""
+    path = os.path.join(SHM_DIR, check_key(key))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ShmError(f"shared memory key {key[:100]!r}: cannot open it ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ShmError(f"shared memory key {key[:100]!r} is not a shared memory object")
+    return st.st_size
+
+
+class Regions:
+    """The server-wide registry: names to :class:`Region` s. It checks what a registration says (name, key, integer
+    offset and size); the object's own size is checked by the process that maps it (:func:`check_object`)."""
+
+    def __init__(self):
+        self._regions: dict[str, Region] = {}
+        self._generation = 0
+
+    def register(self, name, key, offset, byte_size) -> Region:
+        """Register region ``name``. Raises :class:`ShmError`: an empty or non-string name, a name registered
+        already (unregister it first), a bad key, an offset or size that is not an integer >= 0, a size of 0."""
+        if not isinstance(name, str) or not name or len(name) > 255:
+            raise ShmError(f"a shared memory region's name must be a non-empty string, got {name!r}"[:200])
+        if name in self._regions:
+            raise ShmError(f"shared memory region {name!r} is registered already: unregister it first")
+        check_key(key)
+        offset = _int(offset, f"region {name!r}: offset")
+        size = _int(byte_size, f"region {name!r}: byte_size")
+        if size == 0:
+            raise ShmError(f"region {name!r}: byte_size must be at least 1")
+        self._generation += 1
+        region = Region(name, key, offset, size, self._generation)
+        self._regions[name] = region
+        return region
+
+    def unregister(self, name: str | None = None) -> list[str]:
+        """Unregister ``name`` (an unknown name is not an error, as in Triton), or every region with ``None`` or
+        ``""``; returns the names removed."""
+        if not name:
+            names = list(self._regions)
+            self._regions.clear()
+            return names
+        return [name] if self._regions.pop(name, None) is not None else []
+
+    def status(self, name: str | None = None) -> list[dict]:
+        """Triton's status: every region (``None``/``""``) or the one named; :class:`ShmError` for an unknown
+        name."""
+        if not name:
+            return [r.status() for r in self._regions.values()]
+        return [self.get(name).status()]
+
+    def get(self, name: str) -> Region:
+        """Region ``name``; :class:`ShmError` when none is registered under it."""
+        region = self._regions.get(name)
+        if region is None:
+            raise ShmError(f"shared memory region {str(name)[:100]!r} is not registered")
+        return region
+
+    def lookup(self, names) -> dict[str, Region]:
+        """The regions of ``names`` that are registered (unknown names are left out: the caller says which)."""
+        return {n: self._regions[n] for n in names if n in self._regions}
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+
+def check_object(region: Region) -> None:
+    """Raise :class:`ShmError` unless region ``region`` lies inside its shared memory object (checked on
+    registration, where the registering process can see the object)."""
+    size = object_size(region.key)
+    if region.offset + region.byte_size > size:
+        raise ShmError(f"region {region.name!r}: offset {region.offset} + byte_size {region.byte_size} is past the "
+                       f"end of shared memory object {region.key!r} ({size} bytes)")
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One tensor's reference into a region: ``byte_size`` bytes at ``offset`` of region ``region`` (checked)."""
+
+    region: Region
+    offset: int
+    byte_size: int
+
+
+def uses_shm(params: Mapping | None) -> bool:
+    """Whether a tensor's ``params`` name a shared memory region."""
+    return bool(params) and REGION in params
+
+
+def reference(params: Mapping[str, Any], where: str, regions: Mapping[str, Region]) -> Ref:
+    """Check the reference of one tensor (``where``: ``"input 'x'"``, ``"output 'y'"``) against ``regions`` (the
+    registered ones by name) before any byte is read or written.
+
+    Raises:
+        ShmError: an unknown region (``shared_memory_region``), an offset or size that is not an integer >= 0
+            (the parameter is named), ``shared_memory_byte_size`` missing, ``shared_memory_offset`` past the end of
+            the region, or offset + size past it (``shared_memory_byte_size``).
+    """
+    name = params.get(REGION)
+    if not isinstance(name, str):
+        raise ShmError(f"{where}: {REGION} must be a string, got {name!r}"[:200])
+    region = regions.get(name)
+    if region is None:
+        raise ShmError(f"{where}: {REGION} {name[:100]!r} is not a registered shared memory region")
+    offset = _int(params.get(OFFSET, 0), f"{where}: {OFFSET}")
+    if BYTE_SIZE not in params:
+        raise ShmError(f"{where}: {BYTE_SIZE} is missing (with {REGION})")
+    size = _int(params.get(BYTE_SIZE), f"{where}: {BYTE_SIZE}")
+    if offset > region.byte_size or (offset == region.byte_size and size):
+        raise ShmError(f"{where}: {OFFSET} {offset} is past the end of region {name!r} ({region.byte_size} bytes)")
+    if offset + size > region.byte_size:
+        raise ShmError(f"{where}: {BYTE_SIZE} {size} at {OFFSET} {offset} is past the end of region {name!r} "
+                       f"({region.byte_size} bytes)")
+    return Ref(region, offset, size)
+
+
+class Maps:
+    """The regions this process maps, by name, one mapping per generation (a name registered again is mapped
+    again). :meth:`read` copies a reference's bytes out, :meth:`write` copies bytes in; both check the object's
+    size again first (``fstat``), so a client that shrank its object gets a :class:`ShmError`, not a SIGBUS."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # name -> (generation, fd, mapping)
+
+    def _map(self, region: Region) -> tuple[int, mmap.mmap]:
+        held = self._maps.get(region.name)
+        if held is not None and held[0] == region.generation:
+            return held[1], held[2]
+        self.drop(region.name)
+        path = os.path.join(SHM_DIR, check_key(region.key))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmError(f"region {region.name!r}: cannot open shared memory key {region.key!r} "
+                           f"({exc.strerror})") from None
+        try:
+            end = region.offset + region.byte_size
+            if os.fstat(fd).st_size < end:
+                raise ShmError(f"region {region.name!r}: shared memory object {region.key!r} is smaller than offset "
+                               f"+ byte_size ({end} bytes)")
+            mm = mmap.mmap(fd, end, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._maps[region.name] = (region.generation, fd, mm)
+        return fd, mm
+
+    def _span(self, ref: Ref, n: int) -> tuple[mmap.mmap, int]:
+        fd, mm = self._map(ref.region)
+        start = ref.region.offset + ref.offset
+        if os.fstat(fd).st_size < start + n:
+            self.drop(ref.region.name)
+            raise ShmError(f"region {ref.region.name!r}: its shared memory object {ref.region.key!r} shrank below "
+                           "the region after it was registered")
+        return mm, start
+
+    def read(self, ref: Ref) -> bytes:
+        """A copy of the ``ref.byte_size`` bytes ``ref`` names."""
+        mm, start = self._span(ref, ref.byte_size)
+        return mm[start:start + ref.byte_size]
+
+    def write(self, ref: Ref, data, where: str) -> None:
+        """Copy ``data`` (bytes-like) to where ``ref`` points. Raises :class:`ShmError` when it is larger than
+        ``ref.byte_size`` (``where`` names the tensor)."""
+        view = memoryview(data).cast("B")
+        if view.nbytes > ref.byte_size:
+            raise ShmError(f"{where}: {view.nbytes} bytes do not fit its {BYTE_SIZE} of {ref.byte_size}")
+        mm, start = self._span(ref, view.nbytes)
+        mm[start:start + view.nbytes] = view
+
+    def drop(self, name: str) -> None:
+        """Unmap region ``name`` (nothing when it is not mapped)."""
+        held = self._maps.pop(name, None)
+        if held is not None:
+            _, fd, mm = held
+            try:
+                mm.close()
+            finally:
+                os.close(fd)
+
+    def keep_only(self, live: Mapping[str, Region]) -> None:
+        """Unmap every region that is not in ``live`` with the same generation."""
+        for name, (gen, _, _) in list(self._maps.items()):
+            if name not in live or live[name].generation != gen:
+                self.drop(name)
+
+    def close(self) -> None:
+        """Unmap every region."""
+        for name in list(self._maps):
+            self.drop(name)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+def is_loopback(peer: str | None) -> bool:
+    """Whether ``peer`` (an address: ``127.0.0.1``, ``::1``, or gRPC's ``ipv4:127.0.0.1:PORT``,
+    ``ipv6:[::1]:PORT``, ``unix:...``) is on this machine. ``None`` or anything unparsable: no."""
+    if not peer:
+        return False
+    p = peer.strip()
+    if p.startswith("unix:"):
+        return True
+    if p.startswith("ipv4:"):
+        p = p[5:].rsplit(":", 1)[0]
+    elif p.startswith("ipv6:"):
+        p = unquote(p[5:])  # gRPC writes ipv6:%5B::1%5D:PORT
+        if p.startswith("["):
+            p = p[1:].split("]", 1)[0]
+    try:
+        addr = ipaddress.ip_address(p.split("%", 1)[0])
+    except ValueError:
+        return p == "localhost"
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback

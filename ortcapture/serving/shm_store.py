@@ -1,0 +1,347 @@
+"""System shared memory in the ingress: the registry's home, the HTTP endpoints, infer requests naming regions.
+
+The pure rules are :mod:`ortcapture.serving.shm`.
+
+**Where a region lives.** The ingress maps it (the process that parses requests; a model replica may be another
+process on another node and never touches client memory). The registry — names to (key, offset, byte_size) — is one
+per server, so that a region registered through one ingress replica is known to every other: a named Ray actor of the
+application (:class:`RegistryActor`, created by the first ingress replica that needs it, ``get_if_exists``). Each
+ingress replica asks it for the regions a request names (one small actor call per request that names any) and maps
+them lazily, once per registration (:class:`ortcapture.serving.shm.Maps`; a name registered again, or unregistered
+through another replica, is seen on the next request). Registration checks the object's size where it is mapped.
+The actor dies with the ingress that made it (a server that stops forgets its regions); a replica that finds it gone
+makes a new, empty one (clients register again: their requests name unknown regions, a 400).
+
+Registration is refused unless the client is on loopback (:func:`ortcapture.serving.shm.is_loopback`; a remote client
+could otherwise name any ``/dev/shm`` key of the server's machine) — ``allow_remote`` lifts it.
+
+:class:`LocalRegistry` is the same registry in process (one ingress, and the unit tests).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ortcapture.serving import protocol, shm
+from ortcapture.serving.shm import Maps, Ref, Region, Regions, ShmError
+
+
+class LocalRegistry:
+    """The registry in this process (``async`` like the actor's: :class:`ShmStore` awaits either)."""
+
+    def __init__(self):
+        self.regions = Regions()
+
+    async def register(self, name, key, offset, byte_size) -> Region:
+        """:meth:`Regions.register`."""
+        return self.regions.register(name, key, offset, byte_size)
+
+    async def unregister(self, name: str | None) -> list[str]:
+        """:meth:`Regions.unregister`."""
+        return self.regions.unregister(name)
+
+    async def status(self, name: str | None) -> list[dict]:
+        """:meth:`Regions.status`."""
+        return self.regions.status(name)
+
+    async def lookup(self, names) -> dict[str, Region]:
+        """:meth:`Regions.lookup`."""
+        return self.regions.lookup(names)
+
+
+class RegistryActor:
+    """The registry as a Ray actor (one per application, named ``<app>-shm``): :class:`Regions` behind actor calls;
+    a refusal comes back as ``{"error": message}`` (a :class:`ShmError` does not cross Ray as itself)."""
+
+    def __init__(self):
+        self.regions = Regions()
+
+    def call(self, method: str, *args):
+        """``Regions.<method>(*args)``, or ``{"error": message}`` for what it refuses."""
+        try:
+            return {"ok": getattr(self.regions, method)(*args)}
+        except ShmError as exc:
+            return {"error": str(exc)}
+
+
+class ActorRegistry:
+    """The client side of :class:`RegistryActor` in an ingress replica: the actor ``name`` in Ray namespace
+    ``namespace``, made on first use if no replica made it yet (and again if it died)."""
+
+    def __init__(self, name: str, namespace: str = "ortcapture"):
+        self.name, self.namespace = name, namespace
+        self._actor = None
+
+    def _handle(self, fresh: bool = False):
+        import ray
+
+        if self._actor is None or fresh:
+            cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
+            self._actor = cls.options(name=self.name, namespace=self.namespace, get_if_exists=True).remote()
+        return self._actor
+
+    async def _call(self, method: str, *args):
+        import ray
+
+        try:
+            out = await self._handle().call.remote(method, *args)
+        except ray.exceptions.RayActorError:  # its owner went away: a new, empty registry
+            out = await self._handle(fresh=True).call.remote(method, *args)
+        if "error" in out:
+            raise ShmError(out["error"])
+        return out["ok"]
+
+    async def register(self, name, key, offset, byte_size) -> Region:
+        """:meth:`Regions.register` in the actor."""
+        return await self._call("register", name, key, offset, byte_size)
+
+    async def unregister(self, name: str | None) -> list[str]:
+        """:meth:`Regions.unregister` in the actor."""
+        return await self._call("unregister", name)
+
+    async def status(self, name: str | None) -> list[dict]:
+        """:meth:`Regions.status` in the actor."""
+        return await self._call("status", name)
+
+    async def lookup(self, names) -> dict[str, Region]:
+        """:meth:`Regions.lookup` in the actor."""
+        return await self._call("lookup", list(names))
+
+    def kill(self) -> None:
+        """End the actor (this server's regions are forgotten)."""
+        import ray
+
+        if self._actor is not None:
+            try:
+                ray.kill(self._actor)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+            self._actor = None
+
+
+class ShmStore:
+    """System shared memory for one ingress replica: the ``registry`` (:class:`LocalRegistry` or
+    :class:`ActorRegistry`) and this process's mappings. ``allow_remote``: registration from a client that is not
+    on loopback is allowed too."""
+
+    def __init__(self, registry, *, allow_remote: bool = False):
+        self.registry = registry
+        self.allow_remote = allow_remote
+        self.maps = Maps()
+
+    # -- the extension's operations (HTTP and gRPC share them) --------------------------------------------------
+    async def register(self, name, key, offset, byte_size, peer: str | None) -> Region:
+        """Register region ``name`` for a client at ``peer``; :class:`ShmError` for a refusal (a remote client,
+        a bad key/offset/size, an object smaller than offset + byte_size, a name registered already)."""
+        if not self.allow_remote and not shm.is_loopback(peer):
+            raise ShmError(f"shared memory registration is only for clients on this machine (loopback); "
+                           f"{str(peer)[:60]} is not (the server's --allow-remote-shared-memory lifts this)")
+        probe = Regions().register(name, key, offset, byte_size)  # the same checks, before the object is opened
+        shm.check_object(probe)
+        region = await self.registry.register(name, key, offset, byte_size)
+        self.maps.drop(name)
+        return region
+
+    async def unregister(self, name: str | None) -> None:
+        """Unregister ``name`` (or every region with ``None``/``""``) and unmap it here."""
+        for n in await self.registry.unregister(name or None):
+            self.maps.drop(n)
+
+    async def status(self, name: str | None) -> list[dict]:
+        """Triton's status of ``name`` or of every region."""
+        return await self.registry.status(name or None)
+
+    async def regions(self, names) -> dict[str, Region]:
+        """The registered regions among ``names`` (mappings of names no longer registered are dropped)."""
+        names = sorted(set(names))
+        if not names:
+            return {}
+        found = await self.registry.lookup(names)
+        for n in names:
+            if n not in found:
+                self.maps.drop(n)
+        return found
+
+    def close(self) -> None:
+        """Unmap every region here."""
+        self.maps.close()
+
+    async def shutdown(self) -> None:
+        """Server shutdown: unregister every region, unmap them, end the registry actor (best effort)."""
+        try:
+            await self.registry.unregister(None)
+        except Exception:  # noqa: BLE001 - the registry is gone already
+            pass
+        self.close()
+        kill = getattr(self.registry, "kill", None)
+        if kill is not None:
+            kill()
+
+    # -- HTTP ----------------------------------------------------------------------------------------------------
+    async def route(self, method: str, rest: list[str], peer: str | None, read_body):
+        """Answer ``/v2/systemsharedmemory/<rest>``: ``region/NAME/register`` (POST ``{"key", "offset",
+        "byte_size"}``), ``region/NAME/unregister``, ``unregister`` (POST), ``region/NAME/status``, ``status``
+        (GET). Returns a :class:`ortcapture.serving.routes.Response`; refusals are 400 (404 an unknown path, 405
+        a wrong method)."""
+        from ortcapture.serving.routes import error, json_response
+
+        name = None
+        if len(rest) == 3 and rest[0] == "region":
+            name, op = rest[1], rest[2]
+        elif len(rest) == 1:
+            op = rest[0]
+        else:
+            return error(404, "unknown endpoint: /v2/systemsharedmemory/[region/NAME/]{register,unregister,status}")
+        want = "GET" if op == "status" else "POST"
+        if op not in ("register", "unregister", "status") or (op == "register" and name is None):
+            return error(404, f"unknown shared memory endpoint {'/'.join(rest)[:100]!r}")
+        if method != want:
+            return error(405, f"this endpoint takes {want}")
+        try:
+            if op == "status":
+                return json_response(200, await self.status(name))
+            if op == "unregister":
+                await self.unregister(name)
+                return json_response(200, {})
+            body = await read_body(64 * 1024)
+            try:
+                req = json.loads(body or b"{}")
+            except ValueError:
+                raise ShmError("the register request is not valid JSON: send {\"key\", \"offset\", \"byte_size\"}") \
+                    from None
+            if not isinstance(req, dict) or "key" not in req or "byte_size" not in req:
+                raise ShmError("the register request must be a JSON object with 'key' and 'byte_size' "
+                               "(and 'offset')")
+            await self.register(name, req["key"], req.get("offset", 0), req["byte_size"], peer)
+            return json_response(200, {})
+        except ShmError as exc:
+            return error(400, str(exc))
+
+    async def prepare_http(self, body: bytes, header_length, spec: protocol.ModelSpec):
+        """An ``/infer`` body with the bytes of every input that names a region put in its place (as binary data),
+        the regions of requested outputs checked; returns ``(body, header_length, plan)`` — the same body and
+        ``None`` when no tensor names a region. What the protocol refuses anyway is left for
+        :func:`ortcapture.serving.protocol.parse_infer_request` to say."""
+        head_end = len(body) if header_length is None else None
+        if head_end is None:
+            try:
+                head_end = int(str(header_length).strip())
+            except ValueError:
+                return body, header_length, None
+            if not 0 <= head_end <= len(body):
+                return body, header_length, None
+        if shm.REGION.encode() not in body[:head_end]:
+            return body, header_length, None
+        try:
+            req = json.loads(body[:head_end])
+        except ValueError:
+            return body, header_length, None
+        if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
+            return body, header_length, None
+        names = [p[shm.REGION] for p in _tensor_params(req.get("inputs"), req.get("outputs"))
+                 if isinstance(p.get(shm.REGION), str)]
+        regions = await self.regions(names)
+        binary = memoryview(body)[head_end:]
+        pos, pieces = 0, []
+        expected = _expected_bytes(req["inputs"], spec)
+        for t in req["inputs"]:
+            params = t.get("parameters") if isinstance(t, dict) else None
+            if isinstance(params, dict) and shm.uses_shm(params):
+                where = f"input {str(t.get('name'))[:100]!r}"
+                ref = shm.reference(params, where, regions)
+                _check_size(ref, expected.get(t.get("name")), where)
+                data = self.maps.read(ref)
+                t["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
+                t["parameters"]["binary_data_size"] = len(data)
+                pieces.append(data)
+            elif isinstance(params, dict) and isinstance(params.get("binary_data_size"), int):
+                size = max(0, params["binary_data_size"])
+                pieces.append(binary[pos:pos + size])
+                pos += size
+        pieces.append(binary[pos:])  # bytes no input declares: the protocol says so
+        plan = ShmPlan()
+        for o in req.get("outputs") or []:
+            params = o.get("parameters") if isinstance(o, dict) else None
+            if isinstance(params, dict) and shm.uses_shm(params):
+                where = f"output {str(o.get('name'))[:100]!r}"
+                plan.outputs[str(o.get("name"))] = shm.reference(params, where, regions)
+                o["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
+        head = json.dumps(req).encode()
+        return head + b"".join(bytes(p) for p in pieces), str(len(head)), plan
+
+    def write_outputs(self, plan: "ShmPlan", outputs: Mapping[str, Any], spec: protocol.ModelSpec) -> list[dict]:
+        """Write the model's outputs that ``plan`` sends to regions; returns their response entries (name,
+        datatype, shape and the region's parameters). :class:`ShmError` for an output larger than its
+        ``shared_memory_byte_size`` (nothing is written past it)."""
+        import numpy as np
+
+        specs = {s.name: s for s in spec.outputs}
+        entries = []
+        for name, ref in plan.outputs.items():
+            a = np.asarray(outputs[name])
+            datatype = specs[name].datatype if name in specs else protocol.datatype_of(a.dtype)
+            wire = a.dtype if datatype == "BF16" else np.dtype(protocol.DATATYPES[datatype])
+            blob = np.ascontiguousarray(a, dtype=wire)
+            self.maps.write(ref, blob, f"output {name!r}")
+            entries.append({"name": name, "datatype": datatype, "shape": [int(d) for d in a.shape],
+                            "parameters": {shm.REGION: ref.region.name, shm.OFFSET: ref.offset,
+                                           shm.BYTE_SIZE: int(blob.nbytes)}})
+        return entries
+
+    def finish_http(self, plan: "ShmPlan", outputs: Mapping[str, Any], spec: protocol.ModelSpec,
+                    payload: bytes, headers: dict) -> tuple[bytes, dict]:
+        """The ``/infer`` response with the outputs ``plan`` sends to regions written there and listed (without
+        data) in its JSON."""
+        entries = self.write_outputs(plan, outputs, spec)
+        n = int(headers.get(protocol.HEADER_LENGTH, len(payload)))
+        head = json.loads(payload[:n])
+        head["outputs"] = head.get("outputs", []) + entries
+        raw = json.dumps(head, allow_nan=False).encode()
+        if protocol.HEADER_LENGTH not in headers:
+            return raw, headers
+        return raw + payload[n:], {**headers, protocol.HEADER_LENGTH: str(len(raw))}
+
+
+@dataclass
+class ShmPlan:
+    """The requested outputs an infer request sends to regions: ``{output name: checked Ref}``."""
+
+    outputs: dict[str, Ref] = field(default_factory=dict)
+
+    def take_outputs(self, request: protocol.InferRequest) -> None:
+        """Leave the outputs that go to regions out of ``request``'s response tensors."""
+        request.outputs = [(n, b) for n, b in request.outputs if n not in self.outputs]
+
+
+def _tensor_params(*lists):
+    for lst in lists:
+        for t in lst if isinstance(lst, list) else []:
+            p = t.get("parameters") if isinstance(t, dict) else None
+            if isinstance(p, dict):
+                yield p
+
+
+def _expected_bytes(inputs, spec: protocol.ModelSpec) -> dict:
+    """``{input name: bytes}`` its declared shape and datatype take, for inputs whose datatype is the model's and
+    whose shape is a list of integers (the others are the protocol's to refuse)."""
+    specs = {s.name: s for s in spec.inputs}
+    out = {}
+    for t in inputs:
+        if not isinstance(t, dict) or t.get("name") not in specs:
+            continue
+        s, shape = specs[t["name"]], t.get("shape")
+        if t.get("datatype") != s.datatype or not isinstance(shape, (list, tuple)):
+            continue
+        if all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            n = s.dtype.itemsize
+            for d in shape:
+                n *= d
+            out[t["name"]] = n
+    return out
+
+
+def _check_size(ref: Ref, expected: int | None, where: str) -> None:
+    """Refuse an input whose ``shared_memory_byte_size`` is not what its shape and datatype take."""
+    if expected is not None and ref.byte_size != expected:
+        raise ShmError(f"{where}: {shm.BYTE_SIZE} {ref.byte_size}; its shape and datatype take {expected} bytes")

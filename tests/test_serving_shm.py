@@ -1,0 +1,369 @@
+"""System shared memory and the gRPC conversion without Ray (issue 45): the region registry, every bound check, the
+mappings, the REST endpoints and infer requests through :class:`ortcapture.serving.routes.Router`, and
+``ModelInferRequest`` -> the REST path's decoded request -> ``ModelInferResponse``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from ortcapture.serving import protocol, shm
+from ortcapture.serving.protocol import ModelSpec, ProtocolError, TensorSpec
+from ortcapture.serving.routes import Router
+from ortcapture.serving.shm import Maps, Regions, ShmError
+from ortcapture.serving.shm_store import LocalRegistry, ShmStore
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")
+
+SPEC = ModelSpec(name="m", inputs=(TensorSpec("X", np.dtype(np.float32), (-1, 4)),),
+                 outputs=(TensorSpec("Y", np.dtype(np.float32), (-1, 4)), TensorSpec("S", np.dtype(np.int64), (-1,))),
+                 batch_axes={"X": 0}, max_rows=8)
+
+
+def _model(x: np.ndarray) -> dict:
+    return {"Y": x * 2.0 + 1.0, "S": np.arange(x.shape[0], dtype=np.int64)}
+
+
+@pytest.fixture
+def obj():
+    """A shared memory object of 4096 bytes (``/dev/shm/<key>``), removed afterwards."""
+    key = f"/ortc-test-{uuid.uuid4().hex[:12]}"
+    path = os.path.join(shm.SHM_DIR, key[1:])
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    yield key, path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# -- the registry --------------------------------------------------------------------------------------------------
+def test_regions_register_refuses_a_taken_name_and_bad_fields():
+    r = Regions()
+    a = r.register("a", "/k", 0, 16)
+    with pytest.raises(ShmError, match="'a' is registered already"):
+        r.register("a", "/k2", 0, 16)
+    for name, key, off, size, msg in [("", "/k", 0, 1, "non-empty"), ("b", "/x/y", 0, 1, "not the name"),
+                                      ("b", "/..", 0, 1, "not the name"), ("b", "/k", -1, 1, "offset"),
+                                      ("b", "/k", 0, 0, "at least 1"), ("b", "/k", 0, True, "byte_size"),
+                                      ("b", 5, 0, 1, "key must be a string")]:
+        with pytest.raises(ShmError, match=msg):
+            r.register(name, key, off, size)
+    assert r.status() == [a.status()]
+    with pytest.raises(ShmError, match="'zz' is not registered"):
+        r.status("zz")
+    b = r.register("b", "/k", 8, 8)
+    assert b.generation > a.generation
+    assert r.unregister("nope") == [] and len(r) == 2
+    assert r.unregister("a") == ["a"] and r.unregister(None) == ["b"] and len(r) == 0
+
+
+def test_reference_bounds():
+    region = Regions().register("r", "/k", 100, 64)
+    regions = {"r": region}
+    ref = shm.reference({shm.REGION: "r", shm.OFFSET: 16, shm.BYTE_SIZE: 48}, "input 'X'", regions)
+    assert (ref.offset, ref.byte_size) == (16, 48)
+    cases = [({shm.REGION: "nope", shm.BYTE_SIZE: 4}, "shared_memory_region 'nope' is not a registered"),
+             ({shm.REGION: "r", shm.OFFSET: 65, shm.BYTE_SIZE: 0}, "shared_memory_offset 65 is past the end"),
+             ({shm.REGION: "r", shm.OFFSET: 64, shm.BYTE_SIZE: 1}, "shared_memory_offset 64 is past the end"),
+             ({shm.REGION: "r", shm.OFFSET: 0, shm.BYTE_SIZE: 65}, "shared_memory_byte_size 65 .* past the end"),
+             ({shm.REGION: "r", shm.OFFSET: 32, shm.BYTE_SIZE: 33}, "shared_memory_byte_size 33 .* past the end"),
+             ({shm.REGION: "r", shm.OFFSET: -1, shm.BYTE_SIZE: 4}, "shared_memory_offset must be"),
+             ({shm.REGION: "r", shm.BYTE_SIZE: "4"}, "shared_memory_byte_size must be"),
+             ({shm.REGION: "r"}, "shared_memory_byte_size is missing"),
+             ({shm.REGION: 3, shm.BYTE_SIZE: 4}, "shared_memory_region must be a string")]
+    for params, msg in cases:
+        with pytest.raises(ShmError, match=msg) as e:
+            shm.reference(params, "input 'X'", regions)
+        assert e.value.status == 400 and "input 'X'" in str(e.value)
+
+
+def test_maps_read_write_and_shrunk_object(obj):
+    key, path = obj
+    region = Regions().register("r", key, 1000, 64)
+    shm.check_object(region)
+    maps = Maps()
+    data = np.arange(16, dtype=np.float32)
+    maps.write(shm.Ref(region, 0, 64), data, "output 'Y'")
+    with open(path, "rb") as f:
+        f.seek(1000)
+        assert f.read(64) == data.tobytes()  # at the region's offset in the object
+    assert maps.read(shm.Ref(region, 4, 8)) == data[1:3].tobytes()
+    with pytest.raises(ShmError, match="do not fit"):
+        maps.write(shm.Ref(region, 0, 8), data, "output 'Y'")
+    os.truncate(path, 1010)  # the client shrinks its object: a 400, never a SIGBUS
+    with pytest.raises(ShmError, match="shrank"):
+        maps.read(shm.Ref(region, 0, 64))
+    with pytest.raises(ShmError, match="past the end of shared memory object"):
+        shm.check_object(region)
+    maps.close()
+    assert len(maps) == 0
+
+
+def test_object_checks(obj, tmp_path):
+    with pytest.raises(ShmError, match="cannot open"):
+        shm.object_size("/ortc-test-does-not-exist")
+    link = os.path.join(shm.SHM_DIR, f"ortc-link-{uuid.uuid4().hex[:8]}")
+    os.symlink(obj[1], link)
+    try:
+        with pytest.raises(ShmError, match="cannot open"):  # a link is not followed
+            shm.object_size("/" + os.path.basename(link))
+    finally:
+        os.unlink(link)
+    assert shm.object_size(obj[0]) == 4096
+
+
+@pytest.mark.parametrize("peer,loop", [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True),
+                                       ("ipv4:127.0.0.1:5555", True), ("ipv6:[::1]:5555", True),
+                                       ("ipv6:%5B::1%5D:5555", True), ("::ffff:127.0.0.1", True),
+                                       ("10.1.2.3", False), ("ipv4:192.168.1.5:80", False),
+                                       ("ipv6:[2001:db8::1]:80", False), (None, False), ("", False),
+                                       ("garbage", False)])
+def test_is_loopback(peer, loop):
+    assert shm.is_loopback(peer) is loop
+
+
+# -- the store and the REST endpoints ------------------------------------------------------------------------------
+def _router(allow_remote: bool = False):
+    store = ShmStore(LocalRegistry(), allow_remote=allow_remote)
+    seen = []
+
+    async def ready():
+        return True
+
+    async def infer(feeds):
+        seen.append(feeds)
+        return {"outputs": _model(feeds["X"])}
+    return Router(SPEC, ready, infer, shm=store), store, seen
+
+
+def _call(router, method, path, body=b"", headers=None, client="127.0.0.1"):
+    async def read_body(cap):
+        return body
+    return run(router.handle(method, path, {k.lower(): v for k, v in (headers or {}).items()}, read_body, client))
+
+
+def _register(router, name, key, offset, size, client="127.0.0.1"):
+    body = json.dumps({"key": key, "offset": offset, "byte_size": size}).encode()
+    return _call(router, "POST", f"/v2/systemsharedmemory/region/{name}/register", body, client=client)
+
+
+def test_rest_register_status_unregister(obj):
+    key, _ = obj
+    router, store, _ = _router()
+    assert _register(router, "a", key, 0, 4096).status == 200
+    res = _register(router, "a", key, 0, 16)
+    assert res.status == 400 and b"registered already" in res.body
+    res = _call(router, "GET", "/v2/systemsharedmemory/region/a/status")
+    assert res.status == 200 and json.loads(res.body) == [{"name": "a", "key": key, "offset": 0, "byte_size": 4096}]
+    assert _call(router, "GET", "/v2/systemsharedmemory/region/zz/status").status == 400
+    for off, size, msg in [(0, 4097, b"past the end of shared memory object"), (4096, 1, b"past the end"),
+                           (0, 0, b"at least 1")]:
+        res = _register(router, "b", key, off, size)
+        assert res.status == 400 and msg in res.body, res.body
+    res = _register(router, "c", "/ortc-test-does-not-exist", 0, 8)
+    assert res.status == 400 and b"cannot open" in res.body
+    res = _register(router, "r", key, 0, 8, client="10.1.2.3")  # a remote client: refused, named
+    assert res.status == 400 and b"loopback" in res.body and b"10.1.2.3" in res.body
+    res = _register(router, "r", key, 0, 8, client=None)
+    assert res.status == 400 and b"loopback" in res.body
+    assert _call(router, "POST", "/v2/systemsharedmemory/region/a/status").status == 405
+    assert _call(router, "GET", "/v2/systemsharedmemory/region/a/register").status == 405
+    assert _call(router, "POST", "/v2/systemsharedmemory/region/a/register", b"{nope").status == 400
+    assert _call(router, "POST", "/v2/systemsharedmemory/region/a/unregister").status == 200
+    assert json.loads(_call(router, "GET", "/v2/systemsharedmemory/status").body) == []
+    assert _register(router, "a", key, 0, 64).status == 200 and _register(router, "b", key, 64, 64).status == 200
+    assert _call(router, "POST", "/v2/systemsharedmemory/unregister").status == 200
+    assert json.loads(_call(router, "GET", "/v2/systemsharedmemory/status").body) == []
+    remote_ok, _, _ = _router(allow_remote=True)
+    assert _register(remote_ok, "r", key, 0, 8, client="10.1.2.3").status == 200
+    assert b"system_shared_memory" in _call(router, "GET", "/v2").body
+
+
+def _infer_body(inputs, outputs=None, binary=b""):
+    head = json.dumps({"inputs": inputs, **({"outputs": outputs} if outputs is not None else {})}).encode()
+    return head + binary, {protocol.HEADER_LENGTH: str(len(head))}
+
+
+def test_rest_infer_with_input_and_output_in_regions(obj):
+    key, path = obj
+    router, store, seen = _router()
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with open(path, "r+b") as f:
+        f.seek(256 + 16)
+        f.write(x.tobytes())
+    assert _register(router, "in", key, 256, 256).status == 200
+    assert _register(router, "out", key, 1024, 1024).status == 200
+    body, headers = _infer_body(
+        [{"name": "X", "datatype": "FP32", "shape": [3, 4],
+          "parameters": {shm.REGION: "in", shm.OFFSET: 16, shm.BYTE_SIZE: 48}}],
+        [{"name": "Y", "parameters": {shm.REGION: "out", shm.OFFSET: 8, shm.BYTE_SIZE: 48}},
+         {"name": "S", "parameters": {"binary_data": False}}])
+    res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+    assert res.status == 200, res.body
+    np.testing.assert_array_equal(seen[-1]["X"], x)
+    n = int(res.headers.get(protocol.HEADER_LENGTH, len(res.body)))
+    out = {o["name"]: o for o in json.loads(res.body[:n])["outputs"]}
+    assert out["S"]["data"] == [0, 1, 2]
+    assert out["Y"]["shape"] == [3, 4] and out["Y"]["parameters"] == {shm.REGION: "out", shm.OFFSET: 8,
+                                                                       shm.BYTE_SIZE: 48}
+    assert "data" not in out["Y"]
+    with open(path, "rb") as f:
+        f.seek(1024 + 8)
+        np.testing.assert_array_equal(np.frombuffer(f.read(48), np.float32).reshape(3, 4), x * 2 + 1)
+    # only an output in a region: nothing else comes back
+    body, headers = _infer_body([{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
+                                [{"name": "S", "parameters": {shm.REGION: "out", shm.BYTE_SIZE: 8}}])
+    res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+    assert res.status == 200, res.body
+    assert [o["name"] for o in json.loads(res.body)["outputs"]] == ["S"]
+
+
+def test_rest_infer_bad_references_are_400_before_any_run(obj):
+    key, _ = obj
+    router, store, seen = _router()
+    assert _register(router, "in", key, 0, 64).status == 200
+
+    def x_param(**p):
+        return [{"name": "X", "datatype": "FP32", "shape": [2, 4], "parameters": p}]
+    cases = [(x_param(**{shm.REGION: "nope", shm.BYTE_SIZE: 32}), None, "'nope' is not a registered"),
+             (x_param(**{shm.REGION: "in", shm.OFFSET: 65, shm.BYTE_SIZE: 32}), None, "shared_memory_offset 65"),
+             (x_param(**{shm.REGION: "in", shm.BYTE_SIZE: 128}), None, "shared_memory_byte_size 128"),
+             (x_param(**{shm.REGION: "in", shm.OFFSET: 40, shm.BYTE_SIZE: 32}), None, "shared_memory_byte_size 32"),
+             (x_param(**{shm.REGION: "in", shm.BYTE_SIZE: 16}), None, "its shape and datatype take 32"),
+             ([{"name": "X", "datatype": "FP32", "shape": [2, 4], "data": [0] * 8}],
+              [{"name": "Y", "parameters": {shm.REGION: "in", shm.OFFSET: 48, shm.BYTE_SIZE: 32}}],
+              "output 'Y': shared_memory_byte_size 32")]
+    for inputs, outputs, msg in cases:
+        body, headers = _infer_body(inputs, outputs)
+        res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+        assert res.status == 400 and msg in json.loads(res.body)["error"], (msg, res.body)
+    assert seen == []  # nothing ran
+    # an output larger than its reference: refused, nothing written past it
+    body, headers = _infer_body([{"name": "X", "datatype": "FP32", "shape": [2, 4], "data": [0] * 8}],
+                                [{"name": "Y", "parameters": {shm.REGION: "in", shm.BYTE_SIZE: 16}}])
+    res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+    assert res.status == 400 and b"do not fit" in res.body
+
+
+# -- the gRPC conversion -------------------------------------------------------------------------------------------
+grpc_mod = pytest.importorskip("tritonclient.grpc")
+
+
+def _grpc_request(x, outputs=(), raw=True, **kw):
+    from ortcapture.serving import grpc_service
+
+    p = grpc_service.pb2()
+    msg = p.ModelInferRequest(model_name="m", id="r1")
+    t = msg.inputs.add(name="X", datatype=kw.get("datatype", "FP32"), shape=list(kw.get("shape", x.shape)))
+    if raw:
+        msg.raw_input_contents.append(kw.get("data", x.tobytes()))
+    else:
+        t.contents.fp32_contents.extend(x.ravel().tolist())
+    for name in outputs:
+        msg.outputs.add(name=name)
+    return msg
+
+
+def test_grpc_decode_matches_rest_and_encodes_raw_outputs():
+    from ortcapture.serving import grpc_service
+
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    req, plan = run(grpc_service.decode_infer(_grpc_request(x, ["S"]), SPEC))
+    assert plan is None and req.id == "r1" and req.outputs == [("S", True)]
+    np.testing.assert_array_equal(req.inputs["X"], x)
+    typed, _ = run(grpc_service.decode_infer(_grpc_request(x, raw=False), SPEC))
+    np.testing.assert_array_equal(typed.inputs["X"], x)
+    assert [n for n, _ in typed.outputs] == ["Y", "S"]
+    res = grpc_service.encode_infer(SPEC, typed, _model(x))
+    back = grpc_mod.InferResult(res)
+    np.testing.assert_array_equal(back.as_numpy("Y"), x * 2 + 1)
+    np.testing.assert_array_equal(back.as_numpy("S"), [0, 1])
+    # the same message the REST path gives for the same mistake
+    rest = pytest.raises(ProtocolError, protocol.parse_infer_request,
+                         json.dumps({"inputs": [{"name": "X", "datatype": "FP64", "shape": [2, 4],
+                                                 "data": [0] * 8}]}).encode(), None, SPEC)
+    grpc = pytest.raises(ProtocolError, run, grpc_service.decode_infer(
+        _grpc_request(x.astype(np.float64), datatype="FP64"), SPEC))
+    assert str(grpc.value) == str(rest.value) and grpc.value.status == 400
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"data": b"\0" * 12}, "raw_input_contents[0] has 12 bytes; shape [2, 4] of FP32 is 32 bytes"),
+    ({"shape": [9, 4], "data": b"\0" * 144}, "9 rows along axis 0; a request has 1 to 8"),
+    ({"shape": [2, 5], "data": b"\0" * 40}, "axis 1 is 5; the model fixes it at 4"),
+])
+def test_grpc_decode_refusals(kw, msg):
+    from ortcapture.serving import grpc_service
+
+    x = np.zeros((2, 4), np.float32)
+    with pytest.raises(ProtocolError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        run(grpc_service.decode_infer(_grpc_request(x, **kw), SPEC))
+
+
+def test_grpc_decode_refuses_mixed_and_missing_contents():
+    from ortcapture.serving import grpc_service
+
+    x = np.zeros((2, 4), np.float32)
+    msg = _grpc_request(x)
+    msg.raw_input_contents.append(b"\0" * 32)
+    with pytest.raises(ProtocolError, match="2 raw_input_contents for 1 input"):
+        run(grpc_service.decode_infer(msg, SPEC))
+    msg = _grpc_request(x, raw=False)
+    msg.inputs[0].contents.ClearField("fp32_contents")
+    msg.inputs[0].contents.int_contents.extend([0] * 8)
+    with pytest.raises(ProtocolError, match="contents hold int_contents; datatype FP32 takes fp32_contents"):
+        run(grpc_service.decode_infer(msg, SPEC))
+    msg = _grpc_request(x, raw=False)
+    msg.inputs[0].ClearField("contents")
+    with pytest.raises(ProtocolError, match="no data"):
+        run(grpc_service.decode_infer(msg, SPEC))
+    with pytest.raises(ProtocolError, match="not a valid ModelInferRequest"):
+        grpc_service.message(b"\xff\xff\xff", "ModelInferRequest")
+    assert grpc_service.message(msg.SerializeToString(), "ModelInferRequest") == msg
+
+
+def test_grpc_decode_with_regions(obj):
+    from ortcapture.serving import grpc_service
+
+    key, path = obj
+    store = ShmStore(LocalRegistry())
+    run(store.register("in", key, 0, 512, "ipv4:127.0.0.1:1"))
+    run(store.register("out", key, 512, 512, "ipv6:[::1]:1"))
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with open(path, "r+b") as f:
+        f.write(x.tobytes())
+    p = grpc_service.pb2()
+    msg = p.ModelInferRequest(model_name="m")
+    t = msg.inputs.add(name="X", datatype="FP32", shape=[2, 4])
+    t.parameters[shm.REGION].string_param = "in"
+    t.parameters[shm.BYTE_SIZE].int64_param = 32
+    o = msg.outputs.add(name="Y")
+    o.parameters[shm.REGION].string_param = "out"
+    o.parameters[shm.BYTE_SIZE].int64_param = 32
+    msg.outputs.add(name="S")
+    req, plan = run(grpc_service.decode_infer(msg, SPEC, store))
+    np.testing.assert_array_equal(req.inputs["X"], x)
+    assert req.outputs == [("S", True)] and list(plan.outputs) == ["Y"]
+    entries = store.write_outputs(plan, _model(x), SPEC)
+    res = grpc_service.encode_infer(SPEC, req, _model(x), entries)
+    assert [o.name for o in res.outputs] == ["S", "Y"] and len(res.raw_output_contents) == 1
+    back = grpc_mod.InferResult(res)
+    np.testing.assert_array_equal(back.as_numpy("S"), [0, 1])
+    with open(path, "rb") as f:
+        f.seek(512)
+        np.testing.assert_array_equal(np.frombuffer(f.read(32), np.float32).reshape(2, 4), x * 2 + 1)
+    with pytest.raises(ShmError, match="loopback"):
+        run(store.register("r", key, 0, 8, "ipv4:10.0.0.1:5"))
+    t.parameters[shm.OFFSET].int64_param = 500
+    with pytest.raises(ShmError, match="input 'X': shared_memory_byte_size 32 at shared_memory_offset 500"):
+        run(grpc_service.decode_infer(msg, SPEC, store))
+    with pytest.raises(ShmError, match="no shared memory"):
+        run(grpc_service.decode_infer(msg, SPEC, None))
