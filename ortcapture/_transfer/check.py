@@ -279,9 +279,11 @@ class InputSpec:
 
     __slots__ = ("name", "dtype", "dims")
 
-    def __init__(self, name: str, onnx_type: str, shape: Sequence[Any]):
+    def __init__(self, name: str, onnx_type: Any, shape: Sequence[Any]):
+        """``onnx_type``: ORT's type string (``"tensor(float)"``) or a numpy dtype; ``shape``: ints for fixed dims,
+        anything else (a dim_param, ``None``, -1) for free ones."""
         self.name = name
-        self.dtype = ONNX_TO_NP.get(onnx_type)
+        self.dtype = ONNX_TO_NP.get(onnx_type) if isinstance(onnx_type, str) else np.dtype(onnx_type)
         self.dims = tuple(d if isinstance(d, int) and d >= 0 else None for d in shape)
 
     def problem(self, shape: Sequence[int], dtype: Any) -> str | None:
@@ -300,7 +302,7 @@ class InputSpec:
 
 def input_specs(inputs) -> dict[str, InputSpec]:
     """``{input name: InputSpec}`` of ``inputs``: a session's ``get_inputs()`` (``name``, ``type``, ``shape``) or
-    ``(name, onnx type string, shape)`` triples."""
+    ``(name, ORT type string or numpy dtype, shape)`` triples."""
     out = {}
     for m in inputs:
         name, onnx_type, shape = (m.name, m.type, m.shape) if hasattr(m, "name") else m

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ortcapture.errors import TransferError
-from ortcapture.transfer import check_values
+from ortcapture.transfer import check_feeds, input_specs
 
 
 class RequestError(ValueError):
@@ -55,6 +55,8 @@ class RequestCheck:
         self.names = [n for n, _, _ in inputs]
         self.types = {n: np.dtype(t) for n, t, _ in inputs}
         self.shapes = {n: tuple(int(d) for d in s) for n, _, s in inputs}
+        #: the feed plan's specs (:func:`ortcapture.transfer.input_specs`): -1 is a free dim
+        self.specs = input_specs([(n, self.types[n], self.shapes[n]) for n in self.names])
         self.input_axes = dict(input_axes)
         self.max_rows = int(max_rows)
         self.value_rules = dict(value_rules or {})
@@ -81,35 +83,13 @@ class RequestCheck:
         """
         if not isinstance(request, Mapping):
             raise RequestError(f"a request is a mapping {{input name: numpy array}}, got a {type(request).__name__}")
-        missing = [n for n in self.names if n not in request]
-        if missing:
-            raise RequestError(f"input(s) {missing} missing: the model takes {self.names}", missing[0])
-        unknown = [k for k in request if k not in self.types]
-        if unknown:
-            raise RequestError(f"input(s) {unknown!r} unknown: the model takes {self.names}", str(unknown[0]))
-        rows: dict[str, int] = {}
-        for name in self.names:
-            v = request[name]
-            if not isinstance(v, np.ndarray):
-                raise RequestError(f"input {name!r} must be a numpy array, got a {type(v).__name__}", name)
-            want = self.types[name]
-            if v.dtype != want:
-                raise RequestError(f"input {name!r} is {want} in the model, the request's is {v.dtype}", name)
-            shape = self.shapes[name]
-            if v.ndim != len(shape):
-                raise RequestError(f"input {name!r} has rank {len(shape)} in the model (shape {list(shape)}), the "
-                                   f"request's has shape {list(v.shape)}", name)
-            for ax, (d, got) in enumerate(zip(shape, v.shape)):
-                if d >= 0 and got != d:
-                    raise RequestError(f"input {name!r} axis {ax} is fixed at {d} in the model, the request's is "
-                                       f"{got}", name)
-            if name in self.input_axes:
-                rows[name] = int(v.shape[self.input_axes[name]])
-        try:
-            check_values(self.value_rules, request)
+        try:  # the feed plan's own check, without a device: what passes is what a graph's copy accepts
+            check_feeds(self.specs, request, self.value_rules)
         except TransferError as exc:
-            raise RequestError(str(exc), next((n for n in self.names if str(exc).startswith(f"input {n!r}")),
-                                              None)) from None
+            text = str(exc)
+            named = next((n for n in (*self.names, *request) if text.startswith(f"input {n!r}")), None)
+            raise RequestError(text, named if isinstance(named, str) else None) from None
+        rows = {name: int(request[name].shape[axis]) for name, axis in self.input_axes.items()}
         if len(set(rows.values())) > 1:
             raise RequestError(f"the inputs disagree on the rows along {self.dim!r}: "
                                + ", ".join(f"{n!r} axis {self.input_axes[n]}: {r}" for n, r in rows.items()))
