@@ -1,6 +1,6 @@
 """An adaptive batch queue for one asyncio event loop: a lone request runs at once, a batch waits only while more arrive.
 
-:class:`AdaptiveBatcher` is what the batching tier (:mod:`ortcapture.serving.tier`) puts in front of its one call per
+:class:`AdaptiveBatcher` is what the batching tier (``ortcapture.serving.tier``) puts in front of its one call per
 batch to a session replica. Its contract (the drain policy of LitServe, the queue delay of Triton's dynamic batcher):
 
 * a batch is a list of submitted items whose rows add up to at most ``max_rows``; the items keep their order;

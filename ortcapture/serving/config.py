@@ -74,9 +74,9 @@ class ServeOptions:
         env: extra environment variables for the replicas (added to those of :data:`ENV_PASSED` set here).
         app_name: the Ray Serve application name (default ``ortcapture-<name>``).
         grpc_port: also serve the protocol's gRPC form on ``host:grpc_port`` (Ray Serve's gRPC proxy;
-            :mod:`ortcapture.serving.grpc_service`); ``None``: no gRPC.
+            ``ortcapture.serving.grpc_service``); ``None``: no gRPC.
         allow_remote_shared_memory: accept shared memory registrations from clients that are not on loopback
-            (:mod:`ortcapture.serving.shm_store`; default: loopback clients only).
+            (``ortcapture.serving.shm_store``; default: loopback clients only).
     """
 
     model: str

@@ -308,58 +308,58 @@ class GrpcIngress:
     # -- health and metadata -------------------------------------------------------------------------------------
     async def ServerLive(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
         """``ServerLive``: live while the server runs (no token needed, as ``/v2/health/live``)."""
-        async def work(msg):
+        async def _work(msg):
             return pb2().ServerLiveResponse(live=True)
-        return await self._serve(grpc_context, request, ("ServerLiveRequest", "ServerLiveResponse"), work,
+        return await self._serve(grpc_context, request, ("ServerLiveRequest", "ServerLiveResponse"), _work,
                                  auth=False)
 
     async def ServerReady(self, request, grpc_context=None):  # noqa: N802
         """``ServerReady``: ready once a model replica is warm (no token needed)."""
-        async def work(msg):
+        async def _work(msg):
             return pb2().ServerReadyResponse(ready=bool(await self.ready()))
-        return await self._serve(grpc_context, request, ("ServerReadyRequest", "ServerReadyResponse"), work,
+        return await self._serve(grpc_context, request, ("ServerReadyRequest", "ServerReadyResponse"), _work,
                                  auth=False)
 
     async def ModelReady(self, request, grpc_context=None):  # noqa: N802
         """``ModelReady``: as ``ServerReady`` for the served model (``NOT_FOUND`` for another)."""
-        async def work(msg):
+        async def _work(msg):
             return pb2().ModelReadyResponse(ready=bool(await self.ready()))
-        return await self._serve(grpc_context, request, ("ModelReadyRequest", "ModelReadyResponse"), work,
+        return await self._serve(grpc_context, request, ("ModelReadyRequest", "ModelReadyResponse"), _work,
                                  model=("name", "version"))
 
     async def ServerMetadata(self, request, grpc_context=None):  # noqa: N802
         """``ServerMetadata``: name, version, extensions."""
-        async def work(msg):
+        async def _work(msg):
             return from_json(self.router.server_metadata(), pb2().ServerMetadataResponse())
-        return await self._serve(grpc_context, request, ("ServerMetadataRequest", "ServerMetadataResponse"), work)
+        return await self._serve(grpc_context, request, ("ServerMetadataRequest", "ServerMetadataResponse"), _work)
 
     async def ModelMetadata(self, request, grpc_context=None):  # noqa: N802
         """``ModelMetadata``: inputs and outputs with datatypes and shapes (-1 for dynamic dims)."""
-        async def work(msg):
+        async def _work(msg):
             return model_metadata(self.spec)
-        return await self._serve(grpc_context, request, ("ModelMetadataRequest", "ModelMetadataResponse"), work,
+        return await self._serve(grpc_context, request, ("ModelMetadataRequest", "ModelMetadataResponse"), _work,
                                  model=("name", "version"))
 
     async def ModelConfig(self, request, grpc_context=None):  # noqa: N802
         """``ModelConfig``: Triton's model configuration (REST's ``/config``)."""
-        async def work(msg):
+        async def _work(msg):
             from tritonclient.grpc import model_config_pb2
 
             cfg = from_json(protocol.model_config(self.spec), model_config_pb2.ModelConfig())
             return pb2().ModelConfigResponse(config=cfg)
-        return await self._serve(grpc_context, request, ("ModelConfigRequest", "ModelConfigResponse"), work,
+        return await self._serve(grpc_context, request, ("ModelConfigRequest", "ModelConfigResponse"), _work,
                                  model=("name", "version"))
 
     async def ModelStatistics(self, request, grpc_context=None):  # noqa: N802
         """``ModelStatistics``: Triton's statistics (REST's ``/stats`` without the ``ortcapture`` section)."""
-        async def work(msg):
+        async def _work(msg):
             if msg.name:
                 refused = self._model_refusal(msg.name, msg.version)
                 if refused is not None:
                     raise refused
             stats = protocol.statistics(self.spec, self.router.replicas())
             return from_json(stats, pb2().ModelStatisticsResponse())
-        return await self._serve(grpc_context, request, ("ModelStatisticsRequest", "ModelStatisticsResponse"), work)
+        return await self._serve(grpc_context, request, ("ModelStatisticsRequest", "ModelStatisticsResponse"), _work)
 
     # -- inference -----------------------------------------------------------------------------------------------
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
@@ -368,7 +368,7 @@ class GrpcIngress:
         if getattr(self, "_draining", False):
             return self._refuse(grpc_context, 503, "the server is shutting down", pb2().ModelInferResponse())
 
-        async def work(msg):
+        async def _work(msg):
             if not await self.ready():
                 raise ProtocolError(f"model {self.spec.name!r} is not ready: its replicas are not warm yet", 503)
             req, plan = await decode_infer(msg, self.spec, self.shm)
@@ -379,7 +379,7 @@ class GrpcIngress:
             return encode_infer(self.spec, req, result["outputs"], entries)
         self._in_flight = getattr(self, "_in_flight", 0) + 1
         try:
-            return await self._serve(grpc_context, request, ("ModelInferRequest", "ModelInferResponse"), work,
+            return await self._serve(grpc_context, request, ("ModelInferRequest", "ModelInferResponse"), _work,
                                      model=("model_name", "model_version"))
         finally:
             self._in_flight -= 1
@@ -392,31 +392,31 @@ class GrpcIngress:
 
     async def SystemSharedMemoryRegister(self, request, grpc_context=None):  # noqa: N802
         """``SystemSharedMemoryRegister``: a region of a client's ``/dev/shm`` object (loopback clients only)."""
-        async def work(msg):
+        async def _work(msg):
             peer = grpc_context.peer() if grpc_context is not None else None
             await self._shm_or_refuse().register(msg.name, msg.key, int(msg.offset), int(msg.byte_size), peer)
             return pb2().SystemSharedMemoryRegisterResponse()
         return await self._serve(grpc_context, request, ("SystemSharedMemoryRegisterRequest",
-                                                         "SystemSharedMemoryRegisterResponse"), work)
+                                                         "SystemSharedMemoryRegisterResponse"), _work)
 
     async def SystemSharedMemoryUnregister(self, request, grpc_context=None):  # noqa: N802
         """``SystemSharedMemoryUnregister``: the region named, or every region (an empty name)."""
-        async def work(msg):
+        async def _work(msg):
             await self._shm_or_refuse().unregister(msg.name or None)
             return pb2().SystemSharedMemoryUnregisterResponse()
         return await self._serve(grpc_context, request, ("SystemSharedMemoryUnregisterRequest",
-                                                         "SystemSharedMemoryUnregisterResponse"), work)
+                                                         "SystemSharedMemoryUnregisterResponse"), _work)
 
     async def SystemSharedMemoryStatus(self, request, grpc_context=None):  # noqa: N802
         """``SystemSharedMemoryStatus``: the region named, or every region (an empty name)."""
-        async def work(msg):
+        async def _work(msg):
             p = pb2()
             res = p.SystemSharedMemoryStatusResponse()
             for r in await self._shm_or_refuse().status(msg.name or None):
                 res.regions[r["name"]].CopyFrom(p.SystemSharedMemoryStatusResponse.RegionStatus(**r))
             return res
         return await self._serve(grpc_context, request, ("SystemSharedMemoryStatusRequest",
-                                                         "SystemSharedMemoryStatusResponse"), work)
+                                                         "SystemSharedMemoryStatusResponse"), _work)
 
     async def CudaSharedMemoryRegister(self, request, grpc_context=None):  # noqa: N802
         """``CudaSharedMemoryRegister``: not served (``UNIMPLEMENTED``)."""

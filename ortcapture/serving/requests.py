@@ -1,6 +1,6 @@
 """Requests without a session: the one check of a request, grouping, packing into runs, joining and slicing rows.
 
-What the batching tier (:mod:`ortcapture.serving.tier`, no device, no session) and the session-side
+What the batching tier (``ortcapture.serving.tier``, no device, no session) and the session-side
 :class:`ortcapture.serving.BatchRunner` share, so a request is checked once and batched the same way on both sides:
 
 * :class:`RequestCheck` — a request's inputs against the model (names, dtypes, ranks, fixed dims, equal rows along

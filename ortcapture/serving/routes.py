@@ -78,7 +78,7 @@ class Router:
         token: a bearer token: every endpoint but ``/v2/health/live`` and ``/v2/health/ready`` then needs
             ``Authorization: Bearer <token>`` (compared in constant time); ``None``: no authentication.
         ingress_stats: ``() -> dict`` shown under ``/stats``' ``ortcapture.ingress`` (queue, bodies in flight).
-        shm: system shared memory (:class:`ortcapture.serving.shm_store.ShmStore`): ``/v2/systemsharedmemory/...``
+        shm: system shared memory (``ortcapture.serving.shm_store.ShmStore``): ``/v2/systemsharedmemory/...``
             and infer requests that name regions; ``None``: neither.
     """
 
