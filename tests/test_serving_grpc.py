@@ -140,6 +140,17 @@ def test_grpc_infer_equals_cpu_ep(server, client, reference):
     assert [o.name for o in res.outputs] == ["probs"]
     np.testing.assert_allclose(np.frombuffer(res.raw_output_contents[0], np.float32).reshape(2, 3),
                                reference(x)["probs"], rtol=1e-5, atol=1e-6)
+    # the statistics count those requests, as REST's /stats does (the session replicas' reports fetched first)
+    import time
+
+    deadline, count = time.monotonic() + 15, 0
+    while time.monotonic() < deadline:
+        st = client.get_inference_statistics(MODEL, as_json=True)
+        count = int(st["model_stats"][0].get("inference_stats", {}).get("success", {}).get("count", 0))
+        if count >= 4:
+            break
+        time.sleep(0.5)
+    assert count >= 4, st
 
 
 def test_grpc_errors_carry_the_rest_messages(server, client):

@@ -112,7 +112,7 @@ def run(args) -> int:
     if not options.address:  # a port in use: one line, exit 2, before anything slow (Ray, the provider probe)
         config.check_port(options.host, options.port)
         if options.grpc_port:  # hook: the gRPC port too
-            config.check_port(options.host, options.grpc_port)
+            config.check_port(options.host, options.grpc_port, "--grpc-port")
     if options.provider in ("auto", "cuda"):
         from ortcapture._ort import cuda_probe
 

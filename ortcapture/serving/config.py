@@ -271,7 +271,7 @@ def _check_grpc(o: "ServeOptions", opt) -> None:
         raise CaptureError(f"{opt('allow_remote_shared_memory')} must be true or false")
 
 
-def check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, flag: str = "--port") -> None:
     """Refuse a port something already listens on, before Ray starts: bind ``host:port`` (every address ``host``
     resolves to) without ``SO_REUSEPORT`` and close it at once. Ray Serve's proxy binds *with* ``SO_REUSEPORT``,
     so without this check a second server on a served port starts and the kernel splits the clients between the
@@ -286,7 +286,7 @@ def check_port(host: str, port: int) -> None:
             try:
                 sock.bind(sockaddr)
             except OSError as exc:
-                raise CaptureError(f"--port {port}: {host}:{port} is in use already (another ortcapture serve or "
+                raise CaptureError(f"{flag} {port}: {host}:{port} is in use already (another ortcapture serve or "
                                    f"another program listens there: {exc.strerror or exc}); choose another --port, "
                                    "or stop the other server") from None
 

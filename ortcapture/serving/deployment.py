@@ -124,7 +124,7 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     if not options.address and not ray.is_initialized():
         check_port(options.host, options.port)  # Ray's proxy binds with SO_REUSEPORT: it would share the port
         if options.grpc_port:  # the gRPC port too
-            check_port(options.host, options.grpc_port)
+            check_port(options.host, options.grpc_port, "--grpc-port")
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if options.address:

@@ -357,6 +357,9 @@ class GrpcIngress:
                 refused = self._model_refusal(msg.name, msg.version)
                 if refused is not None:
                     raise refused
+            refresh = getattr(self, "_refresh_reports", None)  # the tier's: fetch the session replicas' reports
+            if refresh is not None:
+                await refresh()
             stats = protocol.statistics(self.spec, self.router.replicas())
             return from_json(stats, pb2().ModelStatisticsResponse())
         return await self._serve(grpc_context, request, ("ModelStatisticsRequest", "ModelStatisticsResponse"), _work)
