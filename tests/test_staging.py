@@ -201,6 +201,10 @@ class _FakeCudart:
             raise RuntimeError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")
         self.calls.append(("register", ptr, nbytes))
 
+    def memset_async(self, dst, value, nbytes, stream):
+        self.calls.append(("memset", dst, value, nbytes))
+        ctypes.memset(dst, value, nbytes)
+
     def release_later(self, kind, handle):
         self.freed.append((kind, handle))
 
@@ -219,7 +223,7 @@ def fake_pinned(monkeypatch):
 
     fake = _FakeCudart()
     for name in ("host_alloc", "copy_async", "new_stream", "new_event", "record", "wait_event", "sync_stream",
-                 "release_later", "free_pending", "set_device", "host_register"):
+                 "release_later", "free_pending", "set_device", "host_register", "memset_async"):
         monkeypatch.setattr(cudart, name, getattr(fake, name))
     monkeypatch.setattr(compat, "has_cuda_python", lambda: True)
     monkeypatch.setattr(_sync, "PINNED", True)
@@ -279,6 +283,67 @@ def test_pinned_staging_logic_chunks_events_and_frees(fake_pinned, monkeypatch, 
     del view
     gc.collect()
     assert sorted(k for k, _ in fake.freed).count("host") == 3
+
+
+def test_pinned_rows_send_only_the_request_and_re_pad_only_stale_rows(fake_pinned, rng):
+    """A bucket's request through the pinned staging (issue 42): the request's rows are a prefix of the buffer, sent
+    alone; only the rows the previous request wrote beyond them are set to the pad (on the device); only the
+    request's output rows come back. Several axes or a pad that is no repeated byte: through the host array."""
+    fake, as_cuda = fake_pinned
+    full = (8, 3, 5)
+    inner = 3 * 5 * 4
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.full(full, -7.0, np.float32)))
+    y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.arange(8 * 6, dtype=np.float32).reshape(8, 6)))
+    st = _staging.HostStaging({"x": x}, {"y": y}, pinned=True)
+    want = np.zeros(full, np.float32)  # what the device buffer must hold after each request
+
+    def send(n, last):
+        a = rng.random((n, 3, 5), dtype=np.float32)
+        fake.calls.clear()
+        st.upload_rows("x", a, (0,), 0.0, 0, last)
+        want[:n] = a
+        stop = full[0] if last is None else last[0]
+        want[n:stop] = 0.0
+        np.testing.assert_array_equal(x.numpy(), want)
+        copies = [c for c in fake.calls if c[0] == "copy"]
+        assert sum(c[3] for c in copies) == n * inner  # the request's rows only
+        sets = [c for c in fake.calls if c[0] == "memset"]
+        assert sum(c[3] for c in sets) == max(stop - n, 0) * inner
+        return a.shape
+
+    last = send(5, None)  # the whole tail (unknown before) padded once
+    last = send(2, last)  # rows 2..4 re-padded, 5..7 left alone
+    assert [c[3] for c in fake.calls if c[0] == "memset"] == [3 * inner]
+    last = send(7, last)  # growing: nothing to pad
+    assert not [c for c in fake.calls if c[0] == "memset"]
+    # a pad value that is no repeated byte: the stale rows go from the host array
+    a = rng.random((1, 3, 5), dtype=np.float32)
+    st.upload_rows("x", a, (0,), np.float32(-1e9), None, last)
+    got = x.numpy()
+    np.testing.assert_array_equal(got[:1], a)
+    assert (got[1:7] == np.float32(-1e9)).all()
+    # the output's first rows: one DMA of that prefix into a pool block
+    fake.calls.clear()
+    r = st.read_rows("y", 0, 3)
+    np.testing.assert_array_equal(r, np.arange(18, dtype=np.float32).reshape(3, 6))
+    assert [c[3] for c in fake.calls if c[0] == "copy"] == [3 * 6 * 4]
+    assert st.read_rows("y", 1, 2) is None  # not a prefix: the caller reads the whole output
+
+
+def test_rows_on_an_axis_after_the_first_go_through_the_host_array(fake_pinned, rng):
+    fake, as_cuda = fake_pinned
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.full((2, 6, 3), 5.0, np.float32)))
+    st = _staging.HostStaging({"x": x}, {}, pinned=True)
+    a = rng.random((2, 4, 3), dtype=np.float32)
+    st.upload_rows("x", a, (1,), 0.0, 0, None)
+    got = x.numpy()
+    np.testing.assert_array_equal(got[:, :4], a)
+    assert (got[:, 4:] == 0).all()
+    b = rng.random((2, 1, 3), dtype=np.float32)
+    st.upload_rows("x", b, (1,), 0.0, 0, a.shape)
+    got = x.numpy()
+    np.testing.assert_array_equal(got[:, :1], b)
+    assert (got[:, 1:] == 0).all()
 
 
 def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch, rng):
