@@ -49,28 +49,12 @@ def matmul_model(n: int = 64) -> bytes:
     return model.SerializeToString()
 
 
-def _paired(fa, fb, iters: int, warmup: int = 5) -> tuple[list[float], list[float]]:
-    """Per-call µs of ``fa`` and ``fb``, alternated call by call (both orders weighted alike)."""
-    clock = time.perf_counter_ns
-    for _ in range(warmup):
-        fa()
-        fb()
-    a, b = [], []
-    for i in range(iters):
-        first, second, xa, xb = (fa, fb, a, b) if i % 2 == 0 else (fb, fa, b, a)
-        t0 = clock()
-        first()
-        t1 = clock()
-        second()
-        t2 = clock()
-        xa.append((t1 - t0) / 1e3)
-        xb.append((t2 - t1) / 1e3)
-    return a, b
-
-
 def run_arms(ortcapture, provider: str, model_kind: str, iters: int = 300, so_factory=None) -> dict:
     """The arms above on ``provider`` for ``model_kind`` (``reference``: YOLOv8n 320x320; ``matmul``: 64x64)."""
     import numpy as np
+
+    sys.path.insert(0, HERE)
+    from profile_replay import _paired  # the replay profile's call-by-call alternation
 
     from ortcapture._core.run import uncaptured_run_options
     from ortcapture._ort.providers import session_args

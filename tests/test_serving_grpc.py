@@ -58,11 +58,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return lambda x: dict(zip(names, sess.run(None, {"X": x})))
+    """The CPU EP's answer for a request (the model run alone, uncaptured)."""
+    return tiny.bucket_cpu_answer()
 
 
 @pytest.fixture

@@ -180,11 +180,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     """The CPU EP's answer for a request (the model run alone, uncaptured)."""
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return lambda x: dict(zip(names, sess.run(None, {"X": x})))
+    return tiny.bucket_cpu_answer()
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> bool:

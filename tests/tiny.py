@@ -152,6 +152,16 @@ def bucket_model() -> bytes:
                   [vi("scores", ["N", 3]), vi("probs", [None, 3]), vi("feat", [3, "M"])], [w, b])
 
 
+def bucket_cpu_answer():
+    """``x -> {output name: array}``: :func:`bucket_model` run by the CPU EP alone (uncaptured), what a served request's
+    answer must equal."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(bucket_model(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return lambda x: dict(zip(names, sess.run(None, {"X": x})))
+
+
 def bucket_reference(x: np.ndarray) -> dict[str, np.ndarray]:
     """What :func:`bucket_model` computes, in numpy (float64, for tolerances)."""
     rng = np.random.default_rng(7)

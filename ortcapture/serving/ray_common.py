@@ -11,6 +11,9 @@ One served model is three deployments (:mod:`ortcapture.serving.deployment` depl
 """
 from __future__ import annotations
 
+import asyncio
+from typing import Awaitable, Callable
+
 TIER_DEPLOYMENT = "Model"
 SESSION_DEPLOYMENT = "ModelSession"
 STATS_DEPLOYMENT = "ModelStats"
@@ -43,3 +46,34 @@ def keep_replica_grpc_on_loopback(loopback: bool) -> None:
 
     add_port_to_grpc_server.ortcapture_loopback = True
     ray_replica.add_port_to_grpc_server = add_port_to_grpc_server
+
+
+class Reporter:
+    """A replica's push of its counters to ``ModelStats`` every :data:`REPORT_EVERY_S` seconds, on the replica's
+    event loop: ``push()`` is awaited in a loop whose failures (``ModelStats`` restarting or not up yet) are retried
+    at the next period. :meth:`start` (idempotent; call it from the event loop, e.g. on each request) starts it again
+    if it ended; :meth:`cancel` stops it."""
+
+    def __init__(self, push: Callable[[], Awaitable[None]]):
+        self._push = push
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the push loop unless it runs (from the replica's event loop)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def cancel(self) -> None:
+        """Stop the push loop (the replica is shutting down)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._push()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - ModelStats restarts or is not up yet: push again later
+                pass
+            await asyncio.sleep(REPORT_EVERY_S)

@@ -24,7 +24,7 @@ from typing import Sequence
 from ray import serve as ray_serve
 
 from ortcapture.serving.config import ServeOptions
-from ortcapture.serving.ray_common import REPORT_EVERY_S, STATS_DEPLOYMENT, keep_replica_grpc_on_loopback
+from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback
 from ortcapture.serving.replica import ReplicaCore
 
 
@@ -51,7 +51,7 @@ class ModelSession:
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
-        self._reporter: asyncio.Task | None = None
+        self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         self._stats = None
         self._metrics = _Metrics(options.name)
         self._metrics.graphs(self.core)
@@ -70,7 +70,7 @@ class ModelSession:
             Per run: :meth:`ReplicaCore.run_joined`'s answer — ``{"outputs", "axes"}`` (every row; the tier slices)
             or ``{"answers": [...]}`` (the run failed: each request's own answer).
         """
-        self._start_reporter()
+        self._reporter.start()
         loop = asyncio.get_running_loop()
         queued = list(queued_ns) or [()] * len(runs)
         return await loop.run_in_executor(self._pool, self._run_all, list(runs), queued)
@@ -94,31 +94,20 @@ class ModelSession:
     async def check_health(self) -> None:
         """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the
         replica unhealthy and Ray replaces it)."""
-        self._start_reporter()
+        self._reporter.start()
         await asyncio.get_running_loop().run_in_executor(None, self.core.check_health)
 
-    def _start_reporter(self) -> None:
-        if self._reporter is None or self._reporter.done():
-            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
-
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                if self._stats is None:
-                    self._stats = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._app)
-                await self._stats.report.remote(self.replica_id, self._report())
-                self._metrics.graphs(self.core)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - ModelStats restarts or is not up yet: push again later
-                pass
-            await asyncio.sleep(REPORT_EVERY_S)
+    async def _push_report(self) -> None:
+        if self._stats is None:
+            self._stats = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._app)
+        await self._stats.report.remote(self.replica_id, self._report())
+        self._metrics.graphs(self.core)
 
     def __del__(self):
         """Graceful shutdown (Serve calls this after requests in flight finished): release the graphs."""
-        task = getattr(self, "_reporter", None)
-        if task is not None:
-            task.cancel()
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.cancel()
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)

@@ -28,7 +28,7 @@ from ortcapture.serving.batcher import AdaptiveBatcher, Item
 from ortcapture.serving.config import ServeOptions, model_layout
 from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
-from ortcapture.serving.ray_common import (REPORT_EVERY_S, RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT,
+from ortcapture.serving.ray_common import (RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
                                            keep_replica_grpc_on_loopback)
 from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, take
 from ortcapture.serving.routes import STALE_S, Refusal, Router
@@ -81,7 +81,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                          "client_gone": 0, "bad_request": 0}
         self._sent = {"session_calls": 0, "requests_sent": 0}
         self._others: dict[str, tuple[float, dict]] = {}
-        self._reporter: asyncio.Task | None = None
+        self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         # system shared memory: its registry one named actor per application (ortcapture.serving.shm_store)
         self.shm = ShmStore(ActorRegistry(f"{options.app_name}-shm"), allow_remote=options.allow_remote_shared_memory)
         self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
@@ -98,7 +98,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             request and the replica is not healthy, 503 (with ``"retry_after"``) when ``max_queued`` requests wait
             already, no session replica answered within ``request_timeout_s``, or none could run it.
         """
-        self._start_reporter()
+        self._reporter.start()
         o = self.options
         try:
             rows = self.check.rows(feeds)
@@ -162,7 +162,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         if self._draining:
             return Response(b'{"error": "the server is shutting down"}', status_code=503,
                             headers={"content-type": "application/json"})
-        self._start_reporter()
+        self._reporter.start()
         self._in_flight += 1
         try:
             headers = {k.lower(): v for k, v in request.headers.items()}
@@ -254,7 +254,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def check_health(self) -> None:
         """Serve's periodic health check: starts this replica's report loop (nothing to check: no session)."""
-        self._start_reporter()
+        self._reporter.start()
 
     def _stats_target(self):
         if self._stats_handle is None:
@@ -298,20 +298,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             self.router.report(rid, data, now=now - age)
         self._others = {rid: (now - age, data) for rid, (age, data) in snap["tiers"].items()}
 
-    def _start_reporter(self) -> None:
-        if self._reporter is None or self._reporter.done():
-            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
-
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                await self._stats_target().tier.remote(self.replica_id, self._own())
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - ModelStats restarts or is not up yet: push again later
-                pass
-            await asyncio.sleep(REPORT_EVERY_S)
-
+    async def _push_report(self) -> None:
+        await self._stats_target().tier.remote(self.replica_id, self._own())
 
 class ModelStats:
     """The ``ModelStats`` deployment's class (one replica): the latest report of each session replica
