@@ -344,6 +344,18 @@ def test_rows_on_an_axis_after_the_first_go_through_the_host_array(fake_pinned, 
     got = x.numpy()
     np.testing.assert_array_equal(got[:, :1], b)
     assert (got[:, 1:] == 0).all()
+    # a feed that fills the buffer (a full bucket: CapturedGraph.run) goes through the same host array; the next
+    # request's stale rows are then all of it, not what the last upload_rows wrote (seen on the H200: issue 42)
+    for full in (rng.random((2, 6, 3), dtype=np.float32), st.host_inputs["x"]):
+        if full is st.host_inputs["x"]:
+            full[...] = 9.0  # the graph's own host input filled by the caller, then sent
+        st.upload({"x": full})
+        np.testing.assert_array_equal(x.numpy(), full)
+        c = rng.random((2, 2, 3), dtype=np.float32)
+        st.upload_rows("x", c, (1,), 0.0, 0, (2, 6, 3))
+        got = x.numpy()
+        np.testing.assert_array_equal(got[:, :2], c)
+        assert (got[:, 2:] == 0).all(), got[:, 2:]
 
 
 def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch, rng):
@@ -429,6 +441,46 @@ def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch
     gc.collect()
     queued = [(k, h[1]) for k, h in fake.freed if k == "registered"]
     assert sorted(id(arr) for _, arr in queued) == sorted(map(id, (b, c, d)))
+
+
+def test_one_array_fed_to_two_graphs_shares_one_registration(fake_pinned, monkeypatch, rng):
+    """The same request buffer fed again to two graphs of one size (a bucket's and a CapturedGraph's: issue 42's
+    paired arms on the H200): the driver locks a range once (a second cudaHostRegister is refused,
+    cudaErrorHostMemoryAlreadyRegistered), so the second staging shares the first one's registration and sends from
+    the array too; the range is unregistered once, when the last staging using it lets go."""
+    fake, as_cuda = fake_pinned
+    monkeypatch.setattr(_sync, "STAGING_THREADS", 1)
+    locked = set()
+
+    def host_register(ptr, nbytes):
+        if ptr in locked:
+            raise RuntimeError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")
+        locked.add(ptr)
+        fake.calls.append(("register", ptr, nbytes))
+    from ortcapture._ort import cudart
+    monkeypatch.setattr(cudart, "host_register", host_register)
+    shape = (1, 3, 320, 320)
+    xs = [as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))) for _ in range(2)]
+    sts = [_staging.HostStaging({"x": x}, {}, pinned=True) for x in xs]
+    n = xs[0].tensor_size_in_bytes()
+    a = rng.random(shape, dtype=np.float32)
+    for _ in range(3):
+        for st, x in zip(sts, xs):
+            fake.calls.clear()
+            st.upload({"x": a})
+            np.testing.assert_array_equal(x.numpy(), a)
+    # the last round: both send straight from the array, nothing registered again
+    for st, x in zip(sts, xs):
+        fake.calls.clear()
+        st.upload({"x": a})
+        assert [c for c in fake.calls if c[0] in ("copy", "register")] == [("copy", x.data_ptr(), a.ctypes.data, n)]
+    assert [id(r) for st in sts for r in st._inplace.registered()] == [id(a), id(a)]
+    fake.freed.clear()
+    sts[0].unregister_in_place()
+    assert not fake.freed  # the other staging still sends from it
+    sts[1].unregister_in_place()
+    assert [(k, h[0], h[1] is a) for k, h in fake.freed] == [("registered", a.ctypes.data, True)]
+    assert not _staging._SHARED
 
 
 def test_pinned_staging_falls_back_to_pageable_when_cuda_refuses(fake_pinned, monkeypatch):

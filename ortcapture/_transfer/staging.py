@@ -11,6 +11,7 @@ pageable staging calls).
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import Any, Mapping
 
@@ -103,6 +104,36 @@ REGISTER_MIN = 256 << 10
 #: Arrays kept page-locked per input (a rotation of a few request buffers is common), most recently fed first
 REGISTER_KEEP = 4
 
+#: In-place registrations by ``(ptr, nbytes)``: ``[array, stagings using it]``. The driver locks a range once
+#: (a second ``cudaHostRegister`` is refused), so one array fed to two graphs — a bucket's and a ``CapturedGraph``'s
+#: of the same size — shares the first staging's registration; the last staging to drop it unregisters it.
+_SHARED: dict[tuple[int, int], list] = {}
+_SHARED_LOCK = threading.RLock()  # reentrant: a staging's finalizer may run while this thread holds it
+
+
+def _share(arr: np.ndarray, ptr: int, nbytes: int) -> bool:
+    """Count one more staging using ``arr``'s registration if ``arr`` itself is registered at ``ptr`` already."""
+    with _SHARED_LOCK:
+        e = _SHARED.get((ptr, nbytes))
+        if e is not None and e[0] is arr:
+            e[1] += 1
+            return True
+    return False
+
+
+def _unshare(ptr: int, nbytes: int, arr: np.ndarray) -> None:
+    """One staging less uses the registration of ``arr`` at ``ptr``; the last queues its ``cudaHostUnregister``."""
+    with _SHARED_LOCK:
+        e = _SHARED.get((ptr, nbytes))
+        if e is not None and e[0] is arr:
+            e[1] -= 1
+            if e[1] > 0:
+                return
+            del _SHARED[(ptr, nbytes)]
+    from ortcapture._ort import cudart
+
+    cudart.release_later("registered", (ptr, arr))
+
 
 class _InPlace:
     """The callers' numpy arrays that one pinned staging has page-locked in place (``cudaHostRegister``).
@@ -123,8 +154,9 @@ class _InPlace:
     past :data:`REGISTER_BYTES` is declined (no other array is evicted for it). Unregistrations are queued and done at
     the next safe point — after the upload's wait (a copy from an evicted array may be in flight), at ``release()``,
     or when new staging is made — under ``CUDA_GATE.shared``, never inside a capture, like the staging's own frees.
-    An array the driver refuses to lock (a page already registered by someone else, a mapping it cannot pin) is
-    remembered weakly and copied as before. Only synchronous uploads use it (:meth:`HostStaging.upload` waits for the
+    An array another graph's staging registered already (one request buffer fed to two graphs) shares that
+    registration (:data:`_SHARED`). An array the driver refuses to lock (a page already registered by someone else,
+    a mapping it cannot pin) is remembered weakly and copied as before. Only synchronous uploads use it (:meth:`HostStaging.upload` waits for the
     DMA before it returns, so the caller may rewrite the array as soon as ``run`` returns); the overlapped
     ``run_many`` copies each request into the staging buffer, since its iterator may reuse an array while the
     previous copy is in flight."""
@@ -174,11 +206,14 @@ class _InPlace:
         if self.nbytes - sum(e[2] for e in regs[len(keep):]) + nbytes > sync.REGISTER_BYTES or not _owns_memory(arr):
             return 0  # over the graph's cap: declined, never another input's evicted for it (no churn)
         ptr = int(arr.ctypes.data)
-        try:
-            cudart.host_register(ptr, nbytes)
-        except RuntimeError:
-            self.refused = [r for r in self.refused if r() is not None][-7:] + [weakref.ref(arr)]
-            return 0
+        if not _share(arr, ptr, nbytes):
+            try:
+                cudart.host_register(ptr, nbytes)
+            except RuntimeError:
+                self.refused = [r for r in self.refused if r() is not None][-7:] + [weakref.ref(arr)]
+                return 0
+            with _SHARED_LOCK:
+                _SHARED[(ptr, nbytes)] = [arr, 1]
         while len(regs) > len(keep):  # evicted once the new one is in: a refusal evicts nothing
             self._drop(name, regs[-1])
         regs.insert(0, [arr, ptr, nbytes])
@@ -186,14 +221,13 @@ class _InPlace:
         return ptr
 
     def _drop(self, name: str, entry: list) -> None:
-        """Forget a registration and queue its ``cudaHostUnregister`` (with the array, kept alive until then): done
-        by :meth:`HostStaging.upload` after its wait, since a copy from the array may be in flight now."""
-        from ortcapture._ort import cudart
-
+        """Forget a registration and queue its ``cudaHostUnregister`` (with the array, kept alive until then; unless
+        another staging uses it too): done by :meth:`HostStaging.upload` after its wait, since a copy from the array
+        may be in flight now."""
         regs = self.regs[name]
         del regs[next(i for i, e in enumerate(regs) if e is entry)]  # by identity (== would compare the arrays)
         self.nbytes -= entry[2]
-        cudart.release_later("registered", (entry[1], entry[0]))
+        _unshare(entry[1], entry[2], entry[0])
 
     def registered(self) -> list[np.ndarray]:
         """The arrays page-locked now, most recently fed first per input."""
@@ -213,12 +247,10 @@ def _owns_memory(arr: np.ndarray) -> bool:
 
 def _unregister_all(inplace: _InPlace) -> None:
     """Queue every registration of a staging that is gone (a finalizer: no CUDA call)."""
-    from ortcapture._ort import cudart
-
     for regs in inplace.regs.values():
         while regs:
             e = regs.pop()
-            cudart.release_later("registered", (e[1], e[0]))
+            _unshare(e[1], e[2], e[0])
     inplace.nbytes = 0
 
 
@@ -340,6 +372,8 @@ class HostStaging:
         this returns. The arrays were accepted by :meth:`takes`."""
         if not self.pinned:
             for name, arr in host.items():
+                if arr is self.host_inputs[name]:  # filled by someone else: upload_rows' record of it is void
+                    self._host_rows.pop(name, None)
                 update_inplace(self.inputs[name], arr)
             return
         self.upload_async(host, in_place=sync.REGISTER)
@@ -360,6 +394,7 @@ class HostStaging:
             settle()
         stream = self._stream
         for name, arr in host.items():
+            self._host_rows.pop(name, None)  # the host array is (re)filled below or by the caller: no rows known
             if name in self._busy:  # its previous copy must be done before the buffer is refilled
                 cudart.wait_event(self._events[name])
                 self._busy.discard(name)
@@ -432,8 +467,8 @@ class HostStaging:
             else:
                 own.fill(pad)
         own[tuple(slice(0, k) for k in arr.shape)] = arr
-        self._host_rows[name] = arr.shape
         self.upload({name: own})
+        self._host_rows[name] = arr.shape  # after upload, which forgets it (a feed through the host array)
 
     def read_rows(self, name: str, axis: int, n: int) -> np.ndarray | None:
         """Output ``name``'s first ``n`` rows along ``axis`` as a new host array (pinned, nothing before ``axis``:
@@ -464,6 +499,7 @@ class HostStaging:
         from ortcapture._ort import cudart
 
         for name, arr in host.items():
+            self._host_rows.pop(name, None)
             if name in self._busy:
                 cudart.wait_event(self._events[name])
                 self._busy.discard(name)
