@@ -351,6 +351,10 @@ def main() -> int:
         json.dump(results, open(os.path.join(args.out, "serving_smoke.json"), "w"), indent=1, default=str)
         return 0
 
+    # Serve once, with the product's HTTP and gRPC options: the hand-written arms (serve.run) would otherwise start
+    # it on Serve's default port first, and Serve keeps its first options
+    deployment.ray_serve.start(http_options={"host": base.host, "port": base.port}, proxy_location="HeadOnly",
+                               **({"grpc_options": grpc_service.grpc_options(base)} if grpc_port else {}))
     nproc = min(args.procs, max(levels))
     ctx_mp = mp.get_context("spawn")
     clients = []

@@ -152,8 +152,7 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     http = {"host": options.host, "port": options.port}
     if options.ssl_certfile:
         http.update(ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
-    if options.address:
-        _check_joined_serve(options)
+    _check_joined_serve(options)  # a Serve already running (joined, or started earlier in this process)
     grpc = {"grpc_options": grpc_options(options)} if options.grpc_port else {}
     ray_serve.start(http_options=http, proxy_location="HeadOnly", **grpc)
     if options.address:
@@ -254,7 +253,7 @@ def replace_model(options: ServeOptions, provider: str, *, on_status: Callable[[
 
 
 def _check_joined_serve(options: ServeOptions) -> None:
-    """On a joined cluster: refuse to deploy where it would share silently — Serve running there on another host
+    """On a joined cluster, or where this process runs Serve already: refuse to deploy where it would share silently — Serve running there on another host
     or port than asked (Serve keeps its first HTTP options and would ignore ours with a log line), or an
     application that already has this model's application names or serves the route ``/``. Replacing a model
     on purpose is Ray Serve's in-place update (docs/SERVING.md), not this path."""
@@ -266,8 +265,9 @@ def _check_joined_serve(options: ServeOptions) -> None:
     if client is None:
         return
     cfg = client.http_config
+    where = options.address or ray.get_runtime_context().gcs_address
     if int(cfg.port) != int(options.port) or str(cfg.host) != str(options.host):
-        raise ServeRefused(f"Serve on the cluster at {options.address} listens on {cfg.host}:{cfg.port}, not "
+        raise ServeRefused(f"Serve on the cluster at {where} listens on {cfg.host}:{cfg.port}, not "
                           f"--host {options.host} --port {options.port}: pass those (one Serve, one HTTP port per "
                           "cluster)")
     taken = []
@@ -277,7 +277,7 @@ def _check_joined_serve(options: ServeOptions) -> None:
         elif (app or {}).get("route_prefix") == "/":
             taken.append(f"application {name!r} serves the route '/' already")
     if taken:
-        raise ServeRefused(f"the cluster at {options.address} is serving: {'; '.join(taken)} (use another --name, or "
+        raise ServeRefused(f"the cluster at {where} is serving: {'; '.join(taken)} (use another --name, or "
                           "stop that one first; to replace a model in place see docs/SERVING.md)")
 
 
