@@ -125,6 +125,7 @@ def run_arms(ortcapture, provider: str, model_kind: str, iters: int = 300, so_fa
         diff = max(diff, max(float(np.abs(np.asarray(p) - q).max()) for p, q in zip(got, want)))
     res["mixed 1-8"] = {"requests": len(stream), "us per request": per_request, "max_abs_diff (sampled vs "
                         "uncaptured)": diff}
+    res["mixed 1-8"].update(_mixed_context(gsess, name, inner, stream, rng, iters))
     # reuse: 300 arrays round-robin, each answer checked against its own array's uncaptured answer (computed in order
     # of size, as above)
     pool = [rng.random((int(n), *inner), dtype=np.float32) for n in np.random.default_rng(2).integers(1, 9, 300)]
@@ -139,6 +140,46 @@ def run_arms(ortcapture, provider: str, model_kind: str, iters: int = 300, so_fa
     res["reuse 300 arrays x3"] = {"wrong": wrong}
     res["bucket_stats"] = {k: v for k, v in bsess.bucket_stats().items() if k != "buckets"}
     return res
+
+
+def _mixed_context(gsess, name: str, inner: tuple, stream: list, rng, iters: int) -> dict:
+    """What the mixed stream would cost without buckets' padding — one ``CapturedGraph`` per size 1-8, each request
+    ``g_n.run({x: request})`` — and where a padded request's time goes on a batch-8 graph: ``feed_rows`` (its rows
+    into the fixed buffer, stale rows re-padded), ``run(None, copy_outputs=False)`` (the replay), ``read_rows``
+    (its rows back), p50 per step for 1, 4 and 7 rows, a new array per call."""
+    import numpy as np
+
+    graphs = {n: gsess.capture({name: np.zeros((n, *inner), np.float32)}, verify=False) for n in range(1, 9)}
+    for x in stream[:16]:
+        graphs[x.shape[0]].run({name: x})
+    t0 = time.perf_counter()
+    for x in stream:
+        graphs[x.shape[0]].run({name: x})
+    out = {"us per request, one graph per size (no padding)": (time.perf_counter() - t0) / len(stream) * 1e6}
+    g8 = graphs[8]
+    (oname,) = list(g8.outputs)[:1]
+    steps: dict = {}
+    for n in (1, 4, 7):
+        xs = [rng.random((n, *inner), dtype=np.float32) for _ in range(16)]
+        last = None
+        t = {"feed_rows": [], "replay": [], "read_rows": []}
+        for i in range(min(iters, 200)):
+            x = xs[i % len(xs)]
+            a = time.perf_counter()
+            g8.feed_rows({name: x}, {name: (0,)}, last=last)
+            b = time.perf_counter()
+            g8.run(None, copy_outputs=False)
+            c = time.perf_counter()
+            g8.read_rows([oname], {oname: {0: n}})
+            d = time.perf_counter()
+            last = {name: x.shape}
+            for k, v in (("feed_rows", b - a), ("replay", c - b), ("read_rows", d - c)):
+                t[k].append(v * 1e6)
+        steps[f"{n} rows"] = {k: statistics.median(v) for k, v in t.items()}
+    out["batch-8 graph, p50 us per step of a padded request"] = steps
+    for g in graphs.values():
+        g.release()
+    return out
 
 
 def _batch_dim(model: str) -> str:
