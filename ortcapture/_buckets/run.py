@@ -512,7 +512,11 @@ class BucketRunner:
                     result = [cut_rows(by_name[n], cut[n]) if cut[n] else by_name[n] for n in names]
             else:  # its rows into the fixed buffers, the rest padded; only its rows back (ortcapture._core.rows)
                 outs = None
-                graph.feed_rows(feeds, self._axes, pad=self._pad, last=entry.filled)
+                try:
+                    graph.feed_rows(feeds, self._axes, pad=self._pad, last=entry.filled)
+                except BaseException:
+                    entry.filled.clear()  # written in part, maybe: the next request re-pads every row
+                    raise
                 for name in self._axes:
                     entry.filled[name] = shape_of(feeds[name])
                 graph.run(None, copy_outputs=False)
