@@ -213,3 +213,26 @@ def test_no_cross_talk_under_mixed_load(cluster):
         t.join(90)
     assert not errors, errors[:3]
     assert len(done) == 48
+
+
+def test_a_second_start_in_a_process_whose_serve_listens_elsewhere_is_refused(cluster, tmp_path):
+    """This process is on a cluster whose Serve listens on another port: Serve keeps its first HTTP options (a second
+    ``serve.start`` logs that they are not applied), so ``start`` must refuse at once and deploy nothing, not
+    deploy and then fail on "not listening" 30 s later."""
+    import ray
+
+    from ortcapture.serving import deployment
+    from ortcapture.serving.config import ServeOptions
+
+    assert ray.is_initialized()
+    model = tmp_path / "other.onnx"
+    model.write_bytes(tiny.bucket_model())
+    port = _free_port()
+    opts = ServeOptions(str(model), name="other", provider="cpu", port=port, buckets=(1, 2)).checked()
+    t0 = time.monotonic()
+    with pytest.raises(deployment.ServeRefused, match=f"not --host 127.0.0.1 --port {port}"):
+        deployment.start(opts, "cpu")
+    assert time.monotonic() - t0 < 20
+    from ray import serve
+
+    assert not {opts.app_name, deployment.model_app_name(opts)} & set(serve.status().applications)
