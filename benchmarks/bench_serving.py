@@ -10,6 +10,8 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
   product        ortcapture serve's deployments with their defaults (the batching tier "Model" in front of one
                  "ModelSession" replica)
   product-2rep   the same with 2 session replicas at 0.5 GPU each
+  product-tput   the product with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in its replicas' runtime_env (Ray Serve's own
+                 throughput settings: user code on the replica's event loop, fewer log writes)
 The hand-written arms are reached through a handle only (they have no HTTP routes). Per arm, client level and
 path (``handle``: a Ray ``DeploymentHandle`` to the ``Model`` deployment; ``http``: ``tritonclient.http`` binary
 tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tensors through Ray Serve's gRPC proxy;
@@ -42,7 +44,9 @@ sys.path.insert(0, ROOT)
 
 ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "hand-buckets": {"hand": "buckets"}, "hand-padded": {"hand": "padded"},
-        "product": {}, "product-2rep": {"replicas": 2, "gpus_per_replica": 0.5}}
+        "product": {}, "product-2rep": {"replicas": 2, "gpus_per_replica": 0.5},
+        # Ray Serve's throughput-optimised settings, in the replicas' runtime_env only (issue 44, item 3)
+        "product-tput": {"env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}}
 TOL = 1e-2
 
 
