@@ -23,6 +23,27 @@ REPORT_EVERY_S = 1.0
 RETRY_AFTER_S = 1
 
 
+#: seconds a thread that wants the GIL waits before the running thread is made to drop it, in the replica processes
+#: (``sys.setswitchinterval``; Python's default is 0.005)
+SWITCH_INTERVAL_S = 0.0005
+
+
+def quick_gil_handoff() -> float:
+    """Set this (replica) process's GIL switch interval to :data:`SWITCH_INTERVAL_S` and return it.
+
+    A replica replays on worker threads while its event loop thread runs Python (requests arriving, Serve's own
+    work). Each time the replay thread waits outside the GIL — ORT's run, a wait for the GPU or a DMA, a hand-over to
+    the session's replay thread — it gets the GIL back only when the loop thread is made to drop it, after up to the
+    switch interval: with Python's 5 ms, a call that waits a few times costs tens of milliseconds under load (the
+    "convoy effect"; measured on the CPU by ``benchmarks/bench_gil_handoff.py``: one 0.2 ms wait per call, 0.32 ms
+    alone, 5.4-5.6 ms beside a busy thread at 5 ms, 0.37-0.89 ms at 0.5 ms). Issue 44 saw a synchronous Serve method replay a
+    batch of 8 once per 25 ms where a plain process took 3.3 ms."""
+    import sys
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    return sys.getswitchinterval()
+
+
 def keep_replica_grpc_on_loopback(loopback: bool) -> None:
     """On a loopback-only cluster (:meth:`ortcapture.serving.config.ServeOptions.loopback`), bind this replica's
     inter-deployment gRPC server to 127.0.0.1. Ray Serve 2.60 binds it to ``[::]:0`` whatever the cluster's address

@@ -24,7 +24,7 @@ from typing import Sequence
 from ray import serve as ray_serve
 
 from ortcapture.serving.config import ServeOptions
-from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback
+from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
 
 
@@ -42,6 +42,7 @@ class ModelSession:
 
     def __init__(self, options: ServeOptions, provider: str, stats_app: str | None = None):
         keep_replica_grpc_on_loopback(options.loopback())
+        self.switch_interval_s = quick_gil_handoff()  # the batch thread gets the GIL back quickly under load
         self.options = options
         self.core = ReplicaCore(options, provider)
         self._pool = ThreadPoolExecutor(options.max_concurrent_batches, "ortcapture-batch")
@@ -88,8 +89,9 @@ class ModelSession:
         return {"replica": self.replica_id, **self._report()}
 
     def _report(self) -> dict:
-        """:meth:`ReplicaCore.report` plus the Ray node this replica runs on (``node``)."""
-        return {**self.core.report(), "node": self.node_id}
+        """:meth:`ReplicaCore.report` plus the Ray node this replica runs on (``node``) and its GIL switch interval
+        (``switch_interval_s``, :func:`ortcapture.serving.ray_common.quick_gil_handoff`)."""
+        return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s}
 
     async def check_health(self) -> None:
         """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the

@@ -29,7 +29,7 @@ from ortcapture.serving.config import ServeOptions, model_layout
 from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.ray_common import (RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
-                                           keep_replica_grpc_on_loopback)
+                                           keep_replica_grpc_on_loopback, quick_gil_handoff)
 from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, take
 from ortcapture.serving.routes import STALE_S, Refusal, Router
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
@@ -56,6 +56,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         from ortcapture.transfer import value_rules
 
         keep_replica_grpc_on_loopback(options.loopback())
+        quick_gil_handoff()  # Ray's threads deliver the session's answers to this replica's loop: no 5 ms handoffs
         self.options = options
         self.spec = model_layout(options).spec
         self.check = RequestCheck([(t.name, t.dtype, t.shape) for t in self.spec.inputs], self.spec.batch_axes,
