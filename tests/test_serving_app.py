@@ -89,3 +89,37 @@ def test_serve_run_of_a_config_file_serves_the_model(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
+
+
+def test_a_refused_start_leaves_the_running_serve_alone(monkeypatch, tmp_path):
+    """A process whose Ray runs Serve already (another model served on port 8000 at ``/``): ``serve(port=9000)`` is
+    refused — and must leave that Serve, its applications and the process's Ray connection alone (a review found it
+    shut them all down)."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.serve")
+    import ray.serve.context as ctx
+
+    from ortcapture.serving import deployment
+    from ortcapture.serving.config import ServeOptions
+
+    class Client:  # Ray Serve's running client, as _get_global_client returns it
+        class http_config:
+            host, port = "127.0.0.1", 8000
+
+        def get_serve_details(self):
+            return {"applications": {"other": {"route_prefix": "/"}}}
+
+    monkeypatch.setattr(ctx, "_get_global_client", lambda **kw: Client())
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"gcs_address": "127.0.0.1:6379"})())
+    touched = []
+    monkeypatch.setattr(deployment, "_stop", lambda o: touched.append("_stop"))
+    monkeypatch.setattr(ray, "shutdown", lambda: touched.append("ray.shutdown"))
+    monkeypatch.setattr(deployment.ray_serve, "shutdown", lambda: touched.append("serve.shutdown"))
+    monkeypatch.setattr(deployment, "_RAY_STARTED_HERE", [False])
+    model = tmp_path / "b.onnx"
+    model.write_bytes(tiny.bucket_model())
+    opts = ServeOptions(str(model), name="b", provider="cpu", port=9000, buckets=(1, 2)).checked()
+    with pytest.raises(deployment.ServeRefused, match="listens on 127.0.0.1:8000"):
+        deployment.serve(options=opts, on_ready=lambda url: None)
+    assert not touched, touched

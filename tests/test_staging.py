@@ -358,6 +358,22 @@ def test_rows_on_an_axis_after_the_first_go_through_the_host_array(fake_pinned, 
         assert (got[:, 2:] == 0).all(), got[:, 2:]
 
 
+def test_switching_row_paths_on_one_input_re_pads_right(fake_pinned):
+    """``feed_rows`` may name other axes from one call to the next on one graph: the pinned prefix path (rows on the
+    first axis) also writes the host array, so the host-array path's record of it must go (a review found the third
+    request below re-padded nothing)."""
+    fake, as_cuda = fake_pinned
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((4, 2), np.float32)))
+    st = _staging.HostStaging({"x": x}, {}, pinned=True)
+    st.upload_rows("x", np.ones((4, 1), np.float32), (1,), 0.0, 0, None)  # through the host array: recorded
+    st.upload_rows("x", np.full((3, 2), 5, np.float32), (0,), 0.0, 0, None)  # the prefix path writes host rows 0-2
+    c = np.full((4, 1), 2, np.float32)
+    st.upload_rows("x", c, (1,), 0.0, 0, None)
+    got = x.numpy()
+    np.testing.assert_array_equal(got[:, :1], c)
+    assert (got[:, 1:] == 0).all(), got
+
+
 def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch, rng):
     """A plain numpy feed fed a second time (the same array, unchanged address and size) is registered once and then
     sent by one DMA from its own memory (no staging copy), reading its contents as they are at each call; a rotation

@@ -497,9 +497,8 @@ class BucketRunner:
             t0 = time.perf_counter() if first_here else 0.0
             graph = entry.graph
             if sizes == entry.bucket:  # the request fills the bucket: the graph's own run, as g.run(feeds)
+                entry.filled.clear()  # every row written (or, should the run fail, maybe some: re-pad all next)
                 outs = graph.run(feeds)
-                if entry.filled:
-                    entry.filled.clear()  # every row written
                 cut = entry.full_cut
                 if cut is None:  # what the relations keep of each output at the bucket's own sizes (once)
                     cut = entry.full_cut = {n: {a: k for a, k in self._lengths(n, sizes, graph).items()

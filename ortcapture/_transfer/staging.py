@@ -433,6 +433,7 @@ class HostStaging:
             stop = full[axis] if last is None else last[axis]
             if UNSETTLED:
                 settle()
+            self._host_rows.pop(name, None)  # its host array gets this request's rows (and maybe pad) below
             if name in self._busy:
                 cudart.wait_event(self._events[name])
                 self._busy.discard(name)
@@ -583,7 +584,9 @@ class HostStaging:
 
     def profile(self, name: str, arr: np.ndarray) -> dict:
         """Callables timing the staging's parts on input ``name`` (``benchmarks/profile_replay.py``): the host copy
-        into the staging buffer, the upload from it, a full upload of ``arr``, the readback of every output."""
+        into the staging buffer, the upload from it, a full upload of ``arr``, the readback of every output. They
+        write the host input array: :meth:`upload_rows` forgets what it held."""
+        self._host_rows.pop(name, None)
         out = {"host copy into the staging buffer": lambda: np.copyto(self.host_inputs[name], arr)}
         own = self.host_inputs[name]
         out["upload of the staging buffer (host -> device)"] = lambda: self.upload({name: own})

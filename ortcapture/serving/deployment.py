@@ -145,6 +145,7 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
         main = threading.current_thread() is threading.main_thread()
         term = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        _RAY_STARTED_HERE[0] = True
         if callable(term):  # ray.init replaces a Python SIGTERM handler with its own (it aborts the process)
             signal.signal(signal.SIGTERM, term)
         if not options.address:  # what --address takes to join it (ortcapture serve --replace, ray status)
@@ -292,14 +293,21 @@ def _failure(app_status) -> str:
     return lines[-1] if lines else "the model deployment failed"
 
 
+#: whether :func:`start` connected this process to Ray (a new local cluster or a joined one), not its caller
+_RAY_STARTED_HERE = [False]
+
+
 def stop(options: ServeOptions, deployed: bool = True) -> None:
     """Shut the application down gracefully (requests in flight finish, graphs are released), then Serve and Ray
-    when this process started them (a joined cluster keeps running: only this application is deleted, and nothing
-    at all with ``deployed=False``: a refused start deployed nothing of its own)."""
+    when :func:`start` started them; where Ray was joined (``address``) or already running in this process, only this
+    application is deleted and the connection closed only if :func:`start` opened it. ``deployed=False`` (a refused
+    start deployed nothing of its own): nothing else is touched — not the Serve that refused it, nor its applications."""
     if not ray.is_initialized():  # refused before Ray started (a port in use): nothing to stop
         return
-    if not deployed and options.address:
-        ray.shutdown()
+    if not deployed:
+        if _RAY_STARTED_HERE[0]:
+            _RAY_STARTED_HERE[0] = False
+            ray.shutdown()
         return
     import contextlib
     import sys
@@ -316,14 +324,15 @@ def _stop(options: ServeOptions) -> None:
             _drain(options)
         except Exception:  # noqa: BLE001 - best effort: the tier may be gone already
             pass
-        if options.address:
+        if options.address or not _RAY_STARTED_HERE[0]:  # a Serve this process did not start: ours only
             ray_serve.delete(model_app_name(options))
             ray_serve.delete(options.app_name)
         else:
             ray_serve.shutdown()
     finally:
-        if ray.is_initialized():
+        if _RAY_STARTED_HERE[0] and ray.is_initialized():
             ray.shutdown()
+        _RAY_STARTED_HERE[0] = False
 
 
 def _drain(options: ServeOptions) -> None:
