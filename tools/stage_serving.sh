@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Stage Ray Serve + tritonclient (+ matplotlib for the plot, hypothesis for the tests) for the H200 device machine (no network there), in
-# parts of < 58 MiB: .gpu/s0, .gpu/s1, ... (one device call carries one part; the ray wheel itself is split).
+# Stage Ray Serve + tritonclient (+ hypothesis for the tests; matplotlib for the plot with STAGE_PLOT=1) for the H200 device machine (no
+# network there), in parts of < 58 MiB: .gpu/s0, .gpu/s1, ... (one device call carries one part; the ray wheel itself is split).
 # The H200 has Python 3.12 (/opt/torch/.venv) with torch, numpy, cuda-python, cupy, onnx and pytest: those and their
 # dependencies that could clash when shadowed (numpy, torch, nvidia-*, triton, onnx, protobuf, ml_dtypes, cupy,
 # cuda-*, sympy, mpmath, networkx, jinja2, MarkupSafe, fsspec, pytest, pluggy, iniconfig, pygments, setuptools)
@@ -15,7 +15,10 @@ python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --pyt
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
   -d "$cache" "ray[serve]>=2.40" "tritonclient[http]>=2.40" "matplotlib>=3.7" "hypothesis>=6" >&2
-skip='^(numpy|torch|triton|nvidia_|onnx|protobuf|ml_dtypes|cupy|fastrlock|cuda_|sympy|mpmath|networkx|jinja2|markupsafe|fsspec|pytest|pluggy|iniconfig|pygments|setuptools)-'
+# the plot stack (~25 MiB) is shipped only with STAGE_PLOT=1: bench_serving's JSON plots on any machine (its _plot)
+plot='|matplotlib|pillow|fonttools|kiwisolver|contourpy|cycler'
+[ "${STAGE_PLOT:-0}" = 1 ] && plot=''
+skip='^(numpy|torch|triton|nvidia_|onnx|protobuf|ml_dtypes|cupy|fastrlock|cuda_|sympy|mpmath|networkx|jinja2|markupsafe|fsspec|pytest|pluggy|iniconfig|pygments|setuptools'"$plot"')-'
 rm -rf .gpu/s[0-9]* .gpu/stmp
 mkdir -p .gpu/stmp
 # the wheels to ship (the ray wheel cut into 50 MiB pieces), packed first-fit-decreasing into parts of < 58 MiB
@@ -23,6 +26,17 @@ mkdir -p .gpu/stmp
 for whl in "$cache"/*.whl; do
   base=$(basename "$whl")
   if echo "$base" | grep -qiE "$skip"; then continue; fi
+  if echo "$base" | grep -q '^ray-'; then  # Ray's wheel without its Java jar (31 MiB) and source maps: 79 -> 45 MiB
+    python3 - "$whl" ".gpu/stmp/$base" <<'PY'
+import sys, zipfile
+src, dst = zipfile.ZipFile(sys.argv[1]), zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED)
+for i in src.infolist():
+    if not (i.filename.startswith("ray/jars/") or i.filename.endswith(".js.map")):
+        dst.writestr(i, src.read(i.filename), compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+dst.close()
+PY
+    continue
+  fi
   if [ "$(stat -c %s "$whl")" -gt $((50 * 1024 * 1024)) ]; then
     split -b $((50 * 1024 * 1024)) -d "$whl" ".gpu/stmp/$base.part"
   else
