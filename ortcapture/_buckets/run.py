@@ -497,7 +497,8 @@ class BucketRunner:
             t0 = time.perf_counter() if first_here else 0.0
             graph = entry.graph
             if sizes == entry.bucket:  # the request fills the bucket: the graph's own run, as g.run(feeds)
-                entry.filled.clear()  # every row written (or, should the run fail, maybe some: re-pad all next)
+                if entry.filled:  # every row written (or, should the run fail, maybe some: re-pad all next)
+                    entry.filled.clear()
                 outs = graph.run(feeds)
                 cut = entry.full_cut
                 if cut is None:  # what the relations keep of each output at the bucket's own sizes (once)

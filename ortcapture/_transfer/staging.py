@@ -156,10 +156,10 @@ class _InPlace:
     or when new staging is made — under ``CUDA_GATE.shared``, never inside a capture, like the staging's own frees.
     An array another graph's staging registered already (one request buffer fed to two graphs) shares that
     registration (:data:`_SHARED`). An array the driver refuses to lock (a page already registered by someone else,
-    a mapping it cannot pin) is remembered weakly and copied as before. Only synchronous uploads use it (:meth:`HostStaging.upload` waits for the
-    DMA before it returns, so the caller may rewrite the array as soon as ``run`` returns); the overlapped
-    ``run_many`` copies each request into the staging buffer, since its iterator may reuse an array while the
-    previous copy is in flight."""
+    a mapping it cannot pin) is remembered weakly and copied as before. Only synchronous uploads use it
+    (:meth:`HostStaging.upload` waits for the DMA before it returns, so the caller may rewrite the array as soon as
+    ``run`` returns); the overlapped ``run_many`` copies each request into the staging buffer, since its iterator
+    may reuse an array while the previous copy is in flight."""
 
     __slots__ = ("regs", "seen", "refused", "nbytes")
 
@@ -372,7 +372,7 @@ class HostStaging:
         this returns. The arrays were accepted by :meth:`takes`."""
         if not self.pinned:
             for name, arr in host.items():
-                if arr is self.host_inputs[name]:  # filled by someone else: upload_rows' record of it is void
+                if self._host_rows and arr is self.host_inputs[name]:  # filled by someone else: record void
                     self._host_rows.pop(name, None)
                 update_inplace(self.inputs[name], arr)
             return
@@ -394,7 +394,8 @@ class HostStaging:
             settle()
         stream = self._stream
         for name, arr in host.items():
-            self._host_rows.pop(name, None)  # the host array is (re)filled below or by the caller: no rows known
+            if self._host_rows:  # the host array is (re)filled below or by the caller: no rows known (buckets only)
+                self._host_rows.pop(name, None)
             if name in self._busy:  # its previous copy must be done before the buffer is refilled
                 cudart.wait_event(self._events[name])
                 self._busy.discard(name)
@@ -500,7 +501,8 @@ class HostStaging:
         from ortcapture._ort import cudart
 
         for name, arr in host.items():
-            self._host_rows.pop(name, None)
+            if self._host_rows:
+                self._host_rows.pop(name, None)
             if name in self._busy:
                 cudart.wait_event(self._events[name])
                 self._busy.discard(name)

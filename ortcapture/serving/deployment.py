@@ -36,6 +36,10 @@ from ortcapture.serving.tier import ModelStats, ModelTier, api_of
 MODEL_DEPLOYMENT = TIER_DEPLOYMENT
 
 
+#: whether :func:`start` connected this process to Ray (a new local cluster or a joined one), not its caller
+_RAY_STARTED_HERE = [False]
+
+
 def model_handle(app_name: str):
     """The ``DeploymentHandle`` of a served model's batching tier (the ``Model`` deployment of application
     ``app_name``, ``ortcapture-<name>`` for ``ortcapture serve``), for Python clients inside the Ray cluster::
@@ -254,10 +258,11 @@ def replace_model(options: ServeOptions, provider: str, *, on_status: Callable[[
 
 
 def _check_joined_serve(options: ServeOptions) -> None:
-    """On a joined cluster, or where this process runs Serve already: refuse to deploy where it would share silently — Serve running there on another host
-    or port than asked (Serve keeps its first HTTP options and would ignore ours with a log line), or an
-    application that already has this model's application names or serves the route ``/``. Replacing a model
-    on purpose is Ray Serve's in-place update (docs/SERVING.md), not this path."""
+    """On a joined cluster, or where this process runs Serve already: refuse to deploy where it would share
+    silently — Serve running there on another host or port than asked (Serve keeps its first HTTP options and
+    would ignore ours with a log line), or an application that already has this model's application names or
+    serves the route ``/``. Replacing a model on purpose is Ray Serve's in-place update (docs/SERVING.md), not
+    this path."""
     try:
         from ray.serve.context import _get_global_client  # Ray's own accessor of the running Serve's client
         client = _get_global_client(raise_if_no_controller_running=False)
@@ -293,15 +298,12 @@ def _failure(app_status) -> str:
     return lines[-1] if lines else "the model deployment failed"
 
 
-#: whether :func:`start` connected this process to Ray (a new local cluster or a joined one), not its caller
-_RAY_STARTED_HERE = [False]
-
-
 def stop(options: ServeOptions, deployed: bool = True) -> None:
     """Shut the application down gracefully (requests in flight finish, graphs are released), then Serve and Ray
     when :func:`start` started them; where Ray was joined (``address``) or already running in this process, only this
     application is deleted and the connection closed only if :func:`start` opened it. ``deployed=False`` (a refused
-    start deployed nothing of its own): nothing else is touched — not the Serve that refused it, nor its applications."""
+    start deployed nothing of its own): nothing else is touched — not the Serve that refused it, nor its
+    applications."""
     if not ray.is_initialized():  # refused before Ray started (a port in use): nothing to stop
         return
     if not deployed:

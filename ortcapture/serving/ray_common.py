@@ -36,8 +36,8 @@ def quick_gil_handoff() -> float:
     the session's replay thread — it gets the GIL back only when the loop thread is made to drop it, after up to the
     switch interval: with Python's 5 ms, a call that waits a few times costs tens of milliseconds under load (the
     "convoy effect"; measured on the CPU by ``benchmarks/bench_gil_handoff.py``: one 0.2 ms wait per call, 0.32 ms
-    alone, 5.4-5.6 ms beside a busy thread at 5 ms, 0.37-0.89 ms at 0.5 ms). Issue 44 saw a synchronous Serve method replay a
-    batch of 8 once per 25 ms where a plain process took 3.3 ms."""
+    alone, 5.4-5.6 ms beside a busy thread at 5 ms, 0.37-0.89 ms at 0.5 ms). Issue 44 saw a synchronous Serve
+    method replay a batch of 8 once per 25 ms where a plain process took 3.3 ms."""
     import sys
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
