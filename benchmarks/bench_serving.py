@@ -12,6 +12,11 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
   product-2rep   the same with 2 session replicas at 0.5 GPU each
   product-tput   the product with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in its replicas' runtime_env (Ray Serve's own
                  throughput settings: user code on the replica's event loop, fewer log writes)
+  product-gil5 / product-t1 / product-i2 / product-i2t1
+                 the product with one setting changed: Python's 5 ms GIL switch interval; one batch in flight per
+                 tier replica; 2 tier replicas; both of the last two
+Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
+replicas (count, mean round trip ms) and the session replicas' own time per batch (mean ms), from ``/stats``.
 The hand-written arms are reached through a handle only (they have no HTTP routes). Per arm, client level and
 path (``handle``: a Ray ``DeploymentHandle`` to the ``Model`` deployment; ``http``: ``tritonclient.http`` binary
 tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tensors through Ray Serve's gRPC proxy;
@@ -46,7 +51,10 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "hand-buckets": {"hand": "buckets"}, "hand-padded": {"hand": "padded"},
         "product": {}, "product-2rep": {"replicas": 2, "gpus_per_replica": 0.5},
         # Ray Serve's throughput-optimised settings, in the replicas' runtime_env only (issue 44, item 3)
-        "product-tput": {"env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}}
+        "product-tput": {"env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}},
+        # one setting changed each, against "product" in the same run (issue 44: where a request's time goes)
+        "product-gil5": {"switch_interval_ms": 0}, "product-t1": {"max_concurrent_batches": 1},
+        "product-i2": {"ingress_replicas": 2}, "product-i2t1": {"ingress_replicas": 2, "max_concurrent_batches": 1}}
 TOL = 1e-2
 
 
@@ -261,6 +269,24 @@ def _histogram(stats) -> dict:
     return h
 
 
+def _where(after: dict, before: dict) -> dict:
+    """Where a batch's time went between two ``/stats`` reads: the tier's calls to the session replicas
+    (``calls``, mean round trip ``rtt_ms``) and the session replicas' own time per batch (``run_ms``); the
+    difference is Ray's hop both ways and the wait in the session replica's queue."""
+    def ingress(s):
+        return s.get("ortcapture", {}).get("ingress", {}) if isinstance(s, dict) else {}
+
+    def compute(s):
+        return (s.get("inference_stats", {}) or {}).get("compute_infer", {}) if isinstance(s, dict) else {}
+
+    calls = ingress(after).get("session_calls", 0) - ingress(before).get("session_calls", 0)
+    rtt = ingress(after).get("session_call_ns", 0) - ingress(before).get("session_call_ns", 0)
+    runs = compute(after).get("count", 0) - compute(before).get("count", 0)
+    run_ns = compute(after).get("ns", 0) - compute(before).get("ns", 0)
+    return {"calls": calls, "rtt_ms": round(rtt / calls / 1e6, 3) if calls else None,
+            "run_ms": round(run_ns / runs / 1e6, 3) if runs else None}
+
+
 def _diff(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] - before.get(k, 0)}
 
@@ -273,6 +299,9 @@ def main() -> int:
                     help=f"comma-separated, from {list(ARMS)}")
     ap.add_argument("--levels", default="1,8,32,64", help="concurrent clients")
     ap.add_argument("--paths", default="handle,http")
+    ap.add_argument("--all-paths-arms", default=None,
+                    help="comma-separated arms measured on every --paths; the others on the handle only (default: "
+                         "every arm on every path)")
     ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per arm, level and path")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per arm, level and path (the JSON keeps "
                     "each; the log and plot show the median images/s)")
@@ -402,7 +431,8 @@ def main() -> int:
                 continue
             procs = min(nproc, level)
             per = [level // procs + (1 if k < level % procs else 0) for k in range(procs)]
-            for path, rep in ((p, k) for p in paths if url or p == "handle" for k in range(args.repeats)):
+            wide = args.all_paths_arms is None or arm in args.all_paths_arms.split(",")
+            for path, rep in ((p, k) for p in paths if (url and wide) or p == "handle" for k in range(args.repeats)):
                 before = _stats(url, "yolo") if url else {}
                 for (p, conn), n in zip(clients, per):
                     target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm") else url
@@ -418,13 +448,14 @@ def main() -> int:
                        "wrong": sum(o["wrong"] for o in outs) if hand != "noop" else None, "errors": sum(o["n_errors"] for o in outs),
                        "error_sample": [e for o in outs for e in o["errors"]][:3],
                        "batch_histogram": _diff(_histogram(after), _histogram(before)),
+                       "session": _where(after, before) if url else None,
                        "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
                                                            "graphs_per_bucket", "uncaptured", "padding_waste")}
                                     for r in after.get("ortcapture", {}).get("replicas", [])]}
                 results["runs"].append(run)
                 log(f"{arm:6} {level:3} clients {path:6}: {run['images_per_s']:8.1f} img/s  p50 {run['p50_ms']} ms  "
                     f"p99 {run['p99_ms']} ms  wrong {run['wrong']} errors {run['errors']}  "
-                    f"batches {run['batch_histogram']}")
+                    f"batches {run['batch_histogram']}  session {run['session']}")
         if not hand:
             deployment.ray_serve.delete(deployment.model_app_name(opts))
         deployment.ray_serve.delete(opts.app_name)

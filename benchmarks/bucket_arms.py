@@ -115,6 +115,23 @@ def run_arms(ortcapture, provider: str, model_kind: str, iters: int = 300, so_fa
     t0 = time.perf_counter()
     outs = [bsess.run(None, {name: x}) for x in stream]
     per_request = (time.perf_counter() - t0) / len(stream) * 1e6
+    if os.environ.get("BUCKET_ARMS_PROFILE"):  # where the mixed stream's time goes, by function (stderr)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for x in stream[:200]:
+            bsess.run(None, {name: x})
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+        by_size: dict = {}
+        for x in stream[:200]:
+            a = time.perf_counter()
+            bsess.run(None, {name: x})
+            by_size.setdefault(int(x.shape[0]), []).append(time.perf_counter() - a)
+        print("mixed stream p50 us by request rows:", {n: round(statistics.median(v) * 1e6) for n, v in
+                                                       sorted(by_size.items())}, file=sys.stderr)
     ro = uncaptured_run_options()
     diff = 0.0
     # a sample of the stream, checked in order of size (CUDA's uncaptured run searches cuDNN again per size change)

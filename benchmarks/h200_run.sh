@@ -45,8 +45,8 @@ has conformance && step conformance 300 python3 benchmarks/ort_conformance.py --
 # issue 42: buckets against g.run on CUDA (same/new arrays, mixed stream, a padded request's steps)
 has bucket_arms && step bucket_arms 150 python3 benchmarks/bucket_arms.py --provider cuda --model reference --out "$OUT/bucket_arms.json"
 # issue 44: serving against hand-written Ray Serve (needs tools/stage_serving.sh's wheels installed in /tmp/site_serve)
-has serving44 && PYTHONPATH=/tmp/site:/tmp/site_serve:$PWD step serving44 560 python3 benchmarks/bench_serving.py \
-  --arms noop1,noop4,hand-buckets,hand-padded,product,product-tput --levels 1,8,32,64 --paths handle,http,grpc,shm \
-  --seconds 3 --out "$OUT"
+has serving44 && PYTHONPATH=/tmp/site:/tmp/site_serve:$PWD step serving44 ${SERVING_LIMIT:-560} python3 benchmarks/bench_serving.py \
+  --arms ${SERVING_ARMS:-noop1,noop4,hand-buckets,hand-padded,product,product-tput} --levels ${SERVING_LEVELS:-1,8,32,64} \
+  --paths ${SERVING_PATHS:-handle,http,grpc,shm} --repeats ${SERVING_REPEATS:-1} --seconds 3 --out "$OUT"
 has demo_webgpu && step demo_webgpu 120 python3 -m ortcapture demo --provider webgpu --batch 1 --iters 100 --json "$OUT/demo_webgpu.json"
 exit 0

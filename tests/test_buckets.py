@@ -151,6 +151,34 @@ def test_replay_thread_serves_other_threads(backend):
     assert sess.bucket_stats()["buckets"]["batch=4"]["threads"] == 1  # every replay on the session's thread
 
 
+def test_run_on_replay_thread_runs_a_task_there_whole(backend):
+    """A task on the replay thread replays its runs there (no hand-over, no deadlock on its own thread); tasks run in
+    order; a session without a replay thread refuses it."""
+    model = tiny.bucket_model()
+    sess = backend.session(model, buckets={"batch": [2, 4]}, replay_thread=True)
+    x = np.ones((3, 4), np.float32)
+    sess.run(None, {"X": x})  # captures batch=4 on the replay thread
+
+    def task(k):
+        return threading.get_ident(), k, [sess.run(None, {"X": x * k}) for _ in range(2)]
+
+    futures = [sess.run_on_replay_thread(task, k) for k in (1, 2, 3)]
+    got = [f.result(timeout=60) for f in futures]
+    assert len({ident for ident, _, _ in got}) == 1 and got[0][0] != threading.get_ident()
+    assert [k for _, k, _ in got] == [1, 2, 3]
+    ref = cpu(model)
+    for _, k, outs in got:
+        for out in outs:
+            for g, w in zip(out, ref.run(None, {"X": x * k})):
+                close(g, w, TOL[backend.name])
+    assert sess.bucket_stats()["buckets"]["batch=4"]["threads"] == 1  # every replay on the session's thread
+    with pytest.raises(ValueError, match="boom"):  # a task's exception comes back through its future
+        sess.run_on_replay_thread(lambda: (_ for _ in ()).throw(ValueError("boom"))).result(timeout=60)
+    plain = backend.session(model, buckets={"batch": [2, 4]})
+    with pytest.raises(CaptureError, match="replay_thread=True"):
+        plain.run_on_replay_thread(task, 1)
+
+
 def test_warmup_captures_every_bucket_and_logs(backend, caplog):
     sess = backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]})
     with caplog.at_level(logging.INFO, logger="ortcapture"):

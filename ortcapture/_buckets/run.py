@@ -20,8 +20,8 @@ import shlex
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -146,6 +146,18 @@ class BucketRunner:
         if self._worker is not None and threading.get_ident() != self._worker_ident:
             return self._worker.submit(self._run_here, output_names, input_feed, run_options, ort_values).result()
         return self._run_here(output_names, input_feed, run_options, ort_values)
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the replay thread (``replay_thread=True``); its runs there replay without
+        a hand-over. Raises :class:`CaptureError` without a replay thread."""
+        if self._worker is None:
+            raise CaptureError("run_on_replay_thread() needs a session made with buckets= and replay_thread=True")
+
+        def call():
+            self._worker_ident = threading.get_ident()
+            return fn(*args, **kwargs)
+
+        return self._worker.submit(call)
 
     def _run_here(self, output_names, input_feed, run_options, ort_values, count: bool = True):
         if self._worker is not None:

@@ -1,4 +1,6 @@
-"""The bucket methods of ``InferenceSession``: ``warmup``, ``bucket_stats``, ``bucket_dims``, ``bucket_output_axes``.
+"""The bucket methods of ``InferenceSession``: ``warmup``, ``bucket_stats``, ``bucket_dims`` and the others.
+
+Also ``bucket_output_axes`` and ``run_on_replay_thread``.
 
 Moved out of :mod:`ortcapture.session` unchanged. The functions are methods of
 :class:`ortcapture._session.session.InferenceSession` (assigned in its class body).
@@ -76,6 +78,24 @@ def warmup(self, example_feeds: Mapping[str, Any] | None = None) -> dict:
     if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
         self._oc_origin.check("warmup()")
     return self._oc_buckets.warmup(example_feeds)
+
+
+def run_on_replay_thread(self, fn: Callable, /, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on this session's replay thread and return a
+    :class:`concurrent.futures.Future` of its result.
+
+    A session made with ``buckets=`` and ``replay_thread=True`` captures and replays every bucket on one thread of
+    its own (ORT's CUDA EP keeps a captured graph per thread); a plain ``run()`` from any other thread is handed to
+    that thread and waited for. Code that calls ``run()`` several times per task (a serving replica's batch: run,
+    retry one request at a time, health check) saves those hand-overs, each a GIL hand-off under load, by running
+    on the replay thread itself: its ``run()`` calls there replay directly. Tasks run one at a time, in order.
+
+    Raises:
+        CaptureError: the session has no ``buckets=`` with ``replay_thread=True``.
+    """
+    if self._oc_buckets is None:
+        raise CaptureError("run_on_replay_thread() needs a session made with buckets= and replay_thread=True")
+    return self._oc_buckets.submit(fn, *args, **kwargs)
 
 
 def bucket_stats(self) -> dict:

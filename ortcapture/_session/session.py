@@ -631,6 +631,7 @@ class InferenceSession(OrtInferenceSession):
     _oc_bucket_reference = _buckets_api.oc_bucket_reference
     _oc_new_buckets = _buckets_api.oc_new_buckets
     warmup = _buckets_api.warmup
+    run_on_replay_thread = _buckets_api.run_on_replay_thread
     bucket_stats = _buckets_api.bucket_stats
     bucket_dims = _buckets_api.bucket_dims
     bucket_output_axes = _buckets_api.bucket_output_axes

@@ -50,8 +50,12 @@ class ServeOptions:
         max_batch_size: rows one batch may hold; default the largest bucket (larger batches run uncaptured).
         batch_wait_ms: the longest a batch waits for more requests after its first (milliseconds); it waits only
             while more arrive: a lone request runs at once.
-        max_concurrent_batches: batches in flight per batching-tier replica and run at once per session replica
-            (the next forms while the device works).
+        max_concurrent_batches: batches in flight per batching-tier replica (the next forms while the device
+            works); on the CPU provider also batches run at once per session replica (a capturing session runs its
+            batches one after another on its replay thread).
+        switch_interval_ms: the replicas' GIL switch interval (``sys.setswitchinterval``, milliseconds; default
+            0.5; 0 leaves Python's 5 ms): how long a thread back from a wait (ORT's run, the GPU, Ray's I/O) may
+            wait for the GIL while another runs Python (``ortcapture.serving.ray_common.quick_gil_handoff``).
         host / port: where HTTP listens (default 127.0.0.1:8000).
         address: a running Ray cluster to join (``ray.init(address=...)``); default ``None``: start a new local
             one, never attach to one by accident.
@@ -90,6 +94,7 @@ class ServeOptions:
     max_batch_size: int | None = None
     batch_wait_ms: float = 2.0
     max_concurrent_batches: int = 2
+    switch_interval_ms: float = 0.5
     host: str = "127.0.0.1"
     port: int = 8000
     address: str | None = None
@@ -156,6 +161,9 @@ class ServeOptions:
         if isinstance(o.batch_wait_ms, bool) or not isinstance(o.batch_wait_ms, (int, float)) or \
                 not 0 <= o.batch_wait_ms <= 60_000:
             raise CaptureError(f"--batch-wait-ms must be a number in 0..60000, got {o.batch_wait_ms!r}")
+        if isinstance(o.switch_interval_ms, bool) or not isinstance(o.switch_interval_ms, (int, float)) or \
+                not 0 <= o.switch_interval_ms <= 1000:
+            raise CaptureError(f"{opt('switch_interval_ms')} must be a number in 0..1000, got {o.switch_interval_ms!r}")
         if _not_int(o.max_concurrent_batches) or o.max_concurrent_batches < 1:
             raise CaptureError(f"{opt('max_concurrent_batches')} must be an int >= 1, got {o.max_concurrent_batches!r}")
         if _not_int(o.port) or not 1 <= o.port <= 65535:

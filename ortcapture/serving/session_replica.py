@@ -5,9 +5,9 @@ Each replica is one :class:`ortcapture.serving.replica.ReplicaCore` (one ``ortca
 The batching tier (:class:`ortcapture.serving.tier.ModelTier`, the ``Model`` deployment) checks every request once,
 forms batches and makes one :meth:`ModelSession.run_batch` call per batch, passing each run's rows joined into one
 numpy array per input (Ray's object store: zero-copy between processes of a node) and the rows of each request; the
-replica runs each once through its bucket session, without checking the requests again, on a worker thread that
-hands the replay to the session's own thread (so its event loop keeps taking the next batch), and returns the
-outputs whole: the tier slices each request's rows back. A run that fails is run again one request at a time, and
+replica runs each once through its bucket session, without checking the requests again, on the session's own
+replay thread (:meth:`ortcapture.InferenceSession.run_on_replay_thread`: no hand-over per run; its event loop keeps
+taking the next batch meanwhile), and returns the outputs whole: the tier slices each request's rows back. A run that fails is run again one request at a time, and
 :meth:`ReplicaCore.answers` decides 400 or 500 by behaviour.
 
 GPUs per replica: 1 for CUDA, 0 otherwise (Ray sets ``CUDA_VISIBLE_DEVICES``). ``check_health()`` replays the
@@ -42,10 +42,14 @@ class ModelSession:
 
     def __init__(self, options: ServeOptions, provider: str, stats_app: str | None = None):
         keep_replica_grpc_on_loopback(options.loopback())
-        self.switch_interval_s = quick_gil_handoff()  # the batch thread gets the GIL back quickly under load
+        self.switch_interval_s = quick_gil_handoff(options.switch_interval_ms)  # the GIL back quickly under load
         self.options = options
         self.core = ReplicaCore(options, provider)
-        self._pool = ThreadPoolExecutor(options.max_concurrent_batches, "ortcapture-batch")
+        # a capturing session replays on its own thread: batches run there whole (no hand-over per run); the CPU
+        # provider's plain session runs max_concurrent_batches batches at once on a pool
+        self._on_replay_thread = self.core.captures
+        self._pool = None if self._on_replay_thread else ThreadPoolExecutor(options.max_concurrent_batches,
+                                                                             "ortcapture-batch")
         ctx = ray_serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self._app = stats_app or ctx.app_name
@@ -72,9 +76,10 @@ class ModelSession:
             or ``{"answers": [...]}`` (the run failed: each request's own answer).
         """
         self._reporter.start()
-        loop = asyncio.get_running_loop()
         queued = list(queued_ns) or [()] * len(runs)
-        return await loop.run_in_executor(self._pool, self._run_all, list(runs), queued)
+        if self._on_replay_thread:  # the whole batch on the session's replay thread: its runs replay there directly
+            return await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._run_all, list(runs), queued))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run_all, list(runs), queued)
 
     def _run_all(self, runs: list, queued: list) -> list[dict]:
         out = []
@@ -97,7 +102,10 @@ class ModelSession:
         """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the
         replica unhealthy and Ray replaces it)."""
         self._reporter.start()
-        await asyncio.get_running_loop().run_in_executor(None, self.core.check_health)
+        if self._on_replay_thread:
+            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self.core.check_health))
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self.core.check_health)
 
     async def _push_report(self) -> None:
         if self._stats is None:

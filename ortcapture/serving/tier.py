@@ -56,7 +56,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         from ortcapture.transfer import value_rules
 
         keep_replica_grpc_on_loopback(options.loopback())
-        quick_gil_handoff()  # Ray's threads deliver the session's answers to this replica's loop: no 5 ms handoffs
+        quick_gil_handoff(options.switch_interval_ms)  # Ray's threads deliver the session's answers to this replica's loop: no 5 ms handoffs
         self.options = options
         self.spec = model_layout(options).spec
         self.check = RequestCheck([(t.name, t.dtype, t.shape) for t in self.spec.inputs], self.spec.batch_axes,
@@ -80,7 +80,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._queued = 0  # requests waiting for a session replica's answer
         self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "request_timeout": 0,
                          "client_gone": 0, "bad_request": 0}
-        self._sent = {"session_calls": 0, "requests_sent": 0}
+        self._sent = {"session_calls": 0, "requests_sent": 0, "session_call_ns": 0}
         self._others: dict[str, tuple[float, dict]] = {}
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         # system shared memory: its registry one named actor per application (ortcapture.serving.shm_store)
@@ -137,8 +137,10 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             self.session = ray_serve.get_deployment_handle(SESSION_DEPLOYMENT, self._session_app)
         self._sent["session_calls"] += 1
         self._sent["requests_sent"] += len(items)
+        t0 = time.perf_counter_ns()
         try:
             answers = await self.session.run_batch.remote(runs, queued)
+            self._sent["session_call_ns"] += time.perf_counter_ns() - t0
         except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
             text = str(exc).splitlines()[0][:300] if str(exc) else ""
             return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
@@ -278,7 +280,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             if rid == self.replica_id or time.monotonic() - t > STALE_S:
                 continue
             n += 1
-            for key in ("pending_bodies", "queued", "session_calls", "requests_sent"):
+            for key in ("pending_bodies", "queued", "session_calls", "requests_sent", "session_call_ns"):
                 total[key] += other.get(key, 0)
             for part in ("refused", "http_errors"):
                 for k, v in (other.get(part) or {}).items():
