@@ -12,9 +12,10 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
   product-2rep   the same with 2 session replicas at 0.5 GPU each
   product-tput   the product with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in its replicas' runtime_env (Ray Serve's own
                  throughput settings: user code on the replica's event loop, fewer log writes)
-  product-gil5 / product-t1 / product-i2 / product-i2t1
+  product-gil5 / product-t1 / product-i2 / product-i2t1 / product-noslots
                  the product with one setting changed: Python's 5 ms GIL switch interval; one batch in flight per
-                 tier replica; 2 tier replicas; both of the last two
+                 tier replica; 2 tier replicas; both of the last two; batches by value through Ray's object store
+                 instead of the batch slots (node-local shared memory)
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms) and the session replicas' own time per batch (mean ms), from ``/stats``.
 The hand-written arms are reached through a handle only (they have no HTTP routes). Per arm, client level and
@@ -54,7 +55,8 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product-tput": {"env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}},
         # one setting changed each, against "product" in the same run (issue 44: where a request's time goes)
         "product-gil5": {"switch_interval_ms": 0}, "product-t1": {"max_concurrent_batches": 1},
-        "product-i2": {"ingress_replicas": 2}, "product-i2t1": {"ingress_replicas": 2, "max_concurrent_batches": 1}}
+        "product-i2": {"ingress_replicas": 2}, "product-i2t1": {"ingress_replicas": 2, "max_concurrent_batches": 1},
+        "product-noslots": {"batch_slots": False}}
 TOL = 1e-2
 
 

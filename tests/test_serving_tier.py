@@ -157,8 +157,13 @@ def test_16_simultaneous_requests_share_batches_each_its_own_rows(cluster):
         ing = _stats(cluster["url"])["ingress"]
         return ing["session_calls"], ing["requests_sent"]
 
+    def slots():
+        ing = _stats(cluster["url"])["ingress"]
+        return ing["slot_batches"], ing["slot_misses"]
+
     time.sleep(1.5)  # both tier replicas pushed their counters
     calls0, sent0 = sent()
+    slots0 = slots()
     handle = _handle()
     xs = [np.full((1 + k % 2, 4), 0.01 * (k + 1), np.float32) for k in range(16)]  # values unique per request
     responses = [handle.infer.remote({"X": x}) for x in xs]
@@ -172,6 +177,9 @@ def test_16_simultaneous_requests_share_batches_each_its_own_rows(cluster):
         time.sleep(0.5)
     assert n - sent0 == 16, (n, sent0)
     assert calls - calls0 < 16, f"{calls - calls0} calls to the session replicas for 16 simultaneous requests"
+    # one machine (two Ray nodes): every batch went through the tier's batch slots, none by value
+    batches, misses = slots()
+    assert (batches - slots0[0], misses - slots0[1]) == (calls - calls0, 0), (batches, misses, slots0, calls, calls0)
 
 
 def test_no_cross_talk_under_mixed_load(cluster):

@@ -13,7 +13,8 @@ made it::
 The arguments are :class:`~ortcapture.serving.config.ServeOptions` fields, as strings or their types: ``model``
 (required), ``name``, ``buckets`` (``"1,2,4,8"``), ``provider`` (``auto``, ``cuda``, ``webgpu``, ``cpu``),
 ``replicas``, ``ingress_replicas``, ``gpus_per_replica``, ``max_batch_size``, ``batch_wait_ms``,
-``max_concurrent_batches``, ``switch_interval_ms``, ``dims`` (``"height=320,width=320"``), ``max_body_mib``, ``graceful_shutdown_s``, ``request_timeout_s``, ``max_queued``,
+``max_concurrent_batches``, ``switch_interval_ms``, ``batch_slots`` (``true``/``false``), ``dims``
+(``"height=320,width=320"``), ``max_body_mib``, ``graceful_shutdown_s``, ``request_timeout_s``, ``max_queued``,
 ``body_timeout_s``, ``max_pending_bodies``, ``token_file``. Where HTTP listens (and TLS) is Serve's own
 ``http_options`` (a config file's, or Serve's defaults: 127.0.0.1:8000), not an argument.
 
@@ -32,6 +33,7 @@ from ortcapture.errors import CaptureError
 _INT = ("replicas", "ingress_replicas", "max_batch_size", "max_concurrent_batches", "max_queued", "max_pending_bodies")
 _FLOAT = ("gpus_per_replica", "batch_wait_ms", "switch_interval_ms", "graceful_shutdown_s", "request_timeout_s", "body_timeout_s")
 _STR = ("model", "name", "buckets", "provider", "token_file")
+_BOOL = ("batch_slots",)
 
 
 def options_from_args(args: Mapping[str, Any]):
@@ -41,7 +43,7 @@ def options_from_args(args: Mapping[str, Any]):
 
     if not isinstance(args, Mapping):
         raise CaptureError(f"ortcapture.serving.app:build takes key=value arguments, got {type(args).__name__}")
-    known = set(_INT) | set(_FLOAT) | set(_STR) | {"dims", "max_body_mib"}
+    known = set(_INT) | set(_FLOAT) | set(_STR) | set(_BOOL) | {"dims", "max_body_mib"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise CaptureError(f"ortcapture.serving.app:build: unknown argument(s) {unknown}; it takes {sorted(known)}")
@@ -54,6 +56,8 @@ def options_from_args(args: Mapping[str, Any]):
                 kwargs[key] = int(value)
             elif key in _FLOAT:
                 kwargs[key] = float(value)
+            elif key in _BOOL:
+                kwargs[key] = _bool(value)
             elif key == "max_body_mib":
                 kwargs["max_body_bytes"] = int(float(value) * 1024 * 1024)
             elif key == "dims":
@@ -63,6 +67,18 @@ def options_from_args(args: Mapping[str, Any]):
         except (TypeError, ValueError) as exc:
             raise CaptureError(f"ortcapture.serving.app:build: {key}={value!r}: {exc}") from None
     return ServeOptions(**kwargs).checked()
+
+
+def _bool(value) -> bool:
+    """``true``/``false`` (``1``/``0``, ``yes``/``no``, any case) or a bool; ``ValueError`` otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError("give true or false")
 
 
 def _dims(value) -> dict[str, int]:

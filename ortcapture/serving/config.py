@@ -53,6 +53,9 @@ class ServeOptions:
         max_concurrent_batches: batches in flight per batching-tier replica (the next forms while the device
             works); on the CPU provider also batches run at once per session replica (a capturing session runs its
             batches one after another on its replay thread).
+        batch_slots: pass a batch from a tier replica to a session replica on the same machine through shared
+            memory (``ortcapture.serving.slots``: one ``/dev/shm`` object per tier replica, a slot per batch in
+            flight) instead of Ray's object store; a session replica on another machine gets it by value.
         switch_interval_ms: the replicas' GIL switch interval (``sys.setswitchinterval``, milliseconds; default
             0.5; 0 leaves Python's 5 ms): how long a thread back from a wait (ORT's run, the GPU, Ray's I/O) may
             wait for the GIL while another runs Python (``ortcapture.serving.ray_common.quick_gil_handoff``).
@@ -95,6 +98,7 @@ class ServeOptions:
     batch_wait_ms: float = 2.0
     max_concurrent_batches: int = 2
     switch_interval_ms: float = 0.5
+    batch_slots: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
     address: str | None = None
@@ -275,6 +279,8 @@ def _check_grpc(o: "ServeOptions", opt) -> None:
         if o.address:
             raise CaptureError(f"{opt('grpc_port')} serves gRPC from a new local cluster only (a joined cluster's "
                                "Serve has its own gRPC options)")
+    if not isinstance(o.batch_slots, bool):
+        raise CaptureError(f"{opt('batch_slots')} must be true or false, got {o.batch_slots!r}")
     if not isinstance(o.allow_remote_shared_memory, bool):
         raise CaptureError(f"{opt('allow_remote_shared_memory')} must be true or false")
 

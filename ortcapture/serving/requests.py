@@ -135,24 +135,33 @@ def pack(members: Sequence[tuple[int, int]], max_rows: int) -> list[list[tuple[i
     return sorted(chunks, key=lambda c: c[0][0])
 
 
-def join(requests: Sequence[Mapping[str, np.ndarray]], chunk: Sequence[tuple[int, int, int]], names: Sequence[str],
-         input_axes: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """The feeds of one run: each batched input of ``chunk``'s ``(index, first row, end row)`` pieces concatenated
-    along its axis (one piece: the request's own array, no copy); an input without the batched dim is the first
-    request's (the group agrees on it)."""
+def pieces(requests: Sequence[Mapping[str, np.ndarray]], chunk: Sequence[tuple[int, int, int]], names: Sequence[str],
+           input_axes: Mapping[str, int]) -> list[tuple[str, list[np.ndarray], int | None]]:
+    """What :func:`join` joins, unjoined: per input ``(name, [pieces], axis)`` — the batched inputs' pieces of
+    ``chunk``'s ``(index, first row, end row)`` (views) and their axis; an input without the batched dim is the
+    first request's, axis ``None`` (the group agrees on it)."""
     first = requests[chunk[0][0]]
-    feeds = {}
+    out = []
     for name in names:
         axis = input_axes.get(name)
         if axis is None:
-            feeds[name] = first[name]
+            out.append((name, [first[name]], None))
             continue
         parts = []
         for i, start, stop in chunk:
             v = requests[i][name]
             parts.append(v if start == 0 and stop == v.shape[axis] else take(v, axis, start, stop))
-        feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
-    return feeds
+        out.append((name, parts, axis))
+    return out
+
+
+def join(requests: Sequence[Mapping[str, np.ndarray]], chunk: Sequence[tuple[int, int, int]], names: Sequence[str],
+         input_axes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """The feeds of one run: each batched input of ``chunk``'s ``(index, first row, end row)`` pieces concatenated
+    along its axis (one piece: the request's own array, no copy); an input without the batched dim is the first
+    request's (the group agrees on it)."""
+    return {name: parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+            for name, parts, axis in pieces(requests, chunk, names, input_axes)}
 
 
 def split_feeds(feeds: Mapping[str, np.ndarray], rows: Sequence[int], input_axes: Mapping[str, int]) -> list[dict]:

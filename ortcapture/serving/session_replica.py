@@ -26,6 +26,7 @@ from ray import serve as ray_serve
 from ortcapture.serving.config import ServeOptions
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
+from ortcapture.serving.slots import SlotMissing, SlotReader
 
 
 class ModelSession:
@@ -57,36 +58,56 @@ class ModelSession:
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
+        self._slot_reader = SlotReader()  # the tier replicas' batch slots (node-local shared memory), mapped once
         self._stats = None
         self._metrics = _Metrics(options.name)
         self._metrics.graphs(self.core)
 
-    async def run_batch(self, runs: Sequence[tuple[dict, Sequence[int]]],
-                        queued_ns: Sequence[Sequence[int]] = ()) -> list[dict]:
+    async def run_batch(self, runs: Sequence[tuple[dict | None, Sequence[int]]],
+                        queued_ns: Sequence[Sequence[int]] = (), slot: dict | None = None) -> list[dict] | dict:
         """One batch of the tier: several runs (one per group of requests that can share a run).
 
         Args:
             runs: ``[(feeds, rows)]``: ``feeds`` ``{input: numpy array}`` with the requests' rows joined along the
                 batched dim (at most ``max_batch_size`` rows), ``rows`` each request's rows in order. Checked by the
-                tier already (:class:`~ortcapture.serving.requests.RequestCheck`): not checked again.
+                tier already (:class:`~ortcapture.serving.requests.RequestCheck`): not checked again. ``feeds`` is
+                ``None`` with ``slot``.
             queued_ns: per run, each request's wait in the tier (nanoseconds; ``/stats``' queue time).
+            slot: a :meth:`ortcapture.serving.slots.Slot.descriptor`: the runs' feeds are in the tier's node-local
+                shared memory (read in place), and the outputs go back there when they fit.
 
         Returns:
-            Per run: :meth:`ReplicaCore.run_joined`'s answer — ``{"outputs", "axes"}`` (every row; the tier slices)
-            or ``{"answers": [...]}`` (the run failed: each request's own answer).
+            Per run: :meth:`ReplicaCore.run_joined`'s answer — ``{"outputs", "axes"}`` (every row; the tier slices),
+            ``{"slot_outputs", "axes"}`` (the same, written into the slot: ``{name: (offset, shape, dtype)}``) or
+            ``{"answers": [...]}`` (the run failed: each request's own answer). ``{"by_value": True}`` (not a list)
+            when the slot's shared memory is not on this machine: the tier sends the batch again by value.
         """
         self._reporter.start()
         queued = list(queued_ns) or [()] * len(runs)
+        if slot is not None:
+            try:
+                feeds = self._slot_reader.inputs(slot)
+            except SlotMissing:
+                return {"by_value": True}
+            runs = [(f, rows) for f, (_, rows) in zip(feeds, runs)]
         if self._on_replay_thread:  # the whole batch on the session's replay thread: its runs replay there directly
-            return await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._run_all, list(runs), queued))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run_all, list(runs), queued)
+            return await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._run_all, list(runs), queued,
+                                                                                     slot))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run_all, list(runs), queued, slot)
 
-    def _run_all(self, runs: list, queued: list) -> list[dict]:
+    def _run_all(self, runs: list, queued: list, slot: dict | None = None) -> list[dict]:
         out = []
         for (feeds, rows), q in zip(runs, queued):
             answer = self.core.run_joined(feeds, rows, q)
             self._metrics.batch(sum(int(r) for r in rows), answer, len(rows))
             out.append(answer)
+        if slot is not None:  # the outputs into the slot, when they fit (else by value through Ray)
+            done = [a for a in out if "outputs" in a]
+            where = self._slot_reader.write_outputs(slot, [a["outputs"] for a in done]) if done else None
+            if where is not None:
+                for a, w in zip(done, where):
+                    del a["outputs"]
+                    a["slot_outputs"] = w
         return out
 
     async def stats(self) -> dict:
@@ -124,6 +145,9 @@ class ModelSession:
         core = getattr(self, "core", None)
         if core is not None:
             core.close()
+        reader = getattr(self, "_slot_reader", None)
+        if reader is not None:
+            reader.close()
 
 
 class _Metrics:

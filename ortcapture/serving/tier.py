@@ -30,7 +30,8 @@ from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.ray_common import (RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
                                            keep_replica_grpc_on_loopback, quick_gil_handoff)
-from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, take
+from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, pieces, take
+from ortcapture.serving.slots import SlotPool
 from ortcapture.serving.routes import STALE_S, Refusal, Router
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
@@ -70,6 +71,10 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self.batcher = AdaptiveBatcher(self._run_batch, max_rows=options.max_batch_size,
                                        max_wait_s=options.batch_wait_ms / 1000.0,
                                        max_in_flight=options.max_concurrent_batches)
+        # the hop to the session replica through node-local shared memory (ortcapture.serving.slots): one slot per
+        # batch in flight; None: by value through Ray's object store
+        self._slots = batch_slots(self.spec, options.max_batch_size, options.max_concurrent_batches,
+                                  options.batch_slots)
         self._ready_at = 0.0
         self._ready = False
         self._ready_lock: asyncio.Lock | None = None
@@ -80,7 +85,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._queued = 0  # requests waiting for a session replica's answer
         self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "request_timeout": 0,
                          "client_gone": 0, "bad_request": 0}
-        self._sent = {"session_calls": 0, "requests_sent": 0, "session_call_ns": 0}
+        self._sent = {"session_calls": 0, "requests_sent": 0, "session_call_ns": 0, "slot_batches": 0,
+                      "slot_misses": 0}
         self._others: dict[str, tuple[float, dict]] = {}
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         # system shared memory: its registry one named actor per application (ortcapture.serving.shm_store)
@@ -131,27 +137,48 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             groups.setdefault(group_key(it.payload, names, axes), []).append((k, it.rows))
         chunks = [c for members in groups.values() for c in pack(members, self.options.max_batch_size)]
         now = time.perf_counter_ns()
-        runs = [(join(requests, c, names, axes), [stop for _, _, stop in c]) for c in chunks]
+        rows = [[stop for _, _, stop in c] for c in chunks]
         queued = [[now - items[k].queued_ns for k, _, _ in c] for c in chunks]
         if self.session is None:
             self.session = ray_serve.get_deployment_handle(SESSION_DEPLOYMENT, self._session_app)
         self._sent["session_calls"] += 1
         self._sent["requests_sent"] += len(items)
+        slot = await self._slots.acquire() if self._slots is not None else None
         t0 = time.perf_counter_ns()
         try:
-            answers = await self.session.run_batch.remote(runs, queued)
+            answers = None
+            if slot is not None and slot.place([pieces(requests, c, names, axes) for c in chunks]):
+                answers = await self.session.run_batch.remote([(None, r) for r in rows], queued, slot.descriptor())
+                if isinstance(answers, dict):  # the session replica is on another machine: by value
+                    self._sent["slot_misses"] += 1
+                    answers = None
+                else:
+                    self._sent["slot_batches"] += 1
+            if answers is None:
+                runs = [(join(requests, c, names, axes), r) for c, r in zip(chunks, rows)]
+                answers = await self.session.run_batch.remote(runs, queued)
             self._sent["session_call_ns"] += time.perf_counter_ns() - t0
+            return self._answers(len(items), chunks, answers, slot)
         except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
             text = str(exc).splitlines()[0][:300] if str(exc) else ""
             return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
                      "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
-        results: list[Any] = [None] * len(items)
+        finally:
+            if slot is not None:  # the session replica answered (or can no longer write): the slot is free again
+                self._slots.release(slot)
+
+    @staticmethod
+    def _answers(n_items: int, chunks: list, answers: list, slot) -> list:
+        """Each request's answer from the session replica's per-run answers: its own rows of the outputs (copied:
+        they outlive the batch and its slot), or its own error."""
+        results: list[Any] = [None] * n_items
         for chunk, answer in zip(chunks, answers):
             if "answers" in answer:  # the run failed: each request's own answer
                 for (k, _, _), a in zip(chunk, answer["answers"]):
                     results[k] = a
                 continue
-            outs, out_axes, offset = answer["outputs"], answer["axes"], 0
+            outs = slot.outputs(answer["slot_outputs"]) if "slot_outputs" in answer else answer["outputs"]
+            out_axes, offset = answer["axes"], 0
             for k, _, n in chunk:
                 results[k] = {"outputs": {name: np.ascontiguousarray(take(o, out_axes[name], offset, offset + n))
                                           for name, o in outs.items()}}
@@ -228,6 +255,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         while (self._in_flight or self._infers) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         await self.shm.shutdown()  # every shared memory region unregistered and unmapped
+        if self._slots is not None:
+            self._slots.close()
         return {"replica": self.replica_id, "in_flight": self._in_flight + self._infers}
 
     async def layout(self) -> dict:
@@ -280,7 +309,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             if rid == self.replica_id or time.monotonic() - t > STALE_S:
                 continue
             n += 1
-            for key in ("pending_bodies", "queued", "session_calls", "requests_sent", "session_call_ns"):
+            for key in ("pending_bodies", "queued", "session_calls", "requests_sent", "session_call_ns",
+                        "slot_batches", "slot_misses"):
                 total[key] += other.get(key, 0)
             for part in ("refused", "http_errors"):
                 for k, v in (other.get(part) or {}).items():
@@ -303,6 +333,30 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def _push_report(self) -> None:
         await self._stats_target().tier.remote(self.replica_id, self._own())
+
+def batch_slots(spec, max_rows: int, count: int, enabled: bool) -> SlotPool | None:
+    """The tier replica's :class:`~ortcapture.serving.slots.SlotPool`: ``count`` slots, each for ``max_rows`` rows
+    of every input and output of ``spec`` (an output with a dim the model leaves open gets as much room as the
+    inputs, at least 16 MiB: outputs that do not fit go back by value); ``None`` when ``enabled`` is false or
+    ``/dev/shm`` refuses the object (by value through Ray, as on another machine)."""
+    if not enabled:
+        return None
+
+    def nbytes(t) -> int | None:
+        dims = [max_rows if (ax == 0 and d == -1) else d for ax, d in enumerate(t.shape)]
+        return None if any(d < 0 for d in dims) else int(np.prod(dims, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+
+    ins = [nbytes(t) for t in spec.inputs]
+    if any(n is None for n in ins):
+        return None
+    outs = [nbytes(t) for t in spec.outputs]
+    in_bytes = sum(ins)
+    out_bytes = sum(outs) if all(n is not None for n in outs) else max(in_bytes, 16 << 20)
+    try:
+        return SlotPool(in_bytes + 4096 * len(ins), out_bytes + 4096 * len(outs), count)
+    except OSError:  # no /dev/shm room: by value
+        return None
+
 
 class ModelStats:
     """The ``ModelStats`` deployment's class (one replica): the latest report of each session replica

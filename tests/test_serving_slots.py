@@ -1,0 +1,135 @@
+"""Batch slots (ortcapture.serving.slots): the tier's node-local shared memory for the hop to a session replica —
+joined in place, read back as views, every offset checked, by value where they do not fit or the object is not on
+this machine. No Ray, no device."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from ortcapture.serving.slots import SlotMissing, SlotPool, SlotReader
+
+
+def _pool(count=2, in_bytes=1 << 16, out_bytes=1 << 16):
+    pool = SlotPool(in_bytes, out_bytes, count)
+    return pool
+
+
+def test_a_batch_joined_into_a_slot_reads_back_equal_and_outputs_come_back():
+    pool, reader = _pool(), SlotReader()
+    try:
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((1, 3, 4)).astype(np.float32)
+        scale = np.array([2.0], np.float32)  # an input without the batched dim: used as it is
+        slot = asyncio.run(pool.acquire())
+        assert slot.place([[("x", [a, b], 0), ("s", [scale], None)]])
+        desc = slot.descriptor()
+        (feeds,) = reader.inputs(desc)
+        np.testing.assert_array_equal(feeds["x"], np.concatenate([a, b]))
+        np.testing.assert_array_equal(feeds["s"], scale)
+        assert feeds["x"].ctypes.data % 4096 == 0  # every array page-aligned
+        y = feeds["x"] * feeds["s"]
+        where = reader.write_outputs(desc, [{"y": y}])
+        got = slot.outputs(where[0])
+        np.testing.assert_array_equal(got["y"], y)
+        assert not np.shares_memory(got["y"], y)  # written into the slot, not a reference
+    finally:
+        reader.close()
+        pool.close()
+
+
+def test_too_big_for_the_slot_goes_by_value():
+    pool, reader = _pool(in_bytes=4096, out_bytes=4096), SlotReader()
+    try:
+        slot = asyncio.run(pool.acquire())
+        big = np.zeros((2, 1024), np.float32)  # 8 KiB of input: does not fit
+        assert not slot.place([[("x", [big], 0)]])
+        assert slot.place([[("x", [np.ones((1, 16), np.float32)], 0)]])
+        assert reader.write_outputs(slot.descriptor(), [{"y": big}]) is None  # outputs by value
+    finally:
+        reader.close()
+        pool.close()
+
+
+def test_a_pool_not_on_this_machine_or_not_a_pool_is_missing():
+    reader = SlotReader()
+    desc = {"pool": "ortcapture-0-" + "0" * 32, "size": 8192, "runs": [], "out": (0, 4096)}
+    with pytest.raises(SlotMissing):
+        reader.inputs(desc)
+    for name in ("../etc/passwd", "psm_other", 7):
+        with pytest.raises(SlotMissing):
+            reader.inputs({**desc, "pool": name})
+    pool = _pool()
+    try:
+        with pytest.raises(SlotMissing, match="bytes"):  # a descriptor claiming a bigger pool than the object
+            reader.inputs({"pool": pool.name, "size": pool.size + 1, "runs": [], "out": (0, 4096)})
+    finally:
+        pool.close()
+        reader.close()
+
+
+def test_offsets_outside_the_pool_are_refused_before_any_view():
+    pool, reader = _pool(), SlotReader()
+    try:
+        slot = asyncio.run(pool.acquire())
+        assert slot.place([[("x", [np.ones((1, 4), np.float32)], 0)]])
+        desc = slot.descriptor()
+        bad = {**desc, "runs": [[("x", pool.size - 8, (1, 4), "<f4")]]}
+        with pytest.raises(ValueError, match="outside"):
+            reader.inputs(bad)
+        with pytest.raises(ValueError, match="outside"):
+            reader.write_outputs({**desc, "out": (pool.size - 4096, 8192)}, [{"y": np.ones(4, np.float32)}])
+        with pytest.raises(ValueError, match="outside"):  # the tier checks the session's answer too
+            slot.outputs({"y": (0, (4,), "<f4")})  # the inputs' room, not the output room
+    finally:
+        reader.close()
+        pool.close()
+
+
+def test_slots_are_handed_out_once_until_released_and_close_unlinks():
+    pool = _pool(count=2)
+
+    async def go():
+        s1, s2 = await pool.acquire(), await pool.acquire()
+        assert s1.index != s2.index and s1.offset != s2.offset
+        waiter = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # both slots have a batch in flight
+        pool.release(s1)
+        assert (await asyncio.wait_for(waiter, 1)) is s1
+
+    asyncio.run(go())
+    path = os.path.join("/dev/shm", pool.name)
+    assert os.path.exists(path) and (os.stat(path).st_mode & 0o077) == 0  # the owner's only
+    pool.close()
+    assert not os.path.exists(path)
+    pool.close()  # twice: no error
+
+
+def _child(name, size, q):
+    reader = SlotReader()
+    try:
+        (feeds,) = reader.inputs({"pool": name, "size": size, "runs": [[("x", 0, (2, 2), "<f4")]], "out": (0, 1)})
+        q.put(feeds["x"].tolist())
+    finally:
+        reader.close()
+
+
+def test_another_process_on_this_machine_reads_the_slot_and_leaves_it_linked():
+    pool = _pool()
+    try:
+        slot = asyncio.run(pool.acquire())
+        assert slot.place([[("x", [np.arange(4, dtype=np.float32).reshape(2, 2)], 0)]])
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_child, args=(pool.name, pool.size, q))
+        p.start()
+        got = q.get(timeout=60)
+        p.join(60)
+        assert got == [[0.0, 1.0], [2.0, 3.0]] and p.exitcode == 0
+        assert os.path.exists(os.path.join("/dev/shm", pool.name))  # the reader's exit did not unlink it
+    finally:
+        pool.close()
