@@ -289,6 +289,11 @@ def _where(after: dict, before: dict) -> dict:
             "run_ms": round(run_ns / runs / 1e6, 3) if runs else None}
 
 
+def _sum(stats: dict, key: str) -> int:
+    """``key`` summed over the session replicas' reports."""
+    return sum(int(r.get(key) or 0) for r in stats.get("ortcapture", {}).get("replicas", []))
+
+
 def _diff(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] - before.get(k, 0)}
 
@@ -451,13 +456,14 @@ def main() -> int:
                        "error_sample": [e for o in outs for e in o["errors"]][:3],
                        "batch_histogram": _diff(_histogram(after), _histogram(before)),
                        "session": _where(after, before) if url else None,
+                       "merged_runs": _sum(after, "merged_runs") - _sum(before, "merged_runs") if url else None,
                        "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
                                                            "graphs_per_bucket", "uncaptured", "padding_waste")}
                                     for r in after.get("ortcapture", {}).get("replicas", [])]}
                 results["runs"].append(run)
                 log(f"{arm:6} {level:3} clients {path:6}: {run['images_per_s']:8.1f} img/s  p50 {run['p50_ms']} ms  "
                     f"p99 {run['p99_ms']} ms  wrong {run['wrong']} errors {run['errors']}  "
-                    f"batches {run['batch_histogram']}  session {run['session']}")
+                    f"batches {run['batch_histogram']}  session {run['session']} merged {run['merged_runs']}")
         if not hand:
             deployment.ray_serve.delete(deployment.model_app_name(opts))
         deployment.ray_serve.delete(opts.app_name)

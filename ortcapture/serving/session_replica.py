@@ -18,6 +18,8 @@ counters to the ``ModelStats`` deployment for ``/stats``. This module imports Ra
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -26,6 +28,7 @@ from ray import serve as ray_serve
 from ortcapture.serving.config import ServeOptions
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
+from ortcapture.serving.merge import merge_runs, mergeable, split_answer
 from ortcapture.serving.slots import SlotMissing, SlotReader
 
 
@@ -59,6 +62,13 @@ class ModelSession:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         self._slot_reader = SlotReader()  # the tier replicas' batch slots (node-local shared memory), mapped once
+        # batches queued for the replay thread; it takes them all at once and merges their runs (_drain)
+        self._queue: collections.deque = collections.deque()
+        self._queue_lock = threading.Lock()
+        self._draining = False
+        self.merged_runs = 0  # runs that shared a replay with an earlier one (/stats: merged_runs)
+        spec = self.core.layout.spec
+        self._mergeable = mergeable([t.name for t in spec.inputs], spec.batch_axes)
         self._stats = None
         self._metrics = _Metrics(options.name)
         self._metrics.graphs(self.core)
@@ -90,34 +100,83 @@ class ModelSession:
             except SlotMissing:
                 return {"by_value": True}
             runs = [(f, rows) for f, (_, rows) in zip(feeds, runs)]
-        if self._on_replay_thread:  # the whole batch on the session's replay thread: its runs replay there directly
-            return await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._run_all, list(runs), queued,
-                                                                                     slot))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._run_all, list(runs), queued, slot)
+        if self._on_replay_thread:  # queued for the replay thread, which merges what queued (see _drain)
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            with self._queue_lock:
+                self._queue.append((list(runs), queued, slot, future, loop))
+                start, self._draining = not self._draining, True
+            if start:
+                try:
+                    self.core.session.run_on_replay_thread(self._drain)
+                except BaseException:  # the session is closing: nothing will take the queue
+                    with self._queue_lock:
+                        self._queue.clear()
+                        self._draining = False
+                    raise
+            return await future
+        (answers,) = await asyncio.get_running_loop().run_in_executor(self._pool, self._run_calls,
+                                                                      [(list(runs), queued, slot)])
+        return answers
 
-    def _run_all(self, runs: list, queued: list, slot: dict | None = None) -> list[dict]:
-        out = []
-        for (feeds, rows), q in zip(runs, queued):
-            answer = self.core.run_joined(feeds, rows, q)
-            self._metrics.batch(sum(int(r) for r in rows), answer, len(rows))
-            out.append(answer)
-        if slot is not None:  # the outputs into the slot, when they fit (else by value through Ray)
-            done = [a for a in out if "outputs" in a]
-            where = self._slot_reader.write_outputs(slot, [a["outputs"] for a in done]) if done else None
-            if where is not None:
-                for a, w in zip(done, where):
-                    del a["outputs"]
-                    a["slot_outputs"] = w
-        return out
+    def _drain(self) -> None:
+        """On the replay thread: take every batch queued, run them (merged where they fit,
+        :mod:`ortcapture.serving.merge`), answer each on its event loop; again until none is queued."""
+        while True:
+            with self._queue_lock:
+                if not self._queue:
+                    self._draining = False
+                    return
+                calls = list(self._queue)
+                self._queue.clear()
+            try:
+                results: list = self._run_calls([c[:3] for c in calls])
+            except BaseException as exc:  # noqa: BLE001 - every waiting call gets it
+                results = [exc] * len(calls)
+            for (_, _, _, future, loop), result in zip(calls, results):
+                try:
+                    loop.call_soon_threadsafe(_settle, future, result)
+                except RuntimeError:  # that call's event loop is closed: nobody waits for it
+                    pass
+
+    def _run_calls(self, calls: list) -> list[list[dict]]:
+        """``calls``: ``[(runs, queued, slot)]``; their runs merged into replays of at most ``max_batch_size`` rows
+        where the model allows it; per call, one answer per run (outputs into its slot when it has one)."""
+        flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
+        merged = merge_runs([run for _, run, _ in flat], self.options.max_batch_size, self._mergeable)
+        answers: list[list[dict]] = [[] for _ in calls]
+        for members, feeds, rows in merged:
+            queued = [t for i in members for t in flat[i][2]]
+            answer = self.core.run_joined(feeds, rows, queued)
+            self._metrics.batch(sum(rows), answer, len(rows))
+            self.merged_runs += len(members) - 1
+            parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
+            for i, part in zip(members, parts):
+                answers[flat[i][0]].append(part)
+        for (_, _, slot), out in zip(calls, answers):
+            if slot is not None:
+                self._into_slot(slot, out)
+        return answers
+
+    def _into_slot(self, slot: dict, out: list[dict]) -> None:
+        """A call's outputs into its batch slot, when they fit (else they go back by value through Ray)."""
+        done = [a for a in out if "outputs" in a]
+        where = self._slot_reader.write_outputs(slot, [a["outputs"] for a in done]) if done else None
+        if where is not None:
+            for a, w in zip(done, where):
+                del a["outputs"]
+                a["slot_outputs"] = w
 
     async def stats(self) -> dict:
         """This replica's report (:meth:`ReplicaCore.report`) with its replica id."""
         return {"replica": self.replica_id, **self._report()}
 
     def _report(self) -> dict:
-        """:meth:`ReplicaCore.report` plus the Ray node this replica runs on (``node``) and its GIL switch interval
-        (``switch_interval_s``, :func:`ortcapture.serving.ray_common.quick_gil_handoff`)."""
-        return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s}
+        """:meth:`ReplicaCore.report` plus the Ray node this replica runs on (``node``), its GIL switch interval
+        (``switch_interval_s``, :func:`ortcapture.serving.ray_common.quick_gil_handoff`) and the runs that shared a
+        replay with an earlier one (``merged_runs``, :mod:`ortcapture.serving.merge`)."""
+        return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
+                "merged_runs": self.merged_runs}
 
     async def check_health(self) -> None:
         """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the
@@ -148,6 +207,16 @@ class ModelSession:
         reader = getattr(self, "_slot_reader", None)
         if reader is not None:
             reader.close()
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    """On the call's event loop: its answer, or the exception its batch raised (a call given up on is skipped)."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 class _Metrics:

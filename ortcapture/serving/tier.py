@@ -158,7 +158,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                 runs = [(join(requests, c, names, axes), r) for c, r in zip(chunks, rows)]
                 answers = await self.session.run_batch.remote(runs, queued)
             self._sent["session_call_ns"] += time.perf_counter_ns() - t0
-            return self._answers(len(items), chunks, answers, slot)
+            return answers_of(len(items), chunks, answers, slot)
         except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
             text = str(exc).splitlines()[0][:300] if str(exc) else ""
             return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
@@ -166,24 +166,6 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         finally:
             if slot is not None:  # the session replica answered (or can no longer write): the slot is free again
                 self._slots.release(slot)
-
-    @staticmethod
-    def _answers(n_items: int, chunks: list, answers: list, slot) -> list:
-        """Each request's answer from the session replica's per-run answers: its own rows of the outputs (copied:
-        they outlive the batch and its slot), or its own error."""
-        results: list[Any] = [None] * n_items
-        for chunk, answer in zip(chunks, answers):
-            if "answers" in answer:  # the run failed: each request's own answer
-                for (k, _, _), a in zip(chunk, answer["answers"]):
-                    results[k] = a
-                continue
-            outs = slot.outputs(answer["slot_outputs"]) if "slot_outputs" in answer else answer["outputs"]
-            out_axes, offset = answer["axes"], 0
-            for k, _, n in chunk:
-                results[k] = {"outputs": {name: np.ascontiguousarray(take(o, out_axes[name], offset, offset + n))
-                                          for name, o in outs.items()}}
-                offset += n
-        return results
 
     # -- HTTP ---------------------------------------------------------------------------------------------------
     async def __call__(self, request):
@@ -333,6 +315,28 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def _push_report(self) -> None:
         await self._stats_target().tier.remote(self.replica_id, self._own())
+
+def answers_of(n_items: int, chunks: list, answers: list, slot=None) -> list:
+    """Each request's answer from a session replica's per-run ``answers`` (``chunks``: per run, the requests'
+    ``(index, first row, rows)``): its own rows of the outputs, or its own error. Rows read from a batch slot
+    (``slot``, ``"slot_outputs"``) are always copied: the slot takes the next batch as soon as this one is answered,
+    before Ray sends these answers on (a view of it, even a contiguous one, would carry the next batch's rows)."""
+    results: list[Any] = [None] * n_items
+    for chunk, answer in zip(chunks, answers):
+        if "answers" in answer:  # the run failed: each request's own answer
+            for (k, _, _), a in zip(chunk, answer["answers"]):
+                results[k] = a
+            continue
+        in_slot = "slot_outputs" in answer
+        outs = slot.outputs(answer["slot_outputs"]) if in_slot else answer["outputs"]
+        own = np.array if in_slot else np.ascontiguousarray  # np.array copies always
+        out_axes, offset = answer["axes"], 0
+        for k, _, n in chunk:
+            results[k] = {"outputs": {name: own(take(o, out_axes[name], offset, offset + n))
+                                      for name, o in outs.items()}}
+            offset += n
+    return results
+
 
 def batch_slots(spec, max_rows: int, count: int, enabled: bool) -> SlotPool | None:
     """The tier replica's :class:`~ortcapture.serving.slots.SlotPool`: ``count`` slots, each for ``max_rows`` rows
