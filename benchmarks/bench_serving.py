@@ -22,7 +22,9 @@ The hand-written arms are reached through a handle only (they have no HTTP route
 path (``handle``: a Ray ``DeploymentHandle`` to the ``Model`` deployment; ``http``: ``tritonclient.http`` binary
 tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tensors through Ray Serve's gRPC proxy;
 ``shm``: ``tritonclient.grpc`` with the image and the answer in system shared memory regions registered once per
-client, ``tritonclient.utils.shared_memory``; the last two with ``--paths handle,http,grpc,shm``): images/s, p50/p99
+client, ``tritonclient.utils.shared_memory``; ``http-stalled``: ``http`` measured while ``--stalled`` (1,100)
+other connections send an infer request's headers and stall; the last three with ``--paths
+handle,http,grpc,shm,http-stalled``): images/s, p50/p99
 latency (ms),
 the batch-size histogram (rows per batch run, from the replicas' reports), and every response checked against the
 CPU EP's answer for the same image (4 fixed images; a response off by more than 1e-2 of the output's max counts as
@@ -271,6 +273,64 @@ def _histogram(stats) -> dict:
     return h
 
 
+class _Stalled:
+    """``n`` connections to ``url`` that each send an infer request's headers (``Content-Length`` 1.2 MB) and 16
+    bytes of its body, then stall — opened when the block starts, closed when it ends (bounded in count and time:
+    each connect waits at most 2 s). The faults issue's stalled-body clients, beside a measured HTTP run."""
+
+    def __init__(self, url: str | None, model: str, n: int):
+        self.n = int(n) if url else 0
+        self.url, self.model = url, model
+        self.socks: list = []
+        self.opened = 0
+
+    def __enter__(self):
+        if not self.n:
+            return self
+        import resource
+        import socket
+        from urllib.parse import urlparse
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < self.n + 256:  # this process holds the sockets
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, self.n + 1024), hard))
+        u = urlparse(self.url)
+        head = (f"POST /v2/models/{self.model}/infer HTTP/1.1\r\nHost: {u.hostname}\r\n"
+                "Content-Type: application/octet-stream\r\nInference-Header-Content-Length: 64\r\n"
+                "Content-Length: 1228864\r\n\r\n").encode() + b"\0" * 16
+        deadline = time.monotonic() + 60
+        for _ in range(self.n):
+            if time.monotonic() > deadline:
+                break
+            try:
+                s = socket.create_connection((u.hostname, u.port), timeout=2)
+                s.sendall(head)
+                s.setblocking(False)
+            except OSError:
+                continue
+            self.socks.append(s)
+        self.opened = len(self.socks)
+        return self
+
+    def held(self) -> int:
+        """Connections the server still holds without an answer (one answered — a 503 or 408 — or closed is not)."""
+        n = 0
+        for s in self.socks:
+            try:
+                s.recv(1 << 16)  # an answer or EOF: the server let go of it
+            except BlockingIOError:
+                n += 1  # nothing to read: still waiting for its body
+            except OSError:
+                pass
+        return n
+
+    def __exit__(self, *exc):
+        for s in self.socks:
+            s.close()
+        self.socks = []
+        return False
+
+
 def _where(after: dict, before: dict) -> dict:
     """Where a batch's time went between two ``/stats`` reads: the tier's calls to the session replicas
     (``calls``, mean round trip ``rtt_ms``) and the session replicas' own time per batch (``run_ms``); the
@@ -306,6 +366,9 @@ def main() -> int:
                     help=f"comma-separated, from {list(ARMS)}")
     ap.add_argument("--levels", default="1,8,32,64", help="concurrent clients")
     ap.add_argument("--paths", default="handle,http")
+    ap.add_argument("--stalled", type=int, default=1100,
+                    help="connections that send headers and stall beside each 'http-stalled' run (path http-stalled: "
+                         "HTTP like 'http', measured while they are held; default 1100)")
     ap.add_argument("--all-paths-arms", default=None,
                     help="comma-separated arms measured on every --paths; the others on the handle only (default: "
                          "every arm on every path)")
@@ -345,6 +408,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown arm(s) {unknown}: from {list(ARMS)}")
     paths = [p for p in args.paths.split(",") if p]
+    if set(paths) - {"handle", "http", "grpc", "shm", "http-stalled"}:
+        ap.error(f"unknown path(s) {sorted(set(paths) - {'handle', 'http', 'grpc', 'shm', 'http-stalled'})}")
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
 
@@ -441,10 +506,14 @@ def main() -> int:
             wide = args.all_paths_arms is None or arm in args.all_paths_arms.split(",")
             for path, rep in ((p, k) for p in paths if (url and wide) or p == "handle" for k in range(args.repeats)):
                 before = _stats(url, "yolo") if url else {}
-                for (p, conn), n in zip(clients, per):
-                    target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm") else url
-                    conn.send((path, app, target, n, args.seconds, args.warm, hand != "noop"))
-                outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
+                stalled = _Stalled(url, "yolo", args.stalled if path == "http-stalled" else 0)
+                with stalled:
+                    for (p, conn), n in zip(clients, per):
+                        target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm") else url
+                        conn.send(("http" if path == "http-stalled" else path, app, target, n, args.seconds,
+                                   args.warm, hand != "noop"))
+                    outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
+                    held = stalled.held()
                 time.sleep(1.3)  # the replicas push their counters every second
                 after = _stats(url, "yolo") if url else {}
                 lat = np.array(sorted(x for o in outs for x in o["latencies"]))
@@ -456,6 +525,7 @@ def main() -> int:
                        "error_sample": [e for o in outs for e in o["errors"]][:3],
                        "batch_histogram": _diff(_histogram(after), _histogram(before)),
                        "session": _where(after, before) if url else None,
+                       **({"stalled": {"opened": stalled.opened, "held_at_end": held}} if stalled.n else {}),
                        "merged_runs": _sum(after, "merged_runs") - _sum(before, "merged_runs") if url else None,
                        "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
                                                            "graphs_per_bucket", "uncaptured", "padding_waste")}
@@ -517,6 +587,8 @@ def _plot(results, png: str) -> None:
         print("matplotlib missing: no plot", flush=True)
         return
     runs = list(_medians(results).values())
+    if not runs:  # every arm failed to start: nothing to plot
+        return
     paths = sorted({r["path"] for r in runs})
     fig, axes = plt.subplots(2, len(paths), figsize=(6 * len(paths), 8), squeeze=False)
     for j, path in enumerate(paths):

@@ -174,6 +174,10 @@ def test_run_on_replay_thread_runs_a_task_there_whole(backend):
     assert sess.bucket_stats()["buckets"]["batch=4"]["threads"] == 1  # every replay on the session's thread
     with pytest.raises(ValueError, match="boom"):  # a task's exception comes back through its future
         sess.run_on_replay_thread(lambda: (_ for _ in ()).throw(ValueError("boom"))).result(timeout=60)
+    # a task on the replay thread that hands another task to it, or warms up, runs it there (no deadlock)
+    nested = sess.run_on_replay_thread(lambda: sess.run_on_replay_thread(task, 4).result(timeout=5)).result(timeout=60)
+    assert nested[0] == got[0][0] and nested[1] == 4
+    sess.run_on_replay_thread(sess.warmup, {"X": x}).result(timeout=60)
     plain = backend.session(model, buckets={"batch": [2, 4]})
     with pytest.raises(CaptureError, match="replay_thread=True"):
         plain.run_on_replay_thread(task, 1)

@@ -185,3 +185,71 @@ def test_runs_queued_at_a_session_replica_merge_into_fuller_runs_and_split_back(
     failed = split_answer({"answers": ["a0", "a1", "b0"]}, [[1, 2], [4]])
     assert failed == [{"answers": ["a0", "a1"]}, {"answers": ["b0"]}]
     assert mergeable(["x", "y"], {"x": 0, "y": 0}) and not mergeable(["x", "s"], {"x": 0})
+
+
+def test_dtypes_a_descriptor_cannot_name_go_by_value():
+    """A descriptor names a dtype by its string: ml_dtypes' bfloat16 would read back as raw |V2 bytes."""
+    from ortcapture.serving.slots import slot_dtype
+
+    assert slot_dtype(np.float32) and slot_dtype(np.bool_) and slot_dtype(np.int64) and slot_dtype(np.float16)
+    assert not slot_dtype(np.dtype([("a", "<f4")]))
+    pool, reader = _pool(), SlotReader()
+    try:
+        slot = asyncio.run(pool.acquire())
+        try:
+            import ml_dtypes
+        except ImportError:
+            ml_dtypes = None
+        if ml_dtypes is not None:
+            bf16 = np.ones((1, 4), ml_dtypes.bfloat16)
+            assert not slot_dtype(bf16.dtype)
+            assert not slot.place([[("x", [bf16], 0)]])  # the batch goes by value
+            assert slot.place([[("x", [np.ones((1, 4), np.float32)], 0)]])
+            assert reader.write_outputs(slot.descriptor(), [{"y": bf16}]) is None  # outputs by value
+    finally:
+        reader.close()
+        pool.close()
+
+
+def test_a_dev_shm_without_room_refuses_the_pool_at_once(monkeypatch):
+    """tmpfs only sets the size at create: the pool reserves its pages, so a full /dev/shm is an OSError here (the
+    tier then sends by value), not a SIGBUS at the first write."""
+    import errno
+
+    from ortcapture.serving import slots as slots_mod
+    from ortcapture.serving.protocol import ModelSpec, TensorSpec
+    from ortcapture.serving.tier import batch_slots
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = set(os.listdir("/dev/shm"))
+    monkeypatch.setattr(slots_mod.os, "posix_fallocate", full)
+    with pytest.raises(OSError):
+        SlotPool(1 << 16, 1 << 16, 2)
+    spec = ModelSpec(name="m", inputs=(TensorSpec("x", np.dtype(np.float32), (-1, 4)),),
+                     outputs=(TensorSpec("y", np.dtype(np.float32), (-1, 4)),), batch_axes={"x": 0}, max_rows=8)
+    assert batch_slots(spec, 8, 2, True) is None
+    assert set(os.listdir("/dev/shm")) == before  # nothing left behind
+
+
+def test_a_retired_slot_is_never_handed_out_again():
+    """A batch whose outcome is unknown (its call failed or was cancelled) retires its slot: the session replica
+    may still write into it. That turn goes by value (None) from then on."""
+    pool = _pool(count=2)
+
+    async def go():
+        s1, s2 = await pool.acquire(), await pool.acquire()
+        pool.retire(s1)
+        pool.release(s2)
+        got = [await pool.acquire() for _ in range(6)]
+        for g in got:
+            if g is not None:
+                pool.release(g)
+        return s1, got
+
+    try:
+        s1, got = asyncio.run(go())
+        assert s1 not in got and None in got and pool.retired == 1
+    finally:
+        pool.close()

@@ -152,12 +152,22 @@ class BucketRunner:
         a hand-over. Raises :class:`CaptureError` without a replay thread."""
         if self._worker is None:
             raise CaptureError("run_on_replay_thread() needs a session made with buckets= and replay_thread=True")
+        if threading.get_ident() == self._worker_ident:  # on the replay thread already: run it here (no deadlock)
+            done: Future = Future()
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed back through the future, as submit() does
+                done.set_exception(exc)
+            return done
 
         def call():
             self._worker_ident = threading.get_ident()
             return fn(*args, **kwargs)
 
-        return self._worker.submit(call)
+        try:
+            return self._worker.submit(call)
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            raise CaptureError("run_on_replay_thread(): the session's replay thread is closed") from None
 
     def _run_here(self, output_names, input_feed, run_options, ort_values, count: bool = True):
         if self._worker is not None:
@@ -600,7 +610,7 @@ class BucketRunner:
         for combo in itertools.product(*[d.sizes for d in self.dims]):
             sizes = {d.label: s for d, s in zip(self.dims, combo)}
             resized = self._resized(feeds, sizes)
-            if self._worker is None:
+            if self._worker is None or threading.get_ident() == self._worker_ident:
                 self._run_here(None, resized, None, False, False)
             else:  # the session's replay thread captures for itself
                 self._worker.submit(self._run_here, None, resized, None, False, False).result()

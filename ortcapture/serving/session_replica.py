@@ -69,6 +69,8 @@ class ModelSession:
         self.merged_runs = 0  # runs that shared a replay with an earlier one (/stats: merged_runs)
         spec = self.core.layout.spec
         self._mergeable = mergeable([t.name for t in spec.inputs], spec.batch_axes)
+        # merged runs stay within a captured bucket (a run past the largest one would run uncaptured)
+        self._merge_rows = min(options.max_batch_size, max(options.buckets))
         self._stats = None
         self._metrics = _Metrics(options.name)
         self._metrics.graphs(self.core)
@@ -115,48 +117,84 @@ class ModelSession:
                         self._draining = False
                     raise
             return await future
-        (answers,) = await asyncio.get_running_loop().run_in_executor(self._pool, self._run_calls,
-                                                                      [(list(runs), queued, slot)])
-        return answers
+        (result,) = await asyncio.get_running_loop().run_in_executor(self._pool, self._run_calls,
+                                                                     [(list(runs), queued, slot)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def _drain(self) -> None:
-        """On the replay thread: take every batch queued, run them (merged where they fit,
-        :mod:`ortcapture.serving.merge`), answer each on its event loop; again until none is queued."""
-        while True:
+        """On the replay thread, one round: every batch queued now (those given up on are skipped), run merged where
+        they fit (:mod:`ortcapture.serving.merge`), each call answered on its event loop as soon as its own runs are
+        done. The next round is submitted behind whatever else waits for the replay thread (a health check is never
+        starved by a steady stream of batches)."""
+        with self._queue_lock:
+            calls = [c for c in self._queue if not c[3].done()]
+            self._queue.clear()
+        try:
+            self._run_calls([c[:3] for c in calls], lambda k, result: _answer(calls[k], result),
+                            alive=lambda k: not calls[k][3].done())
+        except BaseException as exc:  # noqa: BLE001 - every call of the round not answered yet gets it
+            for c in calls:
+                _answer(c, exc)
+        finally:
             with self._queue_lock:
-                if not self._queue:
-                    self._draining = False
-                    return
-                calls = list(self._queue)
-                self._queue.clear()
-            try:
-                results: list = self._run_calls([c[:3] for c in calls])
-            except BaseException as exc:  # noqa: BLE001 - every waiting call gets it
-                results = [exc] * len(calls)
-            for (_, _, _, future, loop), result in zip(calls, results):
+                again = bool(self._queue)
+                self._draining = again
+            if again:
                 try:
-                    loop.call_soon_threadsafe(_settle, future, result)
-                except RuntimeError:  # that call's event loop is closed: nobody waits for it
-                    pass
+                    self.core.session.run_on_replay_thread(self._drain)
+                except BaseException as exc:  # noqa: BLE001 - the session is closing: nothing takes the queue
+                    with self._queue_lock:
+                        left, self._draining = list(self._queue), False
+                        self._queue.clear()
+                    for c in left:
+                        _answer(c, exc)
 
-    def _run_calls(self, calls: list) -> list[list[dict]]:
+    def _run_calls(self, calls: list, done=None, alive=None) -> list:
         """``calls``: ``[(runs, queued, slot)]``; their runs merged into replays of at most ``max_batch_size`` rows
-        where the model allows it; per call, one answer per run (outputs into its slot when it has one)."""
+        (and the largest bucket) where the model allows it. Per call: one answer per run (outputs into its slot
+        when it has one), or the exception its own runs or slot raised; ``done(k, result)`` is called for call
+        ``k`` as soon as it is complete. A call that ``alive(k)`` says was given up on writes nothing into its slot
+        (the tier may have given the slot to another batch)."""
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
-        merged = merge_runs([run for _, run, _ in flat], self.options.max_batch_size, self._mergeable)
-        answers: list[list[dict]] = [[] for _ in calls]
+        merged = merge_runs([run for _, run, _ in flat], self._merge_rows, self._mergeable)
+        answers: list[list] = [[] for _ in calls]
+        failed: list = [None] * len(calls)
+        left = [len(runs) for runs, _, _ in calls]
+
+        def finish(c: int) -> None:
+            slot = calls[c][2]
+            if failed[c] is None and slot is not None and (alive is None or alive(c)):
+                try:
+                    self._into_slot(slot, answers[c])
+                except Exception as exc:  # noqa: BLE001 - this call's own failure
+                    failed[c] = exc
+            if done is not None:
+                done(c, failed[c] if failed[c] is not None else answers[c])
+
+        for c, n in enumerate(left):
+            if n == 0:
+                finish(c)
         for members, feeds, rows in merged:
-            queued = [t for i in members for t in flat[i][2]]
-            answer = self.core.run_joined(feeds, rows, queued)
-            self._metrics.batch(sum(rows), answer, len(rows))
-            self.merged_runs += len(members) - 1
-            parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
+            try:
+                queued = [t for i in members for t in flat[i][2]]
+                answer = self.core.run_joined(feeds, rows, queued)
+                self._metrics.batch(sum(rows), answer, len(rows))
+                self.merged_runs += len(members) - 1
+                parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
+            except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
+                parts = [exc] * len(members)
             for i, part in zip(members, parts):
-                answers[flat[i][0]].append(part)
-        for (_, _, slot), out in zip(calls, answers):
-            if slot is not None:
-                self._into_slot(slot, out)
-        return answers
+                c = flat[i][0]
+                if isinstance(part, BaseException):
+                    failed[c] = part
+                else:
+                    answers[c].append(part)
+                left[c] -= 1
+                if left[c] == 0:
+                    finish(c)
+        return [f if f is not None else a for f, a in zip(failed, answers)]
 
     def _into_slot(self, slot: dict, out: list[dict]) -> None:
         """A call's outputs into its batch slot, when they fit (else they go back by value through Ray)."""
@@ -213,10 +251,21 @@ def _settle(future: asyncio.Future, result) -> None:
     """On the call's event loop: its answer, or the exception its batch raised (a call given up on is skipped)."""
     if future.done():
         return
+    if isinstance(result, StopIteration):  # a future cannot carry one
+        result = RuntimeError(f"the batch raised StopIteration: {result}")
     if isinstance(result, BaseException):
         future.set_exception(result)
     else:
         future.set_result(result)
+
+
+def _answer(call: tuple, result) -> None:
+    """From the replay thread: settle ``call``'s future (``call[3]``) on its event loop (``call[4]``)."""
+    future, loop = call[3], call[4]
+    try:
+        loop.call_soon_threadsafe(_settle, future, result)
+    except RuntimeError:  # that call's event loop is closed: nobody waits for it
+        pass
 
 
 class _Metrics:

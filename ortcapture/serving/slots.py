@@ -32,6 +32,15 @@ import numpy as np
 
 #: byte alignment of every array in a slot (page-locking and DMA prefer it)
 ALIGN = 4096
+#: where POSIX shared memory objects live
+SHM_DIR = "/dev/shm"
+
+
+def slot_dtype(dtype) -> bool:
+    """Whether arrays of ``dtype`` can travel in a slot: its descriptor string names it again (``ml_dtypes``'
+    bfloat16 reads back as raw ``|V2`` bytes, so such arrays go by value)."""
+    dt = np.dtype(dtype)
+    return np.dtype(dt.str) == dt and dt.kind not in "OV"
 
 
 class SlotMissing(LookupError):
@@ -56,6 +65,8 @@ class Slot:
         """Join each run's pieces into this slot: ``runs`` is, per run, ``[(input name, [pieces], axis)]`` (an axis
         of ``None``: one array used as it is). Returns ``False`` (nothing placed) when they do not fit."""
         need, plan = 0, []
+        if not all(slot_dtype(p[0].dtype) for run in runs for _, p, _ in run):
+            return False
         for run in runs:
             entries = []
             for name, pieces, axis in run:
@@ -113,23 +124,44 @@ class SlotPool:
         self.in_bytes, self.out_bytes, self.count = _up(in_bytes), _up(out_bytes), int(count)
         self.size = self.count * (self.in_bytes + self.out_bytes)
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
-        self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.size)
+        # created and its pages reserved here: a tmpfs without room for them refuses now (ENOSPC, OSError) instead
+        # of a SIGBUS at the first write past its room (shared_memory's own create= only sets the size)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+        except OSError:
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, name))
+            raise
+        os.close(fd)
+        self._shm = shared_memory.SharedMemory(name=name, create=False)  # mapped (and tracked: unlinked at exit)
         self.name = self._shm.name
         self.buf = self._shm.buf
         self._free: asyncio.Queue | None = None
         self.slots = [Slot(self, i) for i in range(self.count)]
+        self.retired = 0
 
-    async def acquire(self) -> Slot:
-        """A free slot (waits while every slot has a batch in flight)."""
+    async def acquire(self) -> Slot | None:
+        """A free slot (waits while every slot has a batch in flight); ``None`` for a slot :meth:`retire` d: that
+        batch goes by value."""
         if self._free is None:
             self._free = asyncio.Queue()
             for s in self.slots:
                 self._free.put_nowait(s)
-        return await self._free.get()
+        slot = await self._free.get()
+        if slot is None:  # a retired slot's turn: stays in the rotation as "by value"
+            self._free.put_nowait(None)
+        return slot
 
     def release(self, slot: Slot) -> None:
-        """Give ``slot`` back (only once the session replica answered for its batch, or can no longer write)."""
+        """Give ``slot`` back (only once the session replica answered for its batch)."""
         self._free.put_nowait(slot)
+
+    def retire(self, slot: Slot) -> None:
+        """Never use ``slot`` again: its batch's outcome is unknown (the call failed or was cancelled), so the
+        session replica may still write into it. Its turn goes by value from now on."""
+        self.retired += 1
+        self._free.put_nowait(None)
 
     def close(self) -> None:
         """Unlink the object (the session replicas keep their mappings until they close)."""
@@ -154,10 +186,11 @@ class SlotReader:
                 shm = shared_memory.SharedMemory(name=name, create=False)
             except FileNotFoundError:
                 raise SlotMissing(f"no shared memory object {name!r} on this machine") from None
-            try:  # attached, not created here: Python < 3.13 registers it anyway and would unlink it at exit
-                resource_tracker.unregister("/" + name, "shared_memory")
-            except Exception:  # noqa: BLE001 - a Python that does not register attached objects
-                pass
+            if not name.startswith(f"ortcapture-{os.getpid()}-"):  # not this process's own pool
+                try:  # attached, not created here: Python < 3.13 registers it anyway and would unlink it at exit
+                    resource_tracker.unregister("/" + name, "shared_memory")
+                except Exception:  # noqa: BLE001 - a Python that does not register attached objects
+                    pass
             self._maps[name] = shm
         if shm.size < int(size):
             raise SlotMissing(f"shared memory object {name!r} is {shm.size} bytes, the descriptor says {size}")
@@ -188,7 +221,7 @@ class SlotReader:
         if base < 0 or base + room > shm.size:
             raise ValueError("the descriptor's output room is outside its pool")
         need = sum(_up(np.asarray(o).nbytes) for outs in runs_outputs for o in outs.values())
-        if need > room:
+        if need > room or not all(slot_dtype(np.asarray(o).dtype) for outs in runs_outputs for o in outs.values()):
             return None
         off, placed = base, []
         for outs in runs_outputs:

@@ -35,6 +35,31 @@ from ortcapture.serving.slots import SlotPool
 from ortcapture.serving.routes import STALE_S, Refusal, Router
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
+#: seconds without progress after which a pending request body gives its slot up to a new request at the cap
+EVICT_IDLE_S = 0.5
+#: the longest a new request waits at the cap for a pending body to become that stale (or a slot to free)
+EVICT_WAIT_S = 1.0
+#: batches in a row that found no session replica on this machine before a tier replica stops using batch slots
+SLOT_MISSES = 8
+
+
+class _PendingBody:
+    """A request body being read: when it last made progress (``time.monotonic()``), the read in progress."""
+
+    __slots__ = ("last", "waiter", "evicted")
+
+    def __init__(self):
+        self.last = time.monotonic()
+        self.waiter: asyncio.Future | None = None
+        self.evicted = False
+
+    def evict(self) -> None:
+        """Stop the read (its reader answers 408); the slot is free once its reader has unwound."""
+        self.evicted = True
+        if self.waiter is not None:
+            self.waiter.cancel()
+
+
 #: the provider's device for the value rules of :func:`ortcapture.transfer.value_rules`
 _DEVICE = {"cuda": "cuda", "webgpu": "webgpu", "cpu": "cpu"}
 
@@ -75,6 +100,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         # batch in flight; None: by value through Ray's object store
         self._slots = batch_slots(self.spec, options.max_batch_size, options.max_concurrent_batches,
                                   options.batch_slots)
+        self._misses_in_a_row = 0
         self._ready_at = 0.0
         self._ready = False
         self._ready_lock: asyncio.Lock | None = None
@@ -82,9 +108,10 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._in_flight = 0  # HTTP requests being answered
         self._infers = 0  # infer() calls being answered (HTTP and handle)
         self._pending_bodies = 0  # requests whose body is still arriving
+        self._bodies: dict[int, _PendingBody] = {}  # those bodies: last progress, the read in progress
         self._queued = 0  # requests waiting for a session replica's answer
-        self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "request_timeout": 0,
-                         "client_gone": 0, "bad_request": 0}
+        self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "body_evicted": 0,
+                         "request_timeout": 0, "client_gone": 0, "bad_request": 0}
         self._sent = {"session_calls": 0, "requests_sent": 0, "session_call_ns": 0, "slot_batches": 0,
                       "slot_misses": 0}
         self._others: dict[str, tuple[float, dict]] = {}
@@ -143,29 +170,48 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             self.session = ray_serve.get_deployment_handle(SESSION_DEPLOYMENT, self._session_app)
         self._sent["session_calls"] += 1
         self._sent["requests_sent"] += len(items)
-        slot = await self._slots.acquire() if self._slots is not None else None
+        slots = self._slots
+        slot = await slots.acquire() if slots is not None else None
+        answered = False  # the session replica answered for the slot's batch: nothing more will write into it
         t0 = time.perf_counter_ns()
         try:
             answers = None
             if slot is not None and slot.place([pieces(requests, c, names, axes) for c in chunks]):
                 answers = await self.session.run_batch.remote([(None, r) for r in rows], queued, slot.descriptor())
+                answered = True
                 if isinstance(answers, dict):  # the session replica is on another machine: by value
-                    self._sent["slot_misses"] += 1
+                    self._slot_missed()
                     answers = None
                 else:
                     self._sent["slot_batches"] += 1
+                    self._misses_in_a_row = 0
+            else:
+                answered = True  # nothing was sent through the slot
             if answers is None:
                 runs = [(join(requests, c, names, axes), r) for c, r in zip(chunks, rows)]
                 answers = await self.session.run_batch.remote(runs, queued)
             self._sent["session_call_ns"] += time.perf_counter_ns() - t0
             return answers_of(len(items), chunks, answers, slot)
         except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
+            answered = answered or isinstance(exc, ray.exceptions.RayTaskError)  # it raised: it writes no more
             text = str(exc).splitlines()[0][:300] if str(exc) else ""
             return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
                      "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
         finally:
-            if slot is not None:  # the session replica answered (or can no longer write): the slot is free again
-                self._slots.release(slot)
+            if slot is not None:
+                if answered:  # free again
+                    slots.release(slot)
+                else:  # failed or cancelled: the session replica may still write into it
+                    slots.retire(slot)
+
+    def _slot_missed(self) -> None:
+        """A session replica found no batch slot of this tier replica (another machine). After
+        :data:`SLOT_MISSES` in a row with none found, this replica sends every batch by value."""
+        self._sent["slot_misses"] += 1
+        self._misses_in_a_row += 1
+        if self._misses_in_a_row >= SLOT_MISSES and not self._sent["slot_batches"] and self._slots is not None:
+            self._slots.close()
+            self._slots = None
 
     # -- HTTP ---------------------------------------------------------------------------------------------------
     async def __call__(self, request):
@@ -193,32 +239,58 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def _read_body(self, request, cap: int) -> bytes:
         """The request body, bounded three ways: at most ``cap`` bytes (413); at most
-        ``options.max_pending_bodies`` bodies arriving at once per tier replica (503 at once, ``Connection:
-        close``); and a body that makes no progress for ``options.body_timeout_s`` seconds is refused (408,
-        ``Connection: close``). Ray Serve's proxy hands the request over after its headers and streams the body on
-        demand, so without these a thousand connections that send headers and stall hold every slot."""
+        ``options.max_pending_bodies`` bodies arriving at once per tier replica; and a body that makes no progress
+        for ``options.body_timeout_s`` seconds is refused (408, ``Connection: close``). Ray Serve's proxy hands the
+        request over after its headers and streams the body on demand, so without these a thousand connections
+        that send headers and stall hold every slot.
+
+        At the cap, a new request takes the slot of the pending body that has made no progress for longest, once
+        that is at least :data:`EVICT_IDLE_S` (that one gets a 408 and ``Connection: close``; ``refused`` counts
+        ``body_evicted``): stalled connections cannot lock normal requests out, whose bodies arrive in
+        milliseconds, while a slow client that keeps sending is never the stalest. A new request waits at most
+        :data:`EVICT_WAIT_S` for that (or a free slot), then is refused (503, ``Retry-After``, ``Connection:
+        close``; ``bodies_pending``)."""
         o = self.options
-        if self._pending_bodies >= o.max_pending_bodies:
-            self._refused["bodies_pending"] += 1
-            raise Refusal(f"{self._pending_bodies} requests are sending their bodies already; try again",
-                          503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+        deadline = time.monotonic() + EVICT_WAIT_S
+        while self._pending_bodies >= o.max_pending_bodies:
+            victim = min((b for b in self._bodies.values() if not b.evicted), key=lambda b: b.last, default=None)
+            now = time.monotonic()
+            if victim is not None and now - victim.last >= EVICT_IDLE_S:
+                victim.evict()
+                break
+            if now >= deadline:
+                self._refused["bodies_pending"] += 1
+                raise Refusal(f"{self._pending_bodies} requests are sending their bodies already; try again",
+                              503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+            await asyncio.sleep(0.02)
+        body = _PendingBody()
+        self._bodies[id(body)] = body
         self._pending_bodies += 1
         try:
             chunks, n = [], 0
             stream = request.stream().__aiter__()
             while True:
+                body.waiter = asyncio.ensure_future(stream.__anext__())
                 try:
-                    chunk = await asyncio.wait_for(stream.__anext__(), o.body_timeout_s)
+                    chunk = await asyncio.wait_for(body.waiter, o.body_timeout_s)
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
                     self._refused["body_timeout"] += 1
                     raise Refusal(f"the request body made no progress for {o.body_timeout_s:g} s", 408,
                                   {"Connection": "close"}) from None
+                except asyncio.CancelledError:
+                    if not body.evicted:
+                        raise
+                    self._refused["body_evicted"] += 1
+                    raise Refusal(f"the request body made no progress for {time.monotonic() - body.last:.1f} s, "
+                                  "the longest of the bodies pending, and a new request needed its slot", 408,
+                                  {"Connection": "close"}) from None
                 except Exception as exc:  # noqa: BLE001 - starlette's ClientDisconnect: the client went away
                     self._refused["client_gone"] += 1
                     raise Refusal(f"the client closed the connection before its body arrived "
                                   f"({type(exc).__name__})", 400, {"Connection": "close"}) from None
+                body.last = time.monotonic()
                 n += len(chunk)
                 if n > cap:
                     raise ProtocolError(f"request body is past the cap of {cap} bytes", 413)
@@ -226,6 +298,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             return b"".join(chunks)
         finally:
             self._pending_bodies -= 1
+            self._bodies.pop(id(body), None)
 
     # -- lifecycle, readiness, reports ---------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> dict:

@@ -1,0 +1,114 @@
+"""The session replica's queue (ortcapture.serving.session_replica.ModelSession): batches queued behind the run in
+progress are merged into fuller runs, each call gets its own rows back as soon as its runs are done, and a steady
+stream of batches never starves a health check on the replay thread. Ray-free: the replica's core is a stand-in
+whose runs sleep like a replay (no Ray cluster, no device)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+from ortcapture.serving import session_replica  # noqa: E402
+from ortcapture.serving.slots import SlotReader  # noqa: E402
+
+
+class _Session:
+    def __init__(self):
+        self.ex = ThreadPoolExecutor(1, "replay")
+
+    def run_on_replay_thread(self, fn, *args):
+        return self.ex.submit(fn, *args)
+
+
+class _Core:
+    """A session replica's core whose run takes ``run_s`` and answers ``y = 2 x`` (rows along axis 0)."""
+
+    def __init__(self, run_s: float):
+        self.session, self.run_s, self.runs = _Session(), run_s, []
+
+    def run_joined(self, feeds, rows, queued=()):
+        time.sleep(self.run_s)
+        self.runs.append(list(rows))
+        return {"outputs": {"y": feeds["X"] * 2}, "axes": {"y": 0}}
+
+    def check_health(self):
+        time.sleep(0.001)
+
+
+class _Nothing:
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+class _Options:
+    max_batch_size = 8
+    buckets = (1, 2, 4, 8)
+
+
+def _replica(run_s: float):
+    ms = session_replica.ModelSession.__new__(session_replica.ModelSession)
+    ms.core, ms.options, ms._on_replay_thread, ms._pool = _Core(run_s), _Options(), True, None
+    ms._reporter, ms._metrics, ms._slot_reader = _Nothing(), _Nothing(), SlotReader()
+    ms._queue, ms._queue_lock, ms._draining = collections.deque(), threading.Lock(), False
+    ms.merged_runs, ms._mergeable, ms._merge_rows = 0, True, 8
+    return ms
+
+
+def test_a_steady_stream_of_batches_does_not_starve_a_health_check():
+    """16 tiers keep batches queued; Serve's health check goes to the same replay thread. It used to wait until the
+    queue was empty (not run after 5 s): now each round of batches lets it in."""
+    ms = _replica(0.003)
+
+    async def main():
+        stop = False
+
+        async def tier(k):
+            while not stop:
+                await asyncio.sleep(0.001)
+                x = np.full((2, 3), k, np.float32)
+                got = await ms.run_batch([({"X": x}, [2])], [[0]])
+                np.testing.assert_array_equal(got[0]["outputs"]["y"], 2 * x)
+
+        tiers = [asyncio.ensure_future(tier(k)) for k in range(16)]
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await asyncio.wait_for(ms.check_health(), 5.0)
+        waited = time.monotonic() - t0
+        stop = True
+        await asyncio.gather(*tiers)
+        return waited
+
+    waited = asyncio.run(main())
+    assert waited < 1.0, f"the health check waited {waited:.2f} s behind the batches"
+    assert ms.merged_runs > 0  # and the queued batches were merged meanwhile
+
+
+def test_queued_batches_merge_and_each_call_gets_its_own_rows_as_soon_as_they_are_done():
+    ms = _replica(0.02)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        done_at = {}
+
+        async def call(k, n):
+            x = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 100 * k  # values unique per call
+            got = await ms.run_batch([({"X": x}, [n])], [[0]])
+            done_at[k] = loop.time()
+            np.testing.assert_array_equal(got[0]["outputs"]["y"], 2 * x)
+
+        t0 = loop.time()
+        await asyncio.gather(*(call(k, n) for k, n in enumerate([1, 3, 4, 2, 6, 2, 8, 8])))
+        return {k: t - t0 for k, t in done_at.items()}
+
+    times = asyncio.run(main())
+    runs = ms.core.runs
+    assert runs[0] == [1]  # the first batch ran at once, alone
+    assert len(runs) < 8 and ms.merged_runs == 8 - len(runs)  # the rest queued behind it and were merged
+    assert all(sum(r) <= 8 for r in runs)
+    assert times[1] < 0.6 * max(times.values())  # answered when its run was done, not at the end of its round
