@@ -139,7 +139,7 @@ def test_answers_read_from_a_slot_never_share_its_memory():
     """The tier's answers outlive the slot (it takes the next batch before Ray sends them): each request's rows are
     copies, also where a request's rows are a contiguous part of the slot (a whole batch of one request, or rows on
     the first axis). On the H100 the views made 135 of 2,000 answers wrong at 32 clients."""
-    from ortcapture.serving.tier import answers_of
+    from ortcapture.serving.requests import answers_of
 
     pool, reader = _pool(), SlotReader()
     try:
@@ -218,7 +218,7 @@ def test_a_dev_shm_without_room_refuses_the_pool_at_once(monkeypatch):
 
     from ortcapture.serving import slots as slots_mod
     from ortcapture.serving.protocol import ModelSpec, TensorSpec
-    from ortcapture.serving.tier import batch_slots
+    from ortcapture.serving.slots import batch_slots
 
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, "No space left on device")

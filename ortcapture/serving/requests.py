@@ -178,3 +178,25 @@ def split_feeds(feeds: Mapping[str, np.ndarray], rows: Sequence[int], input_axes
 def take(x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     """``x[start:stop]`` along ``axis`` (a view)."""
     return x[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def answers_of(n_items: int, chunks: list, answers: list, slot=None) -> list:
+    """Each request's answer from a session replica's per-run ``answers`` (``chunks``: per run, the requests'
+    ``(index, first row, rows)``): its own rows of the outputs, or its own error. Rows read from a batch slot
+    (``slot``, ``"slot_outputs"``) are always copied: the slot takes the next batch as soon as this one is answered,
+    before Ray sends these answers on (a view of it, even a contiguous one, would carry the next batch's rows)."""
+    results: list[Any] = [None] * n_items
+    for chunk, answer in zip(chunks, answers):
+        if "answers" in answer:  # the run failed: each request's own answer
+            for (k, _, _), a in zip(chunk, answer["answers"]):
+                results[k] = a
+            continue
+        in_slot = "slot_outputs" in answer
+        outs = slot.outputs(answer["slot_outputs"]) if in_slot else answer["outputs"]
+        own = np.array if in_slot else np.ascontiguousarray  # np.array copies always
+        out_axes, offset = answer["axes"], 0
+        for k, _, n in chunk:
+            results[k] = {"outputs": {name: own(take(o, out_axes[name], offset, offset + n))
+                                      for name, o in outs.items()}}
+            offset += n
+    return results

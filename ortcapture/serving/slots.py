@@ -242,3 +242,27 @@ class SlotReader:
             except BufferError:  # a view is still alive: the mapping goes with the process
                 pass
         self._maps.clear()
+
+
+def batch_slots(spec, max_rows: int, count: int, enabled: bool) -> SlotPool | None:
+    """The tier replica's :class:`~ortcapture.serving.slots.SlotPool`: ``count`` slots, each for ``max_rows`` rows
+    of every input and output of ``spec`` (an output with a dim the model leaves open gets as much room as the
+    inputs, at least 16 MiB: outputs that do not fit go back by value); ``None`` when ``enabled`` is false or
+    ``/dev/shm`` refuses the object (by value through Ray, as on another machine)."""
+    if not enabled:
+        return None
+
+    def nbytes(t) -> int | None:
+        dims = [max_rows if (ax == 0 and d == -1) else d for ax, d in enumerate(t.shape)]
+        return None if any(d < 0 for d in dims) else int(np.prod(dims, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+
+    ins = [nbytes(t) for t in spec.inputs]
+    if any(n is None for n in ins):
+        return None
+    outs = [nbytes(t) for t in spec.outputs]
+    in_bytes = sum(ins)
+    out_bytes = sum(outs) if all(n is not None for n in outs) else max(in_bytes, 16 << 20)
+    try:
+        return SlotPool(in_bytes + 4096 * len(ins), out_bytes + 4096 * len(outs), count)
+    except OSError:  # no /dev/shm room: by value
+        return None

@@ -30,8 +30,8 @@ from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.ray_common import (RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
                                            keep_replica_grpc_on_loopback, quick_gil_handoff)
-from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, pack, pieces, take
-from ortcapture.serving.slots import SlotPool
+from ortcapture.serving.requests import RequestCheck, RequestError, answers_of, group_key, join, pack, pieces
+from ortcapture.serving.slots import batch_slots
 from ortcapture.serving.routes import STALE_S, Refusal, Router
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
@@ -388,52 +388,6 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def _push_report(self) -> None:
         await self._stats_target().tier.remote(self.replica_id, self._own())
-
-def answers_of(n_items: int, chunks: list, answers: list, slot=None) -> list:
-    """Each request's answer from a session replica's per-run ``answers`` (``chunks``: per run, the requests'
-    ``(index, first row, rows)``): its own rows of the outputs, or its own error. Rows read from a batch slot
-    (``slot``, ``"slot_outputs"``) are always copied: the slot takes the next batch as soon as this one is answered,
-    before Ray sends these answers on (a view of it, even a contiguous one, would carry the next batch's rows)."""
-    results: list[Any] = [None] * n_items
-    for chunk, answer in zip(chunks, answers):
-        if "answers" in answer:  # the run failed: each request's own answer
-            for (k, _, _), a in zip(chunk, answer["answers"]):
-                results[k] = a
-            continue
-        in_slot = "slot_outputs" in answer
-        outs = slot.outputs(answer["slot_outputs"]) if in_slot else answer["outputs"]
-        own = np.array if in_slot else np.ascontiguousarray  # np.array copies always
-        out_axes, offset = answer["axes"], 0
-        for k, _, n in chunk:
-            results[k] = {"outputs": {name: own(take(o, out_axes[name], offset, offset + n))
-                                      for name, o in outs.items()}}
-            offset += n
-    return results
-
-
-def batch_slots(spec, max_rows: int, count: int, enabled: bool) -> SlotPool | None:
-    """The tier replica's :class:`~ortcapture.serving.slots.SlotPool`: ``count`` slots, each for ``max_rows`` rows
-    of every input and output of ``spec`` (an output with a dim the model leaves open gets as much room as the
-    inputs, at least 16 MiB: outputs that do not fit go back by value); ``None`` when ``enabled`` is false or
-    ``/dev/shm`` refuses the object (by value through Ray, as on another machine)."""
-    if not enabled:
-        return None
-
-    def nbytes(t) -> int | None:
-        dims = [max_rows if (ax == 0 and d == -1) else d for ax, d in enumerate(t.shape)]
-        return None if any(d < 0 for d in dims) else int(np.prod(dims, dtype=np.int64)) * np.dtype(t.dtype).itemsize
-
-    ins = [nbytes(t) for t in spec.inputs]
-    if any(n is None for n in ins):
-        return None
-    outs = [nbytes(t) for t in spec.outputs]
-    in_bytes = sum(ins)
-    out_bytes = sum(outs) if all(n is not None for n in outs) else max(in_bytes, 16 << 20)
-    try:
-        return SlotPool(in_bytes + 4096 * len(ins), out_bytes + 4096 * len(outs), count)
-    except OSError:  # no /dev/shm room: by value
-        return None
-
 
 class ModelStats:
     """The ``ModelStats`` deployment's class (one replica): the latest report of each session replica
