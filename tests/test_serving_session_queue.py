@@ -19,11 +19,18 @@ from ortcapture.serving.slots import SlotReader  # noqa: E402
 
 
 class _Session:
+    """``run_on_replay_thread`` as a session with ``replay_thread=True`` has it: ``BucketRunner.submit`` itself (a
+    task submitted from the replay thread runs there at once)."""
+
     def __init__(self):
-        self.ex = ThreadPoolExecutor(1, "replay")
+        from ortcapture._buckets.run import BucketRunner
+
+        self.runner = BucketRunner.__new__(BucketRunner)
+        self.runner._worker, self.runner._worker_ident = ThreadPoolExecutor(1, "replay"), None
+        self.submit = BucketRunner.submit
 
     def run_on_replay_thread(self, fn, *args):
-        return self.ex.submit(fn, *args)
+        return self.submit(self.runner, fn, *args)
 
 
 class _Core:
@@ -56,7 +63,7 @@ def _replica(run_s: float):
     ms.core, ms.options, ms._on_replay_thread, ms._pool = _Core(run_s), _Options(), True, None
     ms._reporter, ms._metrics, ms._slot_reader = _Nothing(), _Nothing(), SlotReader()
     ms._queue, ms._queue_lock, ms._draining = collections.deque(), threading.Lock(), False
-    ms.merged_runs, ms._mergeable, ms._merge_rows = 0, True, 8
+    ms.merged_runs, ms._mergeable, ms._merge_rows, ms._loop = 0, True, 8, None
     return ms
 
 
@@ -87,6 +94,36 @@ def test_a_steady_stream_of_batches_does_not_starve_a_health_check():
     waited = asyncio.run(main())
     assert waited < 1.0, f"the health check waited {waited:.2f} s behind the batches"
     assert ms.merged_runs > 0  # and the queued batches were merged meanwhile
+    assert not ms._draining and not ms._queue  # every round ended; nothing left behind
+
+
+def test_rounds_go_on_without_growing_the_stack():
+    """Each round of the queue is a task of its own on the replay thread (submitted through the event loop): 400
+    rounds in a row with batches always queued neither recurse nor leave a batch unanswered."""
+    ms = _replica(0.0005)
+    depths = []
+    run = ms.core.run_joined
+
+    def counting(*args, **kwargs):
+        import inspect
+
+        depths.append(len(inspect.stack(0)))
+        return run(*args, **kwargs)
+
+    ms.core.run_joined = counting
+
+    async def main():
+        async def tier(k):
+            for i in range(50):
+                x = np.full((1, 3), k * 1000 + i, np.float32)
+                got = await ms.run_batch([({"X": x}, [1])], [[0]])
+                np.testing.assert_array_equal(got[0]["outputs"]["y"], 2 * x)
+
+        await asyncio.wait_for(asyncio.gather(*(tier(k) for k in range(8))), 60)
+
+    asyncio.run(main())
+    assert max(depths) - min(depths) < 20, f"the stack grew from {min(depths)} to {max(depths)} frames"
+    assert not ms._draining and not ms._queue
 
 
 def test_queued_batches_merge_and_each_call_gets_its_own_rows_as_soon_as_they_are_done():

@@ -66,6 +66,7 @@ class ModelSession:
         self._queue: collections.deque = collections.deque()
         self._queue_lock = threading.Lock()
         self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the replica's event loop (run_batch's)
         self.merged_runs = 0  # runs that shared a replay with an earlier one (/stats: merged_runs)
         spec = self.core.layout.spec
         self._mergeable = mergeable([t.name for t in spec.inputs], spec.batch_axes)
@@ -103,7 +104,7 @@ class ModelSession:
                 return {"by_value": True}
             runs = [(f, rows) for f, (_, rows) in zip(feeds, runs)]
         if self._on_replay_thread:  # queued for the replay thread, which merges what queued (see _drain)
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             future = loop.create_future()
             with self._queue_lock:
                 self._queue.append((list(runs), queued, slot, future, loop))
@@ -141,15 +142,25 @@ class ModelSession:
             with self._queue_lock:
                 again = bool(self._queue)
                 self._draining = again
-            if again:
+            if again:  # through the event loop: submitted from the replay thread itself it would run inline here
                 try:
-                    self.core.session.run_on_replay_thread(self._drain)
-                except BaseException as exc:  # noqa: BLE001 - the session is closing: nothing takes the queue
-                    with self._queue_lock:
-                        left, self._draining = list(self._queue), False
-                        self._queue.clear()
-                    for c in left:
-                        _answer(c, exc)
+                    self._loop.call_soon_threadsafe(self._next_round)
+                except RuntimeError as exc:  # the event loop is closed: nobody waits for the rest
+                    self._fail_queued(exc)
+
+    def _next_round(self) -> None:
+        """On the event loop: the next round of :meth:`_drain`, behind whatever waits for the replay thread."""
+        try:
+            self.core.session.run_on_replay_thread(self._drain)
+        except BaseException as exc:  # noqa: BLE001 - the session is closing: nothing takes the queue
+            self._fail_queued(exc)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        with self._queue_lock:
+            left, self._draining = list(self._queue), False
+            self._queue.clear()
+        for c in left:
+            _answer(c, exc)
 
     def _run_calls(self, calls: list, done=None, alive=None) -> list:
         """``calls``: ``[(runs, queued, slot)]``; their runs merged into replays of at most ``max_batch_size`` rows
@@ -161,7 +172,9 @@ class ModelSession:
         merged = merge_runs([run for _, run, _ in flat], self._merge_rows, self._mergeable)
         answers: list[list] = [[] for _ in calls]
         failed: list = [None] * len(calls)
-        left = [len(runs) for runs, _, _ in calls]
+        left = [0] * len(calls)
+        for c, _, _ in flat:
+            left[c] += 1
 
         def finish(c: int) -> None:
             slot = calls[c][2]

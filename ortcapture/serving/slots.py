@@ -124,17 +124,25 @@ class SlotPool:
         self.in_bytes, self.out_bytes, self.count = _up(in_bytes), _up(out_bytes), int(count)
         self.size = self.count * (self.in_bytes + self.out_bytes)
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
-        # created and its pages reserved here: a tmpfs without room for them refuses now (ENOSPC, OSError) instead
-        # of a SIGBUS at the first write past its room (shared_memory's own create= only sets the size)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, self.size)
-        except OSError:
+        if os.path.isdir(SHM_DIR) and hasattr(os, "posix_fallocate"):
+            # created and its pages reserved here: a tmpfs without room for them refuses now (ENOSPC, OSError)
+            # instead of a SIGBUS at the first write past its room (shared_memory's own create= only sets the size)
+            path = os.path.join(SHM_DIR, name)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
             os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name))
-            raise
-        os.close(fd)
-        self._shm = shared_memory.SharedMemory(name=name, create=False)  # mapped (and tracked: unlinked at exit)
+            try:
+                self._shm = shared_memory.SharedMemory(name=name, create=False)  # mapped, tracked (unlinked at exit)
+            except BaseException:
+                os.unlink(path)
+                raise
+        else:  # no /dev/shm (macOS): the standard library's own object
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.size)
         self.name = self._shm.name
         self.buf = self._shm.buf
         self._free: asyncio.Queue | None = None

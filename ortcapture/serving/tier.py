@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import ray
 from ray import serve as ray_serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from ortcapture.serving.batcher import AdaptiveBatcher, Item
 from ortcapture.serving.config import ServeOptions, model_layout
@@ -53,11 +54,13 @@ class _PendingBody:
         self.waiter: asyncio.Future | None = None
         self.evicted = False
 
-    def evict(self) -> None:
-        """Stop the read (its reader answers 408); the slot is free once its reader has unwound."""
+    def evict(self) -> bool:
+        """Stop the read (its reader answers 408; the slot is free once it has unwound). ``False`` when its read
+        cannot be stopped now (not started, or just done): it keeps its slot."""
+        if self.waiter is None or not self.waiter.cancel():
+            return False
         self.evicted = True
-        if self.waiter is not None:
-            self.waiter.cancel()
+        return True
 
 
 #: the provider's device for the value rules of :func:`ortcapture.transfer.value_rules`
@@ -172,11 +175,12 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._sent["requests_sent"] += len(items)
         slots = self._slots
         slot = await slots.acquire() if slots is not None else None
-        answered = False  # the session replica answered for the slot's batch: nothing more will write into it
+        answered = True  # False while the session replica may write into the slot (its call sent, not answered)
         t0 = time.perf_counter_ns()
         try:
             answers = None
             if slot is not None and slot.place([pieces(requests, c, names, axes) for c in chunks]):
+                answered = False
                 answers = await self.session.run_batch.remote([(None, r) for r in rows], queued, slot.descriptor())
                 answered = True
                 if isinstance(answers, dict):  # the session replica is on another machine: by value
@@ -185,15 +189,15 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                 else:
                     self._sent["slot_batches"] += 1
                     self._misses_in_a_row = 0
-            else:
-                answered = True  # nothing was sent through the slot
             if answers is None:
                 runs = [(join(requests, c, names, axes), r) for c, r in zip(chunks, rows)]
                 answers = await self.session.run_batch.remote(runs, queued)
             self._sent["session_call_ns"] += time.perf_counter_ns() - t0
             return answers_of(len(items), chunks, answers, slot)
-        except (ray.exceptions.RayError, RuntimeError) as exc:  # a replica died, was removed, or is overloaded
-            answered = answered or isinstance(exc, ray.exceptions.RayTaskError)  # it raised: it writes no more
+        except (ray.exceptions.RayError, RayServeException, RuntimeError) as exc:  # a replica died, was removed,
+            # or is overloaded. It raised (it writes no more), or Serve's router refused before sending: slot free
+            answered = answered or isinstance(exc, (ray.exceptions.RayTaskError, BackPressureError,
+                                                    DeploymentUnavailableError))
             text = str(exc).splitlines()[0][:300] if str(exc) else ""
             return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
                      "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
@@ -255,8 +259,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         while self._pending_bodies >= o.max_pending_bodies:
             victim = min((b for b in self._bodies.values() if not b.evicted), key=lambda b: b.last, default=None)
             now = time.monotonic()
-            if victim is not None and now - victim.last >= EVICT_IDLE_S:
-                victim.evict()
+            if victim is not None and now - victim.last >= EVICT_IDLE_S and victim.evict():
                 break
             if now >= deadline:
                 self._refused["bodies_pending"] += 1
@@ -280,8 +283,9 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                     raise Refusal(f"the request body made no progress for {o.body_timeout_s:g} s", 408,
                                   {"Connection": "close"}) from None
                 except asyncio.CancelledError:
-                    if not body.evicted:
-                        raise
+                    task = asyncio.current_task()
+                    if not body.evicted or (task is not None and getattr(task, "cancelling", lambda: 0)()):
+                        raise  # the handler itself is cancelled (the client went away): not an eviction
                     self._refused["body_evicted"] += 1
                     raise Refusal(f"the request body made no progress for {time.monotonic() - body.last:.1f} s, "
                                   "the longest of the bodies pending, and a new request needed its slot", 408,
