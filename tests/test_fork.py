@@ -59,11 +59,20 @@ def _message(call) -> str:
 def _in_child(body) -> dict:
     """Run ``body()`` (returning a JSON-able dict) in an ``os.fork()`` child and return its result. The child never
     returns into pytest (``os._exit``); a child that does not answer and exit within :data:`DEADLINE_S` is killed
-    and fails the test."""
+    and fails the test.
+
+    Garbage of earlier tests is collected first and the rest frozen (``gc.freeze``, as Python's docs advise before a
+    fork): otherwise the child's garbage collector may destroy an unreachable ORT session of an earlier test, whose
+    destructor joins intra-op pool threads that do not exist in the child, and the child hangs (seen with ORT 1.24.4
+    whenever the suite's imports moved the collector's timing)."""
     r, w = os.pipe()
+    gc.collect()
+    gc.freeze()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Python >= 3.12: fork() of a multi-threaded process
         pid = os.fork()
+    if pid != 0:
+        gc.unfreeze()
     if pid == 0:  # the child
         code = 0
         try:

@@ -318,6 +318,13 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             self._slots.close()
         return {"replica": self.replica_id, "in_flight": self._in_flight + self._infers}
 
+    def __del__(self):
+        """Serve's graceful shutdown of this replica: its batch slots' shared memory object is unlinked (a replica
+        killed outright leaves it in ``/dev/shm`` until the machine restarts)."""
+        slots = getattr(self, "_slots", None)
+        if slots is not None:
+            slots.close()
+
     async def layout(self) -> dict:
         """What clients see of the served model (:func:`ortcapture.serving.deployment.replace_model` checks a
         replacement against it)."""
