@@ -31,7 +31,8 @@ from ortcapture.errors import CaptureError
 
 #: argument -> (ServeOptions field, parser of its string form)
 _INT = ("replicas", "ingress_replicas", "max_batch_size", "max_concurrent_batches", "max_queued", "max_pending_bodies")
-_FLOAT = ("gpus_per_replica", "batch_wait_ms", "switch_interval_ms", "graceful_shutdown_s", "request_timeout_s", "body_timeout_s")
+_FLOAT = ("gpus_per_replica", "batch_wait_ms", "switch_interval_ms", "graceful_shutdown_s", "request_timeout_s",
+          "body_timeout_s")
 _STR = ("model", "name", "buckets", "provider", "token_file")
 _BOOL = ("batch_slots",)
 

@@ -4,11 +4,12 @@ Each replica is one :class:`ortcapture.serving.replica.ReplicaCore` (one ``ortca
 ``buckets=`` and ``replay_thread=True``, every bucket warmed up in the constructor, one graph per bucket asserted).
 The batching tier (:class:`ortcapture.serving.tier.ModelTier`, the ``Model`` deployment) checks every request once,
 forms batches and makes one :meth:`ModelSession.run_batch` call per batch, passing each run's rows joined into one
-numpy array per input (Ray's object store: zero-copy between processes of a node) and the rows of each request; the
-replica runs each once through its bucket session, without checking the requests again, on the session's own
-replay thread (:meth:`ortcapture.InferenceSession.run_on_replay_thread`: no hand-over per run; its event loop keeps
-taking the next batch meanwhile), and returns the outputs whole: the tier slices each request's rows back. A run that fails is run again one request at a time, and
-:meth:`ReplicaCore.answers` decides 400 or 500 by behaviour.
+numpy array per input — in the tier's batch slot (:mod:`ortcapture.serving.slots`, node-local shared memory) or by
+value through Ray — and the rows of each request. The replica queues the batch for its session's replay thread
+(:meth:`ortcapture.InferenceSession.run_on_replay_thread`: no hand-over per run), which takes every batch queued at
+once, merges their runs where they fit (:mod:`ortcapture.serving.merge`) and runs them without checking the requests
+again; the outputs go back whole (into the slot when they fit): the tier slices each request's rows back. A run that
+fails is run again one request at a time, and :meth:`ReplicaCore.answers` decides 400 or 500 by behaviour.
 
 GPUs per replica: 1 for CUDA, 0 otherwise (Ray sets ``CUDA_VISIBLE_DEVICES``). ``check_health()`` replays the
 smallest bucket and checks its answer; shutting down lets batches in flight finish (``graceful_shutdown_s``) and

@@ -85,7 +85,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         from ortcapture.transfer import value_rules
 
         keep_replica_grpc_on_loopback(options.loopback())
-        quick_gil_handoff(options.switch_interval_ms)  # Ray's threads deliver the session's answers to this replica's loop: no 5 ms handoffs
+        # Ray's threads deliver the session's answers to this replica's loop: no 5 ms GIL hand-offs
+        quick_gil_handoff(options.switch_interval_ms)
         self.options = options
         self.spec = model_layout(options).spec
         self.check = RequestCheck([(t.name, t.dtype, t.shape) for t in self.spec.inputs], self.spec.batch_axes,
