@@ -11,13 +11,21 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
                  "ModelSession" replica)
   product-2rep   the same with 2 session replicas at 0.5 GPU each
   product-tput   the product with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in its replicas' runtime_env (Ray Serve's own
-                 throughput settings: user code on the replica's event loop, fewer log writes)
-  product-gil5 / product-t1 / product-i2 / product-i2t1 / product-noslots
-                 the product with one setting changed: Python's 5 ms GIL switch interval; one batch in flight per
+                 throughput settings: user code on the replica's event loop, fewer log writes, gRPC between
+                 replicas, direct ingress)
+  product-notput the product with Ray Serve's default threads in its replicas (serve_throughput_optimized=False;
+                 until 2026-12-06 the default, measured as "product" in the JSON of earlier dates)
+  product-sep0   only the thread hops of those settings (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0,
+                 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in the replicas)
+  product-gil5 / product-gil01 / product-t1 / product-i2 / product-i2t1 / product-noslots
+                 the product with one setting changed: Python's 5 ms GIL switch interval; 0.1 ms; one batch in flight per
                  tier replica; 2 tier replicas; both of the last two; batches by value through Ray's object store
                  instead of the batch slots (node-local shared memory)
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
-replicas (count, mean round trip ms) and the session replicas' own time per batch (mean ms), from ``/stats``.
+replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,
+and arrival to the start of their round on the replay thread) and the session replicas' own time per batch run
+(mean ms; and per batch-8 run, ``run8_ms``, against ``run8_plain``: the same bucket session's batch-8 ``run()``
+timed in this process before Ray starts), from ``/stats``.
 The hand-written arms are reached through a handle only (they have no HTTP routes). Per arm, client level and
 path (``handle``: a Ray ``DeploymentHandle`` to the ``Model`` deployment; ``http``: ``tritonclient.http`` binary
 tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tensors through Ray Serve's gRPC proxy;
@@ -55,15 +63,22 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product": {}, "product-2rep": {"replicas": 2, "gpus_per_replica": 0.5},
         # Ray Serve's throughput-optimised settings, in the replicas' runtime_env only (issue 44, item 3)
         "product-tput": {"env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}},
+        # Ray Serve's default threads in the replicas (the product's default before 2026-12-06)
+        "product-notput": {"serve_throughput_optimized": False},
+        # only the two thread hops of those settings: user code on the replica's own event loop, the handle's router
+        # on the caller's loop (no gRPC between replicas, no direct ingress)
+        "product-sep0": {"env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                                 "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}},
         # one setting changed each, against "product" in the same run (issue 44: where a request's time goes)
-        "product-gil5": {"switch_interval_ms": 0}, "product-t1": {"max_concurrent_batches": 1},
+        "product-gil5": {"switch_interval_ms": 0}, "product-gil01": {"switch_interval_ms": 0.1},
+        "product-t1": {"max_concurrent_batches": 1},
         "product-i2": {"ingress_replicas": 2}, "product-i2t1": {"ingress_replicas": 2, "max_concurrent_batches": 1},
         "product-noslots": {"batch_slots": False}}
 TOL = 1e-2
 
 
 # -- what a user writes instead (handle only; ~30 lines each) -------------------------------------------------------
-def _user_session(model, provider, dims, capture, buckets=None, input_name=None):
+def _user_session(model, provider, dims, capture, buckets=None, input_name=None, replay_thread=True):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -77,8 +92,30 @@ def _user_session(model, provider, dims, capture, buckets=None, input_name=None)
         import ortcapture
 
         return ortcapture.InferenceSession(model, so, providers=providers, buckets={(input_name, 0): buckets},
-                                           replay_thread=True)
+                                           replay_thread=replay_thread)
     return ort.InferenceSession(model, so, providers=providers)
+
+
+def _plain_run8(model, provider, dims, input_name, shape, n):
+    """A batch-8 ``run()`` through buckets [1, 2, 4, 8] in this plain process (no Ray), a new array each call
+    (8 arrays in turn): ``{"p50_ms", "mean_ms", "runs"}`` — what the session replica's batch-8 run is measured
+    against (issue 44, item 4: within 1.2x under load)."""
+    import gc
+
+    sess = _user_session(model, provider, dims, provider != "cpu", [1, 2, 4, 8], input_name, replay_thread=False)
+    rng = np.random.default_rng(8)
+    arrays = [rng.random((8, *shape[1:]), dtype=np.float32) for _ in range(8)]
+    for x in arrays:  # warm-up: every array once
+        sess.run(None, {input_name: x})
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter_ns()
+        sess.run(None, {input_name: arrays[i % len(arrays)]})
+        times.append(time.perf_counter_ns() - t0)
+    del sess
+    gc.collect()
+    return {"p50_ms": round(float(np.median(times)) / 1e6, 3), "mean_ms": round(float(np.mean(times)) / 1e6, 3),
+            "runs": n}
 
 
 def _user_deployments():
@@ -345,8 +382,26 @@ def _where(after: dict, before: dict) -> dict:
     rtt = ingress(after).get("session_call_ns", 0) - ingress(before).get("session_call_ns", 0)
     runs = compute(after).get("count", 0) - compute(before).get("count", 0)
     run_ns = compute(after).get("ns", 0) - compute(before).get("ns", 0)
-    return {"calls": calls, "rtt_ms": round(rtt / calls / 1e6, 3) if calls else None,
-            "run_ms": round(run_ns / runs / 1e6, 3) if runs else None}
+    def ms(ns, n):
+        return round(ns / n / 1e6, 3) if n else None
+
+    inside = _sum(after, "calls") - _sum(before, "calls")
+    full = _rows_stat(after, "8") - _rows_stat(before, "8")
+    return {"calls": calls, "rtt_ms": ms(rtt, calls), "run_ms": ms(run_ns, runs),
+            # inside the session replicas: arrival to answer, and arrival to the start of the call's round
+            "in_replica_ms": ms(_sum(after, "call_ns") - _sum(before, "call_ns"), inside),
+            "wait_ms": ms(_sum(after, "wait_ns") - _sum(before, "wait_ns"), inside),
+            # a batch-8 run in the replica (feed, replay, outputs back), against the plain process's (run8_plain_ms)
+            "run8_ms": ms(full[1], full[0]), "runs8": int(full[0])}
+
+
+def _rows_stat(stats: dict, rows: str) -> np.ndarray:
+    """``[count, ns]`` of the session replicas' runs of ``rows`` rows (their ``batch_stats``), summed."""
+    got = np.zeros(2, dtype=np.int64)
+    for r in stats.get("ortcapture", {}).get("replicas", []) if isinstance(stats, dict) else []:
+        b = (r.get("batch_stats") or {}).get(rows) or {}
+        got += [int(b.get("count") or 0), int(b.get("ns") or 0)]
+    return got
 
 
 def _sum(stats: dict, key: str) -> int:
@@ -369,6 +424,9 @@ def main() -> int:
     ap.add_argument("--stalled", type=int, default=1100,
                     help="connections that send headers and stall beside each 'http-stalled' run (path http-stalled: "
                          "HTTP like 'http', measured while they are held; default 1100)")
+    ap.add_argument("--stalled-settle", type=float, default=0.0,
+                    help="seconds between opening the stalled connections and the measured clients' start (default "
+                    "0: measured in the burst itself; the server refuses or evicts most of them within seconds)")
     ap.add_argument("--all-paths-arms", default=None,
                     help="comma-separated arms measured on every --paths; the others on the handle only (default: "
                          "every arm on every path)")
@@ -386,6 +444,9 @@ def main() -> int:
     ap.add_argument("--num-gpus", type=int, default=None,
                     help="GPUs of the local Ray cluster (default: Ray detects them; 0 without CUDA)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--plain-runs", type=int, default=200,
+                    help="batch-8 runs timed in this process before Ray starts (the session replica's run8_ms is "
+                    "compared with them: issue 44, item 4); 0 skips them")
     ap.add_argument("--smoke", action="store_true", help="only start Ray, one noop replica, one request; say where "
                     "Ray's object store and session live")
     args = ap.parse_args()
@@ -425,6 +486,11 @@ def main() -> int:
     cpu = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     refs = [cpu.run([output_name], {input_name: x})[0] for x in _images(shape)]
     log(f"model {model}, input {input_name} {shape}, CPU EP references for 4 images")
+    plain = None  # the hand-written session captures on CUDA only (its CPU arm runs plain ORT, no buckets)
+    if args.plain_runs and args.provider == "cuda":
+        plain = _plain_run8(model, args.provider, dims, input_name, shape, args.plain_runs)
+    if plain:
+        log(f"plain process, buckets run() at 8 rows, a new array each call: {plain}")
 
     num_gpus = args.num_gpus if args.num_gpus is not None else (None if args.provider == "cuda" else 0)
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
@@ -446,7 +512,7 @@ def main() -> int:
     log(f"Ray up: {where}")
     results = {"model": model, "provider": args.provider, "dims": dims, "buckets": list(base.buckets),
                "batch_wait_ms": args.batch_wait_ms, "seconds": args.seconds, "ray": where, "runs": [],
-               "onnxruntime": ort.__version__, "ray_version": ray.__version__}
+               "onnxruntime": ort.__version__, "ray_version": ray.__version__, "run8_plain": plain}
     if args.smoke:
         opts = ServeOptions(**{**base.__dict__, "app_name": "smoke"}).checked()
         url = deployment.start(opts, args.provider, on_status=log)
@@ -508,6 +574,8 @@ def main() -> int:
                 before = _stats(url, "yolo") if url else {}
                 stalled = _Stalled(url, "yolo", args.stalled if path == "http-stalled" else 0)
                 with stalled:
+                    if stalled.n and args.stalled_settle:  # past the burst: measured beside those still held
+                        time.sleep(args.stalled_settle)
                     for (p, conn), n in zip(clients, per):
                         target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm") else url
                         conn.send(("http" if path == "http-stalled" else path, app, target, n, args.seconds,
@@ -525,7 +593,8 @@ def main() -> int:
                        "error_sample": [e for o in outs for e in o["errors"]][:3],
                        "batch_histogram": _diff(_histogram(after), _histogram(before)),
                        "session": _where(after, before) if url else None,
-                       **({"stalled": {"opened": stalled.opened, "held_at_end": held}} if stalled.n else {}),
+                       **({"stalled": {"opened": stalled.opened, "held_at_end": held,
+                                       "settle_s": args.stalled_settle}} if stalled.n else {}),
                        "merged_runs": _sum(after, "merged_runs") - _sum(before, "merged_runs") if url else None,
                        "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
                                                            "graphs_per_bucket", "uncaptured", "padding_waste")}
@@ -598,10 +667,14 @@ def _plot(results, png: str) -> None:
                 continue
             lv = [r["level"] for r in rs]
             axes[0][j].plot(lv, [r["images_per_s"] for r in rs], marker="o", label=arm)
-            axes[1][j].plot(lv, [r["p50_ms"] for r in rs], marker="o", label=f"{arm} p50")
+            answered = [(r["level"], r["p50_ms"]) for r in rs if r["p50_ms"]]  # a level with no answer has no p50
+            if answered:
+                axes[1][j].plot(*zip(*answered), marker="o", label=f"{arm} p50")
         levels = sorted({r["level"] for r in runs})
         axes[0][j].set(title=f"{path}: images/s", xscale="log", xlabel="concurrent clients")
-        axes[1][j].set(title=f"{path}: p50 latency (ms)", xscale="log", yscale="log", xlabel="concurrent clients")
+        axes[1][j].set(title=f"{path}: p50 latency (ms)", xscale="log", xlabel="concurrent clients")
+        if axes[1][j].lines:  # log scale only with something on it (all levels unanswered: none)
+            axes[1][j].set_yscale("log")
         for ax in (axes[0][j], axes[1][j]):
             ax.set_xticks(levels, [str(v) for v in levels])
             ax.minorticks_off()

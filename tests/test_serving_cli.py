@@ -120,6 +120,34 @@ def test_replica_env_passes_the_webgpu_settings(bucket_model, monkeypatch):
     assert env["ORTCAPTURE_CACHE"] == "/c" and env["EXTRA"] == "1"
 
 
+def test_replicas_run_with_serve_throughput_optimized_unless_told(bucket_model, monkeypatch):
+    """Ray Serve's throughput-optimised settings go to the replicas' runtime_env only (issue 44): on by default, off
+    with the option, a value the user passes in ``env`` wins; the driver's environment is not touched."""
+    import argparse
+
+    from ortcapture.cli.serve import add_arguments, options_from
+    from ortcapture.errors import CaptureError
+    from ortcapture.serving.app import options_from_args
+    from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
+
+    monkeypatch.delenv(THROUGHPUT_ENV, raising=False)
+    assert ServeOptions(str(bucket_model)).checked().replica_env()[THROUGHPUT_ENV] == "1"
+    assert THROUGHPUT_ENV not in ServeOptions(str(bucket_model), serve_throughput_optimized=False).checked() \
+        .replica_env()
+    env = ServeOptions(str(bucket_model), env={THROUGHPUT_ENV: "0"}).checked().replica_env()
+    assert env[THROUGHPUT_ENV] == "0"
+    assert THROUGHPUT_ENV not in os.environ
+    with pytest.raises(CaptureError, match="serve_throughput_optimized"):
+        ServeOptions(str(bucket_model), serve_throughput_optimized="yes").checked()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    off = options_from(parser.parse_args([str(bucket_model), "--no-serve-throughput-optimized"]))
+    assert off.serve_throughput_optimized is False
+    assert options_from(parser.parse_args([str(bucket_model)])).serve_throughput_optimized is True
+    assert options_from_args({"model": str(bucket_model), "serve_throughput_optimized": "false"}) \
+        .serve_throughput_optimized is False
+
+
 def _requests(rng, sizes):
     return [{"X": rng.standard_normal((n, 4)).astype(np.float32)} for n in sizes]
 

@@ -134,6 +134,8 @@ def test_replicas_on_the_second_node_answer_right(cluster):
 
     # the replay threads get the GIL back within 0.5 ms under load, not Python's 5 ms (issue 44, item 4)
     assert [r.get("switch_interval_s") for r in reps] == [SWITCH_INTERVAL_S] * 2, reps
+    # Ray Serve's throughput-optimised settings reached the replicas through their runtime_env (the default)
+    assert [r.get("serve_throughput_optimized") for r in reps] == [True] * 2, reps
     ingress = _stats(cluster["url"])["ingress"]
     assert ingress["replicas"] >= 1 and ingress["refused"]["bad_request"] >= 0
 

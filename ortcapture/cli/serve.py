@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-batch-slots", dest="batch_slots", action="store_false",
                    help="pass batches to the session replicas through Ray's object store, not node-local shared "
                         "memory (the default where both run on one machine)")
+    p.add_argument("--no-serve-throughput-optimized", dest="serve_throughput_optimized", action="store_false",
+                   help="run the replicas with Ray Serve's default threads (user code and the router on threads of "
+                        "their own) instead of RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in their runtime_env")
     p.add_argument("--switch-interval-ms", type=float, default=0.5,
                    help="the replicas' GIL switch interval (default 0.5 ms; 0: Python's 5 ms): how long a thread back "
                         "from the GPU or Ray's I/O may wait for the GIL")
@@ -93,7 +96,7 @@ def options_from(args):
         model=args.model, name=args.name, buckets=args.buckets, provider=args.provider, replicas=args.replicas,
         ingress_replicas=args.ingress_replicas, gpus_per_replica=args.gpus_per_replica, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
         max_concurrent_batches=args.max_concurrent_batches, switch_interval_ms=args.switch_interval_ms,
-        batch_slots=args.batch_slots, host=args.host, port=args.port, address=args.address,
+        batch_slots=args.batch_slots, serve_throughput_optimized=args.serve_throughput_optimized, host=args.host, port=args.port, address=args.address,
         dims=dims, max_body_bytes=int(args.max_body_mib * 1024 * 1024),
         graceful_shutdown_s=args.graceful_shutdown_s, request_timeout_s=args.request_timeout_s,
         max_queued=args.max_queued, body_timeout_s=args.body_timeout_s, max_pending_bodies=args.max_pending_bodies,

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from ray import serve as ray_serve
 
-from ortcapture.serving.config import ServeOptions
+from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.merge import merge_runs, mergeable, split_answer
@@ -69,6 +71,9 @@ class ModelSession:
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the replica's event loop (run_batch's)
         self.merged_runs = 0  # runs that shared a replay with an earlier one (/stats: merged_runs)
+        # where a call's time goes inside this replica (/stats: calls, call_ns, wait_ns): arrival to answer, and
+        # arrival to the start of its round on the replay thread; the tier's round trip minus call_ns is Ray's
+        self._timing = {"calls": 0, "call_ns": 0, "wait_ns": 0}
         spec = self.core.layout.spec
         self._mergeable = mergeable([t.name for t in spec.inputs], spec.batch_axes)
         # merged runs stay within a captured bucket (a run past the largest one would run uncaptured)
@@ -97,6 +102,14 @@ class ModelSession:
             when the slot's shared memory is not on this machine: the tier sends the batch again by value.
         """
         self._reporter.start()
+        t0 = time.perf_counter_ns()
+        try:
+            return await self._run_batch(runs, queued_ns, slot, t0)
+        finally:
+            self._timing["calls"] += 1
+            self._timing["call_ns"] += time.perf_counter_ns() - t0
+
+    async def _run_batch(self, runs, queued_ns, slot, t0: int):
         queued = list(queued_ns) or [()] * len(runs)
         if slot is not None:
             try:
@@ -108,7 +121,7 @@ class ModelSession:
             loop = self._loop = asyncio.get_running_loop()
             future = loop.create_future()
             with self._queue_lock:
-                self._queue.append((list(runs), queued, slot, future, loop))
+                self._queue.append((list(runs), queued, slot, future, loop, t0))
                 start, self._draining = not self._draining, True
             if start:
                 try:
@@ -133,6 +146,8 @@ class ModelSession:
         with self._queue_lock:
             calls = [c for c in self._queue if not c[3].done()]
             self._queue.clear()
+        now = time.perf_counter_ns()
+        self._timing["wait_ns"] += sum(now - c[5] for c in calls)
         try:
             self._run_calls([c[:3] for c in calls], lambda k, result: _answer(calls[k], result),
                             alive=lambda k: not calls[k][3].done())
@@ -225,10 +240,15 @@ class ModelSession:
 
     def _report(self) -> dict:
         """:meth:`ReplicaCore.report` plus the Ray node this replica runs on (``node``), its GIL switch interval
-        (``switch_interval_s``, :func:`ortcapture.serving.ray_common.quick_gil_handoff`) and the runs that shared a
-        replay with an earlier one (``merged_runs``, :mod:`ortcapture.serving.merge`)."""
+        (``switch_interval_s``, :func:`ortcapture.serving.ray_common.quick_gil_handoff`), whether it runs with Ray
+        Serve's throughput-optimised settings (``serve_throughput_optimized``: its ``runtime_env`` set
+        ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, :attr:`ServeOptions.serve_throughput_optimized`), the runs that shared a
+        replay with an earlier one (``merged_runs``, :mod:`ortcapture.serving.merge`), and where the batches' time
+        went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival to answer, ns)
+        and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider: 0)."""
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
-                "merged_runs": self.merged_runs}
+                "serve_throughput_optimized": os.environ.get(THROUGHPUT_ENV) == "1",
+                "merged_runs": self.merged_runs, **self._timing}
 
     async def check_health(self) -> None:
         """Replay the smallest bucket and check its answer (Ray Serve calls this periodically; raising marks the
