@@ -146,9 +146,9 @@ class ModelSession:
         with self._queue_lock:
             calls = [c for c in self._queue if not c[3].done()]
             self._queue.clear()
-        now = time.perf_counter_ns()
-        self._timing["wait_ns"] += sum(now - c[5] for c in calls)
-        try:
+        try:  # from here every call taken is answered, whatever raises
+            now = time.perf_counter_ns()
+            self._timing["wait_ns"] += sum(now - c[5] for c in calls)
             self._run_calls([c[:3] for c in calls], lambda k, result: _answer(calls[k], result),
                             alive=lambda k: not calls[k][3].done())
         except BaseException as exc:  # noqa: BLE001 - every call of the round not answered yet gets it
