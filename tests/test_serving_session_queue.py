@@ -199,3 +199,30 @@ def test_waiting_for_a_body_slot_is_a_bounded_newest_first_line():
         assert t._refused["bodies_pending"] == 1 and t._body_waiters == []
 
     asyncio.run(scenario())
+
+
+def test_a_failed_call_to_the_session_replica_is_each_requests_500():
+    """A call from the tier to the session replica that fails with something Ray does not wrap (a transport limit:
+    the 4 MiB gRPC message cap raised ``AioRpcError`` through ``DeploymentResponse``) gives each request of the
+    batch a 500 that names it, instead of the exception escaping to every caller of the batch."""
+    from types import SimpleNamespace
+
+    from ortcapture.serving import tier as tier_mod
+    from ortcapture.serving.batcher import Item
+    from ortcapture.serving.config import ServeOptions
+
+    class _Failing:
+        async def _fail(self, *args):
+            raise ValueError("Received message larger than max (5242880 vs. 4194304)")
+
+        run_batch = SimpleNamespace(remote=lambda *a: _Failing()._fail(*a))
+
+    t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)
+    t.options = ServeOptions("m.onnx", max_batch_size=8)
+    t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
+    t.session, t._slots = _Failing(), None
+    t._sent = collections.Counter()
+    items = [Item(1, {"X": np.full((1, 4), k, np.float32)}) for k in range(3)]
+    got = asyncio.run(t._run_batch(items))
+    assert [a["status"] for a in got] == [500] * 3, got
+    assert all("ValueError" in a["error"] and "larger than max" in a["error"] for a in got)

@@ -250,3 +250,51 @@ def test_a_second_start_in_a_process_whose_serve_listens_elsewhere_is_refused(cl
     from ray import serve
 
     assert not {opts.app_name, deployment.model_app_name(opts)} & set(serve.status().applications)
+
+
+def test_replicas_under_the_default_serve_settings_pass_batches_over_4_mib(cluster, tmp_path):
+    """The replicas' default environment (``ServeOptions.replica_env``: Ray Serve's throughput-optimised mode, whose
+    calls between replicas go over gRPC) carries a 5 MB array each way between two replicas; with the mode alone
+    (Ray's 4 MiB gRPC cap) the same call fails — a batch sent by value (no batch slot) of four 1.2 MB images did."""
+    from ray import serve
+
+    from ortcapture.serving.config import GRPC_MESSAGE_ENV, THROUGHPUT_ENV, ServeOptions
+
+    model = tmp_path / "m.onnx"
+    model.write_bytes(tiny.bucket_model())
+    env = ServeOptions(str(model)).checked().replica_env()
+    assert env[THROUGHPUT_ENV] == "1"
+
+    def app(name, env_vars):
+        opts = {"num_cpus": 0, "runtime_env": {"env_vars": env_vars}}
+
+        @serve.deployment(ray_actor_options=opts)
+        class Twice:
+            async def run(self, x):
+                return x * 2
+
+        @serve.deployment(ray_actor_options=opts)
+        class Front:
+            def __init__(self, app_name, twice):
+                self.app_name = app_name
+
+            async def __call__(self, n):
+                # made in the replica, as the tier makes its session handle: the replica's settings apply to it
+                twice = serve.get_deployment_handle("Twice", self.app_name)
+                x = np.arange(n, dtype=np.float32)
+                y = await twice.run.remote(x)
+                return float(y[-1]), y.nbytes
+
+        return Front.bind(name, Twice.bind())
+
+    n = 5 * 1024 * 1024 // 4 + 1  # just over 5 MiB of float32
+    try:
+        handle = serve.run(app("grpc-cap", env), name="grpc-cap", route_prefix=None)
+        assert handle.remote(n).result(timeout_s=60) == (2.0 * (n - 1), 4 * n)
+        capped = {k: v for k, v in env.items() if k != GRPC_MESSAGE_ENV}
+        handle = serve.run(app("grpc-cap-4mib", capped), name="grpc-cap-4mib", route_prefix=None)
+        with pytest.raises(Exception, match="(?i)message|RESOURCE_EXHAUSTED|larger"):
+            handle.remote(n).result(timeout_s=60)
+    finally:
+        for name in ("grpc-cap", "grpc-cap-4mib"):
+            serve.delete(name, _blocking=True)

@@ -28,6 +28,9 @@ ENV_PASSED = ("VK_ICD_FILENAMES", "VK_DRIVER_FILES", "ORT_WEBGPU_EP_ALLOW_SOFTWA
               "CUDA_MODULE_LOADING", "MESA_SHADER_CACHE_DIR")
 #: Ray Serve's throughput-optimised mode, set in the replicas' ``runtime_env`` (``serve_throughput_optimized``)
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+#: ... and the largest message between replicas under it (Ray's default is 4 MiB; gRPC's own limit is 2 GiB - 1)
+GRPC_MESSAGE_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+GRPC_MESSAGE_BYTES = 2**31 - 1
 #: batching-tier replicas when not given: ``min(MAX_DEFAULT_INGRESS_REPLICAS, cluster CPUs // 2)``, at least 1
 MAX_DEFAULT_INGRESS_REPLICAS = 4
 
@@ -219,10 +222,14 @@ class ServeOptions:
 
     def replica_env(self) -> dict[str, str]:
         """The ``runtime_env`` environment of the replicas: :data:`ENV_PASSED` as set here,
-        ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` with :attr:`serve_throughput_optimized`, then :attr:`env`."""
+        ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` with :attr:`serve_throughput_optimized` (and the replicas' gRPC
+        message cap raised from Ray's 4 MiB to :data:`GRPC_MESSAGE_BYTES`), then :attr:`env`."""
         env = {k: os.environ[k] for k in ENV_PASSED if os.environ.get(k)}
         if self.serve_throughput_optimized:
             env[THROUGHPUT_ENV] = "1"
+            # the mode's calls between replicas go over gRPC, whose messages Ray 2.60 caps at 4 MiB: a batch sent
+            # by value (no batch slot: --no-batch-slots, another machine) of four 1.2 MB images failed there
+            env[GRPC_MESSAGE_ENV] = str(GRPC_MESSAGE_BYTES)
         env.update(self.env)
         return env
 

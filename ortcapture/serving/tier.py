@@ -17,6 +17,7 @@ into runs (:func:`~ortcapture.serving.requests.group_key`, :func:`~ortcapture.se
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -33,6 +34,8 @@ from ortcapture.serving.ray_common import (RETRY_AFTER_S, SESSION_DEPLOYMENT, ST
                                            keep_replica_grpc_on_loopback, quick_gil_handoff)
 from ortcapture.serving.requests import RequestCheck, RequestError, answers_of, group_key, join, pack, pieces
 from ortcapture.serving.slots import batch_slots
+
+_log = logging.getLogger("ortcapture.serving")
 from ortcapture.serving.routes import STALE_S, Refusal, Router
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
@@ -204,6 +207,12 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             text = str(exc).splitlines()[0][:300] if str(exc) else ""
             return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
                      "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
+        except Exception as exc:  # noqa: BLE001 - the call itself failed (e.g. a transport limit): each request
+            # gets a 500 that says so, instead of the exception escaping to every caller of this batch
+            text = str(exc).splitlines()[0][:300] if str(exc) else ""
+            _log.error("ortcapture serve: a call to the session replica failed: %s: %s", type(exc).__name__, exc)
+            return [{"error": f"the call to the model replica failed: {type(exc).__name__}: {text}",
+                     "status": 500}] * len(items)
         finally:
             if slot is not None:
                 if answered:  # free again
