@@ -128,10 +128,11 @@ def test_replicas_run_with_serve_throughput_optimized_unless_told(bucket_model, 
     from ortcapture.cli.serve import add_arguments, options_from
     from ortcapture.errors import CaptureError
     from ortcapture.serving.app import options_from_args
-    from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
+    from ortcapture.serving.config import DIRECT_INGRESS_ENV, GRPC_MESSAGE_ENV, THROUGHPUT_ENV, ServeOptions
 
     monkeypatch.delenv(THROUGHPUT_ENV, raising=False)
-    assert ServeOptions(str(bucket_model)).checked().replica_env()[THROUGHPUT_ENV] == "1"
+    env = ServeOptions(str(bucket_model)).checked().replica_env()
+    assert env[THROUGHPUT_ENV] == "1" and env[DIRECT_INGRESS_ENV] == "0" and int(env[GRPC_MESSAGE_ENV]) > 2**30
     assert THROUGHPUT_ENV not in ServeOptions(str(bucket_model), serve_throughput_optimized=False).checked() \
         .replica_env()
     env = ServeOptions(str(bucket_model), env={THROUGHPUT_ENV: "0"}).checked().replica_env()

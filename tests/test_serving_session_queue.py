@@ -154,53 +154,6 @@ def test_queued_batches_merge_and_each_call_gets_its_own_rows_as_soon_as_they_ar
     assert times[1] < 0.6 * max(times.values())  # answered when its run was done, not at the end of its round
 
 
-def test_waiting_for_a_body_slot_is_a_bounded_newest_first_line():
-    """The tier's line for body slots (issue 44, the stalled-body flood): at most ``max_pending_bodies`` requests
-    wait, a new one pushes the oldest out at once (503), and only the newest takes a stale body's slot — so a burst
-    of stalled connections cannot keep the requests that come after it waiting behind it."""
-    from ortcapture.serving import tier as tier_mod
-    from ortcapture.serving.config import ServeOptions
-    from ortcapture.serving.routes import Refusal
-
-    async def scenario():
-        t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)  # only the body-slot state, no Ray
-        t.options = ServeOptions("m.onnx", max_pending_bodies=2)
-        t._refused = collections.Counter()
-        t._body_waiters = []
-        loop = asyncio.get_running_loop()
-        bodies = []
-        for _ in range(2):  # two bodies being read, fresh
-            b = tier_mod._PendingBody()
-            b.waiter = loop.create_future()
-            bodies.append(b)
-        t._bodies = {id(b): b for b in bodies}
-        t._pending_bodies = 2
-        order = []
-
-        async def wait(name):
-            try:
-                await t._wait_for_body_slot()
-                order.append((name, "slot"))
-            except Refusal as exc:
-                order.append((name, exc.status))
-
-        first = asyncio.ensure_future(wait("first"))
-        await asyncio.sleep(0.01)
-        second = asyncio.ensure_future(wait("second"))
-        await asyncio.sleep(0.01)
-        third = asyncio.ensure_future(wait("third"))  # the line holds 2: "first" is pushed out at once
-        await asyncio.sleep(0.05)
-        assert order == [("first", 503)], order
-        for b in bodies:  # both bodies stall past EVICT_IDLE_S: the newest waiter evicts one and takes its slot
-            b.last -= tier_mod.EVICT_IDLE_S + 0.1
-        await asyncio.gather(first, second, third)  # then "second", the newest left, evicts the other one
-        assert order == [("first", 503), ("third", "slot"), ("second", "slot")], order
-        assert all(b.evicted for b in bodies)
-        assert t._refused["bodies_pending"] == 1 and t._body_waiters == []
-
-    asyncio.run(scenario())
-
-
 def test_a_failed_call_to_the_session_replica_is_each_requests_500():
     """A call from the tier to the session replica that fails with something Ray does not wrap (a transport limit:
     the 4 MiB gRPC message cap raised ``AioRpcError`` through ``DeploymentResponse``) gives each request of the

@@ -31,6 +31,8 @@ THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 #: ... and the largest message between replicas under it (Ray's default is 4 MiB; gRPC's own limit is 2 GiB - 1)
 GRPC_MESSAGE_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
 GRPC_MESSAGE_BYTES = 2**31 - 1
+#: ... and its direct ingress, off in the replicas (see :meth:`ServeOptions.replica_env`)
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 #: batching-tier replicas when not given: ``min(MAX_DEFAULT_INGRESS_REPLICAS, cluster CPUs // 2)``, at least 1
 MAX_DEFAULT_INGRESS_REPLICAS = 4
 
@@ -67,7 +69,8 @@ class ServeOptions:
         serve_throughput_optimized: run the replicas with Ray Serve's throughput-optimised settings
             (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` in their ``runtime_env`` only, default on): user code and the
             handle's router on the replica's own event loop (no thread hop per call), calls between replicas over
-            Serve's gRPC, request-path logs buffered, the garbage collector frozen after start. Measured on an H100
+            Serve's gRPC (their message cap raised from Ray's 4 MiB), request-path logs buffered, the garbage
+            collector frozen after start; its direct ingress (an HTTP server per replica) stays off. Measured on an H100
             (issue 44): 779 against 683 images/s at 32 clients, 484 against 369 at 8, a lone request's p50
             11.2 against 13.0 ms. The driver and its handles are left as they are (the setting refuses handles
             used from synchronous threads); a value the user gives in ``env`` wins.
@@ -223,13 +226,19 @@ class ServeOptions:
     def replica_env(self) -> dict[str, str]:
         """The ``runtime_env`` environment of the replicas: :data:`ENV_PASSED` as set here,
         ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` with :attr:`serve_throughput_optimized` (and the replicas' gRPC
-        message cap raised from Ray's 4 MiB to :data:`GRPC_MESSAGE_BYTES`), then :attr:`env`."""
+        message cap raised from Ray's 4 MiB to :data:`GRPC_MESSAGE_BYTES`, the mode's direct ingress off), then
+        :attr:`env`."""
         env = {k: os.environ[k] for k in ENV_PASSED if os.environ.get(k)}
         if self.serve_throughput_optimized:
             env[THROUGHPUT_ENV] = "1"
             # the mode's calls between replicas go over gRPC, whose messages Ray 2.60 caps at 4 MiB: a batch sent
             # by value (no batch slot: --no-batch-slots, another machine) of four 1.2 MB images failed there
             env[GRPC_MESSAGE_ENV] = str(GRPC_MESSAGE_BYTES)
+            # the mode also starts a direct-ingress HTTP server in each ingress replica (the tier, the session
+            # replicas) that nothing routes to here (the controller does not run the mode), and its 30 s drain
+            # outlasts graceful_shutdown_s: the controller force-killed every replica at each stop, so no __del__
+            # ran (graphs released, batch slots unlinked from /dev/shm)
+            env[DIRECT_INGRESS_ENV] = "0"
         env.update(self.env)
         return env
 
