@@ -63,7 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout-s", type=float, default=10.0,
                    help="a request body that makes no progress this long gets 408 (default 10 s)")
     p.add_argument("--max-pending-bodies", type=int, default=64,
-                   help="requests whose body is still arriving at once; past it 503 at once (default 64)")
+                   help="requests whose body is still arriving at once, per tier replica (default 64); past it a "
+                        "new request takes the slot of the body stalled longest (>= 0.5 s; that one gets 408), or "
+                        "gets 503 after waiting 1 s for one")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM), with --ssl-keyfile")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
     # hook: gRPC and system shared memory (ortcapture.serving.grpc_service, ortcapture.serving.shm_store)

@@ -87,9 +87,11 @@ class ServeOptions:
         body_timeout_s: a request body that makes no progress for this long (no byte arrives) is refused with 408
             and its connection closed (default 10 s): a client that sends headers and never the body holds nothing
             for long. A slow but steady client is never cut off.
-        max_pending_bodies: requests whose body is still arriving, at once (default 64); past it a new request is
-            refused at once with 503, ``Retry-After`` and ``Connection: close``, so connections that send headers
-            and stall cannot take every slot (a normal request is answered or refused within seconds).
+        max_pending_bodies: requests whose body is still arriving, at once, per tier replica (default 64); past it
+            a new request takes the slot of the pending body stalled longest, once that has made no progress for
+            0.5 s (that one gets 408 and ``Connection: close``), and is refused with 503, ``Retry-After`` and
+            ``Connection: close`` when none is that stale within 1 s — connections that send headers and stall
+            cannot take every slot (``ortcapture.serving.tier.ModelTier._read_body``).
         ssl_certfile / ssl_keyfile: serve HTTPS (both, PEM files; Ray Serve's own ``HTTPOptions``).
         token_file: a file holding a bearer token (its first line); every endpoint but ``/v2/health/*`` then
             requires ``Authorization: Bearer <token>`` (401 otherwise). ``None``: no authentication.
@@ -226,7 +228,7 @@ class ServeOptions:
     def replica_env(self) -> dict[str, str]:
         """The ``runtime_env`` environment of the replicas: :data:`ENV_PASSED` as set here,
         ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` with :attr:`serve_throughput_optimized` (and the replicas' gRPC
-        message cap raised from Ray's 4 MiB to :data:`GRPC_MESSAGE_BYTES`, the mode's direct ingress off), then
+        message cap raised from Ray's 4 MiB to ``GRPC_MESSAGE_BYTES``, the mode's direct ingress off), then
         :attr:`env`."""
         env = {k: os.environ[k] for k in ENV_PASSED if os.environ.get(k)}
         if self.serve_throughput_optimized:
