@@ -267,6 +267,7 @@ def test_router_endpoints():
     body, hl = body_of(feeds())
     res = _call(r, "POST", "/v2/models/tiny/infer", body)
     assert res.status == 503 and "not ready" in json.loads(res.body)["error"] and be.calls == 0
+    assert res.headers.get("Retry-After") == "1"  # a client may retry: the replicas are warming up
     be.is_ready = True
     assert _call(r, "GET", "/v2/health/ready").status == 200
     assert json.loads(_call(r, "GET", "/v2/models/tiny").body) == protocol.model_metadata(SPEC)

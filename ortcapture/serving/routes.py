@@ -52,6 +52,10 @@ def json_response(status: int, obj: Any) -> Response:
     return Response(status, json.dumps(obj, allow_nan=False).encode())
 
 
+#: ``Retry-After`` (seconds) of an infer request answered 503 because no model replica is warm yet
+NOT_READY_RETRY_S = 1
+
+
 def error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
     """``{"error": message}`` with ``status`` (and extra ``headers``, e.g. ``Retry-After``)."""
     return Response(status, protocol.error_body(message), {"Content-Type": "application/json", **(headers or {})})
@@ -214,8 +218,9 @@ class Router:
                 return error(400, f"Content-Length {length[:40]!r} is not an integer")
             if declared > cap:
                 return error(413, f"request body of {declared} bytes is past the cap of {cap} bytes")
-        if not await self._ready():
-            return error(503, f"model {self.spec.name!r} is not ready: its replicas are not warm yet")
+        if not await self._ready():  # a retry soon may find it warm (Retry-After, like the other 503s)
+            return error(503, f"model {self.spec.name!r} is not ready: its replicas are not warm yet",
+                         {"Retry-After": str(NOT_READY_RETRY_S)})
         body = await read_body(cap)
         body = protocol.decode_body(body, headers.get("content-encoding"), cap)
         header_length, plan = headers.get(protocol.HEADER_LENGTH.lower()), None
