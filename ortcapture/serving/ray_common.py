@@ -19,8 +19,6 @@ SESSION_DEPLOYMENT = "ModelSession"
 STATS_DEPLOYMENT = "ModelStats"
 #: seconds between a replica's pushes of its counters to ``ModelStats``
 REPORT_EVERY_S = 1.0
-#: seconds a client is asked to wait (``Retry-After``) after a 503 for a full queue or too many pending bodies
-RETRY_AFTER_S = 1
 
 
 #: seconds a thread that wants the GIL waits before the running thread is made to drop it, in the replica processes

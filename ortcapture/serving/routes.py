@@ -52,8 +52,9 @@ def json_response(status: int, obj: Any) -> Response:
     return Response(status, json.dumps(obj, allow_nan=False).encode())
 
 
-#: ``Retry-After`` (seconds) of an infer request answered 503 because no model replica is warm yet
-NOT_READY_RETRY_S = 1
+#: seconds a client is asked to wait (``Retry-After``) after a 503: no replica warm yet, a full queue, too many
+#: pending bodies, no replica answered in time
+RETRY_AFTER_S = 1
 
 
 def error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
@@ -220,7 +221,7 @@ class Router:
                 return error(413, f"request body of {declared} bytes is past the cap of {cap} bytes")
         if not await self._ready():  # a retry soon may find it warm (Retry-After, like the other 503s)
             return error(503, f"model {self.spec.name!r} is not ready: its replicas are not warm yet",
-                         {"Retry-After": str(NOT_READY_RETRY_S)})
+                         {"Retry-After": str(RETRY_AFTER_S)})
         body = await read_body(cap)
         body = protocol.decode_body(body, headers.get("content-encoding"), cap)
         header_length, plan = headers.get(protocol.HEADER_LENGTH.lower()), None

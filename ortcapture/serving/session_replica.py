@@ -121,7 +121,7 @@ class ModelSession:
             loop = self._loop = asyncio.get_running_loop()
             future = loop.create_future()
             with self._queue_lock:
-                self._queue.append((list(runs), queued, slot, future, loop, t0))
+                self._queue.append(_Call(list(runs), queued, slot, future, loop, t0))
                 start, self._draining = not self._draining, True
             if start:
                 try:
@@ -144,13 +144,13 @@ class ModelSession:
         done. The next round is submitted behind whatever else waits for the replay thread (a health check is never
         starved by a steady stream of batches)."""
         with self._queue_lock:
-            calls = [c for c in self._queue if not c[3].done()]
+            calls = [c for c in self._queue if not c.future.done()]
             self._queue.clear()
         try:  # from here every call taken is answered, whatever raises
             now = time.perf_counter_ns()
-            self._timing["wait_ns"] += sum(now - c[5] for c in calls)
-            self._run_calls([c[:3] for c in calls], lambda k, result: _answer(calls[k], result),
-                            alive=lambda k: not calls[k][3].done())
+            self._timing["wait_ns"] += sum(now - c.t0 for c in calls)
+            self._run_calls([(c.runs, c.queued, c.slot) for c in calls], lambda k, result: _answer(calls[k], result),
+                            alive=lambda k: not calls[k].future.done())
         except BaseException as exc:  # noqa: BLE001 - every call of the round not answered yet gets it
             for c in calls:
                 _answer(c, exc)
@@ -293,11 +293,20 @@ def _settle(future: asyncio.Future, result) -> None:
         future.set_result(result)
 
 
-def _answer(call: tuple, result) -> None:
-    """From the replay thread: settle ``call``'s future (``call[3]``) on its event loop (``call[4]``)."""
-    future, loop = call[3], call[4]
+class _Call:
+    """A ``run_batch`` call queued for the replay thread: its runs, queue times and slot, the future its caller
+    awaits on event loop ``loop``, and when it arrived (``perf_counter_ns``)."""
+
+    __slots__ = ("runs", "queued", "slot", "future", "loop", "t0")
+
+    def __init__(self, runs, queued, slot, future: asyncio.Future, loop: asyncio.AbstractEventLoop, t0: int):
+        self.runs, self.queued, self.slot, self.future, self.loop, self.t0 = runs, queued, slot, future, loop, t0
+
+
+def _answer(call: _Call, result) -> None:
+    """From the replay thread: settle ``call``'s future on its event loop."""
     try:
-        loop.call_soon_threadsafe(_settle, future, result)
+        call.loop.call_soon_threadsafe(_settle, call.future, result)
     except RuntimeError:  # that call's event loop is closed: nobody waits for it
         pass
 

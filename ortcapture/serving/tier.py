@@ -30,11 +30,11 @@ from ortcapture.serving.batcher import AdaptiveBatcher, Item
 from ortcapture.serving.config import ServeOptions, model_layout
 from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
-from ortcapture.serving.ray_common import (RETRY_AFTER_S, SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
+from ortcapture.serving.ray_common import (SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
                                            keep_replica_grpc_on_loopback, quick_gil_handoff)
 from ortcapture.serving.requests import RequestCheck, RequestError, answers_of, group_key, join, pack, pieces
 from ortcapture.serving.slots import batch_slots
-from ortcapture.serving.routes import STALE_S, Refusal, Router
+from ortcapture.serving.routes import RETRY_AFTER_S, STALE_S, Refusal, Router
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
 _log = logging.getLogger("ortcapture.serving")
@@ -64,6 +64,12 @@ class _PendingBody:
             return False
         self.evicted = True
         return True
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: the first line of its message`` (at most 300 characters of it), for an answer's error text."""
+    text = str(exc).splitlines()[0][:300] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
 
 
 #: the provider's device for the value rules of :func:`ortcapture.transfer.value_rules`
@@ -202,14 +208,12 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             # or is overloaded. It raised (it writes no more), or Serve's router refused before sending: slot free
             answered = answered or isinstance(exc, (ray.exceptions.RayTaskError, BackPressureError,
                                                     DeploymentUnavailableError))
-            text = str(exc).splitlines()[0][:300] if str(exc) else ""
-            return [{"error": f"no model replica could run the request: {type(exc).__name__}: {text}",
+            return [{"error": f"no model replica could run the request: {_first_line(exc)}",
                      "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
         except Exception as exc:  # noqa: BLE001 - the call itself failed (e.g. a transport limit): each request
             # gets a 500 that says so, instead of the exception escaping to every caller of this batch
-            text = str(exc).splitlines()[0][:300] if str(exc) else ""
             _log.error("ortcapture serve: a call to the session replica failed: %s: %s", type(exc).__name__, exc)
-            return [{"error": f"the call to the model replica failed: {type(exc).__name__}: {text}",
+            return [{"error": f"the call to the model replica failed: {_first_line(exc)}",
                      "status": 500}] * len(items)
         finally:
             if slot is not None:
