@@ -31,7 +31,9 @@ The hand-written arms are reached through a handle only (they have no HTTP route
 path (``handle``: a Ray ``DeploymentHandle`` to the ``Model`` deployment; ``http``: ``tritonclient.http`` binary
 tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tensors through Ray Serve's gRPC proxy;
 ``shm``: ``tritonclient.grpc`` with the image and the answer in system shared memory regions registered once per
-client, ``tritonclient.utils.shared_memory``; ``http-stalled``: ``http`` measured while ``--stalled`` (1,100)
+client, ``tritonclient.utils.shared_memory``; ``cudashm``: the same with CUDA regions on device 0
+(``tritonclient.utils.cuda_shared_memory``: the image copied host to device by the client per request, as a client
+whose data starts on the host does); ``http-stalled``: ``http`` measured while ``--stalled`` (1,100)
 other connections send an infer request's headers and stall; the last three with ``--paths
 handle,http,grpc,shm,http-stalled``): images/s, p50/p99
 latency (ms),
@@ -194,7 +196,7 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
         # the gRPC clients (and the shm path's regions, registered once per client) are set up before the clock
         prepared = {k: _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
                                   refs[0].nbytes, refs[0].shape) for k in range(threads)} \
-            if path in ("grpc", "shm") else {}
+            if path in ("grpc", "shm", "cudashm") else {}
         t_end = time.perf_counter() + warm + seconds
         t_meas = time.perf_counter() + warm
 
@@ -208,7 +210,7 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                     if "error" in r:
                         raise RuntimeError(r["error"])
                     return r["outputs"].get(output_name) if check else None
-            elif path in ("grpc", "shm"):
+            elif path in ("grpc", "shm", "cudashm"):
                 call, cleanup = prepared[k]
             else:
                 import tritonclient.http as http
@@ -270,6 +272,8 @@ def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_
             return client.infer(model_name, [inp], outputs=[grpcclient.InferRequestedOutput(output_name)],
                                 client_timeout=60).as_numpy(output_name)
         return call, client.close
+    if path == "cudashm":
+        return _cuda_shm_call(client, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape)
     import tritonclient.utils.shared_memory as shm
 
     tag = f"b{os.getpid()}-{k}"
@@ -292,6 +296,37 @@ def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_
             client.unregister_system_shared_memory(name)
         shm.destroy_shared_memory_region(hin)
         shm.destroy_shared_memory_region(hout)
+        client.close()
+    return call, cleanup
+
+
+def _cuda_shm_call(client, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
+    """The ``cudashm`` path: ``tritonclient.grpc`` with the image copied into this client's CUDA region
+    (``tritonclient.utils.cuda_shared_memory``, device 0) and the answer read from its output region, both
+    registered once, here."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.cuda_shared_memory as cudashm
+
+    tag = f"c{os.getpid()}-{k}"
+    hin = cudashm.create_shared_memory_region(f"{tag}-in", in_bytes, 0)
+    hout = cudashm.create_shared_memory_region(f"{tag}-out", out_bytes, 0)
+    client.register_cuda_shared_memory(f"{tag}-in", cudashm.get_raw_handle(hin), 0, in_bytes)
+    client.register_cuda_shared_memory(f"{tag}-out", cudashm.get_raw_handle(hout), 0, out_bytes)
+    out = grpcclient.InferRequestedOutput(output_name)
+    out.set_shared_memory(f"{tag}-out", out_bytes)
+
+    def call(x):
+        cudashm.set_shared_memory_region(hin, [x])
+        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
+        inp.set_shared_memory(f"{tag}-in", in_bytes)
+        client.infer(model_name, [inp], outputs=[out], client_timeout=60)
+        return np.array(cudashm.get_contents_as_numpy(hout, np.float32, list(out_shape)))
+
+    def cleanup():
+        for name in (f"{tag}-in", f"{tag}-out"):
+            client.unregister_cuda_shared_memory(name)
+        cudashm.destroy_shared_memory_region(hin)
+        cudashm.destroy_shared_memory_region(hout)
         client.close()
     return call, cleanup
 
@@ -471,12 +506,13 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown arm(s) {unknown}: from {list(ARMS)}")
     paths = [p for p in args.paths.split(",") if p]
-    if set(paths) - {"handle", "http", "grpc", "shm", "http-stalled"}:
-        ap.error(f"unknown path(s) {sorted(set(paths) - {'handle', 'http', 'grpc', 'shm', 'http-stalled'})}")
+    known = {"handle", "http", "grpc", "shm", "cudashm", "http-stalled"}
+    if set(paths) - known:
+        ap.error(f"unknown path(s) {sorted(set(paths) - known)}")
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
 
-    grpc_port = args.grpc_port if {"grpc", "shm"} & set(paths) else None
+    grpc_port = args.grpc_port if {"grpc", "shm", "cudashm"} & set(paths) else None
     base = ServeOptions(model, name="yolo", buckets=args.buckets, provider=args.provider, port=args.port,
                         grpc_port=grpc_port,
                         batch_wait_ms=args.batch_wait_ms, dims=dims,
@@ -579,7 +615,7 @@ def main() -> int:
                     if stalled.n and args.stalled_settle:  # past the burst: measured beside those still held
                         time.sleep(args.stalled_settle)
                     for (p, conn), n in zip(clients, per):
-                        target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm") else url
+                        target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm", "cudashm") else url
                         conn.send(("http" if path == "http-stalled" else path, app, target, n, args.seconds,
                                    args.warm, hand != "noop"))
                     outs = [conn.recv() for (p, conn), _ in zip(clients, per)]

@@ -178,7 +178,7 @@ def test_a_failed_call_to_the_session_replica_is_each_requests_500():
     t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
     t.session, t._slots = _Failing(), None
     t._sent = collections.Counter()
-    items = [Item(1, {"X": np.full((1, 4), k, np.float32)}) for k in range(3)]
+    items = [Item(1, ({"X": np.full((1, 4), k, np.float32)}, None)) for k in range(3)]
     got = asyncio.run(t._run_batch(items))
     assert [a["status"] for a in got] == [500] * 3, got
     assert all("ValueError" in a["error"] and "larger than max" in a["error"] for a in got)

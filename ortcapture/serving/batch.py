@@ -377,7 +377,8 @@ class BatchRunner:
                                    f"{self.dim!r} as measured")
         return outs
 
-    def run_joined(self, feeds: Mapping[str, np.ndarray], rows: Sequence[int]) -> dict[str, np.ndarray] | list:
+    def run_joined(self, feeds: Mapping[str, np.ndarray], rows: Sequence[int], isolate: bool = True
+                   ) -> dict[str, np.ndarray] | list:
         """Run one batch that a batching tier has checked (:meth:`rows`, once per request), grouped and joined
         already (:func:`ortcapture.serving.requests.join`): one session run, no check again.
 
@@ -385,6 +386,8 @@ class BatchRunner:
             feeds: ``{input: numpy array}``, the requests' rows concatenated along the batched dim (``sum(rows)``
                 rows, at most :attr:`max_rows`); inputs without the batched dim are the group's one value.
             rows: each request's rows, in the order they were joined.
+            isolate: ``False``: a run that raises raises here (the caller isolates: feeds that are not numpy
+                arrays, e.g. a CUDA ``OrtValue`` of rows gathered from CUDA shared memory, cannot be cut here).
 
         Returns:
             ``{output: array}`` with ``sum(rows)`` rows along each output's :attr:`output_axes` axis (the caller
@@ -399,6 +402,8 @@ class BatchRunner:
             outs = self._run_chunk([feeds], whole, total)
             failed = None
         except Exception:  # noqa: BLE001 - each request is run alone: only the faulty one fails
+            if not isolate:
+                raise
             parts = split_feeds(feeds, rows, self.input_axes)
             failed = [None] * len(rows)
             isolation = self._isolate(parts, [(i, 0, n) for i, n in enumerate(rows)], failed)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ortcapture.serving import protocol, shm
+from ortcapture.serving import cuda_shm, protocol, shm
 from ortcapture.serving.protocol import ModelSpec, ProtocolError
 from ortcapture.serving.shm import ShmError
 
@@ -36,7 +36,8 @@ SERVICER_FUNCTION = "ortcapture.serving.grpc_service.add_inference_servicer"
 SERVICE = "inference.GRPCInferenceService"
 RPCS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
         "ModelStatistics", "ModelInfer", "SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
-        "SystemSharedMemoryUnregister", "CudaSharedMemoryRegister")
+        "SystemSharedMemoryUnregister", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
+        "CudaSharedMemoryStatus")
 #: the environment variable :func:`bind_grpc_proxy` reads: the address the gRPC proxy binds
 HOST_ENV = "ORTCAPTURE_GRPC_HOST"
 #: HTTP status of a refusal -> gRPC status code name
@@ -145,6 +146,8 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
         raise ProtocolError(f"raw_input_contents of {total} bytes are past the cap of {spec.max_body_bytes} bytes",
                             413)
     entries, pieces, next_raw = [], [], 0
+    plan = ShmPlan()
+    specs = {s.name: s for s in spec.inputs}
     for t, params in zip(msg.inputs, inputs_p):
         where = f"input {t.name[:100]!r}"
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": [int(d) for d in t.shape]}
@@ -153,6 +156,9 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
         expected = _expected_bytes(t, spec)
         if shm.uses_shm(params):
             ref = shm.reference(params, where, regions)
+            if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
+                plan.device_inputs[t.name] = cuda_shm.device_tensor(ref, entry, specs, where)
+                continue
             if expected is not None and ref.byte_size != expected:
                 raise ShmError(f"{where}: {shm.BYTE_SIZE} {ref.byte_size}; its shape and datatype take {expected} "
                                "bytes")
@@ -186,14 +192,13 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
         entries.append(entry)
     if next_raw != len(raw):
         raise ProtocolError(f"{len(raw)} raw_input_contents for {next_raw} input(s) that take them")
-    plan = ShmPlan()
     asked = []
     for o, params in zip(msg.outputs, outputs_p):
         op = {"binary_data": True}
         if "classification" in params:
             op["classification"] = params["classification"]
         if shm.uses_shm(params):
-            plan.outputs[o.name] = shm.reference(params, f"output {o.name[:100]!r}", regions)
+            plan.add_output(o.name, shm.reference(params, f"output {o.name[:100]!r}", regions), spec)
         asked.append({"name": o.name, "parameters": op})
     req: dict[str, Any] = {"inputs": entries, "parameters": {"binary_data_output": True}}
     if msg.id:
@@ -201,10 +206,10 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
     if asked:
         req["outputs"] = asked
     head = json.dumps(req).encode()
-    request = protocol.parse_infer_request(head + b"".join(pieces), len(head), spec)
-    if plan.outputs:
+    request = protocol.parse_infer_request(head + b"".join(pieces), len(head), spec, plan.device_inputs)
+    if plan:
         plan.take_outputs(request)
-    return request, (plan if plan.outputs else None)
+    return request, (plan if plan else None)
 
 
 def encode_infer(spec: ModelSpec, request, outputs, shm_entries=()):
@@ -375,10 +380,11 @@ class GrpcIngress:
             if not await self.ready():
                 raise ProtocolError(f"model {self.spec.name!r} is not ready: its replicas are not warm yet", 503)
             req, plan = await decode_infer(msg, self.spec, self.shm)
-            result = await self.infer(req.inputs)
+            result = await self.infer(req.inputs, **(plan.infer_kwargs() if plan is not None else {}))
             if "error" in result:
                 raise ProtocolError(str(result["error"]), int(result.get("status", 500)))
-            entries = self.shm.write_outputs(plan, result["outputs"], self.spec) if plan is not None else ()
+            entries = () if plan is None else (self.shm.write_outputs(plan, result["outputs"], self.spec)
+                                               + plan.device_entries(result["outputs"]))
             return encode_infer(self.spec, req, result["outputs"], entries)
         self._in_flight = getattr(self, "_in_flight", 0) + 1
         try:
@@ -421,10 +427,36 @@ class GrpcIngress:
         return await self._serve(grpc_context, request, ("SystemSharedMemoryStatusRequest",
                                                          "SystemSharedMemoryStatusResponse"), _work)
 
+    # -- CUDA shared memory (ortcapture.serving.cuda_shm) ---------------------------------------------------------
     async def CudaSharedMemoryRegister(self, request, grpc_context=None):  # noqa: N802
-        """``CudaSharedMemoryRegister``: not served (``UNIMPLEMENTED``)."""
-        return self._refuse(grpc_context, 405, "CUDA shared memory is not supported by this server",
-                            pb2().CudaSharedMemoryRegisterResponse())
+        """``CudaSharedMemoryRegister``: a client's CUDA allocation by its IPC handle (loopback clients only; a
+        server on CUDA: elsewhere ``INVALID_ARGUMENT``)."""
+        async def _work(msg):
+            peer = grpc_context.peer() if grpc_context is not None else None
+            await self._shm_or_refuse().register_cuda(msg.name, bytes(msg.raw_handle), int(msg.device_id),
+                                                      int(msg.byte_size), peer)
+            return pb2().CudaSharedMemoryRegisterResponse()
+        return await self._serve(grpc_context, request, ("CudaSharedMemoryRegisterRequest",
+                                                         "CudaSharedMemoryRegisterResponse"), _work)
+
+    async def CudaSharedMemoryUnregister(self, request, grpc_context=None):  # noqa: N802
+        """``CudaSharedMemoryUnregister``: the CUDA region named, or every one (an empty name)."""
+        async def _work(msg):
+            await self._shm_or_refuse().unregister(msg.name or None, "cuda")
+            return pb2().CudaSharedMemoryUnregisterResponse()
+        return await self._serve(grpc_context, request, ("CudaSharedMemoryUnregisterRequest",
+                                                         "CudaSharedMemoryUnregisterResponse"), _work)
+
+    async def CudaSharedMemoryStatus(self, request, grpc_context=None):  # noqa: N802
+        """``CudaSharedMemoryStatus``: the CUDA region named, or every one (an empty name)."""
+        async def _work(msg):
+            p = pb2()
+            res = p.CudaSharedMemoryStatusResponse()
+            for r in await self._shm_or_refuse().status(msg.name or None, "cuda"):
+                res.regions[r["name"]].CopyFrom(p.CudaSharedMemoryStatusResponse.RegionStatus(**r))
+            return res
+        return await self._serve(grpc_context, request, ("CudaSharedMemoryStatusRequest",
+                                                         "CudaSharedMemoryStatusResponse"), _work)
 
 
 def grpc_options(options):

@@ -32,18 +32,20 @@ def merge_runs(runs: Sequence[tuple[Mapping[str, np.ndarray], Sequence[int]]], m
     Returns:
         ``[(members, feeds, rows)]``: the indices of the runs merged (consecutive, in order), their feeds joined
         along axis 0 (one member: its own feeds, no copy), and their requests' rows one after another. With
-        ``merge`` false every run stays alone.
+        ``merge`` false every run stays alone; so does a run with a feed that is not a numpy array (rows in CUDA
+        shared memory, :class:`ortcapture.serving.cuda_shm.DeviceRows`).
     """
     groups: list[list[int]] = []
-    used = 0
-    for i, (_, rows) in enumerate(runs):
+    used, joinable = 0, False
+    for i, (feeds, rows) in enumerate(runs):
         n = sum(int(r) for r in rows)
-        if merge and groups and used + n <= max_rows:
+        host = all(isinstance(v, np.ndarray) for v in feeds.values())  # rows in CUDA regions stay alone
+        if merge and host and joinable and used + n <= max_rows:
             groups[-1].append(i)
             used += n
         else:
             groups.append([i])
-            used = n
+            used, joinable = n, host
     out = []
     for members in groups:
         if len(members) == 1:

@@ -29,7 +29,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -334,13 +334,16 @@ def _check_shape(tensor: Mapping, spec: TensorSpec, model: ModelSpec) -> tuple[i
     return tuple(shape)
 
 
-def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRequest:
+def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: Collection[str] = ()
+                        ) -> InferRequest:
     """Parse and check an ``/infer`` body against ``model``.
 
     Args:
         body: the (decompressed, capped: :func:`decode_body`) request body.
         header_length: the ``Inference-Header-Content-Length`` header's value, or ``None`` (all JSON).
         model: the served model.
+        external: inputs the body leaves out because they are given elsewhere (in CUDA shared memory regions,
+            :mod:`ortcapture.serving.cuda_shm`; checked there and by the request check).
 
     Returns:
         :class:`InferRequest` whose arrays have exactly the model's dtypes and the declared shapes (read-only
@@ -373,7 +376,7 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
         raise ProtocolError("'id' must be a string")
     params = _parameters(req, "the request's")
     inputs = req.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
+    if not isinstance(inputs, list) or not (inputs or external):
         raise ProtocolError("'inputs' must be a non-empty list")
     specs = {s.name: s for s in model.inputs}
     seen: dict[str, Mapping] = {}
@@ -387,7 +390,7 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec) -> InferRe
         if name in seen:
             raise ProtocolError(f"input {name!r} appears twice")
         seen[name] = t
-    missing = [n for n in specs if n not in seen]
+    missing = [n for n in specs if n not in seen and n not in external]
     if missing:
         raise ProtocolError(f"input(s) {missing} missing: model {model.name!r} takes {list(specs)}")
     arrays: dict[str, np.ndarray] = {}

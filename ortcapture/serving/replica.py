@@ -161,13 +161,14 @@ class ReplicaCore:
         return results
 
     def run_joined(self, feeds: Mapping[str, np.ndarray], rows: Sequence[int],
-                   queued_ns: Sequence[int] = ()) -> dict:
+                   queued_ns: Sequence[int] = (), isolate: bool = True) -> dict:
         """One batch a batching tier checked and joined (:meth:`BatchRunner.run_joined`: one run, no check again)
         plus counters. Returns ``{"outputs": {name: array}, "axes": {name: axis}}`` (every row of the batch; the
         caller slices each request's rows back along ``axes``), or, when the run failed, ``{"answers": [...]}``:
-        each request's own answer (:meth:`answers`, run alone: outputs, a 400 or a 500)."""
+        each request's own answer (:meth:`answers`, run alone: outputs, a 400 or a 500). ``isolate=False``: a run
+        that raises raises here (:meth:`BatchRunner.run_joined`)."""
         t0 = time.perf_counter_ns()
-        got = self.runner.run_joined(feeds, rows)
+        got = self.runner.run_joined(feeds, rows, isolate)
         results = got if isinstance(got, list) else [None] * len(rows)
         self._count(results, sum(int(r) for r in rows), time.perf_counter_ns() - t0, queued_ns)
         if isinstance(got, list):

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ortcapture.errors import TransferError
+from ortcapture.serving.cuda_shm import DeviceRows, DeviceTensor
 from ortcapture.transfer import check_feeds, input_specs
 
 
@@ -83,8 +84,16 @@ class RequestCheck:
         """
         if not isinstance(request, Mapping):
             raise RequestError(f"a request is a mapping {{input name: numpy array}}, got a {type(request).__name__}")
+        checked = request
+        if any(isinstance(v, DeviceTensor) for v in request.values()):  # in a CUDA region: shape and dtype only
+            checked = {}
+            for name, v in request.items():
+                if isinstance(v, DeviceTensor) and self.input_axes.get(name) != 0:
+                    raise RequestError(f"input {name!r}: CUDA shared memory is for inputs batched on axis 0; send "
+                                       "this one in the request or in system shared memory", name)
+                checked[name] = v.stand_in() if isinstance(v, DeviceTensor) else v
         try:  # the feed plan's own check, without a device: what passes is what a graph's copy accepts
-            check_feeds(self.specs, request, self.value_rules)
+            check_feeds(self.specs, checked, self.value_rules)
         except TransferError as exc:
             text = str(exc)
             named = next((n for n in (*self.names, *request) if text.startswith(f"input {n!r}")), None)
@@ -113,8 +122,8 @@ def group_key(request: Mapping[str, np.ndarray], names: Sequence[str], input_axe
         axis = input_axes.get(name)
         if axis is None:
             parts.append((v.shape, v.tobytes()))
-        else:
-            parts.append(tuple(-1 if ax == axis else d for ax, d in enumerate(v.shape)))
+        else:  # rows in CUDA regions are gathered on the device: a group of their own
+            parts.append((isinstance(v, DeviceTensor), *(-1 if ax == axis else d for ax, d in enumerate(v.shape))))
     return tuple(parts)
 
 
@@ -150,7 +159,12 @@ def pieces(requests: Sequence[Mapping[str, np.ndarray]], chunk: Sequence[tuple[i
         parts = []
         for i, start, stop in chunk:
             v = requests[i][name]
-            parts.append(v if start == 0 and stop == v.shape[axis] else take(v, axis, start, stop))
+            if isinstance(v, DeviceTensor):  # a reference: the session replica gathers the rows
+                parts.append((v, start, stop))
+            elif not isinstance(v, np.ndarray):  # rows gathered on the device (a CUDA OrtValue): taken whole
+                parts.append(v)
+            else:
+                parts.append(v if start == 0 and stop == v.shape[axis] else take(v, axis, start, stop))
         out.append((name, parts, axis))
     return out
 
@@ -160,8 +174,14 @@ def join(requests: Sequence[Mapping[str, np.ndarray]], chunk: Sequence[tuple[int
     """The feeds of one run: each batched input of ``chunk``'s ``(index, first row, end row)`` pieces concatenated
     along its axis (one piece: the request's own array, no copy); an input without the batched dim is the first
     request's (the group agrees on it)."""
-    return {name: parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+    return {name: DeviceRows.of(parts) if isinstance(parts[0], tuple) else
+            parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
             for name, parts, axis in pieces(requests, chunk, names, input_axes)}
+
+
+def on_device(request: Mapping[str, Any]) -> bool:
+    """Whether a checked request has an input in a CUDA region (:class:`DeviceTensor`)."""
+    return any(isinstance(v, DeviceTensor) for v in request.values())
 
 
 def split_feeds(feeds: Mapping[str, np.ndarray], rows: Sequence[int], input_axes: Mapping[str, int]) -> list[dict]:

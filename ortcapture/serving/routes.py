@@ -162,8 +162,8 @@ class Router:
             if rest[1] == "live":
                 return json_response(200, {"live": True})
             return await self._readiness()
-        if rest[0] == "systemsharedmemory" and self._shm is not None:  # hook: ortcapture.serving.shm_store
-            return await self._shm.route(method, rest[1:], client, read_body)
+        if rest[0] in ("systemsharedmemory", "cudasharedmemory") and self._shm is not None:  # hook: shm_store
+            return await self._shm.route(method, rest[1:], client, read_body, rest[0][:-len("sharedmemory")])
         if rest[0] != "models":
             return error(404, f"unknown endpoint {path[:200]!r}")
         if rest == ["models", "stats"]:
@@ -227,10 +227,11 @@ class Router:
         header_length, plan = headers.get(protocol.HEADER_LENGTH.lower()), None
         if self._shm is not None:  # hook: inputs read from shared memory regions (ortcapture.serving.shm_store)
             body, header_length, plan = await self._shm.prepare_http(body, header_length, self.spec)
-        request = protocol.parse_infer_request(body, header_length, self.spec)
+        request = protocol.parse_infer_request(body, header_length, self.spec,
+                                               plan.device_inputs if plan is not None else ())
         if plan is not None:
             plan.take_outputs(request)
-        result = await self._infer(request.inputs)
+        result = await self._infer(request.inputs, **(plan.infer_kwargs() if plan is not None else {}))
         if "error" in result:
             retry = result.get("retry_after")
             return error(int(result.get("status", 500)), str(result["error"]),

@@ -33,6 +33,9 @@ from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_repli
 from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.merge import merge_runs, mergeable, split_answer
 from ortcapture.serving.slots import SlotMissing, SlotReader
+from ortcapture.serving.cuda_shm import DeviceRows
+from ortcapture.serving.requests import take
+from ortcapture.serving.shm import ShmError
 
 
 class ModelSession:
@@ -65,6 +68,9 @@ class ModelSession:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         self._slot_reader = SlotReader()  # the tier replicas' batch slots (node-local shared memory), mapped once
+        self._ipc = None  # the clients' CUDA regions this replica opened (ortcapture.serving.cuda_ipc), on first use
+        self._registry = None  # the shared memory registry (which of them are still registered), on first use
+        self._provider = provider
         # batches queued for the replay thread; it takes them all at once and merges their runs (_drain)
         self._queue: collections.deque = collections.deque()
         self._queue_lock = threading.Lock()
@@ -185,7 +191,7 @@ class ModelSession:
         ``k`` as soon as it is complete. A call that ``alive(k)`` says was given up on writes nothing into its slot
         (the tier may have given the slot to another batch)."""
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
-        merged = merge_runs([run for _, run, _ in flat], self._merge_rows, self._mergeable)
+        merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable)
         answers: list[list] = [[] for _ in calls]
         failed: list = [None] * len(calls)
         left = [0] * len(calls)
@@ -208,7 +214,12 @@ class ModelSession:
         for members, feeds, rows in merged:
             try:
                 queued = [t for i in members for t in flat[i][2]]
-                answer = self.core.run_joined(feeds, rows, queued)
+                if any(isinstance(v, DeviceRows) for v in feeds.values()):  # rows in CUDA regions
+                    answer = self._run_device(feeds, rows, queued)
+                else:
+                    answer = self.core.run_joined(feeds, rows, queued)
+                if len(flat[members[0]][1]) > 2:  # outputs into CUDA regions
+                    answer = self._device_outputs(answer, rows, flat[members[0]][1][2])
                 self._metrics.batch(sum(rows), answer, len(rows))
                 self.merged_runs += len(members) - 1
                 parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
@@ -224,6 +235,80 @@ class ModelSession:
                 if left[c] == 0:
                     finish(c)
         return [f if f is not None else a for f, a in zip(failed, answers)]
+
+    def _ipc_memory(self):
+        if self._ipc is None:
+            from ortcapture.serving.cuda_ipc import IpcMemory
+
+            self._ipc = IpcMemory()
+        return self._ipc
+
+    def _gather(self, feeds: dict) -> dict:
+        """``feeds`` with each :class:`~ortcapture.serving.cuda_shm.DeviceRows` gathered into a CUDA ``OrtValue``
+        (the feed path copies it device to device into the graph's buffer). Raises ShmError."""
+        return {n: self._ipc_memory().gather(v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
+
+    def _run_device(self, feeds: dict, rows, queued) -> dict:
+        """A run whose rows are in CUDA regions: gathered on the device and run once; if that run raises, each
+        request is gathered and run alone (its own answer, :meth:`ReplicaCore.answers`). A region that cannot be
+        read (its handle no longer opens) is its request's 400."""
+        try:
+            return self.core.run_joined(self._gather(feeds), rows, queued, isolate=False)
+        except ShmError as exc:
+            if len(rows) == 1:
+                return {"answers": [{"error": str(exc), "status": 400}]}
+        except Exception as exc:  # noqa: BLE001 - each request alone below
+            if len(rows) == 1:
+                return {"answers": self.core.answers([exc])}
+        results: list = []
+        for i, n in enumerate(rows):
+            own = {k: DeviceRows.of([v.parts[i]]) if isinstance(v, DeviceRows) else v for k, v in feeds.items()}
+            try:
+                got = self.core.run_joined(self._gather(own), [n], isolate=False)
+                results.append(got["outputs"])
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                results.append(exc)
+        return {"answers": self.core.answers(results), "axes": self.core.runner.output_axes}
+
+    def _device_outputs(self, answer: dict, rows, outs) -> dict:
+        """Each request's rows of the outputs it names into CUDA regions (``outs``: per request ``{output name:
+        Ref}`` or ``None``), written there; a request whose region is too small gets its own 400 (the others their
+        outputs)."""
+        if "outputs" in answer:
+            axes, offset, own = answer["axes"], 0, []
+            for n in rows:
+                own.append({"outputs": {name: take(o, axes[name], offset, offset + n)
+                                        for name, o in answer["outputs"].items()}})
+                offset += n
+        else:
+            own = list(answer["answers"])
+        bad = False
+        for k, want in enumerate(outs):
+            if not want or "outputs" not in own[k]:
+                continue
+            try:
+                for name, ref in want.items():
+                    self._ipc_memory().write(ref, own[k]["outputs"][name], f"output {name!r}")
+            except ShmError as exc:
+                own[k] = {"error": str(exc), "status": 400}
+                bad = True
+        return {"answers": own} if bad or "answers" in answer else answer
+
+    async def open_cuda_region(self, region) -> str | None:
+        """Open a client's CUDA region (:class:`~ortcapture.serving.shm.Region` of kind ``"cuda"``) and keep it
+        open: ``None``, or why it cannot be (a server not on CUDA, a handle that does not open here, a size past
+        the allocation). The tier asks one replica when a client registers the region; the others open it on first
+        use."""
+        if self._provider != "cuda":
+            return f"CUDA shared memory needs the CUDA provider; this replica runs {self._provider}"
+        try:
+            # on the replay thread, which gathers from the regions (a name registered again closes its old handle)
+            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._ipc_memory().open, region))
+        except ShmError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - cuda-python missing, a driver error: the client's 400
+            return f"region {region.name!r}: cannot open the CUDA IPC handle here ({type(exc).__name__}: {exc})"[:300]
+        return None
 
     def _into_slot(self, slot: dict, out: list[dict]) -> None:
         """A call's outputs into its batch slot, when they fit (else they go back by value through Ray)."""
@@ -264,6 +349,14 @@ class ModelSession:
             self._stats = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._app)
         await self._stats.report.remote(self.replica_id, self._report())
         self._metrics.graphs(self.core)
+        if self._ipc is not None and self._ipc.names():  # close the handles of CUDA regions unregistered since
+            from ortcapture.serving.shm_store import ActorRegistry
+
+            if self._registry is None:
+                self._registry = ActorRegistry(f"{self.options.app_name}-shm")
+            live = await self._registry.lookup(self._ipc.names())
+            # on the replay thread, which gathers from them: never closed under a copy in progress
+            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._ipc.forget, live))
 
     def __del__(self):
         """Graceful shutdown (Serve calls this after requests in flight finished): release the graphs."""
@@ -279,6 +372,9 @@ class ModelSession:
         reader = getattr(self, "_slot_reader", None)
         if reader is not None:
             reader.close()
+        ipc = getattr(self, "_ipc", None)
+        if ipc is not None:
+            ipc.close()
 
 
 def _settle(future: asyncio.Future, result) -> None:

@@ -23,7 +23,7 @@ import ipaddress
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 from urllib.parse import unquote
 
@@ -51,9 +51,20 @@ class Region:
     offset: int
     byte_size: int
     generation: int = 0
+    #: a CUDA region (:mod:`ortcapture.serving.cuda_shm`): the CUDA IPC handle (64 bytes) and the client's device
+    raw_handle: bytes = b""
+    device_id: int = -1
+
+    @property
+    def kind(self) -> str:
+        """``"cuda"`` (a CUDA IPC handle, Triton's CUDA shared memory extension) or ``"system"``."""
+        return "cuda" if self.raw_handle else "system"
 
     def status(self) -> dict:
-        """Triton's status entry of the region: ``name``, ``key``, ``offset``, ``byte_size``."""
+        """Triton's status entry of the region: ``name``, ``key``, ``offset``, ``byte_size`` (CUDA: ``name``,
+        ``device_id``, ``byte_size``)."""
+        if self.raw_handle:
+            return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
@@ -102,42 +113,65 @@ class Regions:
 
     def register(self, name, key, offset, byte_size) -> Region:
         """Register region ``name``. Raises :class:`ShmError`: an empty or non-string name, a name registered
-        already (unregister it first), a bad key, an offset or size that is not an integer >= 0, a size of 0."""
-        if not isinstance(name, str) or not name or len(name) > 255:
-            raise ShmError(f"a shared memory region's name must be a non-empty string, got {name!r}"[:200])
-        if name in self._regions:
-            raise ShmError(f"shared memory region {name!r} is registered already: unregister it first")
+        already (unregister it first; system and CUDA regions share the names, as in Triton), a bad key, an offset
+        or size that is not an integer >= 0, a size of 0."""
+        self._free_name(name)
         check_key(key)
         offset = _int(offset, f"region {name!r}: offset")
         size = _int(byte_size, f"region {name!r}: byte_size")
         if size == 0:
             raise ShmError(f"region {name!r}: byte_size must be at least 1")
+        return self._add(Region(name, key, offset, size))
+
+    def register_cuda(self, name, raw_handle: bytes, device_id, byte_size) -> Region:
+        """Register CUDA region ``name``: ``byte_size`` bytes of the allocation ``raw_handle`` (a CUDA IPC handle,
+        checked by :func:`ortcapture.serving.cuda_shm.check_register`) names on the client's ``device_id``.
+        Raises :class:`ShmError` as :meth:`register` does."""
+        self._free_name(name)
+        if not isinstance(raw_handle, bytes) or not raw_handle:
+            raise ShmError(f"region {name!r}: raw_handle must be the CUDA IPC handle's bytes")
+        device = _int(device_id, f"region {name!r}: device_id")
+        size = _int(byte_size, f"region {name!r}: byte_size")
+        if size == 0:
+            raise ShmError(f"region {name!r}: byte_size must be at least 1")
+        return self._add(Region(name, "", 0, size, raw_handle=raw_handle, device_id=device))
+
+    def _free_name(self, name) -> None:
+        if not isinstance(name, str) or not name or len(name) > 255:
+            raise ShmError(f"a shared memory region's name must be a non-empty string, got {name!r}"[:200])
+        if name in self._regions:
+            raise ShmError(f"shared memory region {name!r} is registered already: unregister it first")
+
+    def _add(self, region: Region) -> Region:
         self._generation += 1
-        region = Region(name, key, offset, size, self._generation)
-        self._regions[name] = region
+        region = replace(region, generation=self._generation)
+        self._regions[region.name] = region
         return region
 
-    def unregister(self, name: str | None = None) -> list[str]:
-        """Unregister ``name`` (an unknown name is not an error, as in Triton), or every region with ``None`` or
-        ``""``; returns the names removed."""
+    def unregister(self, name: str | None = None, kind: str = "system") -> list[str]:
+        """Unregister ``name`` (an unknown name, or one of the other ``kind``, is not an error, as in Triton), or
+        every region of ``kind`` (``"system"``, ``"cuda"``) with ``None`` or ``""``; returns the names removed."""
         if not name:
-            names = list(self._regions)
-            self._regions.clear()
-            return names
-        return [name] if self._regions.pop(name, None) is not None else []
+            names = [n for n, r in self._regions.items() if r.kind == kind]
+        else:
+            names = [name] if name in self._regions and self._regions[name].kind == kind else []
+        for n in names:
+            del self._regions[n]
+        return names
 
-    def status(self, name: str | None = None) -> list[dict]:
-        """Triton's status: every region (``None``/``""``) or the one named; :class:`ShmError` for an unknown
-        name."""
+    def status(self, name: str | None = None, kind: str = "system") -> list[dict]:
+        """Triton's status of the regions of ``kind``: every one (``None``/``""``) or the one named;
+        :class:`ShmError` for a name not registered as that kind."""
         if not name:
-            return [r.status() for r in self._regions.values()]
-        return [self.get(name).status()]
+            return [r.status() for r in self._regions.values() if r.kind == kind]
+        return [self.get(name, kind).status()]
 
-    def get(self, name: str) -> Region:
-        """Region ``name``; :class:`ShmError` when none is registered under it."""
+    def get(self, name: str, kind: str | None = None) -> Region:
+        """Region ``name`` (of ``kind`` when given); :class:`ShmError` when none is registered under it."""
         region = self._regions.get(name)
-        if region is None:
-            raise ShmError(f"shared memory region {str(name)[:100]!r} is not registered")
+        if region is None or (kind is not None and region.kind != kind):
+            what = "" if kind is None else f"{kind} "
+            raise ShmError(f"{what}shared memory region {str(name)[:100]!r} is not registered")
         return region
 
     def lookup(self, names) -> dict[str, Region]:

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ortcapture.serving import protocol, shm
+from ortcapture.serving import cuda_shm, protocol, shm
 from ortcapture.serving.shm import Maps, Ref, Region, Regions, ShmError
 
 
@@ -37,13 +37,17 @@ class LocalRegistry:
         """:meth:`Regions.register`."""
         return self.regions.register(name, key, offset, byte_size)
 
-    async def unregister(self, name: str | None) -> list[str]:
-        """:meth:`Regions.unregister`."""
-        return self.regions.unregister(name)
+    async def register_cuda(self, name, raw_handle, device_id, byte_size) -> Region:
+        """:meth:`Regions.register_cuda`."""
+        return self.regions.register_cuda(name, raw_handle, device_id, byte_size)
 
-    async def status(self, name: str | None) -> list[dict]:
+    async def unregister(self, name: str | None, kind: str = "system") -> list[str]:
+        """:meth:`Regions.unregister`."""
+        return self.regions.unregister(name, kind)
+
+    async def status(self, name: str | None, kind: str = "system") -> list[dict]:
         """:meth:`Regions.status`."""
-        return self.regions.status(name)
+        return self.regions.status(name, kind)
 
     async def lookup(self, names) -> dict[str, Region]:
         """:meth:`Regions.lookup`."""
@@ -96,13 +100,17 @@ class ActorRegistry:
         """:meth:`Regions.register` in the actor."""
         return await self._call("register", name, key, offset, byte_size)
 
-    async def unregister(self, name: str | None) -> list[str]:
-        """:meth:`Regions.unregister` in the actor."""
-        return await self._call("unregister", name)
+    async def register_cuda(self, name, raw_handle, device_id, byte_size) -> Region:
+        """:meth:`Regions.register_cuda` in the actor."""
+        return await self._call("register_cuda", name, raw_handle, device_id, byte_size)
 
-    async def status(self, name: str | None) -> list[dict]:
+    async def unregister(self, name: str | None, kind: str = "system") -> list[str]:
+        """:meth:`Regions.unregister` in the actor."""
+        return await self._call("unregister", name, kind)
+
+    async def status(self, name: str | None, kind: str = "system") -> list[dict]:
         """:meth:`Regions.status` in the actor."""
-        return await self._call("status", name)
+        return await self._call("status", name, kind)
 
     async def lookup(self, names) -> dict[str, Region]:
         """:meth:`Regions.lookup` in the actor."""
@@ -125,10 +133,14 @@ class ShmStore:
     :class:`ActorRegistry`) and this process's mappings. ``allow_remote``: registration from a client that is not
     on loopback is allowed too."""
 
-    def __init__(self, registry, *, allow_remote: bool = False):
+    def __init__(self, registry, *, allow_remote: bool = False, cuda_open=None, provider: str = "cuda"):
         self.registry = registry
         self.allow_remote = allow_remote
         self.maps = Maps()
+        #: CUDA shared memory: ``async (Region) -> None`` that has a session replica open the region (raising
+        #: :class:`ShmError` when it cannot), or ``None``: refused (the server does not run on CUDA: ``provider``)
+        self.cuda_open = cuda_open
+        self.provider = provider
 
     # -- the extension's operations (HTTP and gRPC share them) --------------------------------------------------
     async def register(self, name, key, offset, byte_size, peer: str | None) -> Region:
@@ -143,14 +155,33 @@ class ShmStore:
         self.maps.drop(name)
         return region
 
-    async def unregister(self, name: str | None) -> None:
-        """Unregister ``name`` (or every region with ``None``/``""``) and unmap it here."""
-        for n in await self.registry.unregister(name or None):
+    async def register_cuda(self, name, raw_handle, device_id, byte_size, peer: str | None) -> Region:
+        """Register CUDA region ``name`` (:mod:`ortcapture.serving.cuda_shm`) for a client at ``peer``: the handle
+        is checked here and opened by a session replica before the name is taken. :class:`ShmError` for a refusal
+        (a server not on CUDA, a remote client, a bad handle, device id or size, a handle that does not open, a
+        size past the allocation, a name registered already)."""
+        if self.cuda_open is None:
+            raise ShmError(f"CUDA shared memory needs the CUDA provider; this server runs {self.provider} (use "
+                           "system shared memory: /v2/systemsharedmemory)")
+        if not self.allow_remote and not shm.is_loopback(peer):
+            raise ShmError(f"shared memory registration is only for clients on this machine (loopback); "
+                           f"{str(peer)[:60]} is not (the server's --allow-remote-shared-memory lifts this)")
+        handle = cuda_shm.check_register(name, raw_handle, device_id, byte_size)
+        probe = Regions().register_cuda(name, handle, device_id, byte_size)  # the same checks, before opening
+        if await self.registry.lookup([name]):
+            raise ShmError(f"shared memory region {name!r} is registered already: unregister it first")
+        await self.cuda_open(probe)
+        return await self.registry.register_cuda(name, handle, device_id, byte_size)
+
+    async def unregister(self, name: str | None, kind: str = "system") -> None:
+        """Unregister ``name`` (or every region of ``kind`` with ``None``/``""``) and unmap it here (a session
+        replica closes a CUDA region's handle within about a second)."""
+        for n in await self.registry.unregister(name or None, kind):
             self.maps.drop(n)
 
-    async def status(self, name: str | None) -> list[dict]:
-        """Triton's status of ``name`` or of every region."""
-        return await self.registry.status(name or None)
+    async def status(self, name: str | None, kind: str = "system") -> list[dict]:
+        """Triton's status of ``name`` or of every region of ``kind``."""
+        return await self.registry.status(name or None, kind)
 
     async def regions(self, names) -> dict[str, Region]:
         """The registered regions among ``names`` (mappings of names no longer registered are dropped)."""
@@ -171,6 +202,7 @@ class ShmStore:
         """Server shutdown: unregister every region, unmap them, end the registry actor (best effort)."""
         try:
             await self.registry.unregister(None)
+            await self.registry.unregister(None, "cuda")
         except Exception:  # noqa: BLE001 - the registry is gone already
             pass
         self.close()
@@ -179,11 +211,12 @@ class ShmStore:
             kill()
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
-    async def route(self, method: str, rest: list[str], peer: str | None, read_body):
-        """Answer ``/v2/systemsharedmemory/<rest>``: ``region/NAME/register`` (POST ``{"key", "offset",
-        "byte_size"}``), ``region/NAME/unregister``, ``unregister`` (POST), ``region/NAME/status``, ``status``
-        (GET). Returns a :class:`ortcapture.serving.routes.Response`; refusals are 400 (404 an unknown path, 405
-        a wrong method)."""
+    async def route(self, method: str, rest: list[str], peer: str | None, read_body, kind: str = "system"):
+        """Answer ``/v2/systemsharedmemory/<rest>`` (``kind`` ``"system"``) or ``/v2/cudasharedmemory/<rest>``
+        (``"cuda"``): ``region/NAME/register`` (POST ``{"key", "offset", "byte_size"}``; CUDA: ``{"raw_handle":
+        {"b64"}, "device_id", "byte_size"}``), ``region/NAME/unregister``, ``unregister`` (POST),
+        ``region/NAME/status``, ``status`` (GET). Returns a :class:`ortcapture.serving.routes.Response`; refusals
+        are 400 (404 an unknown path, 405 a wrong method)."""
         from ortcapture.serving.routes import error, json_response
 
         name = None
@@ -192,7 +225,8 @@ class ShmStore:
         elif len(rest) == 1:
             op = rest[0]
         else:
-            return error(404, "unknown endpoint: /v2/systemsharedmemory/[region/NAME/]{register,unregister,status}")
+            return error(404, f"unknown endpoint: /v2/{kind}sharedmemory/[region/NAME/]{{register,unregister,"
+                              "status}")
         want = "GET" if op == "status" else "POST"
         if op not in ("register", "unregister", "status") or (op == "register" and name is None):
             return error(404, f"unknown shared memory endpoint {'/'.join(rest)[:100]!r}")
@@ -200,20 +234,23 @@ class ShmStore:
             return error(405, f"this endpoint takes {want}")
         try:
             if op == "status":
-                return json_response(200, await self.status(name))
+                return json_response(200, await self.status(name, kind))
             if op == "unregister":
-                await self.unregister(name)
+                await self.unregister(name, kind)
                 return json_response(200, {})
+            fields = ("raw_handle", "device_id", "byte_size") if kind == "cuda" else ("key", "offset", "byte_size")
             body = await read_body(64 * 1024)
             try:
                 req = json.loads(body or b"{}")
             except ValueError:
-                raise ShmError("the register request is not valid JSON: send {\"key\", \"offset\", \"byte_size\"}") \
-                    from None
-            if not isinstance(req, dict) or "key" not in req or "byte_size" not in req:
-                raise ShmError("the register request must be a JSON object with 'key' and 'byte_size' "
-                               "(and 'offset')")
-            await self.register(name, req["key"], req.get("offset", 0), req["byte_size"], peer)
+                raise ShmError(f"the register request is not valid JSON: send {{{', '.join(fields)}}}") from None
+            if not isinstance(req, dict) or fields[0] not in req or "byte_size" not in req:
+                raise ShmError(f"the register request must be a JSON object with {fields[0]!r} and 'byte_size' "
+                               f"(and {fields[1]!r})")
+            if kind == "cuda":
+                await self.register_cuda(name, req["raw_handle"], req.get("device_id", 0), req["byte_size"], peer)
+            else:
+                await self.register(name, req["key"], req.get("offset", 0), req["byte_size"], peer)
             return json_response(200, {})
         except ShmError as exc:
             return error(400, str(exc))
@@ -245,11 +282,17 @@ class ShmStore:
         binary = memoryview(body)[head_end:]
         pos, pieces = 0, []
         expected = _expected_bytes(req["inputs"], spec)
-        for t in req["inputs"]:
+        plan = ShmPlan()
+        specs = {s.name: s for s in spec.inputs}
+        for t in list(req["inputs"]):
             params = t.get("parameters") if isinstance(t, dict) else None
             if isinstance(params, dict) and shm.uses_shm(params):
                 where = f"input {str(t.get('name'))[:100]!r}"
                 ref = shm.reference(params, where, regions)
+                if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
+                    plan.device_inputs[str(t.get("name"))] = cuda_shm.device_tensor(ref, t, specs, where)
+                    req["inputs"].remove(t)
+                    continue
                 _check_size(ref, expected.get(t.get("name")), where)
                 data = self.maps.read(ref)
                 t["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
@@ -260,12 +303,11 @@ class ShmStore:
                 pieces.append(binary[pos:pos + size])
                 pos += size
         pieces.append(binary[pos:])  # bytes no input declares: the protocol says so
-        plan = ShmPlan()
         for o in req.get("outputs") or []:
             params = o.get("parameters") if isinstance(o, dict) else None
             if isinstance(params, dict) and shm.uses_shm(params):
                 where = f"output {str(o.get('name'))[:100]!r}"
-                plan.outputs[str(o.get("name"))] = shm.reference(params, where, regions)
+                plan.add_output(str(o.get("name")), shm.reference(params, where, regions), spec)
                 o["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
         head = json.dumps(req).encode()
         return head + b"".join(bytes(p) for p in pieces), str(len(head)), plan
@@ -293,7 +335,7 @@ class ShmStore:
                     payload: bytes, headers: dict) -> tuple[bytes, dict]:
         """The ``/infer`` response with the outputs ``plan`` sends to regions written there and listed (without
         data) in its JSON."""
-        entries = self.write_outputs(plan, outputs, spec)
+        entries = self.write_outputs(plan, outputs, spec) + plan.device_entries(outputs)
         n = int(headers.get(protocol.HEADER_LENGTH, len(payload)))
         head = json.loads(payload[:n])
         head["outputs"] = head.get("outputs", []) + entries
@@ -305,13 +347,41 @@ class ShmStore:
 
 @dataclass
 class ShmPlan:
-    """The requested outputs an infer request sends to regions: ``{output name: checked Ref}``."""
+    """What an infer request keeps in shared memory: ``outputs`` ``{output name: checked Ref}`` written to system
+    regions here; ``device_inputs`` ``{input name: DeviceTensor}`` and ``device_outputs`` ``{output name: (Ref,
+    datatype)}`` in CUDA regions (:mod:`ortcapture.serving.cuda_shm`: read and written by the session replica)."""
 
     outputs: dict[str, Ref] = field(default_factory=dict)
+    device_inputs: dict[str, cuda_shm.DeviceTensor] = field(default_factory=dict)
+    device_outputs: dict[str, tuple[Ref, str]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs or self.device_inputs or self.device_outputs)
+
+    def add_output(self, name: str, ref: Ref, spec: protocol.ModelSpec) -> None:
+        """A requested output's checked region reference, by the region's kind."""
+        if ref.region.kind != "cuda":
+            self.outputs[name] = ref
+            return
+        specs = {s.name: s.datatype for s in spec.outputs}
+        if name not in specs:
+            raise ShmError(f"output {name[:100]!r}: the model has no such output")
+        self.device_outputs[name] = (ref, specs[name])
 
     def take_outputs(self, request: protocol.InferRequest) -> None:
-        """Leave the outputs that go to regions out of ``request``'s response tensors."""
-        request.outputs = [(n, b) for n, b in request.outputs if n not in self.outputs]
+        """Leave the outputs that go to regions out of ``request``'s response tensors, and put the inputs in CUDA
+        regions into its feeds."""
+        request.outputs = [(n, b) for n, b in request.outputs if n not in self.outputs and n not in
+                           self.device_outputs]
+        request.inputs.update(self.device_inputs)
+
+    def infer_kwargs(self) -> dict:
+        """What the ingress's ``infer`` takes besides the feeds: ``{"device_outputs": {name: Ref}}`` or ``{}``."""
+        return {"device_outputs": {n: r for n, (r, _) in self.device_outputs.items()}} if self.device_outputs else {}
+
+    def device_entries(self, outputs: Mapping[str, Any]) -> list[dict]:
+        """The response entries of the outputs the session replica wrote into CUDA regions."""
+        return cuda_shm.region_entries(outputs, self.device_outputs)
 
 
 def _tensor_params(*lists):

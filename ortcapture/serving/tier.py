@@ -32,9 +32,11 @@ from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.ray_common import (SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
                                            keep_replica_grpc_on_loopback, quick_gil_handoff)
-from ortcapture.serving.requests import RequestCheck, RequestError, answers_of, group_key, join, pack, pieces
+from ortcapture.serving.requests import (RequestCheck, RequestError, answers_of, group_key, join, on_device, pack,
+                                         pieces)
 from ortcapture.serving.slots import batch_slots
 from ortcapture.serving.routes import RETRY_AFTER_S, STALE_S, Refusal, Router
+from ortcapture.serving.shm import ShmError
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
 _log = logging.getLogger("ortcapture.serving")
@@ -130,13 +132,17 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._others: dict[str, tuple[float, dict]] = {}
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         # system shared memory: its registry one named actor per application (ortcapture.serving.shm_store)
-        self.shm = ShmStore(ActorRegistry(f"{options.app_name}-shm"), allow_remote=options.allow_remote_shared_memory)
+        self.shm = ShmStore(ActorRegistry(f"{options.app_name}-shm"), allow_remote=options.allow_remote_shared_memory,
+                            cuda_open=self._cuda_open if provider == "cuda" else None, provider=provider)
         self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
                              token=options.token, ingress_stats=self._ingress_stats, shm=self.shm)
 
     # -- the handle method and the router's backend -------------------------------------------------------------
-    async def infer(self, feeds: dict) -> dict:
+    async def infer(self, feeds: dict, device_outputs: dict | None = None) -> dict:
         """One request, ``{input name: numpy array}`` (its rows along the batch dim, at most ``max_batch_size``).
+        From the HTTP and gRPC routes, an input may be a :class:`~ortcapture.serving.cuda_shm.DeviceTensor` (in a
+        CUDA region) and ``device_outputs`` ``{output name: Ref}`` names CUDA regions the session replica writes
+        those outputs into (:mod:`ortcapture.serving.cuda_shm`).
 
         Returns:
             ``{"outputs": {output name: numpy array}}`` (this request's rows only), or ``{"error": message,
@@ -159,7 +165,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._queued += 1
         self._infers += 1
         try:
-            return await asyncio.wait_for(self.batcher.submit(rows, feeds), o.request_timeout_s)
+            return await asyncio.wait_for(self.batcher.submit(rows, (feeds, device_outputs)), o.request_timeout_s)
         except asyncio.TimeoutError:
             self._refused["request_timeout"] += 1
             return {"error": f"no model replica answered within {o.request_timeout_s:g} s", "status": 503,
@@ -171,10 +177,11 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
     async def _run_batch(self, items: list[Item]) -> list[dict]:
         """The batcher's ``run``: group and join the batch into runs, ONE call to a session replica, rows back."""
         names, axes = self.check.names, self.check.input_axes
-        requests = [it.payload for it in items]
+        requests = [it.payload[0] for it in items]
+        outs = [it.payload[1] for it in items]  # outputs into CUDA regions, per request (mostly None)
         groups: dict[tuple, list[tuple[int, int]]] = {}
         for k, it in enumerate(items):
-            groups.setdefault(group_key(it.payload, names, axes), []).append((k, it.rows))
+            groups.setdefault(group_key(requests[k], names, axes), []).append((k, it.rows))
         chunks = [c for members in groups.values() for c in pack(members, self.options.max_batch_size)]
         now = time.perf_counter_ns()
         rows = [[stop for _, _, stop in c] for c in chunks]
@@ -183,7 +190,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             self.session = ray_serve.get_deployment_handle(SESSION_DEPLOYMENT, self._session_app)
         self._sent["session_calls"] += 1
         self._sent["requests_sent"] += len(items)
-        slots = self._slots
+        device = any(outs) or any(on_device(r) for r in requests)  # CUDA regions: references, by value
+        slots = None if device else self._slots
         slot = await slots.acquire() if slots is not None else None
         answered = True  # False while the session replica may write into the slot (its call sent, not answered)
         t0 = time.perf_counter_ns()
@@ -200,7 +208,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                     self._sent["slot_batches"] += 1
                     self._misses_in_a_row = 0
             if answers is None:
-                runs = [(join(requests, c, names, axes), r) for c, r in zip(chunks, rows)]
+                runs = [(join(requests, c, names, axes), r) if not any(outs[k] for k, _, _ in c) else
+                        (join(requests, c, names, axes), r, [outs[k] for k, _, _ in c]) for c, r in zip(chunks, rows)]
                 answers = await self.session.run_batch.remote(runs, queued)
             self._sent["session_call_ns"] += time.perf_counter_ns() - t0
             return answers_of(len(items), chunks, answers, slot)
@@ -221,6 +230,18 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                     slots.release(slot)
                 else:  # failed or cancelled: the session replica may still write into it
                     slots.retire(slot)
+
+    async def _cuda_open(self, region) -> None:
+        """CUDA shared memory registration: a session replica opens ``region``'s handle (and keeps it open);
+        :class:`~ortcapture.serving.shm.ShmError` with its reason when it cannot."""
+        if self.session is None:
+            self.session = ray_serve.get_deployment_handle(SESSION_DEPLOYMENT, self._session_app)
+        try:
+            problem = await self.session.open_cuda_region.remote(region)
+        except (ray.exceptions.RayError, RayServeException) as exc:
+            raise ShmError(f"region {region.name!r}: no model replica could open it: {_first_line(exc)}") from None
+        if problem:
+            raise ShmError(problem)
 
     def _slot_missed(self) -> None:
         """A session replica found no batch slot of this tier replica (another machine). After

@@ -1,0 +1,156 @@
+"""Triton's CUDA shared memory extension, the device half: a session replica opens clients' CUDA IPC handles.
+
+The batching tier checks registrations and references (:mod:`ortcapture.serving.cuda_shm`) and sends a run's rows
+as :class:`~ortcapture.serving.cuda_shm.DeviceRows`. :class:`IpcMemory` lives in the session replica (the process
+with the CUDA context): it opens each region's handle once per registration (``cudaIpcOpenMemHandle``), checks that
+the region lies inside the allocation the handle names (``cuMemGetAddressRange``: a client that claims more bytes
+than it allocated gets a 400, never a read past its allocation), gathers a run's rows into one CUDA ``OrtValue``
+device to device (that value then goes through the feed path's device copy into the graph's input buffer, no host
+round trip), and writes outputs into regions. Handles are closed (``cudaIpcCloseMemHandle``) when a name is
+registered again, unregistered, or the replica stops.
+
+Uses cuda-python (``cuda.bindings``) and onnxruntime's ``OrtValue``; imported only where CUDA shared memory is used.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ortcapture.serving.cuda_shm import DeviceRows
+from ortcapture.serving.shm import Ref, Region, ShmError
+
+
+def _rt():
+    from cuda.bindings import runtime
+
+    return runtime
+
+
+def _check(err, what: str) -> None:
+    if int(err) != 0:
+        rt = _rt()
+        name = rt.cudaGetErrorName(err)[1]
+        raise ShmError(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
+
+
+class IpcMemory:
+    """The CUDA regions one session replica has opened (see the module docstring). Thread-safe.
+
+    Args:
+        device: the CUDA device this replica's graphs run on (the handles are opened there; with unified addressing
+            a region on a peer GPU is reached through it).
+    """
+
+    def __init__(self, device: int = 0):
+        self.device = int(device)
+        self._open: dict[str, tuple[int, int]] = {}  # name -> (generation, device pointer)
+        self._scratch: dict[tuple, Any] = {}  # (shape, dtype) -> CUDA OrtValue the rows are gathered into
+        self._lock = threading.Lock()
+
+    def open(self, region: Region) -> int:
+        """The device pointer of ``region`` (opened on first use, again after a new registration of its name).
+
+        Raises:
+            ShmError: the handle does not open here (another machine, a freed allocation, a handle of this very
+                process), or ``byte_size`` is past the end of the allocation.
+        """
+        with self._lock:
+            held = self._open.get(region.name)
+            if held is not None and held[0] == region.generation:
+                return held[1]
+            self._close(region.name)
+            rt = _rt()
+            (err,) = rt.cudaSetDevice(self.device)
+            _check(err, "cudaSetDevice")
+            handle = rt.cudaIpcMemHandle_t()
+            import ctypes
+
+            ctypes.memmove(handle.getPtr(), region.raw_handle, len(region.raw_handle))
+            err, ptr = rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess)
+            _check(err, f"region {region.name!r}: cudaIpcOpenMemHandle")
+            ptr = int(ptr)
+            try:
+                self._check_size(region, ptr)
+            except BaseException:
+                rt.cudaIpcCloseMemHandle(ptr)
+                raise
+            self._open[region.name] = (region.generation, ptr)
+            return ptr
+
+    @staticmethod
+    def _check_size(region: Region, ptr: int) -> None:
+        from cuda.bindings import driver
+
+        err, base, size = driver.cuMemGetAddressRange(ptr)
+        if int(err) != 0:
+            raise ShmError(f"region {region.name!r}: cuMemGetAddressRange failed ({int(err)})")
+        left = int(base) + int(size) - ptr
+        if region.byte_size > left:
+            raise ShmError(f"region {region.name!r}: byte_size {region.byte_size} is past the end of the CUDA "
+                           f"allocation its handle names ({left} bytes)")
+
+    def _close(self, name: str) -> None:
+        held = self._open.pop(name, None)
+        if held is not None:
+            _rt().cudaIpcCloseMemHandle(held[1])
+
+    def names(self) -> list[str]:
+        """The regions open here."""
+        with self._lock:
+            return list(self._open)
+
+    def forget(self, live: dict[str, Region] | None = None) -> None:
+        """Close every handle (``live`` ``None``), or those whose names ``live`` (the registered regions) no longer
+        holds under the same registration."""
+        with self._lock:
+            for name, (gen, _) in list(self._open.items()):
+                if live is None or name not in live or live[name].generation != gen:
+                    self._close(name)
+
+    def gather(self, rows: DeviceRows):
+        """``rows`` joined into one CUDA ``OrtValue`` of ``rows.shape`` (device to device, ordered on the legacy
+        default stream and finished before it returns). The value is reused for the next run of that shape: feed
+        it before gathering again."""
+        import onnxruntime as ort
+
+        rt = _rt()
+        key = (rows.shape, rows.dtype.str)
+        with self._lock:
+            dst = self._scratch.get(key)
+        if dst is None:
+            dst = ort.OrtValue.ortvalue_from_shape_and_type(list(rows.shape), rows.dtype, "cuda", self.device)
+            with self._lock:
+                self._scratch[key] = dst
+        base = dst.data_ptr()
+        row_bytes = int(np.prod(rows.shape[1:], dtype=np.int64)) * rows.dtype.itemsize
+        at = 0
+        for t, start, stop in rows.parts:
+            src = self.open(t.ref.region) + t.ref.offset + start * row_bytes
+            n = (stop - start) * row_bytes
+            (err,) = rt.cudaMemcpyAsync(base + at, src, n, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, 0)
+            _check(err, f"region {t.ref.region.name!r}: cudaMemcpyAsync")
+            at += n
+        (err,) = rt.cudaStreamSynchronize(0)
+        _check(err, "cudaStreamSynchronize")
+        return dst
+
+    def write(self, ref: Ref, a: np.ndarray, where: str) -> None:
+        """Copy host array ``a`` (C order) to where ``ref`` points, finished before it returns. Raises
+        :class:`ShmError` when it is larger than ``ref.byte_size`` (nothing is written)."""
+        a = np.ascontiguousarray(a)
+        if a.nbytes > ref.byte_size:
+            raise ShmError(f"{where}: {a.nbytes} bytes do not fit its shared_memory_byte_size of {ref.byte_size}")
+        rt = _rt()
+        dst = self.open(ref.region) + ref.offset
+        (err,) = rt.cudaMemcpy(dst, a.ctypes.data, a.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice)
+        _check(err, f"{where}: cudaMemcpy")
+        (err,) = rt.cudaStreamSynchronize(0)
+        _check(err, "cudaStreamSynchronize")
+
+    def close(self) -> None:
+        """Close every handle and drop the gather buffers."""
+        self.forget()
+        with self._lock:
+            self._scratch.clear()

@@ -1,0 +1,304 @@
+"""CUDA shared memory (issue 45): registration checks, the one namespace with system regions, references checked in
+the tier, requests from CUDA regions checked and batched as references (no device here), the session replica's
+merge keeping them apart — and, marked ``cuda`` (run on the GPU machine), ``ortcapture serve`` on CUDA driven by
+``tritonclient.utils.cuda_shared_memory`` over HTTP and gRPC: inputs and outputs in device memory, every answer equal
+to the CPU EP, bad regions each a 400 and the server up."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from ortcapture.serving import cuda_shm, protocol, shm
+from ortcapture.serving.cuda_shm import DeviceRows, DeviceTensor, check_register
+from ortcapture.serving.merge import merge_runs
+from ortcapture.serving.protocol import ModelSpec, TensorSpec
+from ortcapture.serving.requests import RequestCheck, RequestError, group_key, join, on_device
+from ortcapture.serving.routes import Router
+from ortcapture.serving.shm import Regions, ShmError
+from ortcapture.serving.shm_store import LocalRegistry, ShmStore
+
+SPEC = ModelSpec(name="m", inputs=(TensorSpec("X", np.dtype(np.float32), (-1, 4)),),
+                 outputs=(TensorSpec("Y", np.dtype(np.float32), (-1, 4)),), batch_axes={"X": 0}, max_rows=8)
+HANDLE = bytes(range(64))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# -- registration --------------------------------------------------------------------------------------------------
+def test_check_register_takes_base64_or_raw_handles_and_refuses_the_rest():
+    assert check_register("a", {"b64": base64.b64encode(HANDLE).decode()}, 0, 16) == HANDLE
+    assert check_register("a", base64.b64encode(HANDLE), 0, 16) == HANDLE  # what tritonclient.http puts in b64
+    assert check_register("a", HANDLE, 0, 16) == HANDLE  # gRPC's raw bytes
+    for handle, dev, size, msg in [({"b64": "not base64!"}, 0, 16, "not base64"),
+                                   ({"b64": base64.b64encode(b"short").decode()}, 0, 16, "is 5 bytes"),
+                                   (12, 0, 16, "raw_handle must be"), (HANDLE, -1, 16, "device_id"),
+                                   (HANDLE, 0, True, "byte_size"), (HANDLE, "0", 16, "device_id")]:
+        with pytest.raises(ShmError, match=msg):
+            check_register("a", handle, dev, size)
+
+
+def test_cuda_and_system_regions_share_names_and_keep_their_own_status():
+    r = Regions()
+    c = r.register_cuda("c", HANDLE, 0, 64)
+    assert c.kind == "cuda" and c.status() == {"name": "c", "device_id": 0, "byte_size": 64}
+    with pytest.raises(ShmError, match="registered already"):
+        r.register("c", "/k", 0, 8)
+    s = r.register("s", "/k", 0, 8)
+    with pytest.raises(ShmError, match="registered already"):
+        r.register_cuda("s", HANDLE, 0, 8)
+    with pytest.raises(ShmError, match="at least 1"):
+        r.register_cuda("z", HANDLE, 0, 0)
+    assert r.status(kind="cuda") == [c.status()] and r.status() == [s.status()]
+    with pytest.raises(ShmError, match="cuda shared memory region 's' is not registered"):
+        r.status("s", "cuda")
+    assert r.unregister("c") == [] and r.unregister(None) == ["s"]  # system unregister leaves CUDA regions
+    assert r.unregister(None, "cuda") == ["c"] and len(r) == 0
+
+
+def _router(cuda_open=None, provider="cuda"):
+    store = ShmStore(LocalRegistry(), cuda_open=cuda_open, provider=provider)
+    seen = []
+
+    async def ready():
+        return True
+
+    async def infer(feeds, device_outputs=None):
+        seen.append((feeds, device_outputs))
+        x = feeds["X"]
+        rows = x.shape[0]
+        return {"outputs": {"Y": np.full((rows, 4), 7.0, np.float32)}}
+    return Router(SPEC, ready, infer, shm=store), store, seen
+
+
+def _call(router, method, path, body=b"", headers=None, client="127.0.0.1"):
+    async def read_body(cap):
+        return body
+    return run(router.handle(method, path, {k.lower(): v for k, v in (headers or {}).items()}, read_body, client))
+
+
+def _register(router, name, size, client="127.0.0.1", handle=HANDLE):
+    body = json.dumps({"raw_handle": {"b64": base64.b64encode(handle).decode()}, "device_id": 0,
+                       "byte_size": size}).encode()
+    return _call(router, "POST", f"/v2/cudasharedmemory/region/{name}/register", body, client=client)
+
+
+def test_rest_cuda_register_is_checked_opened_and_refused_off_cuda():
+    opened = []
+
+    async def cuda_open(region):
+        if region.byte_size > 1024:
+            raise ShmError(f"region {region.name!r}: byte_size {region.byte_size} is past the end of the allocation")
+        opened.append(region.name)
+    router, _, _ = _router(cuda_open)
+    assert _register(router, "a", 256).status == 200 and opened == ["a"]
+    res = _register(router, "a", 256)
+    assert res.status == 400 and b"registered already" in res.body and opened == ["a"]  # not opened again
+    res = _register(router, "big", 4096)  # the replica could not open it: refused, the name stays free
+    assert res.status == 400 and b"past the end of the allocation" in res.body
+    assert json.loads(_call(router, "GET", "/v2/cudasharedmemory/status").body) == [
+        {"name": "a", "device_id": 0, "byte_size": 256}]
+    assert json.loads(_call(router, "GET", "/v2/systemsharedmemory/status").body) == []
+    res = _register(router, "r", 64, client="10.1.2.3")
+    assert res.status == 400 and b"loopback" in res.body
+    res = _register(router, "h", 64, handle=b"x" * 10)
+    assert res.status == 400 and b"is 10 bytes" in res.body
+    assert _call(router, "POST", "/v2/cudasharedmemory/region/a/register", b"{}").status == 400
+    assert _call(router, "POST", "/v2/cudasharedmemory/region/a/unregister").status == 200
+    assert json.loads(_call(router, "GET", "/v2/cudasharedmemory/status").body) == []
+    off_cuda, _, _ = _router(None, provider="webgpu")
+    res = _register(off_cuda, "a", 256)
+    assert res.status == 400 and b"CUDA shared memory needs the CUDA provider; this server runs webgpu" in res.body
+
+
+def _infer_body(inputs, outputs=None):
+    head = json.dumps({"inputs": inputs, **({"outputs": outputs} if outputs is not None else {})}).encode()
+    return head, {protocol.HEADER_LENGTH: str(len(head))}
+
+
+def test_rest_infer_from_a_cuda_region_sends_a_reference_and_names_the_output_region():
+    async def cuda_open(region):
+        return None
+    router, _, seen = _router(cuda_open)
+    assert _register(router, "in", 256).status == 200 and _register(router, "out", 256).status == 200
+    body, headers = _infer_body([{"name": "X", "datatype": "FP32", "shape": [3, 4],
+                                  "parameters": {shm.REGION: "in", shm.OFFSET: 16, shm.BYTE_SIZE: 48}}],
+                                [{"name": "Y", "parameters": {shm.REGION: "out", shm.OFFSET: 32, shm.BYTE_SIZE: 48}}])
+    res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+    assert res.status == 200, res.body
+    feeds, outs = seen[-1]
+    x = feeds["X"]
+    assert isinstance(x, DeviceTensor) and x.shape == (3, 4) and x.dtype == np.float32
+    assert (x.ref.region.name, x.ref.offset, x.ref.byte_size) == ("in", 16, 48)
+    assert list(outs) == ["Y"] and (outs["Y"].region.name, outs["Y"].offset) == ("out", 32)
+    out = json.loads(res.body)["outputs"]
+    assert out == [{"name": "Y", "datatype": "FP32", "shape": [3, 4],
+                    "parameters": {shm.REGION: "out", shm.OFFSET: 32, shm.BYTE_SIZE: 48}}]
+    n = len(seen)
+    for inputs, msg in [
+        ([{"name": "X", "datatype": "FP32", "shape": [3, 4], "parameters": {shm.REGION: "in", shm.BYTE_SIZE: 32}}],
+         "its shape and datatype take 48 bytes"),
+        ([{"name": "X", "datatype": "FP32", "shape": [3, 4],
+           "parameters": {shm.REGION: "in", shm.OFFSET: 240, shm.BYTE_SIZE: 48}}], "past the end of region 'in'"),
+        ([{"name": "X", "datatype": "INT64", "shape": [3, 4], "parameters": {shm.REGION: "in", shm.BYTE_SIZE: 96}}],
+         "needs the model's datatype"),
+        ([{"name": "X", "datatype": "FP32", "shape": [3, 4], "parameters": {shm.REGION: "zz", shm.BYTE_SIZE: 48}}],
+         "'zz' is not a registered")]:
+        body, headers = _infer_body(inputs)
+        res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+        assert res.status == 400 and msg in json.loads(res.body)["error"], (msg, res.body)
+    assert len(seen) == n  # nothing ran
+
+
+# -- the tier's check and batching, the session replica's merge ----------------------------------------------------
+def _dev(rows: int, name: str = "in", offset: int = 0, dtype=np.float32, cols: int = 4) -> DeviceTensor:
+    region = Regions().register_cuda(name, HANDLE, 0, 4096)
+    return DeviceTensor(shm.Ref(region, offset, rows * cols * np.dtype(dtype).itemsize), (rows, cols), np.dtype(dtype))
+
+
+def test_request_check_checks_a_device_tensor_by_shape_and_dtype():
+    check = RequestCheck([("X", np.float32, (-1, 4))], {"X": 0}, 8)
+    assert check.rows({"X": _dev(3)}) == 3
+    with pytest.raises(RequestError, match="'X'"):
+        check.rows({"X": _dev(3, cols=5)})
+    with pytest.raises(RequestError, match="more than the 8"):
+        check.rows({"X": _dev(9)})
+    unbatched = RequestCheck([("X", np.float32, (-1, 4)), ("T", np.float32, (4,))], {"X": 0}, 8)
+    with pytest.raises(RequestError, match="CUDA shared memory is for inputs batched on axis 0"):
+        unbatched.rows({"X": np.zeros((1, 4), np.float32), "T": DeviceTensor(_dev(1).ref, (4,), np.dtype("f4"))})
+
+
+def test_device_requests_batch_apart_and_join_as_references():
+    host, a, b = {"X": np.zeros((2, 4), np.float32)}, {"X": _dev(1, offset=0)}, {"X": _dev(2, "b", 64)}
+    assert group_key(host, ["X"], {"X": 0}) != group_key(a, ["X"], {"X": 0}) == group_key(b, ["X"], {"X": 0})
+    assert on_device(a) and not on_device(host)
+    joined = join([a, b], [(0, 0, 1), (1, 0, 2)], ["X"], {"X": 0})["X"]
+    assert isinstance(joined, DeviceRows) and joined.shape == (3, 4) and joined.dtype == np.float32
+    assert [(t.ref.region.name, s, e) for t, s, e in joined.parts] == [("in", 0, 1), ("b", 0, 2)]
+    runs = [({"X": np.zeros((1, 4), np.float32)}, [1]), ({"X": joined}, [1, 2]),
+            ({"X": np.zeros((1, 4), np.float32)}, [1]), ({"X": np.zeros((2, 4), np.float32)}, [2])]
+    merged = merge_runs(runs, 8)
+    assert [m for m, _, _ in merged] == [[0], [1], [2, 3]]  # a device run is never joined with another
+    assert merged[1][1]["X"] is joined
+
+
+def test_region_entries_name_each_output_region():
+    region = Regions().register_cuda("out", HANDLE, 0, 4096)
+    entries = cuda_shm.region_entries({"Y": np.zeros((2, 4), np.float32)}, {"Y": (shm.Ref(region, 8, 64), "FP32")})
+    assert entries == [{"name": "Y", "datatype": "FP32", "shape": [2, 4],
+                        "parameters": {shm.REGION: "out", shm.OFFSET: 8, shm.BYTE_SIZE: 32}}]
+
+
+grpc_mod = pytest.importorskip("tritonclient.grpc")
+
+
+def test_grpc_decode_with_a_cuda_region():
+    from ortcapture.serving.grpc_service import decode_infer
+    from tritonclient.grpc import service_pb2 as pb
+
+    store = ShmStore(LocalRegistry(), cuda_open=lambda r: asyncio.sleep(0))
+    run(store.register_cuda("in", HANDLE, 0, 256, "ipv4:127.0.0.1:5555"))
+    msg = pb.ModelInferRequest(model_name="m")
+    t = msg.inputs.add(name="X", datatype="FP32", shape=[2, 4])
+    t.parameters[shm.REGION].string_param = "in"
+    t.parameters[shm.BYTE_SIZE].int64_param = 32
+    req, plan = run(decode_infer(msg, SPEC, store))
+    assert isinstance(req.inputs["X"], DeviceTensor) and req.inputs["X"].shape == (2, 4)
+    assert plan is not None and list(plan.device_inputs) == ["X"]
+
+
+# -- on the GPU: a served model on CUDA, the client's tensors in device memory --------------------------------------
+@pytest.fixture(scope="module")
+def cuda_server(tmp_path_factory):
+    if os.environ.get("ORTCAPTURE_SERVE_TEST_PROVIDER") != "cuda":
+        pytest.skip("a CUDA server: ORTCAPTURE_SERVE_TEST_PROVIDER=cuda on the GPU machine")
+    pytest.importorskip("ray")
+    pytest.importorskip("cuda.bindings")
+    from tests.test_serving_server import Server, _free_port
+
+    grpc_port = _free_port()
+    srv = Server(tmp_path_factory.mktemp("cudashm"), provider="cuda", replicas=1,
+                 extra=("--grpc-port", str(grpc_port)))
+    srv.grpc_url = f"127.0.0.1:{grpc_port}"
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.cuda
+def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    import tritonclient.utils.cuda_shared_memory as cudashm
+    from tests import tiny
+
+    ref = tiny.bucket_cpu_answer()
+    url = cuda_server.url.split("://", 1)[1]
+    hc = httpclient.InferenceServerClient(url)
+    gc = grpcclient.InferenceServerClient(cuda_server.grpc_url)
+    errors, handles = [], []
+
+    def client(k: int, use_grpc: bool) -> None:
+        lib, c = (grpcclient, gc) if use_grpc else (httpclient, hc)
+        hin = cudashm.create_shared_memory_region(f"in{k}", 8 * 4 * 4, 0)
+        hout = cudashm.create_shared_memory_region(f"out{k}", 8 * 3 * 4, 0)
+        handles.extend([hin, hout])
+        c.register_cuda_shared_memory(f"in{k}", cudashm.get_raw_handle(hin), 0, 8 * 4 * 4)
+        c.register_cuda_shared_memory(f"out{k}", cudashm.get_raw_handle(hout), 0, 8 * 3 * 4)
+        for i in range(12):
+            rows = 1 + (k + i) % 4
+            x = (np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) - 5.0) * (1 + k) + i  # unique per request
+            cudashm.set_shared_memory_region(hin, [x])
+            inp = lib.InferInput("X", [rows, 4], "FP32")
+            inp.set_shared_memory(f"in{k}", x.nbytes)
+            o = lib.InferRequestedOutput("scores")
+            o.set_shared_memory(f"out{k}", rows * 3 * 4)
+            p = lib.InferRequestedOutput("probs")
+            res = c.infer("tiny", [inp], outputs=[o, p])
+            got = cudashm.get_contents_as_numpy(hout, np.float32, [rows, 3])
+            want = ref(x)
+            if not (np.allclose(got, want["scores"], rtol=3e-3, atol=1e-4)
+                    and np.allclose(res.as_numpy("probs"), want["probs"], rtol=3e-3, atol=1e-4)):
+                errors.append((k, i, got, want["scores"]))
+
+    threads = [threading.Thread(target=client, args=(k, k % 2 == 1)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:2]
+    status = {r["name"] for r in hc.get_cuda_shared_memory_status()}
+    assert {f"in{k}" for k in range(6)} <= status
+    # bad references and registrations: each a 400 naming the parameter, the server up afterwards
+    from tritonclient.utils import InferenceServerException
+
+    x = np.zeros((2, 4), np.float32)
+    for region, size, msg in [("in0", 8 * 4 * 4 + 4, "shared_memory_byte_size"), ("nope", 32, "not a registered")]:
+        inp = httpclient.InferInput("X", [2, 4], "FP32")
+        inp.set_shared_memory(region, size)
+        with pytest.raises(InferenceServerException, match=msg):
+            hc.infer("tiny", [inp])
+    big = cudashm.create_shared_memory_region("big", 256, 0)
+    handles.append(big)
+    with pytest.raises(InferenceServerException, match="past the end of the CUDA allocation"):
+        hc.register_cuda_shared_memory("big", cudashm.get_raw_handle(big), 0, 1 << 20)
+    with pytest.raises(InferenceServerException, match="registered already"):
+        hc.register_cuda_shared_memory("in0", cudashm.get_raw_handle(big), 0, 64)
+    with pytest.raises(InferenceServerException, match="cudaIpcOpenMemHandle|CUDA IPC"):
+        hc.register_cuda_shared_memory("junk", base64.b64encode(bytes(64)), 0, 64)
+    hc.unregister_cuda_shared_memory()
+    assert hc.get_cuda_shared_memory_status() == []
+    inp = httpclient.InferInput("X", [2, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    np.testing.assert_allclose(hc.infer("tiny", [inp]).as_numpy("scores"), ref(x)["scores"], rtol=3e-3, atol=1e-4)
+    for h in handles:
+        cudashm.destroy_shared_memory_region(h)
