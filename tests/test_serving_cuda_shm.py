@@ -302,3 +302,89 @@ def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
     np.testing.assert_allclose(hc.infer("tiny", [inp]).as_numpy("scores"), ref(x)["scores"], rtol=3e-3, atol=1e-4)
     for h in handles:
         cudashm.destroy_shared_memory_region(h)
+
+
+# -- the session replica's side, with the device memory stood in by host arrays -------------------------------------
+class _FakeIpc:
+    """:class:`ortcapture.serving.cuda_ipc.IpcMemory` with host arrays for device memory: ``mem[region]`` float32."""
+
+    def __init__(self, mem):
+        self.mem, self.gathers, self.written = mem, 0, {}
+
+    def gather(self, rows: DeviceRows):
+        self.gathers += 1
+        parts = []
+        for t, start, stop in rows.parts:
+            flat = self.mem[t.ref.region.name][t.ref.offset // 4:(t.ref.offset + t.ref.byte_size) // 4]
+            parts.append(flat.reshape(t.shape)[start:stop])
+        return np.concatenate(parts)
+
+    def write(self, ref, a, where):
+        if a.nbytes > ref.byte_size:
+            raise ShmError(f"{where}: {a.nbytes} bytes do not fit its shared_memory_byte_size of {ref.byte_size}")
+        self.written[(ref.region.name, ref.offset)] = np.array(a)
+
+    def close(self):  # the replica's __del__ closes it
+        pass
+
+
+class _DeviceCore:
+    """A core whose run answers ``Y = 2 X`` and raises for a batch holding a negative value (a model error)."""
+
+    def __init__(self):
+        self.runs = []
+        self.runner = type("R", (), {"output_axes": {"Y": 0}})()
+
+    def run_joined(self, feeds, rows, queued=(), isolate=True):
+        assert not isolate  # rows from CUDA regions: the session replica isolates
+        self.runs.append(list(rows))
+        if (feeds["X"] < 0).any():
+            raise RuntimeError("Gather index out of range")
+        return {"outputs": {"Y": feeds["X"] * 2}, "axes": {"Y": 0}}
+
+    def close(self):  # the replica's __del__ closes its core
+        pass
+
+    def answers(self, results):
+        return [{"outputs": r} if not isinstance(r, Exception) else {"error": str(r), "status": 400} for r in results]
+
+
+def _device_replica(mem):
+    pytest.importorskip("ray")
+    from ortcapture.serving import session_replica
+
+    ms = session_replica.ModelSession.__new__(session_replica.ModelSession)
+    ms.core, ms._ipc = _DeviceCore(), _FakeIpc(mem)
+    return ms
+
+
+def test_session_replica_gathers_device_rows_once_and_writes_each_requests_outputs():
+    mem = {"a": np.arange(8, dtype=np.float32), "b": np.arange(100, 116, dtype=np.float32)}
+    ms = _device_replica(mem)
+    ta, tb = _dev(1, "a", 16), _dev(2, "b", 0)
+    rows = DeviceRows.of([(ta, 0, 1), (tb, 0, 2)])
+    out_a = shm.Ref(Regions().register_cuda("oa", HANDLE, 0, 64), 0, 16)
+    out_b = shm.Ref(Regions().register_cuda("ob", HANDLE, 0, 64), 8, 32)
+    answer = ms._run_device({"X": rows}, [1, 2], [0, 0])
+    answer = ms._device_outputs(answer, [1, 2], [{"Y": out_a}, {"Y": out_b}])
+    assert ms._ipc.gathers == 1 and ms.core.runs == [[1, 2]]
+    np.testing.assert_array_equal(ms._ipc.written[("oa", 0)], mem["a"][4:8].reshape(1, 4) * 2)
+    np.testing.assert_array_equal(ms._ipc.written[("ob", 8)], mem["b"][:8].reshape(2, 4) * 2)
+    assert answer["outputs"]["Y"].shape == (3, 4)  # the tier slices the rows back as for any run
+    small = shm.Ref(Regions().register_cuda("os", HANDLE, 0, 64), 0, 8)  # too small for its request's rows
+    answer = ms._device_outputs(ms._run_device({"X": rows}, [1, 2], [0, 0]), [1, 2], [{"Y": small}, None])
+    assert answer["answers"][0]["status"] == 400 and "do not fit" in answer["answers"][0]["error"]
+    np.testing.assert_array_equal(answer["answers"][1]["outputs"]["Y"], mem["b"][:8].reshape(2, 4) * 2)
+
+
+def test_session_replica_runs_each_device_request_alone_when_the_batch_fails():
+    mem = {"a": np.arange(8, dtype=np.float32), "bad": -np.ones(8, np.float32), "c": np.ones(8, np.float32)}
+    ms = _device_replica(mem)
+    rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "bad"), 0, 1), (_dev(1, "c"), 0, 1)])
+    out = shm.Ref(Regions().register_cuda("o", HANDLE, 0, 64), 0, 16)
+    answer = ms._device_outputs(ms._run_device({"X": rows}, [1, 1, 1], [0, 0, 0]), [1, 1, 1], [None, None, {"Y": out}])
+    assert ms.core.runs == [[1, 1, 1], [1], [1], [1]]  # the batch, then each request gathered and run alone
+    got = answer["answers"]
+    np.testing.assert_array_equal(got[0]["outputs"]["Y"], mem["a"][:4].reshape(1, 4) * 2)
+    assert got[1]["status"] == 400 and "Gather index" in got[1]["error"]
+    np.testing.assert_array_equal(ms._ipc.written[("o", 0)], np.full((1, 4), 2.0, np.float32))

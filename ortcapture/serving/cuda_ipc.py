@@ -120,7 +120,7 @@ class IpcMemory:
         with self._lock:
             dst = self._scratch.get(key)
         if dst is None:
-            dst = ort.OrtValue.ortvalue_from_shape_and_type(list(rows.shape), rows.dtype, "cuda", self.device)
+            dst = ort.OrtValue.ortvalue_from_shape_and_type(list(rows.shape), rows.dtype.type, "cuda", self.device)
             with self._lock:
                 self._scratch[key] = dst
         base = dst.data_ptr()
