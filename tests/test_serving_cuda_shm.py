@@ -40,7 +40,8 @@ def test_check_register_takes_base64_or_raw_handles_and_refuses_the_rest():
     for handle, dev, size, msg in [({"b64": "not base64!"}, 0, 16, "not base64"),
                                    ({"b64": base64.b64encode(b"short").decode()}, 0, 16, "is 5 bytes"),
                                    (12, 0, 16, "raw_handle must be"), (HANDLE, -1, 16, "device_id"),
-                                   (HANDLE, 0, True, "byte_size"), (HANDLE, "0", 16, "device_id")]:
+                                   (HANDLE, 0, True, "byte_size"), (HANDLE, "0", 16, "device_id"),
+                                   (HANDLE, 2**64, 16, "device_id")]:  # past gRPC's status field
         with pytest.raises(ShmError, match=msg):
             check_register("a", handle, dev, size)
 
@@ -150,7 +151,9 @@ def test_rest_infer_from_a_cuda_region_sends_a_reference_and_names_the_output_re
         ([{"name": "X", "datatype": "INT64", "shape": [3, 4], "parameters": {shm.REGION: "in", shm.BYTE_SIZE: 96}}],
          "needs the model's datatype"),
         ([{"name": "X", "datatype": "FP32", "shape": [3, 4], "parameters": {shm.REGION: "zz", shm.BYTE_SIZE: 48}}],
-         "'zz' is not a registered")]:
+         "'zz' is not a registered"),
+        ([{"name": "X", "datatype": "FP32", "shape": [1, 2**31, 2**31, 2**31 + 1],  # wraps in int64: not here
+           "parameters": {shm.REGION: "in", shm.BYTE_SIZE: 4}}], "its shape and datatype take")]:
         body, headers = _infer_body(inputs)
         res = _call(router, "POST", "/v2/models/m/infer", body, headers)
         assert res.status == 400 and msg in json.loads(res.body)["error"], (msg, res.body)
@@ -187,6 +190,8 @@ def test_device_requests_batch_apart_and_join_as_references():
     merged = merge_runs(runs, 8)
     assert [m for m, _, _ in merged] == [[0], [1], [2, 3]]  # a device run is never joined with another
     assert merged[1][1]["X"] is joined
+    # a run whose outputs go to CUDA regions is kept apart by the caller
+    assert [m for m, _, _ in merge_runs(runs, 8, apart={3})] == [[0], [1], [2], [3]]
 
 
 def test_region_entries_name_each_output_region():
@@ -311,7 +316,7 @@ class _FakeIpc:
     def __init__(self, mem):
         self.mem, self.gathers, self.written = mem, 0, {}
 
-    def gather(self, rows: DeviceRows):
+    def gather(self, name, rows: DeviceRows):
         self.gathers += 1
         parts = []
         for t, start, stop in rows.parts:
@@ -333,10 +338,11 @@ class _DeviceCore:
 
     def __init__(self):
         self.runs = []
-        self.runner = type("R", (), {"output_axes": {"Y": 0}})()
+        self.runner = type("R", (), {"output_axes": {"Y": 0}, "input_axes": {"X": 0, "Z": 0}})()
 
     def run_joined(self, feeds, rows, queued=(), isolate=True):
         assert not isolate  # rows from CUDA regions: the session replica isolates
+        assert "Z" not in feeds or feeds["Z"].shape[0] == feeds["X"].shape[0] == sum(rows)  # host rows cut too
         self.runs.append(list(rows))
         if (feeds["X"] < 0).any():
             raise RuntimeError("Gather index out of range")
@@ -382,7 +388,9 @@ def test_session_replica_runs_each_device_request_alone_when_the_batch_fails():
     ms = _device_replica(mem)
     rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "bad"), 0, 1), (_dev(1, "c"), 0, 1)])
     out = shm.Ref(Regions().register_cuda("o", HANDLE, 0, 64), 0, 16)
-    answer = ms._device_outputs(ms._run_device({"X": rows}, [1, 1, 1], [0, 0, 0]), [1, 1, 1], [None, None, {"Y": out}])
+    z = np.arange(3, dtype=np.float32).reshape(3, 1)  # a batched input sent with the request: cut per request too
+    answer = ms._device_outputs(ms._run_device({"X": rows, "Z": z}, [1, 1, 1], [0, 0, 0]), [1, 1, 1],
+                                [None, None, {"Y": out}])
     assert ms.core.runs == [[1, 1, 1], [1], [1], [1]]  # the batch, then each request gathered and run alone
     got = answer["answers"]
     np.testing.assert_array_equal(got[0]["outputs"]["Y"], mem["a"][:4].reshape(1, 4) * 2)

@@ -45,22 +45,23 @@ class IpcMemory:
 
     def __init__(self, device: int = 0):
         self.device = int(device)
-        self._open: dict[str, tuple[int, int]] = {}  # name -> (generation, device pointer)
-        self._scratch: dict[tuple, Any] = {}  # (shape, dtype) -> CUDA OrtValue the rows are gathered into
+        self._open: dict[tuple[str, int], int] = {}  # (name, generation) -> device pointer
+        self._scratch: dict[tuple, Any] = {}  # (input, shape, dtype) -> CUDA OrtValue the rows are gathered into
         self._lock = threading.Lock()
 
     def open(self, region: Region) -> int:
-        """The device pointer of ``region`` (opened on first use, again after a new registration of its name).
+        """The device pointer of ``region`` (opened on first use of each registration; a handle of an earlier
+        registration of the name stays open until :meth:`forget`, so a copy in flight never loses its memory).
 
         Raises:
             ShmError: the handle does not open here (another machine, a freed allocation, a handle of this very
                 process), or ``byte_size`` is past the end of the allocation.
         """
+        key = (region.name, region.generation)
         with self._lock:
-            held = self._open.get(region.name)
-            if held is not None and held[0] == region.generation:
-                return held[1]
-            self._close(region.name)
+            ptr = self._open.get(key)
+            if ptr is not None:
+                return ptr
             rt = _rt()
             (err,) = rt.cudaSetDevice(self.device)
             _check(err, "cudaSetDevice")
@@ -76,7 +77,7 @@ class IpcMemory:
             except BaseException:
                 rt.cudaIpcCloseMemHandle(ptr)
                 raise
-            self._open[region.name] = (region.generation, ptr)
+            self._open[key] = ptr
             return ptr
 
     @staticmethod
@@ -91,32 +92,29 @@ class IpcMemory:
             raise ShmError(f"region {region.name!r}: byte_size {region.byte_size} is past the end of the CUDA "
                            f"allocation its handle names ({left} bytes)")
 
-    def _close(self, name: str) -> None:
-        held = self._open.pop(name, None)
-        if held is not None:
-            _rt().cudaIpcCloseMemHandle(held[1])
-
     def names(self) -> list[str]:
         """The regions open here."""
         with self._lock:
-            return list(self._open)
+            return sorted({name for name, _ in self._open})
 
     def forget(self, live: dict[str, Region] | None = None) -> None:
-        """Close every handle (``live`` ``None``), or those whose names ``live`` (the registered regions) no longer
-        holds under the same registration."""
+        """Close every handle (``live`` ``None``), or those of registrations ``live`` (the registered regions by
+        name) no longer holds. Call it where no copy from them is in flight (the replay thread, between runs)."""
+        rt = _rt() if self._open else None
         with self._lock:
-            for name, (gen, _) in list(self._open.items()):
+            for (name, gen), ptr in list(self._open.items()):
                 if live is None or name not in live or live[name].generation != gen:
-                    self._close(name)
+                    del self._open[(name, gen)]
+                    rt.cudaIpcCloseMemHandle(ptr)
 
-    def gather(self, rows: DeviceRows):
-        """``rows`` joined into one CUDA ``OrtValue`` of ``rows.shape`` (device to device, ordered on the legacy
-        default stream and finished before it returns). The value is reused for the next run of that shape: feed
-        it before gathering again."""
+    def gather(self, name: str, rows: DeviceRows):
+        """Input ``name``'s ``rows`` joined into one CUDA ``OrtValue`` of ``rows.shape`` (device to device, ordered
+        on the legacy default stream and finished before it returns). The value is reused for the next run of that
+        input and shape: feed it before gathering again."""
         import onnxruntime as ort
 
         rt = _rt()
-        key = (rows.shape, rows.dtype.str)
+        key = (name, rows.shape, rows.dtype.str)
         with self._lock:
             dst = self._scratch.get(key)
         if dst is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -54,9 +55,9 @@ def check_register(name, raw_handle, device_id, byte_size) -> bytes:
     if len(handle) != IPC_HANDLE_BYTES:
         raise ShmError(f"region {str(name)[:100]!r}: raw_handle is {len(handle)} bytes; a CUDA IPC handle is "
                        f"{IPC_HANDLE_BYTES}")
-    for what, v in (("device_id", device_id), ("byte_size", byte_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ShmError(f"region {str(name)[:100]!r}: {what} must be an integer >= 0, got {v!r}"[:200])
+    for what, v, top in (("device_id", device_id, 2**31), ("byte_size", byte_size, 2**63)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < top:
+            raise ShmError(f"region {str(name)[:100]!r}: {what} must be an integer in [0, {top}), got {v!r}"[:200])
     return handle
 
 
@@ -120,7 +121,7 @@ def device_tensor(ref: Ref, t: dict, specs: dict, where: str) -> DeviceTensor:
     if got is None:
         raise ShmError(f"{where}: a CUDA shared memory input needs the model's datatype and a shape of integers")
     shape, dtype = got
-    need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    need = math.prod(shape) * dtype.itemsize  # Python ints: no wrap-around
     if ref.byte_size != need:
         raise ShmError(f"{where}: shared_memory_byte_size {ref.byte_size}; its shape and datatype take {need} bytes")
     return DeviceTensor(ref, shape, dtype)

@@ -157,7 +157,7 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
         if shm.uses_shm(params):
             ref = shm.reference(params, where, regions)
             if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
-                plan.device_inputs[t.name] = cuda_shm.device_tensor(ref, entry, specs, where)
+                plan.add_input(t.name, cuda_shm.device_tensor(ref, entry, specs, where))
                 continue
             if expected is not None and ref.byte_size != expected:
                 raise ShmError(f"{where}: {shm.BYTE_SIZE} {ref.byte_size}; its shape and datatype take {expected} "

@@ -13,7 +13,7 @@ checked runs agree on every other dim and can share a replay. A model with an in
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -25,21 +25,22 @@ def mergeable(input_names: Sequence[str], batch_axes: Mapping[str, int]) -> bool
     return bool(input_names) and all(batch_axes.get(n) == 0 for n in input_names)
 
 
-def merge_runs(runs: Sequence[tuple[Mapping[str, np.ndarray], Sequence[int]]], max_rows: int, merge: bool = True
-               ) -> list[tuple[list[int], dict[str, np.ndarray], list[int]]]:
+def merge_runs(runs: Sequence[tuple[Mapping[str, np.ndarray], Sequence[int]]], max_rows: int, merge: bool = True,
+               apart: Collection[int] = ()) -> list[tuple[list[int], dict[str, np.ndarray], list[int]]]:
     """Group ``runs`` (``[(feeds, rows)]``, in order) into merged runs of at most ``max_rows`` rows.
 
     Returns:
         ``[(members, feeds, rows)]``: the indices of the runs merged (consecutive, in order), their feeds joined
         along axis 0 (one member: its own feeds, no copy), and their requests' rows one after another. With
         ``merge`` false every run stays alone; so does a run with a feed that is not a numpy array (rows in CUDA
-        shared memory, :class:`ortcapture.serving.cuda_shm.DeviceRows`).
+        shared memory, :class:`ortcapture.serving.cuda_shm.DeviceRows`) and every run whose index is in ``apart``.
     """
     groups: list[list[int]] = []
     used, joinable = 0, False
     for i, (feeds, rows) in enumerate(runs):
         n = sum(int(r) for r in rows)
-        host = all(isinstance(v, np.ndarray) for v in feeds.values())  # rows in CUDA regions stay alone
+        # rows in CUDA regions, and the runs the caller keeps ``apart``, stay alone
+        host = i not in apart and all(isinstance(v, np.ndarray) for v in feeds.values())
         if merge and host and joinable and used + n <= max_rows:
             groups[-1].append(i)
             used += n

@@ -33,6 +33,7 @@ from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_repli
 from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.merge import merge_runs, mergeable, split_answer
 from ortcapture.serving.slots import SlotMissing, SlotReader
+from ortcapture.serving.cuda_ipc import IpcMemory
 from ortcapture.serving.cuda_shm import DeviceRows
 from ortcapture.serving.requests import take
 from ortcapture.serving.shm import ShmError
@@ -68,7 +69,8 @@ class ModelSession:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         self._slot_reader = SlotReader()  # the tier replicas' batch slots (node-local shared memory), mapped once
-        self._ipc = None  # the clients' CUDA regions this replica opened (ortcapture.serving.cuda_ipc), on first use
+        # the clients' CUDA regions this replica opened (ortcapture.serving.cuda_ipc; CUDA only)
+        self._ipc = IpcMemory() if provider == "cuda" else None
         self._registry = None  # the shared memory registry (which of them are still registered), on first use
         self._provider = provider
         # batches queued for the replay thread; it takes them all at once and merges their runs (_drain)
@@ -191,7 +193,9 @@ class ModelSession:
         ``k`` as soon as it is complete. A call that ``alive(k)`` says was given up on writes nothing into its slot
         (the tier may have given the slot to another batch)."""
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
-        merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable)
+        # a run whose outputs go to CUDA regions stays alone (its requests' regions are written from its own answer)
+        merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable,
+                            apart={i for i, (_, run, _) in enumerate(flat) if len(run) > 2})
         answers: list[list] = [[] for _ in calls]
         failed: list = [None] * len(calls)
         left = [0] * len(calls)
@@ -236,17 +240,10 @@ class ModelSession:
                     finish(c)
         return [f if f is not None else a for f, a in zip(failed, answers)]
 
-    def _ipc_memory(self):
-        if self._ipc is None:
-            from ortcapture.serving.cuda_ipc import IpcMemory
-
-            self._ipc = IpcMemory()
-        return self._ipc
-
     def _gather(self, feeds: dict) -> dict:
         """``feeds`` with each :class:`~ortcapture.serving.cuda_shm.DeviceRows` gathered into a CUDA ``OrtValue``
         (the feed path copies it device to device into the graph's buffer). Raises ShmError."""
-        return {n: self._ipc_memory().gather(v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
+        return {n: self._ipc.gather(n, v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
 
     def _run_device(self, feeds: dict, rows, queued) -> dict:
         """A run whose rows are in CUDA regions: gathered on the device and run once; if that run raises, each
@@ -261,14 +258,24 @@ class ModelSession:
             if len(rows) == 1:
                 return {"answers": self.core.answers([exc])}
         results: list = []
+        unread: dict[int, str] = {}  # requests whose region could not be read: their own 400
+        axes, offset = self.core.runner.input_axes, 0
         for i, n in enumerate(rows):
-            own = {k: DeviceRows.of([v.parts[i]]) if isinstance(v, DeviceRows) else v for k, v in feeds.items()}
+            own = {k: DeviceRows.of([v.parts[i]]) if isinstance(v, DeviceRows) else
+                   take(v, axes[k], offset, offset + n) if k in axes else v for k, v in feeds.items()}
+            offset += n
             try:
                 got = self.core.run_joined(self._gather(own), [n], isolate=False)
                 results.append(got["outputs"])
+            except ShmError as exc:
+                unread[i] = str(exc)
+                results.append({})
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 results.append(exc)
-        return {"answers": self.core.answers(results), "axes": self.core.runner.output_axes}
+        answers = self.core.answers(results)
+        for i, text in unread.items():
+            answers[i] = {"error": text, "status": 400}
+        return {"answers": answers, "axes": self.core.runner.output_axes}
 
     def _device_outputs(self, answer: dict, rows, outs) -> dict:
         """Each request's rows of the outputs it names into CUDA regions (``outs``: per request ``{output name:
@@ -288,7 +295,7 @@ class ModelSession:
                 continue
             try:
                 for name, ref in want.items():
-                    self._ipc_memory().write(ref, own[k]["outputs"][name], f"output {name!r}")
+                    self._ipc.write(ref, own[k]["outputs"][name], f"output {name!r}")
             except ShmError as exc:
                 own[k] = {"error": str(exc), "status": 400}
                 bad = True
@@ -303,7 +310,7 @@ class ModelSession:
             return f"CUDA shared memory needs the CUDA provider; this replica runs {self._provider}"
         try:
             # on the replay thread, which gathers from the regions (a name registered again closes its old handle)
-            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._ipc_memory().open, region))
+            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._ipc.open, region))
         except ShmError as exc:
             return str(exc)
         except Exception as exc:  # noqa: BLE001 - cuda-python missing, a driver error: the client's 400

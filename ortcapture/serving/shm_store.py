@@ -167,11 +167,13 @@ class ShmStore:
             raise ShmError(f"shared memory registration is only for clients on this machine (loopback); "
                            f"{str(peer)[:60]} is not (the server's --allow-remote-shared-memory lifts this)")
         handle = cuda_shm.check_register(name, raw_handle, device_id, byte_size)
-        probe = Regions().register_cuda(name, handle, device_id, byte_size)  # the same checks, before opening
-        if await self.registry.lookup([name]):
-            raise ShmError(f"shared memory region {name!r} is registered already: unregister it first")
-        await self.cuda_open(probe)
-        return await self.registry.register_cuda(name, handle, device_id, byte_size)
+        region = await self.registry.register_cuda(name, handle, device_id, byte_size)
+        try:  # the registration itself (its generation) is opened: a replica keeps that handle open
+            await self.cuda_open(region)
+        except BaseException:
+            await self.registry.unregister(name, "cuda")
+            raise
+        return region
 
     async def unregister(self, name: str | None, kind: str = "system") -> None:
         """Unregister ``name`` (or every region of ``kind`` with ``None``/``""``) and unmap it here (a session
@@ -290,7 +292,7 @@ class ShmStore:
                 where = f"input {str(t.get('name'))[:100]!r}"
                 ref = shm.reference(params, where, regions)
                 if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
-                    plan.device_inputs[str(t.get("name"))] = cuda_shm.device_tensor(ref, t, specs, where)
+                    plan.add_input(str(t.get("name")), cuda_shm.device_tensor(ref, t, specs, where))
                     req["inputs"].remove(t)
                     continue
                 _check_size(ref, expected.get(t.get("name")), where)
@@ -358,6 +360,12 @@ class ShmPlan:
     def __bool__(self) -> bool:
         return bool(self.outputs or self.device_inputs or self.device_outputs)
 
+    def add_input(self, name: str, tensor: cuda_shm.DeviceTensor) -> None:
+        """An input in a CUDA region (:class:`ShmError` for a name given twice)."""
+        if name in self.device_inputs:
+            raise ShmError(f"input {name[:100]!r} appears twice")
+        self.device_inputs[name] = tensor
+
     def add_output(self, name: str, ref: Ref, spec: protocol.ModelSpec) -> None:
         """A requested output's checked region reference, by the region's kind."""
         if ref.region.kind != "cuda":
@@ -373,6 +381,9 @@ class ShmPlan:
         regions into its feeds."""
         request.outputs = [(n, b) for n, b in request.outputs if n not in self.outputs and n not in
                            self.device_outputs]
+        twice = [n for n in self.device_inputs if n in request.inputs]
+        if twice:
+            raise ShmError(f"input {twice[0]!r} appears twice")
         request.inputs.update(self.device_inputs)
 
     def infer_kwargs(self) -> dict:
