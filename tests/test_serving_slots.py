@@ -253,3 +253,35 @@ def test_a_retired_slot_is_never_handed_out_again():
         assert s1 not in got and None in got and pool.retired == 1
     finally:
         pool.close()
+
+
+def test_a_pool_whose_process_is_gone_is_swept_when_a_pool_is_made():
+    """A tier replica killed with SIGKILL cannot unlink its pool: the next pool made on the machine unlinks every
+    ``ortcapture-<pid>-<hex>`` object of a pid that no longer runs — never a live process's, nor another name."""
+    import secrets
+    import subprocess
+    import sys
+
+    from ortcapture.serving import slots
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)
+    dead = int(child.stdout)  # exited: its pid runs nothing now (unless reused at once: then it is kept, safely)
+    names = {"dead": f"ortcapture-{dead}-{secrets.token_hex(16)}", "live": f"ortcapture-{os.getpid()}-"
+             f"{secrets.token_hex(16)}", "other": f"ortcapture-{dead}-notapool", "foreign": f"x-{dead}-"
+             f"{secrets.token_hex(16)}"}
+    for n in names.values():
+        with open(os.path.join(slots.SHM_DIR, n), "wb") as f:
+            f.write(b"\0" * 64)
+    try:
+        pool = _pool()
+        pool.close()
+        left = set(os.listdir(slots.SHM_DIR))
+        assert names["dead"] not in left or slots._alive(dead)
+        assert {names["live"], names["other"], names["foreign"]} <= left
+        assert pool.name not in left  # its own pool: unlinked by close()
+    finally:
+        for n in names.values():
+            p = os.path.join(slots.SHM_DIR, n)
+            if os.path.exists(p):
+                os.unlink(p)

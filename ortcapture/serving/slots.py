@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Mapping, Sequence
@@ -123,6 +124,7 @@ class SlotPool:
             raise ValueError(f"SlotPool: count {count}, in_bytes {in_bytes} and out_bytes {out_bytes} must be >= 1")
         self.in_bytes, self.out_bytes, self.count = _up(in_bytes), _up(out_bytes), int(count)
         self.size = self.count * (self.in_bytes + self.out_bytes)
+        sweep_stale_pools(prefix)
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(16)}"
         if os.path.isdir(SHM_DIR) and hasattr(os, "posix_fallocate"):
             # created and its pages reserved here: a tmpfs without room for them refuses now (ENOSPC, OSError)
@@ -177,6 +179,46 @@ class SlotPool:
             self._shm.unlink()
         except FileNotFoundError:
             pass
+
+
+_POOL_NAME = re.compile(r"-(\d+)-[0-9a-f]{32}$")
+
+
+def sweep_stale_pools(prefix: str = "ortcapture") -> list[str]:
+    """Unlink the pools in ``/dev/shm`` whose creating process is gone: ``<prefix>-<pid>-<32 hex>`` objects of this
+    user whose pid no longer runs on this machine (a tier replica killed with SIGKILL cannot unlink its own; a live
+    process's pool, another user's or another name is never touched; a session replica that still maps a swept pool
+    keeps its mapping). Called whenever a pool is made. Returns the names unlinked."""
+    if not os.path.isdir(SHM_DIR):
+        return []
+    gone = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    for name in names:
+        m = _POOL_NAME.search(name)
+        if m is None or not name.startswith(prefix + "-") or len(name) != len(prefix) + len(m.group(0)):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or _alive(int(m.group(1))):
+                continue
+            os.unlink(path)
+            gone.append(name)
+        except OSError:  # gone already, or not ours to remove
+            continue
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class SlotReader:
