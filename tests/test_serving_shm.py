@@ -187,6 +187,27 @@ def test_rest_register_status_unregister(obj):
     assert b"system_shared_memory" in _call(router, "GET", "/v2").body
 
 
+def test_rest_refuses_the_servers_own_memory_and_deeply_nested_json():
+    """A found bug: a local client registered the server's own batch-slot object and had outputs written into it
+    (another batch's memory); and JSON nested past Python's recursion limit was a 500 here."""
+    router, _, _ = _router()
+    pool = f"/ortcapture-{os.getpid()}-{uuid.uuid4().hex}"
+    with open(os.path.join(shm.SHM_DIR, pool[1:]), "wb") as f:
+        f.write(b"\0" * 64)
+    try:
+        res = _register(router, "slot", pool, 0, 64)
+        assert res.status == 400 and b"the server's own memory" in res.body, res.body
+    finally:
+        os.unlink(os.path.join(shm.SHM_DIR, pool[1:]))
+    deep = b"[" * 50000
+    for kind in ("system", "cuda"):
+        res = _call(router, "POST", f"/v2/{kind}sharedmemory/region/a/register", deep)
+        assert res.status == 400 and b"not valid JSON" in res.body, (kind, res.status, res.body[:200])
+    body = b'{"inputs": ' + b"[" * 50000 + b'"shared_memory_region"'
+    res = _call(router, "POST", "/v2/models/m/infer", body, {protocol.HEADER_LENGTH: str(len(body))})
+    assert res.status == 400, res.body[:200]
+
+
 def _infer_body(inputs, outputs=None, binary=b""):
     head = json.dumps({"inputs": inputs, **({"outputs": outputs} if outputs is not None else {})}).encode()
     return head + binary, {protocol.HEADER_LENGTH: str(len(head))}

@@ -31,6 +31,8 @@ from ortcapture.serving.protocol import ProtocolError
 
 #: where POSIX shared memory objects live (``shm_open(key)`` is ``/dev/shm/<key without its leading slash>``)
 SHM_DIR = "/dev/shm"
+#: names of the server's own shared memory objects (the batch slots): never a client's region
+SERVER_PREFIX = "ortcapture-"
 #: the parameters that name a region for one tensor
 REGION, OFFSET, BYTE_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
 PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
@@ -83,6 +85,9 @@ def check_key(key) -> str:
     if not name or "/" in name or "\0" in name or name in (".", "..") or len(name) > 255:
         raise ShmError(f"shared memory key {key[:100]!r} is not the name of a shared memory object "
                        "(one name, as shm_open takes it: '/name')")
+    if name.startswith(SERVER_PREFIX):  # the server's own batch slots (ortcapture.serving.slots): other batches
+        raise ShmError(f"shared memory key {key[:100]!r} names the server's own memory (keys starting with "
+                       f"{SERVER_PREFIX!r} are refused): use a key of your own")
     return name
 
 

@@ -244,7 +244,7 @@ class ShmStore:
             body = await read_body(64 * 1024)
             try:
                 req = json.loads(body or b"{}")
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: JSON nested past Python's recursion limit
                 raise ShmError(f"the register request is not valid JSON: send {{{', '.join(fields)}}}") from None
             if not isinstance(req, dict) or fields[0] not in req or "byte_size" not in req:
                 raise ShmError(f"the register request must be a JSON object with {fields[0]!r} and 'byte_size' "
@@ -274,7 +274,7 @@ class ShmStore:
             return body, header_length, None
         try:
             req = json.loads(body[:head_end])
-        except ValueError:
+        except (ValueError, RecursionError):  # the protocol's parser says what is wrong with it
             return body, header_length, None
         if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
             return body, header_length, None
