@@ -310,6 +310,9 @@ def _cuda_shm_call(client, k, input_name, output_name, model_name, in_bytes, out
     tag = f"c{os.getpid()}-{k}"
     hin = cudashm.create_shared_memory_region(f"{tag}-in", in_bytes, 0)
     hout = cudashm.create_shared_memory_region(f"{tag}-out", out_bytes, 0)
+    # written once here, before the client threads start: tritonclient makes its one CUDA stream per device on first
+    # use, and two threads doing so at once destroy the other's (a segfault in the client, seen on an H100)
+    cudashm.set_shared_memory_region(hin, [np.zeros(in_bytes, np.uint8)])
     client.register_cuda_shared_memory(f"{tag}-in", cudashm.get_raw_handle(hin), 0, in_bytes)
     client.register_cuda_shared_memory(f"{tag}-out", cudashm.get_raw_handle(hout), 0, out_bytes)
     out = grpcclient.InferRequestedOutput(output_name)

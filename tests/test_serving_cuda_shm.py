@@ -250,15 +250,22 @@ def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
     url = cuda_server.url.split("://", 1)[1]
     hc = httpclient.InferenceServerClient(url)
     gc = grpcclient.InferenceServerClient(cuda_server.grpc_url)
-    errors, handles = [], []
+    errors, handles, regions = [], [], {}
+    # regions made and first written here, one thread: tritonclient's cuda_shared_memory makes its one CUDA stream
+    # per device on first use, and two threads doing so at once destroy the other's (a segfault in the client)
+    for k in range(6):
+        c = gc if k % 2 == 1 else hc
+        hin = cudashm.create_shared_memory_region(f"in{k}", 8 * 4 * 4, 0)
+        hout = cudashm.create_shared_memory_region(f"out{k}", 8 * 3 * 4, 0)
+        cudashm.set_shared_memory_region(hin, [np.zeros((8, 4), np.float32)])
+        handles.extend([hin, hout])
+        regions[k] = (hin, hout)
+        c.register_cuda_shared_memory(f"in{k}", cudashm.get_raw_handle(hin), 0, 8 * 4 * 4)
+        c.register_cuda_shared_memory(f"out{k}", cudashm.get_raw_handle(hout), 0, 8 * 3 * 4)
 
     def client(k: int, use_grpc: bool) -> None:
         lib, c = (grpcclient, gc) if use_grpc else (httpclient, hc)
-        hin = cudashm.create_shared_memory_region(f"in{k}", 8 * 4 * 4, 0)
-        hout = cudashm.create_shared_memory_region(f"out{k}", 8 * 3 * 4, 0)
-        handles.extend([hin, hout])
-        c.register_cuda_shared_memory(f"in{k}", cudashm.get_raw_handle(hin), 0, 8 * 4 * 4)
-        c.register_cuda_shared_memory(f"out{k}", cudashm.get_raw_handle(hout), 0, 8 * 3 * 4)
+        hin, hout = regions[k]
         for i in range(12):
             rows = 1 + (k + i) % 4
             x = (np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) - 5.0) * (1 + k) + i  # unique per request
