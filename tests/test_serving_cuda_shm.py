@@ -250,7 +250,7 @@ def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
     url = cuda_server.url.split("://", 1)[1]
     hc = httpclient.InferenceServerClient(url)
     gc = grpcclient.InferenceServerClient(cuda_server.grpc_url)
-    errors, handles, regions = [], [], {}
+    errors, handles, regions, done = [], [], {}, []
     # regions made and first written here, one thread: tritonclient's cuda_shared_memory makes its one CUDA stream
     # per device on first use, and two threads doing so at once destroy the other's (a segfault in the client)
     for k in range(6):
@@ -264,8 +264,17 @@ def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
         c.register_cuda_shared_memory(f"out{k}", cudashm.get_raw_handle(hout), 0, 8 * 3 * 4)
 
     def client(k: int, use_grpc: bool) -> None:
-        lib, c = (grpcclient, gc) if use_grpc else (httpclient, hc)
+        # a client per thread: tritonclient.http's client (geventhttpclient) is not for several threads at once
+        lib = grpcclient if use_grpc else httpclient
+        c = grpcclient.InferenceServerClient(cuda_server.grpc_url) if use_grpc else \
+            httpclient.InferenceServerClient(url, network_timeout=60)
         hin, hout = regions[k]
+        try:
+            _requests(k, lib, c, hin, hout)
+        except Exception as exc:  # noqa: BLE001 - a thread's failure fails the test below
+            errors.append((k, repr(exc)[:300]))
+
+    def _requests(k, lib, c, hin, hout) -> None:
         for i in range(12):
             rows = 1 + (k + i) % 4
             x = (np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) - 5.0) * (1 + k) + i  # unique per request
@@ -281,6 +290,7 @@ def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
             if not (np.allclose(got, want["scores"], rtol=3e-3, atol=1e-4)
                     and np.allclose(res.as_numpy("probs"), want["probs"], rtol=3e-3, atol=1e-4)):
                 errors.append((k, i, got, want["scores"]))
+            done.append(k)
 
     threads = [threading.Thread(target=client, args=(k, k % 2 == 1)) for k in range(6)]
     for t in threads:
@@ -288,6 +298,7 @@ def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
     for t in threads:
         t.join(120)
     assert not errors, errors[:2]
+    assert not any(t.is_alive() for t in threads) and len(done) == 6 * 12, len(done)
     status = {r["name"] for r in hc.get_cuda_shared_memory_status()}
     assert {f"in{k}" for k in range(6)} <= status
     # bad references and registrations: each a 400 naming the parameter, the server up afterwards
