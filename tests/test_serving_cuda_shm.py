@@ -114,7 +114,9 @@ def test_rest_cuda_register_is_checked_opened_and_refused_off_cuda():
     assert _call(router, "POST", "/v2/cudasharedmemory/region/a/register", b"{}").status == 400
     assert _call(router, "POST", "/v2/cudasharedmemory/region/a/unregister").status == 200
     assert json.loads(_call(router, "GET", "/v2/cudasharedmemory/status").body) == []
+    assert "cuda_shared_memory" in json.loads(_call(router, "GET", "/v2").body)["extensions"]
     off_cuda, _, _ = _router(None, provider="webgpu")
+    assert "cuda_shared_memory" not in json.loads(_call(off_cuda, "GET", "/v2").body)["extensions"]
     res = _register(off_cuda, "a", 256)
     assert res.status == 400 and b"CUDA shared memory needs the CUDA provider; this server runs webgpu" in res.body
 

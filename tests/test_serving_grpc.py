@@ -8,6 +8,8 @@ every loop is bounded. Skipped where Ray or tritonclient is missing (failed with
 """
 from __future__ import annotations
 
+import base64
+
 import json
 import os
 import uuid
@@ -106,6 +108,10 @@ def test_grpc_health_metadata_and_loopback(server, client):
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
     meta = client.get_server_metadata(as_json=True)
     assert meta["name"] == "ortcapture" and "system_shared_memory" in meta["extensions"]
+    assert "cuda_shared_memory" not in meta["extensions"]  # a CPU server: CUDA shared memory is refused, named
+    _refused(lambda: client.register_cuda_shared_memory("c", base64.b64encode(bytes(64)), 0, 64), "INVALID_ARGUMENT",
+             "CUDA shared memory needs the CUDA provider; this server runs cpu")
+    assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
     m = client.get_model_metadata(MODEL, as_json=True)
     assert [(t["name"], t["datatype"], t["shape"]) for t in m["inputs"]] == [("X", "FP32", ["-1", "4"])]
     assert [t["name"] for t in m["outputs"]] == ["scores", "probs", "feat"]

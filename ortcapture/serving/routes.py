@@ -101,6 +101,8 @@ class Router:
         self._shm = shm  # hook: system shared memory (ortcapture.serving.shm_store)
         if shm is not None:
             self._server["extensions"].append("system_shared_memory")
+            if shm.cuda_open is not None:  # a server on CUDA (ortcapture.serving.cuda_shm)
+                self._server["extensions"].append("cuda_shared_memory")
         self._reports: dict[str, tuple[float, dict]] = {}
         self.http_errors: dict[int, int] = {}
 
