@@ -9,7 +9,9 @@ value through Ray — and the rows of each request. The replica queues the batch
 (:meth:`ortcapture.InferenceSession.run_on_replay_thread`: no hand-over per run), which takes every batch queued at
 once, merges their runs where they fit (:mod:`ortcapture.serving.merge`) and runs them without checking the requests
 again; the outputs go back whole (into the slot when they fit): the tier slices each request's rows back. A run that
-fails is run again one request at a time, and :meth:`ReplicaCore.answers` decides 400 or 500 by behaviour.
+fails is run again one request at a time, and :meth:`ReplicaCore.answers` decides 400 or 500 by behaviour. On CUDA
+the replica also opens clients' CUDA shared memory regions (:mod:`ortcapture.serving.cuda_ipc`: rows gathered device
+to device, outputs written into regions; such runs are never merged with others).
 
 GPUs per replica: 1 for CUDA, 0 otherwise (Ray sets ``CUDA_VISIBLE_DEVICES``). ``check_health()`` replays the
 smallest bucket and checks its answer; shutting down lets batches in flight finish (``graceful_shutdown_s``) and
@@ -98,7 +100,10 @@ class ModelSession:
             runs: ``[(feeds, rows)]``: ``feeds`` ``{input: numpy array}`` with the requests' rows joined along the
                 batched dim (at most ``max_batch_size`` rows), ``rows`` each request's rows in order. Checked by the
                 tier already (:class:`~ortcapture.serving.requests.RequestCheck`): not checked again. ``feeds`` is
-                ``None`` with ``slot``.
+                ``None`` with ``slot``. Rows in clients' CUDA regions come as
+                :class:`~ortcapture.serving.cuda_shm.DeviceRows` (gathered here on the device), and a run whose
+                requests name CUDA regions for outputs is ``(feeds, rows, [{output: Ref} or None per request])``:
+                those outputs are written there (:mod:`ortcapture.serving.cuda_ipc`).
             queued_ns: per run, each request's wait in the tier (nanoseconds; ``/stats``' queue time).
             slot: a :meth:`ortcapture.serving.slots.Slot.descriptor`: the runs' feeds are in the tier's node-local
                 shared memory (read in place), and the outputs go back there when they fit.
