@@ -272,64 +272,54 @@ def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_
             return client.infer(model_name, [inp], outputs=[grpcclient.InferRequestedOutput(output_name)],
                                 client_timeout=60).as_numpy(output_name)
         return call, client.close
-    if path == "cudashm":
-        return _cuda_shm_call(client, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape)
-    import tritonclient.utils.shared_memory as shm
-
-    tag = f"b{os.getpid()}-{k}"
-    hin = shm.create_shared_memory_region(f"{tag}-in", f"/{tag}-in", in_bytes)
-    hout = shm.create_shared_memory_region(f"{tag}-out", f"/{tag}-out", out_bytes)
-    client.register_system_shared_memory(f"{tag}-in", f"/{tag}-in", in_bytes)
-    client.register_system_shared_memory(f"{tag}-out", f"/{tag}-out", out_bytes)
-    out = grpcclient.InferRequestedOutput(output_name)
-    out.set_shared_memory(f"{tag}-out", out_bytes)
-
-    def call(x):
-        shm.set_shared_memory_region(hin, [x])
-        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
-        inp.set_shared_memory(f"{tag}-in", in_bytes)
-        client.infer(model_name, [inp], outputs=[out], client_timeout=60)
-        return np.array(shm.get_contents_as_numpy(hout, np.float32, list(out_shape)))
-
-    def cleanup():
-        for name in (f"{tag}-in", f"{tag}-out"):
-            client.unregister_system_shared_memory(name)
-        shm.destroy_shared_memory_region(hin)
-        shm.destroy_shared_memory_region(hout)
-        client.close()
-    return call, cleanup
+    return _shm_call(client, path == "cudashm", k, input_name, output_name, model_name, in_bytes, out_bytes,
+                     out_shape)
 
 
-def _cuda_shm_call(client, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
-    """The ``cudashm`` path: ``tritonclient.grpc`` with the image copied into this client's CUDA region
-    (``tritonclient.utils.cuda_shared_memory``, device 0) and the answer read from its output region, both
-    registered once, here."""
+def _shm_call(client, cuda, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
+    """The ``shm`` path (``cuda`` false: system shared memory, ``tritonclient.utils.shared_memory``) or the
+    ``cudashm`` path (CUDA regions on device 0, ``tritonclient.utils.cuda_shared_memory``; the client copies the image
+    host to device per request): the image written to this client's input region, the answer read from its output
+    region, both registered once, here."""
     import tritonclient.grpc as grpcclient
-    import tritonclient.utils.cuda_shared_memory as cudashm
 
-    tag = f"c{os.getpid()}-{k}"
-    hin = cudashm.create_shared_memory_region(f"{tag}-in", in_bytes, 0)
-    hout = cudashm.create_shared_memory_region(f"{tag}-out", out_bytes, 0)
-    # written once here, before the client threads start: tritonclient makes its one CUDA stream per device on first
-    # use, and two threads doing so at once destroy the other's (a segfault in the client, seen on an H100)
-    cudashm.set_shared_memory_region(hin, [np.zeros(in_bytes, np.uint8)])
-    client.register_cuda_shared_memory(f"{tag}-in", cudashm.get_raw_handle(hin), 0, in_bytes)
-    client.register_cuda_shared_memory(f"{tag}-out", cudashm.get_raw_handle(hout), 0, out_bytes)
+    if cuda:
+        import tritonclient.utils.cuda_shared_memory as lib
+
+        tag = f"c{os.getpid()}-{k}"
+        regions = [lib.create_shared_memory_region(f"{tag}-{io}", n, 0) for io, n in (("in", in_bytes),
+                                                                                        ("out", out_bytes))]
+        # written once here, before the client threads start: tritonclient makes its one CUDA stream per device on
+        # first use, and two threads doing so at once destroy the other's (a segfault in the client, on an H100)
+        lib.set_shared_memory_region(regions[0], [np.zeros(in_bytes, np.uint8)])
+        for (io, n), h in zip((("in", in_bytes), ("out", out_bytes)), regions):
+            client.register_cuda_shared_memory(f"{tag}-{io}", lib.get_raw_handle(h), 0, n)
+        unregister = client.unregister_cuda_shared_memory
+    else:
+        import tritonclient.utils.shared_memory as lib
+
+        tag = f"b{os.getpid()}-{k}"
+        regions = [lib.create_shared_memory_region(f"{tag}-{io}", f"/{tag}-{io}", n) for io, n in
+                   (("in", in_bytes), ("out", out_bytes))]
+        for io, n in (("in", in_bytes), ("out", out_bytes)):
+            client.register_system_shared_memory(f"{tag}-{io}", f"/{tag}-{io}", n)
+        unregister = client.unregister_system_shared_memory
+    hin, hout = regions
     out = grpcclient.InferRequestedOutput(output_name)
     out.set_shared_memory(f"{tag}-out", out_bytes)
 
     def call(x):
-        cudashm.set_shared_memory_region(hin, [x])
+        lib.set_shared_memory_region(hin, [x])
         inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
         inp.set_shared_memory(f"{tag}-in", in_bytes)
         client.infer(model_name, [inp], outputs=[out], client_timeout=60)
-        return np.array(cudashm.get_contents_as_numpy(hout, np.float32, list(out_shape)))
+        return np.array(lib.get_contents_as_numpy(hout, np.float32, list(out_shape)))
 
     def cleanup():
         for name in (f"{tag}-in", f"{tag}-out"):
-            client.unregister_cuda_shared_memory(name)
-        cudashm.destroy_shared_memory_region(hin)
-        cudashm.destroy_shared_memory_region(hout)
+            unregister(name)
+        for h in regions:
+            lib.destroy_shared_memory_region(h)
         client.close()
     return call, cleanup
 

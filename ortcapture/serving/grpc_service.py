@@ -399,6 +399,24 @@ class GrpcIngress:
             raise ShmError("this server has no shared memory")
         return self.shm
 
+    async def _unregister(self, grpc_context, request, rpc: str, kind: str):
+        """``<rpc>Unregister`` for regions of ``kind`` (``"system"``, ``"cuda"``)."""
+        async def _work(msg):
+            await self._shm_or_refuse().unregister(msg.name or None, kind)
+            return getattr(pb2(), f"{rpc}UnregisterResponse")()
+        return await self._serve(grpc_context, request, (f"{rpc}UnregisterRequest", f"{rpc}UnregisterResponse"),
+                                 _work)
+
+    async def _status(self, grpc_context, request, rpc: str, kind: str):
+        """``<rpc>Status`` of regions of ``kind``: each region's Triton status entry."""
+        async def _work(msg):
+            cls = getattr(pb2(), f"{rpc}StatusResponse")
+            res = cls()
+            for r in await self._shm_or_refuse().status(msg.name or None, kind):
+                res.regions[r["name"]].CopyFrom(cls.RegionStatus(**r))
+            return res
+        return await self._serve(grpc_context, request, (f"{rpc}StatusRequest", f"{rpc}StatusResponse"), _work)
+
     async def SystemSharedMemoryRegister(self, request, grpc_context=None):  # noqa: N802
         """``SystemSharedMemoryRegister``: a region of a client's ``/dev/shm`` object (loopback clients only)."""
         async def _work(msg):
@@ -409,23 +427,12 @@ class GrpcIngress:
                                                          "SystemSharedMemoryRegisterResponse"), _work)
 
     async def SystemSharedMemoryUnregister(self, request, grpc_context=None):  # noqa: N802
-        """``SystemSharedMemoryUnregister``: the region named, or every region (an empty name)."""
-        async def _work(msg):
-            await self._shm_or_refuse().unregister(msg.name or None)
-            return pb2().SystemSharedMemoryUnregisterResponse()
-        return await self._serve(grpc_context, request, ("SystemSharedMemoryUnregisterRequest",
-                                                         "SystemSharedMemoryUnregisterResponse"), _work)
+        """``SystemSharedMemoryUnregister``: the region named, or every one (an empty name)."""
+        return await self._unregister(grpc_context, request, "SystemSharedMemory", "system")
 
     async def SystemSharedMemoryStatus(self, request, grpc_context=None):  # noqa: N802
-        """``SystemSharedMemoryStatus``: the region named, or every region (an empty name)."""
-        async def _work(msg):
-            p = pb2()
-            res = p.SystemSharedMemoryStatusResponse()
-            for r in await self._shm_or_refuse().status(msg.name or None):
-                res.regions[r["name"]].CopyFrom(p.SystemSharedMemoryStatusResponse.RegionStatus(**r))
-            return res
-        return await self._serve(grpc_context, request, ("SystemSharedMemoryStatusRequest",
-                                                         "SystemSharedMemoryStatusResponse"), _work)
+        """``SystemSharedMemoryStatus``: the region named, or every one (an empty name)."""
+        return await self._status(grpc_context, request, "SystemSharedMemory", "system")
 
     # -- CUDA shared memory (ortcapture.serving.cuda_shm) ---------------------------------------------------------
     async def CudaSharedMemoryRegister(self, request, grpc_context=None):  # noqa: N802
@@ -441,22 +448,11 @@ class GrpcIngress:
 
     async def CudaSharedMemoryUnregister(self, request, grpc_context=None):  # noqa: N802
         """``CudaSharedMemoryUnregister``: the CUDA region named, or every one (an empty name)."""
-        async def _work(msg):
-            await self._shm_or_refuse().unregister(msg.name or None, "cuda")
-            return pb2().CudaSharedMemoryUnregisterResponse()
-        return await self._serve(grpc_context, request, ("CudaSharedMemoryUnregisterRequest",
-                                                         "CudaSharedMemoryUnregisterResponse"), _work)
+        return await self._unregister(grpc_context, request, "CudaSharedMemory", "cuda")
 
     async def CudaSharedMemoryStatus(self, request, grpc_context=None):  # noqa: N802
         """``CudaSharedMemoryStatus``: the CUDA region named, or every one (an empty name)."""
-        async def _work(msg):
-            p = pb2()
-            res = p.CudaSharedMemoryStatusResponse()
-            for r in await self._shm_or_refuse().status(msg.name or None, "cuda"):
-                res.regions[r["name"]].CopyFrom(p.CudaSharedMemoryStatusResponse.RegionStatus(**r))
-            return res
-        return await self._serve(grpc_context, request, ("CudaSharedMemoryStatusRequest",
-                                                         "CudaSharedMemoryStatusResponse"), _work)
+        return await self._status(grpc_context, request, "CudaSharedMemory", "cuda")
 
 
 def grpc_options(options):
