@@ -1,6 +1,7 @@
 """CUDA shared memory (issue 45): registration checks, the one namespace with system regions, references checked in
 the tier, requests from CUDA regions checked and batched as references (no device here), the session replica's
-merge keeping them apart — and, marked ``cuda`` (run on the GPU machine), ``ortcapture serve`` on CUDA driven by
+merge joining them with each other only, its isolation of a failed batch and its writes of each request's outputs —
+and, marked ``cuda`` (run on the GPU machine), ``ortcapture serve`` on CUDA driven by
 ``tritonclient.utils.cuda_shared_memory`` over HTTP and gRPC: inputs and outputs in device memory, every answer equal
 to the CPU EP, bad regions each a 400 and the server up."""
 from __future__ import annotations
@@ -180,20 +181,38 @@ def test_request_check_checks_a_device_tensor_by_shape_and_dtype():
         unbatched.rows({"X": np.zeros((1, 4), np.float32), "T": DeviceTensor(_dev(1).ref, (4,), np.dtype("f4"))})
 
 
-def test_device_requests_batch_apart_and_join_as_references():
+def test_device_requests_group_apart_join_as_references_and_merge_only_with_device_runs():
     host, a, b = {"X": np.zeros((2, 4), np.float32)}, {"X": _dev(1, offset=0)}, {"X": _dev(2, "b", 64)}
     assert group_key(host, ["X"], {"X": 0}) != group_key(a, ["X"], {"X": 0}) == group_key(b, ["X"], {"X": 0})
     assert on_device(a) and not on_device(host)
     joined = join([a, b], [(0, 0, 1), (1, 0, 2)], ["X"], {"X": 0})["X"]
     assert isinstance(joined, DeviceRows) and joined.shape == (3, 4) and joined.dtype == np.float32
     assert [(t.ref.region.name, s, e) for t, s, e in joined.parts] == [("in", 0, 1), ("b", 0, 2)]
-    runs = [({"X": np.zeros((1, 4), np.float32)}, [1]), ({"X": joined}, [1, 2]),
+    other = join([{"X": _dev(1, "c", 0)}], [(0, 0, 1)], ["X"], {"X": 0})["X"]
+    runs = [({"X": np.zeros((1, 4), np.float32)}, [1]), ({"X": joined}, [1, 2]), ({"X": other}, [1]),
             ({"X": np.zeros((1, 4), np.float32)}, [1]), ({"X": np.zeros((2, 4), np.float32)}, [2])]
     merged = merge_runs(runs, 8)
-    assert [m for m, _, _ in merged] == [[0], [1], [2, 3]]  # a device run is never joined with another
-    assert merged[1][1]["X"] is joined
-    # a run whose outputs go to CUDA regions is kept apart by the caller
-    assert [m for m, _, _ in merge_runs(runs, 8, apart={3})] == [[0], [1], [2], [3]]
+    # device runs join device runs only, as references listed in order (nothing gathered or copied here)
+    assert [m for m, _, _ in merged] == [[0], [1, 2], [3, 4]]
+    dev = merged[1][1]["X"]
+    assert isinstance(dev, DeviceRows) and dev.shape == (4, 4) and merged[1][2] == [1, 2, 1]
+    assert [(t.ref.region.name, s, e) for t, s, e in dev.parts] == [("in", 0, 1), ("b", 0, 2), ("c", 0, 1)]
+    assert [m for m, _, _ in merge_runs(runs, 3)] == [[0], [1], [2], [3, 4]]  # never past max_rows
+    assert [m for m, _, _ in merge_runs(runs[1:2], 8)] == [[0]] and merge_runs(runs[1:2], 8)[0][1]["X"] is joined
+    # any other non-numpy feed (a CUDA OrtValue) stays alone
+    assert [m for m, _, _ in merge_runs([({"X": object()}, [1]), ({"X": object()}, [1])], 8)] == [[0], [1]]
+
+
+def test_split_feeds_cuts_device_rows_one_part_per_request():
+    from ortcapture.serving.requests import split_feeds
+
+    rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(3, "b"), 1, 3)])
+    z = np.arange(3, dtype=np.float32).reshape(3, 1)
+    own = split_feeds({"X": rows, "Z": z}, [1, 2], {"X": 0, "Z": 0})
+    assert [o["X"].parts for o in own] == [(rows.parts[0],), (rows.parts[1],)]
+    assert own[1]["X"].shape == (2, 4) and own[1]["Z"].tolist() == [[1.0], [2.0]]
+    with pytest.raises(ValueError, match="cannot be cut"):
+        split_feeds({"X": rows}, [3], {"X": 0})
 
 
 def test_region_entries_name_each_output_region():
@@ -340,6 +359,8 @@ class _FakeIpc:
         self.gathers += 1
         parts = []
         for t, start, stop in rows.parts:
+            if t.ref.region.name not in self.mem:  # as IpcMemory for a handle that no longer opens
+                raise ShmError(f"region {t.ref.region.name!r}: the CUDA IPC handle does not open")
             flat = self.mem[t.ref.region.name][t.ref.offset // 4:(t.ref.offset + t.ref.byte_size) // 4]
             parts.append(flat.reshape(t.shape)[start:stop])
         return np.concatenate(parts)
@@ -353,26 +374,55 @@ class _FakeIpc:
         pass
 
 
+def _double_model() -> bytes:
+    """Y = 2 X + 0 Z with X [batch, 4], Z [batch, 1] (both batched on axis 0)."""
+    from onnx import helper, numpy_helper
+
+    from tests import tiny
+
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    nodes = [helper.make_node("Mul", ["X", "two"], ["x2"]), helper.make_node("Mul", ["Z", "zero"], ["z0"]),
+             helper.make_node("Add", ["x2", "z0"], ["Y"])]
+    return tiny._model(nodes, [tiny.vi("X", ["batch", 4]), tiny.vi("Z", ["batch", 1])], [tiny.vi("Y", ["batch", 4])],
+                       [two, zero])
+
+
 class _DeviceCore:
-    """A core whose run answers ``Y = 2 X`` and raises for a batch holding a negative value (a model error)."""
+    """:class:`ortcapture.serving.replica.ReplicaCore`'s ``run_joined`` over a real :class:`BatchRunner` of a CPU
+    session of :func:`_double_model`, whose runs fail for a batch holding a negative value (a model error)."""
 
     def __init__(self):
-        self.runs = []
-        self.runner = type("R", (), {"output_axes": {"Y": 0}, "input_axes": {"X": 0, "Z": 0}})()
+        import ortcapture
+        from ortcapture.serving import BatchRunner
 
-    def run_joined(self, feeds, rows, queued=(), isolate=True):
-        assert not isolate  # rows from CUDA regions: the session replica isolates
-        assert "Z" not in feeds or feeds["Z"].shape[0] == feeds["X"].shape[0] == sum(rows)  # host rows cut too
-        self.runs.append(list(rows))
-        if (feeds["X"] < 0).any():
-            raise RuntimeError("Gather index out of range")
-        return {"outputs": {"Y": feeds["X"] * 2}, "axes": {"Y": 0}}
+        sess = ortcapture.InferenceSession(_double_model(), providers=["CPUExecutionProvider"])
+        self.runner = BatchRunner(sess, dim="batch", max_rows=8)
+        self.runs, real = [], sess.run
+
+        def run(names, feeds, run_options=None):
+            self.runs.append(int(feeds["X"].shape[0]))
+            assert feeds["Z"].shape[0] == feeds["X"].shape[0]  # host rows cut per request with the device rows
+            if (feeds["X"] < 0).any():
+                raise RuntimeError("Gather index out of range")
+            return real(names, feeds, run_options)
+
+        sess.run = run
+
+    def run_joined(self, feeds, rows, queued=(), isolate=True, prepare=None):
+        got = self.runner.run_joined(feeds, rows, isolate, prepare)
+        if isinstance(got, list):
+            return {"answers": self.answers(got)}
+        return {"outputs": got, "axes": self.runner.output_axes}
+
+    def answers(self, results):
+        from ortcapture.serving.replica import _client_fault
+
+        return [{"outputs": r} if not isinstance(r, Exception) else
+                {"error": str(r), "status": 400 if _client_fault(r) or "Gather" in str(r) else 500} for r in results]
 
     def close(self):  # the replica's __del__ closes its core
         pass
-
-    def answers(self, results):
-        return [{"outputs": r} if not isinstance(r, Exception) else {"error": str(r), "status": 400} for r in results]
 
 
 def _device_replica(mem):
@@ -381,26 +431,42 @@ def _device_replica(mem):
 
     ms = session_replica.ModelSession.__new__(session_replica.ModelSession)
     ms.core, ms._ipc = _DeviceCore(), _FakeIpc(mem)
+    ms._merge_rows, ms._mergeable, ms.merged_runs = 8, True, 0
+    ms._metrics = type("M", (), {"batch": lambda *a: None})()
     return ms
 
 
-def test_session_replica_gathers_device_rows_once_and_writes_each_requests_outputs():
-    mem = {"a": np.arange(8, dtype=np.float32), "b": np.arange(100, 116, dtype=np.float32)}
+def _z(n):
+    return np.zeros((n, 1), np.float32)
+
+
+def test_session_replica_merges_device_runs_gathers_once_and_writes_each_requests_outputs():
+    mem = {"a": np.arange(8, dtype=np.float32), "b": np.arange(100, 116, dtype=np.float32),
+           "c": np.arange(50, 54, dtype=np.float32)}
     ms = _device_replica(mem)
-    ta, tb = _dev(1, "a", 16), _dev(2, "b", 0)
-    rows = DeviceRows.of([(ta, 0, 1), (tb, 0, 2)])
+    ta, tb, tc = _dev(1, "a", 16), _dev(2, "b", 0), _dev(1, "c", 0)
     out_a = shm.Ref(Regions().register_cuda("oa", HANDLE, 0, 64), 0, 16)
     out_b = shm.Ref(Regions().register_cuda("ob", HANDLE, 0, 64), 8, 32)
-    answer = ms._run_device({"X": rows}, [1, 2], [0, 0])
-    answer = ms._device_outputs(answer, [1, 2], [{"Y": out_a}, {"Y": out_b}])
-    assert ms._ipc.gathers == 1 and ms.core.runs == [[1, 2]]
+    out_c = shm.Ref(Regions().register_cuda("oc", HANDLE, 0, 64), 0, 16)
+    # two calls of the tier: one run of two requests (outputs into two regions), one run of one (into a third)
+    calls = [([({"X": DeviceRows.of([(ta, 0, 1), (tb, 0, 2)]), "Z": _z(3)}, [1, 2], [{"Y": out_a}, {"Y": out_b}])],
+              [[0, 0]], None),
+             ([({"X": DeviceRows.of([(tc, 0, 1)]), "Z": _z(1)}, [1], [{"Y": out_c}])], [[0]], None)]
+    answers = ms._run_calls(calls)
+    assert ms._ipc.gathers == 1 and ms.core.runs == [4] and ms.merged_runs == 1  # one merged run, one gather
     np.testing.assert_array_equal(ms._ipc.written[("oa", 0)], mem["a"][4:8].reshape(1, 4) * 2)
     np.testing.assert_array_equal(ms._ipc.written[("ob", 8)], mem["b"][:8].reshape(2, 4) * 2)
-    assert answer["outputs"]["Y"].shape == (3, 4)  # the tier slices the rows back as for any run
-    small = shm.Ref(Regions().register_cuda("os", HANDLE, 0, 64), 0, 8)  # too small for its request's rows
-    answer = ms._device_outputs(ms._run_device({"X": rows}, [1, 2], [0, 0]), [1, 2], [{"Y": small}, None])
-    assert answer["answers"][0]["status"] == 400 and "do not fit" in answer["answers"][0]["error"]
-    np.testing.assert_array_equal(answer["answers"][1]["outputs"]["Y"], mem["b"][:8].reshape(2, 4) * 2)
+    np.testing.assert_array_equal(ms._ipc.written[("oc", 0)], mem["c"].reshape(1, 4) * 2)
+    np.testing.assert_array_equal(answers[0][0]["outputs"]["Y"][1:], mem["b"][:8].reshape(2, 4) * 2)
+    np.testing.assert_array_equal(answers[1][0]["outputs"]["Y"], mem["c"].reshape(1, 4) * 2)
+    # a region too small for its request's rows: that request's own 400, the others their outputs
+    small = shm.Ref(Regions().register_cuda("os", HANDLE, 0, 64), 0, 8)
+    calls[0][0][0] = (calls[0][0][0][0], [1, 2], [{"Y": small}, None])
+    answers = ms._run_calls(calls)
+    got = answers[0][0]["answers"]
+    assert got[0]["status"] == 400 and "do not fit" in got[0]["error"]
+    np.testing.assert_array_equal(got[1]["outputs"]["Y"], mem["b"][:8].reshape(2, 4) * 2)
+    np.testing.assert_array_equal(answers[1][0]["outputs"]["Y"], mem["c"].reshape(1, 4) * 2)
 
 
 def test_session_replica_runs_each_device_request_alone_when_the_batch_fails():
@@ -409,10 +475,19 @@ def test_session_replica_runs_each_device_request_alone_when_the_batch_fails():
     rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "bad"), 0, 1), (_dev(1, "c"), 0, 1)])
     out = shm.Ref(Regions().register_cuda("o", HANDLE, 0, 64), 0, 16)
     z = np.arange(3, dtype=np.float32).reshape(3, 1)  # a batched input sent with the request: cut per request too
-    answer = ms._device_outputs(ms._run_device({"X": rows, "Z": z}, [1, 1, 1], [0, 0, 0]), [1, 1, 1],
-                                [None, None, {"Y": out}])
-    assert ms.core.runs == [[1, 1, 1], [1], [1], [1]]  # the batch, then each request gathered and run alone
-    got = answer["answers"]
+    (got,), = ms._run_calls([([({"X": rows, "Z": z}, [1, 1, 1], [None, None, {"Y": out}])], [[0, 0, 0]], None)])
+    assert ms.core.runs == [3, 1, 1, 1] and ms._ipc.gathers == 4  # the batch, then each request gathered alone
+    got = got["answers"]
     np.testing.assert_array_equal(got[0]["outputs"]["Y"], mem["a"][:4].reshape(1, 4) * 2)
     assert got[1]["status"] == 400 and "Gather index" in got[1]["error"]
     np.testing.assert_array_equal(ms._ipc.written[("o", 0)], np.full((1, 4), 2.0, np.float32))
+
+
+def test_session_replica_answers_400_for_a_region_that_cannot_be_read():
+    mem = {"a": np.arange(8, dtype=np.float32)}
+    ms = _device_replica(mem)
+    rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "gone"), 0, 1)])
+    (got,), = ms._run_calls([([({"X": rows, "Z": _z(2)}, [1, 1])], [[0, 0]], None)])
+    got = got["answers"]
+    np.testing.assert_array_equal(got[0]["outputs"]["Y"], mem["a"][:4].reshape(1, 4) * 2)
+    assert got[1]["status"] == 400 and "gone" in got[1]["error"]

@@ -39,7 +39,7 @@ class _Core:
     def __init__(self, run_s: float):
         self.session, self.run_s, self.runs = _Session(), run_s, []
 
-    def run_joined(self, feeds, rows, queued=()):
+    def run_joined(self, feeds, rows, queued=(), isolate=True, prepare=None):
         time.sleep(self.run_s)
         self.runs.append(list(rows))
         return {"outputs": {"y": feeds["X"] * 2}, "axes": {"y": 0}}

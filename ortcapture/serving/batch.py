@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -325,17 +325,18 @@ class BatchRunner:
         return results
 
     def _isolate(self, requests: Sequence[Mapping[str, np.ndarray]], chunk: list[tuple[int, int, int]],
-                 results: list) -> int:
+                 results: list, prepare: Callable[[dict], dict] | None = None) -> int:
         """After ``chunk``'s run failed: run each of its pieces alone (at most :attr:`max_rows` runs, one per
         request piece), so the piece whose values the session refuses fails with the exception of its *own* run —
-        never another request's values in its text — and its batchmates get their answers. Returns the runs made."""
+        never another request's values in its text — and its batchmates get their answers (``prepare``: as in
+        :meth:`run_joined`, per piece). Returns the runs made."""
         made = 0
         for i, start, stop in chunk:
             if isinstance(results[i], Exception):  # an earlier chunk of a split request failed already
                 continue
             made += 1
             try:
-                outs = self._run_chunk(requests, [(i, start, stop)], stop - start)
+                outs = self._run_chunk(requests, [(i, start, stop)], stop - start, prepare)
             except Exception as exc:  # noqa: BLE001 - this request's own failure, whatever the session raised
                 results[i] = exc
                 continue
@@ -365,9 +366,12 @@ class BatchRunner:
         return pack(members, cap)
 
     def _run_chunk(self, requests: Sequence[Mapping[str, np.ndarray]], chunk: list[tuple[int, int, int]],
-                   total: int) -> dict[str, np.ndarray]:
-        """One session run of ``chunk``'s rows; ``{output: array}`` with ``total`` rows along each output's axis."""
+                   total: int, prepare: Callable[[dict], dict] | None = None) -> dict[str, np.ndarray]:
+        """One session run of ``chunk``'s rows (``prepare``: applied to the joined feeds first); ``{output: array}``
+        with ``total`` rows along each output's axis."""
         feeds = join(requests, chunk, self._names, self.input_axes)
+        if prepare is not None:
+            feeds = prepare(feeds)
         outs = dict(zip(self._output_names, self.session.run(None, feeds)))
         for name, o in outs.items():
             axis = self.output_axes[name]
@@ -377,17 +381,23 @@ class BatchRunner:
                                    f"{self.dim!r} as measured")
         return outs
 
-    def run_joined(self, feeds: Mapping[str, np.ndarray], rows: Sequence[int], isolate: bool = True
-                   ) -> dict[str, np.ndarray] | list:
+    def run_joined(self, feeds: Mapping[str, Any], rows: Sequence[int], isolate: bool = True,
+                   prepare: Callable[[dict], dict] | None = None) -> dict[str, np.ndarray] | list:
         """Run one batch that a batching tier has checked (:meth:`rows`, once per request), grouped and joined
         already (:func:`ortcapture.serving.requests.join`): one session run, no check again.
 
         Args:
             feeds: ``{input: numpy array}``, the requests' rows concatenated along the batched dim (``sum(rows)``
-                rows, at most :attr:`max_rows`); inputs without the batched dim are the group's one value.
+                rows, at most :attr:`max_rows`); inputs without the batched dim are the group's one value. A batched
+                input's rows may also be references to CUDA shared memory
+                (:class:`~ortcapture.serving.cuda_shm.DeviceRows`, one part per request), which ``prepare`` turns
+                into a feed the session takes.
             rows: each request's rows, in the order they were joined.
-            isolate: ``False``: a run that raises raises here (the caller isolates: feeds that are not numpy
-                arrays, e.g. a CUDA ``OrtValue`` of rows gathered from CUDA shared memory, cannot be cut here).
+            isolate: ``False``: a run that raises raises here.
+            prepare: called with the feeds of each session run right before it — the batch's, then, if that run
+                raised, each request's own (cut by :func:`~ortcapture.serving.requests.split_feeds`) — and returns
+                the feeds to run (the session replica gathers :class:`~ortcapture.serving.cuda_shm.DeviceRows` on
+                the device into a CUDA ``OrtValue`` here); what it raises is that run's failure.
 
         Returns:
             ``{output: array}`` with ``sum(rows)`` rows along each output's :attr:`output_axes` axis (the caller
@@ -399,14 +409,14 @@ class BatchRunner:
         total = sum(rows)
         whole = [(0, 0, total)]
         try:
-            outs = self._run_chunk([feeds], whole, total)
+            outs = self._run_chunk([feeds], whole, total, prepare)
             failed = None
         except Exception:  # noqa: BLE001 - each request is run alone: only the faulty one fails
             if not isolate:
                 raise
             parts = split_feeds(feeds, rows, self.input_axes)
             failed = [None] * len(rows)
-            isolation = self._isolate(parts, [(i, 0, n) for i, n in enumerate(rows)], failed)
+            isolation = self._isolate(parts, [(i, 0, n) for i, n in enumerate(rows)], failed, prepare)
             failed = [r if isinstance(r, Exception) else r[0] for r in failed]
         with self._lock:
             c = self._counts

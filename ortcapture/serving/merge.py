@@ -9,14 +9,17 @@ merged run's answer back into each original run's answer.
 
 Runs are merged only when every model input carries the batched dim on axis 0 (:func:`mergeable`): then any two
 checked runs agree on every other dim and can share a replay. A model with an input that is one value per run
-(no batched dim) keeps its runs apart.
+(no batched dim) keeps its runs apart. Rows in CUDA shared memory (:class:`~ortcapture.serving.cuda_shm.DeviceRows`)
+merge with rows in CUDA shared memory: their references are listed one after another (the session replica gathers
+them on the device), never copied here.
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ortcapture.serving.cuda_shm import DeviceRows
 from ortcapture.serving.requests import take
 
 
@@ -25,37 +28,55 @@ def mergeable(input_names: Sequence[str], batch_axes: Mapping[str, int]) -> bool
     return bool(input_names) and all(batch_axes.get(n) == 0 for n in input_names)
 
 
-def merge_runs(runs: Sequence[tuple[Mapping[str, np.ndarray], Sequence[int]]], max_rows: int, merge: bool = True,
-               apart: Collection[int] = ()) -> list[tuple[list[int], dict[str, np.ndarray], list[int]]]:
+def _kind(feeds: Mapping[str, Any]) -> tuple | None:
+    """What a run's feeds are, per input: ``True`` rows in CUDA regions, ``False`` a numpy array; ``None`` for any
+    other value (e.g. a CUDA ``OrtValue``: such a run stays alone)."""
+    kinds = []
+    for name, v in feeds.items():
+        if isinstance(v, DeviceRows):
+            kinds.append((name, True))
+        elif isinstance(v, np.ndarray):
+            kinds.append((name, False))
+        else:
+            return None
+    return tuple(kinds)
+
+
+def merge_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], max_rows: int, merge: bool = True
+               ) -> list[tuple[list[int], dict[str, Any], list[int]]]:
     """Group ``runs`` (``[(feeds, rows)]``, in order) into merged runs of at most ``max_rows`` rows.
 
     Returns:
         ``[(members, feeds, rows)]``: the indices of the runs merged (consecutive, in order), their feeds joined
-        along axis 0 (one member: its own feeds, no copy), and their requests' rows one after another. With
-        ``merge`` false every run stays alone; so does a run with a feed that is not a numpy array (rows in CUDA
-        shared memory, :class:`ortcapture.serving.cuda_shm.DeviceRows`) and every run whose index is in ``apart``.
+        along axis 0 (one member: its own feeds, no copy; :class:`~ortcapture.serving.cuda_shm.DeviceRows`: their
+        parts listed one after another), and their requests' rows one after another. With ``merge`` false every run
+        stays alone; runs merge only with runs whose every input is of the same kind (numpy, or rows in CUDA
+        regions); a run with a feed of any other kind stays alone.
     """
     groups: list[list[int]] = []
-    used, joinable = 0, False
+    used, last = 0, None
     for i, (feeds, rows) in enumerate(runs):
         n = sum(int(r) for r in rows)
-        # rows in CUDA regions, and the runs the caller keeps ``apart``, stay alone
-        host = i not in apart and all(isinstance(v, np.ndarray) for v in feeds.values())
-        if merge and host and joinable and used + n <= max_rows:
+        kind = _kind(feeds)
+        if merge and kind is not None and kind == last and used + n <= max_rows:
             groups[-1].append(i)
             used += n
         else:
             groups.append([i])
-            used, joinable = n, host
+            used, last = n, kind
     out = []
     for members in groups:
         if len(members) == 1:
             feeds, rows = runs[members[0]]
             out.append((members, dict(feeds), [int(r) for r in rows]))
             continue
-        names = list(runs[members[0]][0])
-        feeds = {name: np.concatenate([runs[i][0][name] for i in members], axis=0) for name in names}
-        out.append((members, feeds, [int(r) for i in members for r in runs[i][1]]))
+        joined = {}
+        for name, v in runs[members[0]][0].items():
+            if isinstance(v, DeviceRows):
+                joined[name] = DeviceRows.of([p for i in members for p in runs[i][0][name].parts])
+            else:
+                joined[name] = np.concatenate([runs[i][0][name] for i in members], axis=0)
+        out.append((members, joined, [int(r) for i in members for r in runs[i][1]]))
     return out
 
 

@@ -26,6 +26,7 @@ from ortcapture.errors import CaptureError, TransferError
 from ortcapture.session import InferenceSession
 from ortcapture.serving.batch import RequestError
 from ortcapture.serving.config import ModelLayout, ServeOptions, model_layout
+from ortcapture.serving.shm import ShmError
 
 _log = logging.getLogger("ortcapture.serving")
 
@@ -73,10 +74,12 @@ def build_session(options: ServeOptions, layout: ModelLayout, provider: str):
 
 
 def _client_fault(exc: Exception) -> bool:
-    """An input check refused the request: :class:`~ortcapture.serving.RequestError` or the session's feed checks
-    (``TransferError``). Not every ``CaptureError``: a bucket whose capture or verification failed is the server's,
-    and goes through :meth:`ReplicaCore.answers`' health rule like ORT's own errors."""
-    return isinstance(exc, (RequestError, TransferError))
+    """An input check refused the request: :class:`~ortcapture.serving.RequestError`, the session's feed checks
+    (``TransferError``), or a shared memory region the request names that cannot be read
+    (:class:`~ortcapture.serving.shm.ShmError`: e.g. a CUDA region whose handle no longer opens). Not every
+    ``CaptureError``: a bucket whose capture or verification failed is the server's, and goes through
+    :meth:`ReplicaCore.answers`' health rule like ORT's own errors."""
+    return isinstance(exc, (RequestError, TransferError, ShmError))
 
 
 class ReplicaCore:
@@ -160,15 +163,16 @@ class ReplicaCore:
         self._count(results, sum(self._rows_of(r) for r in requests), time.perf_counter_ns() - t0, queued_ns)
         return results
 
-    def run_joined(self, feeds: Mapping[str, np.ndarray], rows: Sequence[int],
-                   queued_ns: Sequence[int] = (), isolate: bool = True) -> dict:
+    def run_joined(self, feeds: Mapping[str, Any], rows: Sequence[int],
+                   queued_ns: Sequence[int] = (), isolate: bool = True, prepare=None) -> dict:
         """One batch a batching tier checked and joined (:meth:`BatchRunner.run_joined`: one run, no check again)
         plus counters. Returns ``{"outputs": {name: array}, "axes": {name: axis}}`` (every row of the batch; the
         caller slices each request's rows back along ``axes``), or, when the run failed, ``{"answers": [...]}``:
         each request's own answer (:meth:`answers`, run alone: outputs, a 400 or a 500). ``isolate=False``: a run
-        that raises raises here (:meth:`BatchRunner.run_joined`)."""
+        that raises raises here; ``prepare``: the feeds of each run turned into what the session takes (both
+        :meth:`BatchRunner.run_joined`)."""
         t0 = time.perf_counter_ns()
-        got = self.runner.run_joined(feeds, rows, isolate)
+        got = self.runner.run_joined(feeds, rows, isolate, prepare)
         results = got if isinstance(got, list) else [None] * len(rows)
         self._count(results, sum(int(r) for r in rows), time.perf_counter_ns() - t0, queued_ns)
         if isinstance(got, list):

@@ -184,13 +184,24 @@ def on_device(request: Mapping[str, Any]) -> bool:
     return any(isinstance(v, DeviceTensor) for v in request.values())
 
 
-def split_feeds(feeds: Mapping[str, np.ndarray], rows: Sequence[int], input_axes: Mapping[str, int]) -> list[dict]:
+def split_feeds(feeds: Mapping[str, Any], rows: Sequence[int], input_axes: Mapping[str, int]) -> list[dict]:
     """The inverse of :func:`join`: the joined ``feeds`` cut back into one feeds dict per request of ``rows`` rows
-    (views; inputs without the batched dim shared)."""
+    (views; inputs without the batched dim shared; :class:`DeviceRows` cut into each request's own part). Raises
+    ValueError for :class:`DeviceRows` whose parts are not one per request of those rows."""
     out, offset = [], 0
-    for n in rows:
-        out.append({name: take(v, input_axes[name], offset, offset + n) if name in input_axes else v
-                    for name, v in feeds.items()})
+    for k, n in enumerate(rows):
+        own = {}
+        for name, v in feeds.items():
+            if name not in input_axes:
+                own[name] = v
+            elif isinstance(v, DeviceRows):
+                if len(v.parts) != len(rows) or v.parts[k][2] - v.parts[k][1] != n:
+                    raise ValueError(f"input {name!r}: {len(v.parts)} CUDA region parts cannot be cut into the rows "
+                                     f"{list(rows)} of a run's requests")
+                own[name] = DeviceRows.of([v.parts[k]])
+            else:
+                own[name] = take(v, input_axes[name], offset, offset + n)
+        out.append(own)
         offset += n
     return out
 

@@ -11,7 +11,7 @@ once, merges their runs where they fit (:mod:`ortcapture.serving.merge`) and run
 again; the outputs go back whole (into the slot when they fit): the tier slices each request's rows back. A run that
 fails is run again one request at a time, and :meth:`ReplicaCore.answers` decides 400 or 500 by behaviour. On CUDA
 the replica also opens clients' CUDA shared memory regions (:mod:`ortcapture.serving.cuda_ipc`: rows gathered device
-to device, outputs written into regions; such runs are never merged with others).
+to device, outputs written into regions; runs in CUDA regions merge with each other, never with numpy rows).
 
 GPUs per replica: 1 for CUDA, 0 otherwise (Ray sets ``CUDA_VISIBLE_DEVICES``). ``check_health()`` replays the
 smallest bucket and checks its answer; shutting down lets batches in flight finish (``graceful_shutdown_s``) and
@@ -198,9 +198,7 @@ class ModelSession:
         ``k`` as soon as it is complete. A call that ``alive(k)`` says was given up on writes nothing into its slot
         (the tier may have given the slot to another batch)."""
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
-        # a run whose outputs go to CUDA regions stays alone (its requests' regions are written from its own answer)
-        merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable,
-                            apart={i for i, (_, run, _) in enumerate(flat) if len(run) > 2})
+        merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable)
         answers: list[list] = [[] for _ in calls]
         failed: list = [None] * len(calls)
         left = [0] * len(calls)
@@ -223,15 +221,14 @@ class ModelSession:
         for members, feeds, rows in merged:
             try:
                 queued = [t for i in members for t in flat[i][2]]
-                if any(isinstance(v, DeviceRows) for v in feeds.values()):  # rows in CUDA regions
-                    answer = self._run_device(feeds, rows, queued)
-                else:
-                    answer = self.core.run_joined(feeds, rows, queued)
-                if len(flat[members[0]][1]) > 2:  # outputs into CUDA regions
-                    answer = self._device_outputs(answer, rows, flat[members[0]][1][2])
+                device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
+                answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
                 self._metrics.batch(sum(rows), answer, len(rows))
                 self.merged_runs += len(members) - 1
                 parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
+                # each member's requests' outputs into the CUDA regions they name, from its own rows
+                parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2]) if len(flat[i][1]) > 2 else p
+                         for i, p in zip(members, parts)]
             except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
                 parts = [exc] * len(members)
             for i, part in zip(members, parts):
@@ -247,40 +244,10 @@ class ModelSession:
 
     def _gather(self, feeds: dict) -> dict:
         """``feeds`` with each :class:`~ortcapture.serving.cuda_shm.DeviceRows` gathered into a CUDA ``OrtValue``
-        (the feed path copies it device to device into the graph's buffer). Raises ShmError."""
+        (the feed path copies it device to device into the graph's buffer): the ``prepare`` of
+        :meth:`ReplicaCore.run_joined`, so a batch that fails is gathered and run again one request at a time there.
+        Raises ShmError (a region that cannot be read: its request's 400)."""
         return {n: self._ipc.gather(n, v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
-
-    def _run_device(self, feeds: dict, rows, queued) -> dict:
-        """A run whose rows are in CUDA regions: gathered on the device and run once; if that run raises, each
-        request is gathered and run alone (its own answer, :meth:`ReplicaCore.answers`). A region that cannot be
-        read (its handle no longer opens) is its request's 400."""
-        try:
-            return self.core.run_joined(self._gather(feeds), rows, queued, isolate=False)
-        except ShmError as exc:
-            if len(rows) == 1:
-                return {"answers": [{"error": str(exc), "status": 400}]}
-        except Exception as exc:  # noqa: BLE001 - each request alone below
-            if len(rows) == 1:
-                return {"answers": self.core.answers([exc])}
-        results: list = []
-        unread: dict[int, str] = {}  # requests whose region could not be read: their own 400
-        axes, offset = self.core.runner.input_axes, 0
-        for i, n in enumerate(rows):
-            own = {k: DeviceRows.of([v.parts[i]]) if isinstance(v, DeviceRows) else
-                   take(v, axes[k], offset, offset + n) if k in axes else v for k, v in feeds.items()}
-            offset += n
-            try:
-                got = self.core.run_joined(self._gather(own), [n], isolate=False)
-                results.append(got["outputs"])
-            except ShmError as exc:
-                unread[i] = str(exc)
-                results.append({})
-            except Exception as exc:  # noqa: BLE001 - this request's own failure
-                results.append(exc)
-        answers = self.core.answers(results)
-        for i, text in unread.items():
-            answers[i] = {"error": text, "status": 400}
-        return {"answers": answers, "axes": self.core.runner.output_axes}
 
     def _device_outputs(self, answer: dict, rows, outs) -> dict:
         """Each request's rows of the outputs it names into CUDA regions (``outs``: per request ``{output name:
