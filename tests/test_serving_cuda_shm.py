@@ -388,51 +388,64 @@ def _double_model() -> bytes:
                        [two, zero])
 
 
-class _DeviceCore:
-    """:class:`ortcapture.serving.replica.ReplicaCore`'s ``run_joined`` over a real :class:`BatchRunner` of a CPU
-    session of :func:`_double_model`, whose runs fail for a batch holding a negative value (a model error)."""
+def _device_core(healthy: bool = True):
+    """A real :class:`ortcapture.serving.replica.ReplicaCore` (its ``run_joined``, counters and ``answers``' health
+    rule) over a real :class:`BatchRunner` of a CPU session of :func:`_double_model`, whose runs fail for a batch
+    holding a negative value (a model error); ``check_health`` fails unless ``healthy`` (a broken device)."""
+    import collections
+
+    import ortcapture
+    from ortcapture.serving import BatchRunner
+    from ortcapture.serving.replica import ReplicaCore
+
+    sess = ortcapture.InferenceSession(_double_model(), providers=["CPUExecutionProvider"])
+    core = ReplicaCore.__new__(ReplicaCore)
+    core.runner = BatchRunner(sess, dim="batch", max_rows=8)
+    core._lock, core._t, core._batch_ns = threading.Lock(), collections.defaultdict(int), {}
+    core.runs, core.health_checks, real = [], 0, sess.run
+
+    def run(names, feeds, run_options=None):
+        core.runs.append(int(feeds["X"].shape[0]))
+        assert feeds["Z"].shape[0] == feeds["X"].shape[0]  # host rows cut per request with the device rows
+        if (feeds["X"] < 0).any():
+            raise RuntimeError("Gather index out of range")
+        return real(names, feeds, run_options)
+
+    def check_health():
+        core.health_checks += 1
+        if not healthy:
+            raise RuntimeError("the device is broken")
+
+    sess.run, core.check_health, core.close = run, check_health, lambda: None
+    return core
+
+
+class _Metrics:
+    """The session replica's metrics (its own ``batch``), counting requests by outcome instead of Ray's metrics."""
 
     def __init__(self):
-        import ortcapture
-        from ortcapture.serving import BatchRunner
+        self.rows, self.ok, self.failed = [], 0, 0
+        self.tags = {}
+        self._rows = type("R", (), {"observe": lambda *a, **k: None})()
 
-        sess = ortcapture.InferenceSession(_double_model(), providers=["CPUExecutionProvider"])
-        self.runner = BatchRunner(sess, dim="batch", max_rows=8)
-        self.runs, real = [], sess.run
+    def requests(self, outcome, n=1):
+        setattr(self, outcome, getattr(self, outcome) + n)
 
-        def run(names, feeds, run_options=None):
-            self.runs.append(int(feeds["X"].shape[0]))
-            assert feeds["Z"].shape[0] == feeds["X"].shape[0]  # host rows cut per request with the device rows
-            if (feeds["X"] < 0).any():
-                raise RuntimeError("Gather index out of range")
-            return real(names, feeds, run_options)
+    def batch(self, rows, parts, requests):
+        from ortcapture.serving.session_replica import _Metrics as Real
 
-        sess.run = run
-
-    def run_joined(self, feeds, rows, queued=(), isolate=True, prepare=None):
-        got = self.runner.run_joined(feeds, rows, isolate, prepare)
-        if isinstance(got, list):
-            return {"answers": self.answers(got)}
-        return {"outputs": got, "axes": self.runner.output_axes}
-
-    def answers(self, results):
-        from ortcapture.serving.replica import _client_fault
-
-        return [{"outputs": r} if not isinstance(r, Exception) else
-                {"error": str(r), "status": 400 if _client_fault(r) or "Gather" in str(r) else 500} for r in results]
-
-    def close(self):  # the replica's __del__ closes its core
-        pass
+        Real.batch(self, rows, parts, requests)
+        self.rows.append(rows)
 
 
-def _device_replica(mem):
+def _device_replica(mem, healthy: bool = True, ipc=None):
     pytest.importorskip("ray")
     from ortcapture.serving import session_replica
 
     ms = session_replica.ModelSession.__new__(session_replica.ModelSession)
-    ms.core, ms._ipc = _DeviceCore(), _FakeIpc(mem)
+    ms.core, ms._ipc = _device_core(healthy), ipc or _FakeIpc(mem)
     ms._merge_rows, ms._mergeable, ms.merged_runs = 8, True, 0
-    ms._metrics = type("M", (), {"batch": lambda *a: None})()
+    ms._metrics = _Metrics()
     return ms
 
 
@@ -467,6 +480,8 @@ def test_session_replica_merges_device_runs_gathers_once_and_writes_each_request
     assert got[0]["status"] == 400 and "do not fit" in got[0]["error"]
     np.testing.assert_array_equal(got[1]["outputs"]["Y"], mem["b"][:8].reshape(2, 4) * 2)
     np.testing.assert_array_equal(answers[1][0]["outputs"]["Y"], mem["c"].reshape(1, 4) * 2)
+    # the metrics count the region's 400 as a failed request (first round: 3 ok; this one: 2 ok, 1 failed)
+    assert ms._metrics.rows == [4, 4] and (ms._metrics.ok, ms._metrics.failed) == (5, 1)
 
 
 def test_session_replica_runs_each_device_request_alone_when_the_batch_fails():
@@ -491,3 +506,26 @@ def test_session_replica_answers_400_for_a_region_that_cannot_be_read():
     got = got["answers"]
     np.testing.assert_array_equal(got[0]["outputs"]["Y"], mem["a"][:4].reshape(1, 4) * 2)
     assert got[1]["status"] == 400 and "gone" in got[1]["error"]
+
+
+class _BrokenIpc(_FakeIpc):
+    """Every copy fails as after a sticky CUDA error (e.g. ``cudaErrorIllegalAddress`` left by a model kernel)."""
+
+    def gather(self, name, rows):
+        from ortcapture.serving.cuda_ipc import DeviceCopyError
+
+        self.gathers += 1
+        raise DeviceCopyError("cudaStreamSynchronize: cudaErrorIllegalAddress")
+
+
+def test_a_failed_device_copy_is_the_servers_fault_not_the_clients():
+    mem = {"a": np.arange(8, dtype=np.float32)}
+    ms = _device_replica(mem, healthy=False, ipc=_BrokenIpc(mem))
+    (got,), = ms._run_calls([([({"X": DeviceRows.of([(_dev(1, "a"), 0, 1)]), "Z": _z(1)}, [1])], [[0]], None)])
+    # a lone request on a broken device: 500 after one health check, never the client's 400 with the CUDA error
+    assert got["answers"][0]["status"] == 500 and "IllegalAddress" not in got["answers"][0]["error"]
+    assert ms.core.health_checks == 1 and ms._metrics.failed == 1
+    # on a healthy device the same failure of one request beside others is that request's (the health rule)
+    ms = _device_replica(mem, healthy=True, ipc=_BrokenIpc(mem))
+    (got,), = ms._run_calls([([({"X": DeviceRows.of([(_dev(1, "a"), 0, 1)]), "Z": _z(1)}, [1])], [[0]], None)])
+    assert got["answers"][0]["status"] == 400 and ms.core.health_checks == 1

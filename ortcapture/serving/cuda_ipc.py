@@ -28,11 +28,20 @@ def _rt():
     return runtime
 
 
-def _check(err, what: str) -> None:
+class DeviceCopyError(RuntimeError):
+    """A CUDA runtime call of this replica failed while it reached a client's region (``cudaSetDevice``, a copy, a
+    synchronize): the device's fault, not the request's — e.g. a sticky error left by the model's own kernel
+    (``cudaErrorIllegalAddress``) shows up here first. Not a :class:`~ortcapture.serving.shm.ShmError`, so
+    :meth:`ortcapture.serving.replica.ReplicaCore.answers`' health rule decides 400 or 500, as for ORT's errors."""
+
+
+def _check(err, what: str, client: bool = False) -> None:
+    """Raise for a CUDA error: :class:`ShmError` (the client's 400) where ``client`` (the handle it registered does
+    not open here), else :class:`DeviceCopyError`."""
     if int(err) != 0:
         rt = _rt()
         name = rt.cudaGetErrorName(err)[1]
-        raise ShmError(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
+        raise (ShmError if client else DeviceCopyError)(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
 
 
 class IpcMemory:
@@ -56,6 +65,7 @@ class IpcMemory:
         Raises:
             ShmError: the handle does not open here (another machine, a freed allocation, a handle of this very
                 process), or ``byte_size`` is past the end of the allocation.
+            DeviceCopyError: ``cudaSetDevice`` failed.
         """
         key = (region.name, region.generation)
         with self._lock:
@@ -70,7 +80,7 @@ class IpcMemory:
 
             ctypes.memmove(handle.getPtr(), region.raw_handle, len(region.raw_handle))
             err, ptr = rt.cudaIpcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess)
-            _check(err, f"region {region.name!r}: cudaIpcOpenMemHandle")
+            _check(err, f"region {region.name!r}: cudaIpcOpenMemHandle", client=True)
             ptr = int(ptr)
             try:
                 self._check_size(region, ptr)
@@ -110,7 +120,8 @@ class IpcMemory:
     def gather(self, name: str, rows: DeviceRows):
         """Input ``name``'s ``rows`` joined into one CUDA ``OrtValue`` of ``rows.shape`` (device to device, ordered
         on the legacy default stream and finished before it returns). The value is reused for the next run of that
-        input and shape: feed it before gathering again."""
+        input and shape: feed it before gathering again. Raises :class:`ShmError` for a region that does not open
+        (:meth:`open`), :class:`DeviceCopyError` for a copy that fails."""
         import onnxruntime as ort
 
         rt = _rt()
@@ -136,7 +147,8 @@ class IpcMemory:
 
     def write(self, ref: Ref, a: np.ndarray, where: str) -> None:
         """Copy host array ``a`` (C order) to where ``ref`` points, finished before it returns. Raises
-        :class:`ShmError` when it is larger than ``ref.byte_size`` (nothing is written)."""
+        :class:`ShmError` when it is larger than ``ref.byte_size`` (nothing is written) or the region does not
+        open, :class:`DeviceCopyError` for a copy that fails."""
         a = np.ascontiguousarray(a)
         if a.nbytes > ref.byte_size:
             raise ShmError(f"{where}: {a.nbytes} bytes do not fit its shared_memory_byte_size of {ref.byte_size}")

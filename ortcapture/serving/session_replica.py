@@ -223,12 +223,12 @@ class ModelSession:
                 queued = [t for i in members for t in flat[i][2]]
                 device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
                 answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
-                self._metrics.batch(sum(rows), answer, len(rows))
                 self.merged_runs += len(members) - 1
                 parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
                 # each member's requests' outputs into the CUDA regions they name, from its own rows
                 parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2]) if len(flat[i][1]) > 2 else p
                          for i, p in zip(members, parts)]
+                self._metrics.batch(sum(rows), parts, len(rows))  # after the regions' own 400s
             except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
                 parts = [exc] * len(members)
             for i, part in zip(members, parts):
@@ -407,10 +407,11 @@ class _Metrics:
         if n:
             self._requests.inc(n, tags={**self.tags, "outcome": outcome})
 
-    def batch(self, rows: int, answer: dict, requests: int) -> None:
+    def batch(self, rows: int, parts: Sequence[dict], requests: int) -> None:
+        """One run of ``rows`` rows and ``requests`` requests; ``parts``: its members' final answers (a failed
+        request is an ``{"error"}`` entry of a part's ``"answers"``)."""
         self._rows.observe(rows, tags=self.tags)
-        answers = answer.get("answers")
-        bad = 0 if answers is None else sum("error" in a for a in answers)
+        bad = sum("error" in a for p in parts for a in p.get("answers", ()))
         self.requests("ok", requests - bad)
         self.requests("failed", bad)
 
