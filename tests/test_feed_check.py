@@ -30,6 +30,7 @@ def test_a_feed_ort_takes_passes():
 @pytest.mark.parametrize("feeds, match", [
     ({}, r"input 'X' missing"),
     ({"X": np.zeros((1, 4), np.float32), "Y": np.zeros(1)}, r"input 'Y' unknown"),
+    ({"x": np.zeros((1, 4), np.float32)}, r"^input 'x' unknown and input 'X' missing: the model takes \['X'\]"),
     ({"X": [[0.0] * 4]}, r"input 'X' must be a numpy array, got a list"),
     ({"X": np.zeros((1, 4), np.float64)}, r"input 'X' is float32 in the model, the feed is float64"),
     ({"X": np.zeros((4,), np.float32)}, r"input 'X' has rank 2"),

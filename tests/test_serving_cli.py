@@ -109,6 +109,28 @@ def test_options_defaults(bucket_model):
     assert layout.spec.batch_axes == {"X": 0} and layout.spec.max_body_bytes == 64 * 1024 * 1024
 
 
+def test_output_dims_that_follow_fixed_input_dims_are_numbers_in_metadata_and_config(tmp_path):
+    """An output whose dims the model states as expressions of dims fixed by --dim (YOLOv8n: 2100 anchors at
+    320x320) is reported with the number (onnx shape inference), the batch dim still -1; an output dim no input
+    fixes stays -1."""
+    from onnx import TensorProto, helper
+
+    from ortcapture.serving import protocol
+    from ortcapture.serving.config import ServeOptions, model_layout
+
+    nodes = [helper.make_node("Flatten", ["X"], ["Y"], axis=1),
+             helper.make_node("NonZero", ["X"], ["I"])]  # NonZero's count depends on the values: stays open
+    graph = helper.make_graph(nodes, "g", [tiny.vi("X", ["batch", "h", "w"])],
+                              [tiny.vi("Y", ["batch", "hw"]), tiny.vi("I", [3, "n"], TensorProto.INT64)])
+    path = tmp_path / "flat.onnx"
+    path.write_bytes(tiny._model(graph.node, list(graph.input), list(graph.output)))
+    layout = model_layout(ServeOptions(str(path), dims={"h": 4, "w": 5}).checked())
+    shapes = {t.name: t.shape for t in layout.spec.outputs}
+    assert shapes == {"Y": (-1, 20), "I": (3, -1)}
+    config = {o["name"]: o["dims"] for o in protocol.model_config(layout.spec)["output"]}
+    assert config["Y"] == [20]
+
+
 def test_replica_env_passes_the_webgpu_settings(bucket_model, monkeypatch):
     from ortcapture.serving.config import ServeOptions
 

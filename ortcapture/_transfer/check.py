@@ -322,11 +322,11 @@ def check_feeds(specs: Mapping[str, InputSpec], feeds: Mapping[str, Any],
     if not isinstance(feeds, Mapping):
         raise TransferError(f"feeds must be a mapping {{input name: array}}, got a {type(feeds).__name__}")
     missing = [n for n in specs if n not in feeds]
-    if missing:
-        raise TransferError(f"input {missing[0]!r} missing: the model takes {list(specs)}")
     unknown = [k for k in feeds if k not in specs]
-    if unknown:
-        raise TransferError(f"input {unknown[0]!r} unknown: the model takes {list(specs)}")
+    if missing or unknown:  # a misspelt name is both: the message names the caller's own name first
+        what = [f"input {unknown[0]!r} unknown"] if unknown else []
+        what += [f"input {missing[0]!r} missing"] if missing else []
+        raise TransferError(f"{' and '.join(what)}: the model takes {list(specs)}")
     for name, spec in specs.items():
         v = feeds[name]
         if not isinstance(v, np.ndarray):

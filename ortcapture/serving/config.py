@@ -398,6 +398,30 @@ def _dims(vi) -> list:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
 
 
+def _output_dims(model, inputs, batch_axes) -> dict[str, list]:
+    """``{output: dims}`` from onnx's shape inference (with data propagation) of ``model`` with every input dim but
+    the batch dim fixed as served (``inputs``: the TensorSpecs, ``-1`` for the batch dim): an output dim that
+    follows the fixed input dims (YOLOv8n's 2100 anchors at 320x320, ``(h/8)*(w/8) + ...`` in the model) becomes
+    its number, so metadata and config report it; ``{}`` where inference fails (the declared dims stand)."""
+    import onnx
+
+    try:
+        fixed = onnx.ModelProto()
+        fixed.CopyFrom(model)
+        specs = {t.name: t for t in inputs}
+        for vi in fixed.graph.input:
+            t = specs.get(vi.name)
+            if t is None or not vi.type.tensor_type.HasField("shape"):
+                continue
+            for ax, d in enumerate(vi.type.tensor_type.shape.dim):
+                if ax < len(t.shape) and t.shape[ax] >= 0 and not (ax == 0 and vi.name in batch_axes):
+                    d.dim_value = int(t.shape[ax])
+        done = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
+    except Exception:  # noqa: BLE001 - a model onnx cannot infer (custom ops, > 2 GB): the declared dims stand
+        return {}
+    return {vi.name: _dims(vi) for vi in done.graph.output}
+
+
 def _np_dtype(elem: int, where: str) -> np.dtype:
     import onnx
 
@@ -488,10 +512,14 @@ def model_layout(options: ServeOptions) -> ModelLayout:
         inputs.append(TensorSpec(vi.name, dtype, tuple(shape)))
         example[vi.name] = tuple(1 if d == -1 else d for d in shape)
     outputs = []
+    inferred = _output_dims(model, inputs, batch_axes)
     for vi in model.graph.output:
         ds = _dims(vi)
-        shape = tuple(d if isinstance(d, int) else options.dims.get(d, -1) if isinstance(d, str) else -1
-                      for d in ds)
+        known = inferred.get(vi.name, [])
+        shape = tuple(d if isinstance(d, int) else
+                      known[ax] if ax < len(known) and isinstance(known[ax], int) else
+                      options.dims.get(d, -1) if isinstance(d, str) else -1
+                      for ax, d in enumerate(ds))
         outputs.append(TensorSpec(vi.name, _np_dtype(vi.type.tensor_type.elem_type, f"output {vi.name!r}"), shape))
     spec = ModelSpec(name=options.name, inputs=tuple(inputs), outputs=tuple(outputs), batch_axes=batch_axes,
                      max_rows=int(options.max_batch_size), max_body_bytes=int(options.max_body_bytes))
