@@ -32,7 +32,7 @@ class DeviceCopyError(RuntimeError):
     """A CUDA runtime call of this replica failed while it reached a client's region (``cudaSetDevice``, a copy, a
     synchronize): the device's fault, not the request's — e.g. a sticky error left by the model's own kernel
     (``cudaErrorIllegalAddress``) shows up here first. Not a :class:`~ortcapture.serving.shm.ShmError`, so
-    :meth:`ortcapture.serving.replica.ReplicaCore.answers`' health rule decides 400 or 500, as for ORT's errors."""
+    ``ortcapture.serving.replica.ReplicaCore.answers``' health rule decides 400 or 500, as for ORT's errors."""
 
 
 def _check(err, what: str, client: bool = False) -> None:
