@@ -22,6 +22,9 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
                  the product with one setting changed: Python's 5 ms GIL switch interval; 0.1 ms; one batch in flight per
                  tier replica; 2 tier replicas; both of the last two; batches by value through Ray's object store
                  instead of the batch slots (node-local shared memory)
+  product-st1 / product-stpin
+                 the session replica's host copies: one staging thread (ORTCAPTURE_STAGING_THREADS=1), or the
+                 staging threads pinned to CPUs (ORTCAPTURE_STAGING_PIN=1), in every replica's environment
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,
 and arrival to the start of their round on the replay thread) and the session replicas' own time per batch run
@@ -77,7 +80,11 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product-gil5": {"switch_interval_ms": 0}, "product-gil01": {"switch_interval_ms": 0.1},
         "product-t1": {"max_concurrent_batches": 1},
         "product-i2": {"ingress_replicas": 2}, "product-i2t1": {"ingress_replicas": 2, "max_concurrent_batches": 1},
-        "product-noslots": {"batch_slots": False}}
+        "product-noslots": {"batch_slots": False},
+        # the session replica's host copies under load (issue 44, item 4: its batch-8 run 1.8x a plain process's):
+        # one staging thread (the replay thread copies alone), or the staging threads pinned to CPUs
+        "product-st1": {"env": {"ORTCAPTURE_STAGING_THREADS": "1"}},
+        "product-stpin": {"env": {"ORTCAPTURE_STAGING_PIN": "1"}}}
 TOL = 1e-2
 
 
