@@ -232,6 +232,58 @@ def test_int64_analysis():
     assert _model_checks.int64_arithmetic_nodes(m) == []
 
 
+def _where_model(big, as_constant: bool = False, slice_ends: bool = False) -> bytes:
+    """Y = Where(B, BIG, X) over int64 (BIG an initializer or a Constant node); ``slice_ends``: also Z = X[0:INT64_MAX]
+    (an int64 beyond int32 that ORT reads on the host)."""
+    nodes = [helper.make_node("Where", ["B", "BIG", "X"], ["Y"])]
+    inits = []
+    if as_constant:
+        nodes.insert(0, helper.make_node("Constant", [], ["BIG"], name="big", value=numpy_helper.from_array(
+            np.array(big, np.int64))))
+    else:
+        inits.append(numpy_helper.from_array(np.array(big, np.int64), "BIG"))
+    outs = [vi("Y", [3], TensorProto.INT64)]
+    ins = [vi("B", [3], TensorProto.BOOL), vi("X", [3], TensorProto.INT64)]
+    if slice_ends:
+        inits += [numpy_helper.from_array(np.array([1], np.int64), "s0"),
+                  numpy_helper.from_array(np.array([2**63 - 1], np.int64), "s1")]
+        nodes.append(helper.make_node("Slice", ["F", "s0", "s1"], ["Z"]))
+        ins.append(vi("F", [3]))
+        outs.append(vi("Z", [2]))
+    return _model(nodes, ins, outs, inits)
+
+
+def test_int64_constants_beyond_int32_read_as_data_are_refused_on_webgpu(webgpu):
+    """ORT's WebGPU EP under enableGraphCapture=1 kept the low 32 bits of an int64 initializer read by Where
+    (5000000000 -> 705032704, captured and gpu_graph_id=-1 alike) and the capture check compared it with the same
+    wrong value: refused at construction, naming the constant and its reader; a Slice end of INT64_MAX (read on the
+    host) is not."""
+    big = [5_000_000_000, -3_000_000_000, 7]
+    for as_constant in (False, True):
+        with pytest.raises(CaptureUnsupportedError, match=r"\(e\.g\. -3000000000\) read by Where .*beyond the int32 range") as ei:
+            webgpu.session(_where_model(big, as_constant))
+        assert ei.value.kind == "int64_as_int32"
+    feeds = {"B": np.array([True, True, False]), "X": np.array([1, 2, 3], np.int64),
+             "F": np.array([1.0, 2.0, 3.0], np.float32)}
+    sess = webgpu.session(_where_model([5, -3, 7], slice_ends=True))  # within int32, and a host-read INT64_MAX
+    g = sess.capture(feeds)
+    y, z = g.run(feeds)
+    np.testing.assert_array_equal(y, [5, -3, 3])
+    np.testing.assert_array_equal(z, [2.0, 3.0])
+    g.release()
+    webgpu.session(_where_model(big), allow_int64_as_int32=True)  # the caller's promise
+
+
+def test_int64_wide_constant_analysis():
+    m = onnx.load_from_string(_where_model([5_000_000_000, 1, 2]))
+    assert _model_checks.int64_wide_constants(m) == [
+        "initializer 'BIG' (e.g. 5000000000) read by Where (unnamed, output 'Y')"]
+    m = onnx.load_from_string(_where_model([1, -3_000_000_000, 2], as_constant=True, slice_ends=True))
+    assert _model_checks.int64_wide_constants(m) == [
+        "Constant 'big''s value (e.g. -3000000000) read by Where (unnamed, output 'Y')"]
+    assert _model_checks.int64_wide_constants(onnx.load_from_string(_where_model([1, 2, 3], slice_ends=True))) == []
+
+
 @pytest.mark.slow
 def test_reference_model_has_no_int64_arithmetic_and_captures_verified(webgpu, reference_model_path, rng):
     model = onnx.load(reference_model_path)

@@ -78,15 +78,19 @@ class InferenceSession(OrtInferenceSession):
             ``enableGraphCapture=1`` (captured and ``gpu_graph_id=-1`` runs alike; measured, onnxruntime 1.32 +
             WebGPU plugin 0.4.0), so a model with nodes that *produce* int64 from int64 arithmetic (Add, Sub, Mul,
             CumSum, ReduceSum, Range, ... on values that are not shape arithmetic; see
-            :mod:`ortcapture._verify.model_checks`) is refused, naming them. ``True`` accepts it: you promise every
-            int64 value stays within int32. int64 host feeds for WebGPU buffers are range-checked either way.
+            :mod:`ortcapture._verify.model_checks`) is refused, naming them, and so is one whose int64 constants
+            (initializers, ``Constant`` nodes) beyond int32 are read as data by such nodes (``Where``, ``Max``,
+            ``Gather`` indices; not ``Slice`` ends or ``Reshape`` shapes, which ORT reads on the host). ``True``
+            accepts it: you promise every int64 value stays within int32. int64 host feeds for WebGPU buffers are
+            range-checked either way.
 
     Raises:
         CaptureUnsupportedError: capture was requested but the session ended up without a capturing EP (measured:
             on ORT 1.30, ``providers=[("WebGpuExecutionProvider", ...)]`` silently yields a CPU-only session; add
             the plugin EP with ``SessionOptions.add_provider_for_devices``), or the installed ORT cannot capture on
-            the requested EP; or, on WebGPU, the model produces int64 from int64 arithmetic (``kind`` is
-            ``"int64_as_int32"``, ``nodes`` names them) and ``allow_int64_as_int32`` is not set.
+            the requested EP; or, on WebGPU, the model produces int64 from int64 arithmetic or reads int64
+            constants beyond int32 as data (``kind`` is ``"int64_as_int32"``, ``nodes`` names them) and
+            ``allow_int64_as_int32`` is not set.
         CaptureError: bad ``buckets``/``output_axes``/``oversize``/``max_graphs``/``verify``/``pad_values``, or
             buckets without capture; or (``kind`` ``"fork"``) a session on a device (CUDA/TensorRT, WebGPU) made in a
             process that ``os.fork()`` made from one that had already used that device: ORT's device state is per

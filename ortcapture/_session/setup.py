@@ -77,9 +77,9 @@ def check_version(requested: CaptureInfo | None) -> None:
 
 
 def refuse_int64_arithmetic(model) -> None:
-    """Raise :class:`CaptureUnsupportedError` when WebGPU nodes would produce int64 from int64 arithmetic (see
-    ``InferenceSession``'s ``allow_int64_as_int32``)."""
-    from ortcapture._verify.model_checks import int64_arithmetic_nodes
+    """Raise :class:`CaptureUnsupportedError` when WebGPU nodes would produce int64 from int64 arithmetic, or read
+    int64 constants beyond int32 as data (see ``InferenceSession``'s ``allow_int64_as_int32``)."""
+    from ortcapture._verify.model_checks import int64_arithmetic_nodes, int64_wide_constants
 
     import onnx
 
@@ -95,6 +95,16 @@ def refuse_int64_arithmetic(model) -> None:
             "-1294967297), and a range check of the inputs cannot catch an intermediate that overflows. Compute "
             "them in int32/float, or pass allow_int64_as_int32=True if every int64 value stays within int32.")
         err.kind, err.nodes = "int64_as_int32", nodes
+        raise err
+    wide = int64_wide_constants(proto)
+    if wide:
+        more = f" ... ({len(wide) - 8} more)" if len(wide) > 8 else ""
+        err = CaptureUnsupportedError(
+            f"{'; '.join(wide[:8])}{more}: int64 constant(s) beyond the int32 range read as data on WebGPU, which "
+            "runs int64 as 32-bit under enableGraphCapture=1 (captured and uncaptured runs keep the low 32 bits: "
+            "5000000000 reads as 705032704, and the capture check compares with the same wrong value). Keep the "
+            "constants within int32, or pass allow_int64_as_int32=True if the truncation is harmless.")
+        err.kind, err.nodes = "int64_as_int32", wide
         raise err
 
 

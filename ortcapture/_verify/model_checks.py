@@ -7,6 +7,11 @@ Two questions, answered from the graph (no session), used by the core at constru
   int64 tensors as 32-bit in a session with ``enableGraphCapture=1`` (measured, onnxruntime 1.32 + WebGPU plugin
   0.4.0: ``Y = X - 1`` on ``3000000000`` gives ``-1294967297``, in captured *and* ``gpu_graph_id=-1`` runs; a
   session without capture is right). A range check of the inputs cannot catch an intermediate that overflows.
+* :func:`int64_wide_constants` — int64 constants (initializers, ``Constant`` nodes) holding values beyond int32 that
+  a WebGPU kernel reads as data (``Where(b, 5000000000, x)`` gave ``705032704``, captured and uncaptured alike,
+  while the capture check compared it with the same wrong value). Shape-like operands ORT reads on the host
+  (``Slice`` ends of ``INT64_MAX``, ``Reshape`` shapes, axes, ...) and nodes that are all constant (folded) are not
+  data reads.
 * :func:`copy_only_nodes` — kernels that only copy their input (a single-input ``Max``/``Min``/``Sum``/``Mean``, a
   ``ScatterND``/``ScatterElements`` whose ``data`` is a graph input): their copy is not replayed, so the nodes they
   feed see the capture-time values. Named when the varied-input verification finds an output that kept its value.
@@ -81,6 +86,73 @@ def int64_arithmetic_nodes(model: onnx.ModelProto) -> list[str]:
         in_int64 = any(types.get(i) == _INT64 for i in ins)
         if out_int64 and (in_int64 or not ins):
             found.append(label(node))
+    return found
+
+
+#: operand positions ORT reads on the host (shapes, axes, sizes, counts): an int64 beyond int32 there is a value for
+#: the host code (``Slice``'s ``INT64_MAX`` ends), not data on the device
+HOST_READ_OPERANDS = {
+    "Slice": {1, 2, 3, 4}, "Reshape": {1}, "Expand": {1}, "Tile": {1}, "Pad": {1, 3}, "Resize": {1, 2, 3},
+    "Upsample": {1}, "TopK": {1}, "Unsqueeze": {1}, "Squeeze": {1}, "ConstantOfShape": {0}, "OneHot": {1},
+    "Split": {1}, "CumSum": {1}, "CumProd": {1}, "NonMaxSuppression": {2}, "ReduceSum": {1}, "ReduceMean": {1},
+    "ReduceMax": {1}, "ReduceMin": {1}, "ReduceProd": {1}, "ReduceL1": {1}, "ReduceL2": {1},
+    "ReduceLogSum": {1}, "ReduceLogSumExp": {1}, "ReduceSumSquare": {1}, "Range": {0, 1, 2},
+}
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _wide_int64(tensor) -> int | None:
+    """A value of int64 ``tensor`` (a TensorProto) outside int32, or ``None`` (in range, not int64, or its data not
+    loaded: external data is not read for this check)."""
+    if tensor.data_type != _INT64 or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    from onnx import numpy_helper
+
+    try:
+        a = numpy_helper.to_array(tensor)
+    except Exception:  # noqa: BLE001 - a malformed tensor: ORT says so when it loads the model
+        return None
+    if a.size == 0:
+        return None
+    lo, hi = int(a.min()), int(a.max())
+    return lo if lo < _INT32[0] else hi if hi > _INT32[1] else None
+
+
+def int64_wide_constants(model: onnx.ModelProto) -> list[str]:
+    """``"initializer 'NAME' (e.g. 5000000000) read by Where 'w'"`` for each main-graph int64 constant (an
+    initializer or a ``Constant`` node's value) beyond int32 that a node which is not all constant reads as data
+    (not at a :data:`HOST_READ_OPERANDS` position); empty when there are none (see the module docstring)."""
+    graph = model.graph
+    wide: dict[str, tuple[str, int]] = {}
+    for t in graph.initializer:
+        v = _wide_int64(t)
+        if v is not None:
+            wide[t.name] = (f"initializer {t.name!r}", v)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            for a in node.attribute:
+                v = None
+                if a.name == "value" and a.HasField("t"):
+                    v = _wide_int64(a.t)
+                elif a.name == "value_int" and not _INT32[0] <= a.i <= _INT32[1]:
+                    v = int(a.i)
+                elif a.name == "value_ints":
+                    v = next((int(x) for x in a.ints if not _INT32[0] <= x <= _INT32[1]), None)
+                if v is not None:
+                    wide[node.output[0]] = (f"{label(node)}'s value", v)
+    if not wide:
+        return []
+    static = _static_values(graph)
+    found = []
+    for node in graph.node:
+        ins = [i for i in node.input if i]
+        if node.op_type == "Constant" or not ins or all(i in static for i in ins):
+            continue  # folded by ORT
+        host = HOST_READ_OPERANDS.get(node.op_type, set()) if node.domain in ("", "ai.onnx") else set()
+        for pos, name in enumerate(node.input):
+            if name in wide and pos not in host:
+                what, v = wide[name]
+                found.append(f"{what} (e.g. {v}) read by {label(node)}")
     return found
 
 

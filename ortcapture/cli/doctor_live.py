@@ -332,9 +332,10 @@ def _error_kind(exc: BaseException) -> dict:
 #: issue 15's kinds: (what it is, the fix)
 WRONG_RESULT_KINDS = {
     "int64_as_int32": (
-        "node(s) on WebGpuExecutionProvider produce int64 from int64 arithmetic, and ORT's WebGPU EP runs int64 as "
-        "32-bit under enableGraphCapture=1 (captured and uncaptured runs): values beyond int32 wrap",
-        "compute those nodes in int32 or float (or keep them on the host), or pass "
+        "node(s) on WebGpuExecutionProvider produce int64 from int64 arithmetic, or read int64 constants beyond "
+        "int32 as data, and ORT's WebGPU EP runs int64 as 32-bit under enableGraphCapture=1 (captured and "
+        "uncaptured runs): values beyond int32 wrap",
+        "compute those nodes in int32 or float, keep the constants within int32 (or the nodes on the host), or pass "
         "InferenceSession(..., allow_int64_as_int32=True) if every int64 value stays within int32"),
     "partly_written_output": (
         "the replay writes output(s) only in part (e.g. ScatterND/ScatterElements on a graph-input or state= "
