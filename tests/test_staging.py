@@ -84,6 +84,23 @@ def test_out_arrays_are_filled_and_returned(backend, rng):
         np.testing.assert_array_equal(res[1], x + 2)
 
 
+def test_out_arrays_that_overlap_are_refused_before_anything_runs(backend, rng):
+    """Two outputs copied into overlapping memory: the second copy overwrote the first's rows (a silent wrong
+    result); refused like any bad ``out``. Separate views of one buffer are fine."""
+    sess = backend.session(tiny.repeated_output_model(("Y", "Z", "Y")))
+    x = rng.random((2, 4), np.float32)
+    with sess.capture({"X": x}, verify=False) as g:
+        before = g.replays
+        buf = np.empty((2, 8), np.float32)
+        for out in ({"Y": buf[:, :4], "Z": buf[:, 2:6]}, {"Y": buf[:, :4], "Z": buf[:, :4]}, [buf[:, :4]] * 3):
+            with pytest.raises(ortcapture.TransferError, match="overlap in memory"):
+                g.run({"X": x}, out=out)
+        assert g.replays == before
+        y, z, _ = g.run({"X": x}, out={"Y": buf[:, :4], "Z": buf[:, 4:]})
+        np.testing.assert_array_equal(y, x * 2)
+        np.testing.assert_array_equal(z, x + 2)
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype", "readonly", "name", "length", "type", "mode", "copy_outputs"])
 def test_bad_out_is_refused_before_anything_runs(backend, rng, bad):
     sess = backend.session(tiny.affine_model())

@@ -137,7 +137,26 @@ def check_outputs_arg(self, copy_outputs, out):
                                 f"{m.shape} {m.dtype}")
         if not arr.flags.writeable:
             raise TransferError(f"out[{names[i]!r}] is read-only")
+    items = sorted(picked.items())
+    for k, (i, a) in enumerate(items):  # one output's copy would overwrite another's (a silent wrong result)
+        for j, b in items[k + 1:]:
+            if names[i] != names[j] and _overlap(a, b):  # one name at several positions fills one array
+                raise TransferError(f"out[{names[i]!r}] and out[{names[j]!r}] overlap in memory: give each output "
+                                    "its own array")
     return copy_outputs, picked
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays share an element (exact for simple strides; too hard to decide counts as shared)."""
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=10_000))
+    except _TOO_HARD:
+        return True
+
+
+_TOO_HARD = getattr(getattr(np, "exceptions", None), "TooHardError", None) or np.TooHardError  # numpy < 1.25
 
 
 
