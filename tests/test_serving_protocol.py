@@ -306,3 +306,19 @@ def test_import_serving_imports_no_ray():
             "print([m for m in sys.modules if m == 'ray' or m.startswith('ray.')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_model_config_of_a_model_with_an_input_without_the_batch_dim_gives_full_shapes():
+    """Triton's convention gives every tensor an implicit batch dim when max_batch_size > 0: an input that has none
+    (one value per request) was listed as if it had one, and a client built from the config sent a wrong rank."""
+    spec = ModelSpec(name="m", inputs=(TensorSpec("X", np.dtype(np.float32), (-1, 4)),
+                                       TensorSpec("S", np.dtype(np.float32), (4,))),
+                     outputs=(TensorSpec("Y", np.dtype(np.float32), (-1, 4)),), batch_axes={"X": 0}, max_rows=8)
+    cfg = protocol.model_config(spec)
+    assert cfg["max_batch_size"] == 0
+    assert {t["name"]: t["dims"] for t in cfg["input"]} == {"X": [-1, 4], "S": [4]}
+    assert cfg["output"][0]["dims"] == [-1, 4]
+    batched = ModelSpec(name="m", inputs=spec.inputs[:1], outputs=spec.outputs, batch_axes={"X": 0}, max_rows=8)
+    cfg = protocol.model_config(batched)
+    assert cfg["max_batch_size"] == 8 and cfg["input"][0]["dims"] == [4] and cfg["output"][0]["dims"] == [4]
+

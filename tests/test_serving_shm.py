@@ -388,3 +388,128 @@ def test_grpc_decode_with_regions(obj):
         run(grpc_service.decode_infer(msg, SPEC, store))
     with pytest.raises(ShmError, match="no shared memory"):
         run(grpc_service.decode_infer(msg, SPEC, None))
+
+
+# -- faults a tester found: a shrinking object, a FIFO, a region unregistered in flight, unknown sizes ------------
+def test_a_shrinking_object_is_a_400_never_a_sigbus(obj):
+    """A client truncating its object while the ingress read it killed the ingress with SIGBUS through its mmap (and
+    every client's registrations with it): reads go through the descriptor, a short read is a :class:`ShmError`.
+    The size check before the read is made to lie here, as when the object shrinks between the two; in a child
+    process, so a SIGBUS would be its exit status, not the end of pytest."""
+    import subprocess
+    import sys
+
+    key, path = obj
+    code = f"""
+import os
+from ortcapture.serving import shm
+region = shm.Regions().register("r", {key!r}, 0, 4096)
+maps = shm.Maps()
+maps.read(shm.Ref(region, 0, 64))
+real, size = os.fstat, os.stat({path!r}).st_size
+os.fstat = lambda fd: os.stat_result((*real(fd)[:6], size, *real(fd)[7:]))  # still the registered size
+os.truncate({path!r}, 100)
+try:
+    maps.read(shm.Ref(region, 0, 4096))
+    print("read: no error")
+except shm.ShmError as exc:
+    print("read:", exc)
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, (got.returncode, got.stderr[-2000:])
+    assert "read: region 'r': its shared memory object" in got.stdout and "shrank" in got.stdout
+    region, maps = Regions().register("w", key, 0, 64), Maps()
+    maps.read(shm.Ref(region, 0, 64))
+    os.truncate(path, 10)  # a write past the shrunk end: refused, the object not grown back
+    with pytest.raises(ShmError, match="shrank"):
+        maps.write(shm.Ref(region, 0, 64), b"x" * 64, "output 'Y'")
+    assert os.stat(path).st_size == 10
+    maps.close()
+
+
+def test_a_fifo_is_refused_at_once_not_waited_on():
+    """A FIFO registered as a region blocked the ingress's event loop in ``open`` until someone wrote to it (health
+    checks and every client timed out): opened without blocking and refused as not a shared memory object."""
+    import threading
+
+    key = f"/ortc-fifo-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(shm.SHM_DIR, key[1:])
+    os.mkfifo(path)
+    errors: list = []
+
+    def check():
+        for fn in (lambda: shm.object_size(key), lambda: Maps().read(shm.Ref(Regions().register("f", key, 0, 1), 0, 1))):
+            try:
+                fn()
+                errors.append(None)
+            except ShmError as exc:
+                errors.append(str(exc))
+
+    t = threading.Thread(target=check, daemon=True)
+    try:
+        t.start()
+        t.join(10)
+        blocked = t.is_alive()
+        if blocked:  # let the thread go: open the FIFO for writing
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+            t.join(10)
+    finally:
+        os.unlink(path)
+    assert not blocked, "opening the FIFO blocked"
+    assert len(errors) == 2 and all(e and "is not a shared memory object" in e for e in errors), errors
+
+
+def test_an_output_goes_to_the_object_registered_when_the_request_was_checked(obj):
+    """A client unregistered its region while its request ran, unlinked the key, and another client made and
+    registered a new object under the same key: the first request's output landed in the second client's object.
+    A request's output regions are opened when it is checked, and written through that descriptor."""
+    from ortcapture.serving.shm_store import ShmPlan
+
+    key, path = obj
+    store = ShmStore(LocalRegistry())
+    run(store.register("out", key, 0, 64, "127.0.0.1"))
+    plan = ShmPlan()
+    store.add_output(plan, "Y", shm.Ref(run(store.regions(["out"]))["out"], 0, 32), SPEC)
+    run(store.unregister("out"))
+    os.unlink(path)
+    with open(path, "wb") as f:  # another client's object, same key
+        f.write(b"\x22" * 4096)
+    run(store.register("theirs", key, 0, 64, "127.0.0.1"))
+    store.write_outputs(plan, {"Y": np.ones((2, 4), np.float32)}, SPEC)
+    plan.close()
+    with open(path, "rb") as f:
+        assert f.read(64) == b"\x22" * 64  # untouched
+    assert plan.fds == {}
+    store.close()
+
+
+def test_an_input_in_a_region_is_checked_before_a_byte_is_read(obj, monkeypatch):
+    """A wrong datatype or a shape that is no list of integers made the ingress copy the whole region (1 GiB: 4 GB
+    peak memory) before the protocol refused it; an unknown input name too. Now refused before any read, and an
+    input larger than the request cap (``max_body_bytes``) as well."""
+    import dataclasses
+
+    key, _ = obj
+    for spec, inputs, msg in [
+            (SPEC, [{"name": "X", "datatype": "FP64", "shape": [2, 4]}], "needs datatype FP32 and a shape of 2"),
+            (SPEC, [{"name": "X", "datatype": "FP32", "shape": ["2", 4]}], "needs datatype FP32"),
+            (SPEC, [{"name": "Q", "datatype": "FP32", "shape": [2, 4]}], "must be one of the model's inputs"),
+            (dataclasses.replace(SPEC, max_body_bytes=16), [{"name": "X", "datatype": "FP32", "shape": [2, 4]}],
+             "32 bytes are past the cap of 16 bytes")]:
+        store = ShmStore(LocalRegistry())
+        router = Router(spec, None, None, shm=store)
+        assert _register(router, "in", key, 0, 4096).status == 200
+        monkeypatch.setattr(store.maps, "read", lambda ref: pytest.fail("the region was read"))
+        inputs[0]["parameters"] = {shm.REGION: "in", shm.BYTE_SIZE: 32}
+        with pytest.raises(ShmError, match=msg):
+            run(store.prepare_http(*_infer_body(inputs)[0:1], None, spec))
+        store.close()
+
+
+def test_grpc_typed_contents_of_the_wrong_count_say_so():
+    from ortcapture.serving import grpc_service
+
+    msg = _grpc_request(np.zeros(3, np.float32), raw=False, shape=[2, 4])
+    with pytest.raises(ProtocolError, match=r"input 'X': fp32_contents has 3 values; shape \[2, 4\] takes 8"):
+        run(grpc_service.decode_infer(msg, SPEC))

@@ -29,6 +29,7 @@ import numpy as np
 from ortcapture.serving import cuda_shm, protocol, shm
 from ortcapture.serving.protocol import ModelSpec, ProtocolError
 from ortcapture.serving.shm import ShmError
+from ortcapture.serving.shm_store import check_input_ref
 
 #: the servicer function Ray Serve's gRPC proxy registers (an import path, imported in the proxy's process)
 SERVICER_FUNCTION = "ortcapture.serving.grpc_service.add_inference_servicer"
@@ -159,9 +160,7 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
             if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
                 plan.add_input(t.name, cuda_shm.device_tensor(ref, entry, specs, where))
                 continue
-            if expected is not None and ref.byte_size != expected:
-                raise ShmError(f"{where}: {shm.BYTE_SIZE} {ref.byte_size}; its shape and datatype take {expected} "
-                               "bytes")
+            check_input_ref(ref, t.name, expected, spec)
             data = store.maps.read(ref)
         elif raw:
             if filled:
@@ -180,6 +179,9 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
                 raise ProtocolError(f"{where}: contents hold {', '.join(filled) or 'nothing'}; datatype "
                                     f"{t.datatype[:20]} takes " + (field or "raw_input_contents"))
             values = list(getattr(t.contents, field))
+            if expected is not None and len(values) != expected // specs[t.name].dtype.itemsize:
+                raise ProtocolError(f"{where}: {field} has {len(values)} values; shape {entry['shape']} takes "
+                                    f"{expected // specs[t.name].dtype.itemsize}")
             if field in ("fp32_contents", "fp64_contents"):  # exact as raw bytes (NaN too, which JSON has not)
                 data = np.asarray(values, dtype="<f4" if field == "fp32_contents" else "<f8").tobytes()
             else:
@@ -198,7 +200,7 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
         if "classification" in params:
             op["classification"] = params["classification"]
         if shm.uses_shm(params):
-            plan.add_output(o.name, shm.reference(params, f"output {o.name[:100]!r}", regions), spec)
+            store.add_output(plan, o.name, shm.reference(params, f"output {o.name[:100]!r}", regions), spec)
         asked.append({"name": o.name, "parameters": op})
     req: dict[str, Any] = {"inputs": entries, "parameters": {"binary_data_output": True}}
     if msg.id:
@@ -380,12 +382,16 @@ class GrpcIngress:
             if not await self.ready():
                 raise ProtocolError(f"model {self.spec.name!r} is not ready: its replicas are not warm yet", 503)
             req, plan = await decode_infer(msg, self.spec, self.shm)
-            result = await self.infer(req.inputs, **(plan.infer_kwargs() if plan is not None else {}))
-            if "error" in result:
-                raise ProtocolError(str(result["error"]), int(result.get("status", 500)))
-            entries = () if plan is None else (self.shm.write_outputs(plan, result["outputs"], self.spec)
-                                               + plan.device_entries(result["outputs"]))
-            return encode_infer(self.spec, req, result["outputs"], entries)
+            try:
+                result = await self.infer(req.inputs, **(plan.infer_kwargs() if plan is not None else {}))
+                if "error" in result:
+                    raise ProtocolError(str(result["error"]), int(result.get("status", 500)))
+                entries = () if plan is None else (self.shm.write_outputs(plan, result["outputs"], self.spec)
+                                                   + plan.device_entries(result["outputs"]))
+                return encode_infer(self.spec, req, result["outputs"], entries)
+            finally:
+                if plan is not None:  # the output regions' descriptors it holds
+                    plan.close()
         self._in_flight = getattr(self, "_in_flight", 0) + 1
         try:
             return await self._serve(grpc_context, request, ("ModelInferRequest", "ModelInferResponse"), _work,

@@ -152,7 +152,11 @@ def model_config(spec: ModelSpec) -> dict:
     """The body of ``GET /v2/models/{name}/config``, in the shape of Triton's model configuration (what
     ``tritonclient``'s ``get_model_config`` returns): ``name``, ``platform``, ``backend``, ``max_batch_size`` (the
     rows one request may have) and ``input``/``output`` with ``data_type`` (``TYPE_FP32``...) and ``dims`` — without
-    the batch dim where the tensor carries it (Triton's convention when ``max_batch_size`` > 0), -1 for dynamic."""
+    the batch dim where the tensor carries it (Triton's convention when ``max_batch_size`` > 0), -1 for dynamic.
+    Triton's convention gives *every* tensor an implicit batch dim when ``max_batch_size`` > 0, so a model with an
+    input that has none (one value per request) is described with ``max_batch_size`` 0 and full shapes (the batch
+    dim -1), as Triton describes a model that batches itself; a client built from either form sends the right
+    shapes."""
     def t(s: TensorSpec, batched: bool) -> dict:
         dims = [int(d) for d in s.shape]
         if batched and dims:
@@ -160,6 +164,8 @@ def model_config(spec: ModelSpec) -> dict:
         return {"name": s.name, "data_type": "TYPE_" + s.datatype.replace("BYTES", "STRING"),
                 "dims": dims}
     batch0 = {n for n, ax in spec.batch_axes.items() if ax == 0}
+    if any(s.name not in batch0 for s in spec.inputs):  # an input without the batch dim: full shapes
+        batch0 = set()
     batched_out = bool(batch0)
     return {"name": spec.name, "platform": spec.platform, "backend": "onnxruntime",
             "max_batch_size": int(spec.max_rows) if batch0 else 0,

@@ -229,16 +229,21 @@ class Router:
         header_length, plan = headers.get(protocol.HEADER_LENGTH.lower()), None
         if self._shm is not None:  # hook: inputs read from shared memory regions (ortcapture.serving.shm_store)
             body, header_length, plan = await self._shm.prepare_http(body, header_length, self.spec)
-        request = protocol.parse_infer_request(body, header_length, self.spec,
-                                               plan.device_inputs if plan is not None else ())
-        if plan is not None:
-            plan.take_outputs(request)
-        result = await self._infer(request.inputs, **(plan.infer_kwargs() if plan is not None else {}))
-        if "error" in result:
-            retry = result.get("retry_after")
-            return error(int(result.get("status", 500)), str(result["error"]),
-                         {"Retry-After": str(int(retry))} if retry is not None else None)
-        payload, out_headers = protocol.encode_infer_response(self.spec, request, result["outputs"])
-        if plan is not None:  # hook: outputs written to shared memory regions
-            payload, out_headers = self._shm.finish_http(plan, result["outputs"], self.spec, payload, out_headers)
-        return Response(200, payload, out_headers)
+        try:
+            request = protocol.parse_infer_request(body, header_length, self.spec,
+                                                   plan.device_inputs if plan is not None else ())
+            if plan is not None:
+                plan.take_outputs(request)
+            result = await self._infer(request.inputs, **(plan.infer_kwargs() if plan is not None else {}))
+            if "error" in result:
+                retry = result.get("retry_after")
+                return error(int(result.get("status", 500)), str(result["error"]),
+                             {"Retry-After": str(int(retry))} if retry is not None else None)
+            payload, out_headers = protocol.encode_infer_response(self.spec, request, result["outputs"])
+            if plan is not None:  # hook: outputs written to shared memory regions
+                payload, out_headers = self._shm.finish_http(plan, result["outputs"], self.spec, payload,
+                                                             out_headers)
+            return Response(200, payload, out_headers)
+        finally:
+            if plan is not None:  # the output regions' descriptors it holds
+                plan.close()

@@ -20,7 +20,6 @@ Registration is for clients on the server's machine: :func:`is_loopback` says wh
 from __future__ import annotations
 
 import ipaddress
-import mmap
 import os
 import stat
 from dataclasses import dataclass, replace
@@ -95,8 +94,8 @@ def object_size(key: str) -> int:
     """The size in bytes of shared memory object ``key``; :class:`ShmError` when it does not exist or is not a
     regular file (a symbolic link is not followed)."""
     path = os.path.join(SHM_DIR, check_key(key))
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # O_NONBLOCK: a FIFO put there opens at once (and is refused below) instead of blocking the event loop
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise ShmError(f"shared memory key {key[:100]!r}: cannot open it ({exc.strerror})") from None
     try:
@@ -238,82 +237,96 @@ def reference(params: Mapping[str, Any], where: str, regions: Mapping[str, Regio
 
 
 class Maps:
-    """The regions this process maps, by name, one mapping per generation (a name registered again is mapped
-    again). :meth:`read` copies a reference's bytes out, :meth:`write` copies bytes in; both check the object's
-    size again first (``fstat``), so a client that shrank its object gets a :class:`ShmError`, not a SIGBUS."""
+    """The shared memory objects this process has open, by region name, one descriptor per generation (a name
+    registered again is opened again). :meth:`read` copies a reference's bytes out (``os.pread``), :meth:`write`
+    copies bytes in (``os.pwrite``): through the descriptor, never a mapping, so a client that shrinks its object
+    while a request reads it gets a :class:`ShmError` (a short read), never a SIGBUS that kills the process and every
+    client's registrations with it. Objects are opened without blocking and must be regular files (a FIFO put in
+    ``/dev/shm`` is refused, not waited on). :meth:`pin` gives a request its own descriptor of a region's object:
+    its outputs go to the object that was registered when the request was checked, even if the name is
+    unregistered and the key made again by someone else before they are written."""
 
     def __init__(self):
-        self._maps: dict[str, tuple[int, int, mmap.mmap]] = {}  # name -> (generation, fd, mapping)
+        self._fds: dict[str, tuple[int, int]] = {}  # name -> (generation, fd)
 
-    def _map(self, region: Region) -> tuple[int, mmap.mmap]:
-        held = self._maps.get(region.name)
+    def _fd(self, region: Region) -> int:
+        held = self._fds.get(region.name)
         if held is not None and held[0] == region.generation:
-            return held[1], held[2]
+            return held[1]
         self.drop(region.name)
         path = os.path.join(SHM_DIR, check_key(region.key))
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise ShmError(f"region {region.name!r}: cannot open shared memory key {region.key!r} "
                            f"({exc.strerror})") from None
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ShmError(f"region {region.name!r}: shared memory key {region.key!r} is not a shared memory "
+                               "object")
             end = region.offset + region.byte_size
-            if os.fstat(fd).st_size < end:
+            if st.st_size < end:
                 raise ShmError(f"region {region.name!r}: shared memory object {region.key!r} is smaller than offset "
                                f"+ byte_size ({end} bytes)")
-            mm = mmap.mmap(fd, end, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
-        self._maps[region.name] = (region.generation, fd, mm)
-        return fd, mm
+        self._fds[region.name] = (region.generation, fd)
+        return fd
 
-    def _span(self, ref: Ref, n: int) -> tuple[mmap.mmap, int]:
-        fd, mm = self._map(ref.region)
+    def pin(self, region: Region) -> int:
+        """A descriptor of ``region``'s object of its own (``os.dup``; the caller closes it): what a request writes
+        its outputs through. Raises :class:`ShmError` as :meth:`read` does."""
+        return os.dup(self._fd(region))
+
+    def read(self, ref: Ref) -> bytes:
+        """A copy of the ``ref.byte_size`` bytes ``ref`` names. Raises :class:`ShmError` when the object cannot be
+        opened or is shorter than the reference (it shrank)."""
+        fd = self._fd(ref.region)
         start = ref.region.offset + ref.offset
-        if os.fstat(fd).st_size < start + n:
+        data = os.pread(fd, ref.byte_size, start) if ref.byte_size else b""
+        if len(data) < ref.byte_size:
             self.drop(ref.region.name)
             raise ShmError(f"region {ref.region.name!r}: its shared memory object {ref.region.key!r} shrank below "
                            "the region after it was registered")
-        return mm, start
+        return data
 
-    def read(self, ref: Ref) -> bytes:
-        """A copy of the ``ref.byte_size`` bytes ``ref`` names."""
-        mm, start = self._span(ref, ref.byte_size)
-        return mm[start:start + ref.byte_size]
-
-    def write(self, ref: Ref, data, where: str) -> None:
-        """Copy ``data`` (bytes-like) to where ``ref`` points. Raises :class:`ShmError` when it is larger than
-        ``ref.byte_size`` (``where`` names the tensor)."""
+    def write(self, ref: Ref, data, where: str, fd: int | None = None) -> None:
+        """Copy ``data`` (bytes-like) to where ``ref`` points (through ``fd``, a :meth:`pin` of its region, when
+        given). Raises :class:`ShmError` when it is larger than ``ref.byte_size`` (``where`` names the tensor) or
+        the object shrank below it (nothing is written)."""
         view = memoryview(data).cast("B")
         if view.nbytes > ref.byte_size:
             raise ShmError(f"{where}: {view.nbytes} bytes do not fit its {BYTE_SIZE} of {ref.byte_size}")
-        mm, start = self._span(ref, view.nbytes)
-        mm[start:start + view.nbytes] = view
+        fd = self._fd(ref.region) if fd is None else fd
+        start = ref.region.offset + ref.offset
+        if os.fstat(fd).st_size < start + view.nbytes:  # pwrite would grow it back: the client shrank it
+            raise ShmError(f"region {ref.region.name!r}: its shared memory object {ref.region.key!r} shrank below "
+                           "the region after it was registered")
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(fd, view[done:], start + done)
 
     def drop(self, name: str) -> None:
-        """Unmap region ``name`` (nothing when it is not mapped)."""
-        held = self._maps.pop(name, None)
+        """Close region ``name``'s object (nothing when it is not open)."""
+        held = self._fds.pop(name, None)
         if held is not None:
-            _, fd, mm = held
-            try:
-                mm.close()
-            finally:
-                os.close(fd)
+            os.close(held[1])
 
     def keep_only(self, live: Mapping[str, Region]) -> None:
-        """Unmap every region that is not in ``live`` with the same generation."""
-        for name, (gen, _, _) in list(self._maps.items()):
+        """Close every region's object that is not in ``live`` with the same generation."""
+        for name, (gen, _) in list(self._fds.items()):
             if name not in live or live[name].generation != gen:
                 self.drop(name)
 
     def close(self) -> None:
-        """Unmap every region."""
-        for name in list(self._maps):
+        """Close every region's object."""
+        for name in list(self._fds):
             self.drop(name)
 
     def __len__(self) -> int:
-        return len(self._maps)
+        return len(self._fds)
 
 
 def is_loopback(peer: str | None) -> bool:

@@ -20,6 +20,7 @@ could otherwise name any ``/dev/shm`` key of the server's machine) — ``allow_r
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -295,7 +296,7 @@ class ShmStore:
                     plan.add_input(str(t.get("name")), cuda_shm.device_tensor(ref, t, specs, where))
                     req["inputs"].remove(t)
                     continue
-                _check_size(ref, expected.get(t.get("name")), where)
+                check_input_ref(ref, t.get("name"), expected.get(t.get("name")), spec)
                 data = self.maps.read(ref)
                 t["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
                 t["parameters"]["binary_data_size"] = len(data)
@@ -309,7 +310,7 @@ class ShmStore:
             params = o.get("parameters") if isinstance(o, dict) else None
             if isinstance(params, dict) and shm.uses_shm(params):
                 where = f"output {str(o.get('name'))[:100]!r}"
-                plan.add_output(str(o.get("name")), shm.reference(params, where, regions), spec)
+                self.add_output(plan, str(o.get("name")), shm.reference(params, where, regions), spec)
                 o["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
         head = json.dumps(req).encode()
         return head + b"".join(bytes(p) for p in pieces), str(len(head)), plan
@@ -327,11 +328,19 @@ class ShmStore:
             datatype = specs[name].datatype if name in specs else protocol.datatype_of(a.dtype)
             wire = a.dtype if datatype == "BF16" else np.dtype(protocol.DATATYPES[datatype])
             blob = np.ascontiguousarray(a, dtype=wire)
-            self.maps.write(ref, blob, f"output {name!r}")
+            self.maps.write(ref, blob, f"output {name!r}", plan.fds.get(name))
             entries.append({"name": name, "datatype": datatype, "shape": [int(d) for d in a.shape],
                             "parameters": {shm.REGION: ref.region.name, shm.OFFSET: ref.offset,
                                            shm.BYTE_SIZE: int(blob.nbytes)}})
         return entries
+
+    def add_output(self, plan: "ShmPlan", name: str, ref: Ref, spec: protocol.ModelSpec) -> None:
+        """:meth:`ShmPlan.add_output`, a system region's object opened for the request now (:meth:`Maps.pin`): its
+        output goes to the object registered when the request was checked, whatever happens to the name before
+        the output is written."""
+        plan.add_output(name, ref, spec)
+        if ref.region.kind != "cuda" and name not in plan.fds:
+            plan.fds[name] = self.maps.pin(ref.region)
 
     def finish_http(self, plan: "ShmPlan", outputs: Mapping[str, Any], spec: protocol.ModelSpec,
                     payload: bytes, headers: dict) -> tuple[bytes, dict]:
@@ -356,6 +365,21 @@ class ShmPlan:
     outputs: dict[str, Ref] = field(default_factory=dict)
     device_inputs: dict[str, cuda_shm.DeviceTensor] = field(default_factory=dict)
     device_outputs: dict[str, tuple[Ref, str]] = field(default_factory=dict)
+    #: ``{output name: descriptor}`` of the system regions' objects, opened when the request was checked
+    #: (:meth:`ShmStore.add_output`); :meth:`close` closes them
+    fds: dict[str, int] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Close the descriptors the plan holds (idempotent; also when the plan is collected)."""
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self):
+        self.close()
 
     def __bool__(self) -> bool:
         return bool(self.outputs or self.device_inputs or self.device_outputs)
@@ -422,7 +446,21 @@ def _expected_bytes(inputs, spec: protocol.ModelSpec) -> dict:
     return out
 
 
-def _check_size(ref: Ref, expected: int | None, where: str) -> None:
-    """Refuse an input whose ``shared_memory_byte_size`` is not what its shape and datatype take."""
-    if expected is not None and ref.byte_size != expected:
+def check_input_ref(ref: Ref, name, expected: int | None, spec: protocol.ModelSpec) -> None:
+    """The one check of input ``name`` read from a system region, before a byte is read (REST and gRPC): its
+    ``shared_memory_byte_size`` is what its shape and datatype take (``expected``; ``None``: not one of the model's
+    inputs with its datatype and a shape of integers >= 0 — the region is not read at all, so a wrong datatype
+    cannot make the server copy a whole large region), and at most the request cap (``spec.max_body_bytes``, as
+    for a body). Raises :class:`ShmError`."""
+    where = f"input {str(name)[:100]!r}"
+    if expected is None:
+        s = {t.name: t for t in spec.inputs}.get(name)
+        raise ShmError(f"{where}: a shared memory input must be one of the model's inputs "
+                       f"({[t.name for t in spec.inputs]})" if s is None else
+                       f"{where}: a shared memory input needs datatype {s.datatype} and a shape of {len(s.shape)} "
+                       "integers >= 0")
+    if ref.byte_size != expected:
         raise ShmError(f"{where}: {shm.BYTE_SIZE} {ref.byte_size}; its shape and datatype take {expected} bytes")
+    if expected > spec.max_body_bytes:
+        raise ShmError(f"{where}: {expected} bytes are past the cap of {spec.max_body_bytes} bytes a request may "
+                       "carry")
