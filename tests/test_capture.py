@@ -504,6 +504,27 @@ def test_failed_set_providers_leaves_an_honest_session(backend):
     np.testing.assert_array_equal(sess.run(None, {"X": np.ones((2, 4), np.float32)})[0], np.full((2, 4), 3.0))
 
 
+def test_set_providers_on_a_bucket_session_refuses_no_capture_first_and_keeps_its_buckets(backend):
+    """A bucket session switched to providers without capture raised after ORT had rebuilt it, and its buckets were
+    gone for good (run() refused even after switching back). Now refused before anything is touched; a failed
+    switch to a capturing EP leaves it without buckets until a switch that captures makes them again."""
+    sess = backend.session(tiny.bucket_model(), buckets={"batch": [2, 4]})
+    providers = sess.get_providers()
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    want = sess.run(None, {"X": x})[0]
+    with pytest.raises(ortcapture.CaptureError, match="needs providers that request graph capture"):
+        sess.set_providers(["CPUExecutionProvider"])
+    assert sess.get_providers() == providers and sess.capture_enabled  # left as it was
+    np.testing.assert_array_equal(sess.run(None, {"X": x})[0], want)
+    if backend.name == "webgpu" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(ortcapture.CaptureUnsupportedError):  # a capturing EP that cannot come
+            sess.set_providers([("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])
+        sess.set_providers()  # back to the session options' WebGPU EP
+        assert sess.capture_enabled
+        np.testing.assert_allclose(sess.run(None, {"X": x})[0], want, rtol=1e-6)
+        assert sess.bucket_stats()["captured"] >= 1
+
+
 def test_dynamic_dims_are_specialised(backend):
     if backend.name == "webgpu":  # ORT refuses WebGPU capture for this one until its dims are fixed
         assert backend.session(tiny.shape_subgraph_model()).capture_deferred

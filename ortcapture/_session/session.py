@@ -602,7 +602,8 @@ class InferenceSession(OrtInferenceSession):
                 as ORT made it, without capture (``capture_enabled`` False).
             CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made a device session
                 (ORT would destroy the parent's C session: a hang), before anything is touched; or new providers on
-                a device the parent process had in use (the session is then left unusable: each use raises so).
+                a device the parent process had in use (the session is then left unusable: each use raises so); or
+                providers that request no capture for a session with ``buckets=`` (before anything is touched).
 
         When ORT refuses capture for the model's dynamic dims, the session is made without capture and defers to
         shape-specialised siblings (``capture_deferred``), as the constructor does.
@@ -614,6 +615,9 @@ class InferenceSession(OrtInferenceSession):
         if FORKED_DEVICES:
             self._oc_refuse_forked(providers, requested)
         self._oc_check_model("rebuild the C session (set_providers)")  # before anything is touched
+        if self._oc_buckets_spec is not None and requested is None:  # refused before the C session is replaced
+            raise CaptureError("set_providers(): a session made with buckets= needs providers that request graph "
+                               "capture; these do not (the session is left as it was)")
         st = self._oc_state
         with st.capture_guard:  # a new C session: no other CUDA work meanwhile
             st.reset()
@@ -621,8 +625,9 @@ class InferenceSession(OrtInferenceSession):
             deferred = self._oc_set_providers(providers, provider_options, requested)
             try:
                 self._oc_setup(requested, deferred, st.static_shapes)
-                if self._oc_buckets is not None:  # the graphs went with the old C session
-                    self._oc_buckets.close()
+                if self._oc_buckets_spec is not None:  # the graphs went with the old C session (or none was left)
+                    if self._oc_buckets is not None:
+                        self._oc_buckets.close()
                     self._oc_buckets = None
                     self._oc_buckets = self._oc_new_buckets(self._oc_buckets_spec)
             except Exception:
