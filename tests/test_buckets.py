@@ -354,6 +354,23 @@ def test_a_bucket_captured_by_a_request_that_fills_it_is_checked_with_padding_to
     assert neutral.warmup()["captured"] == 2  # row-wise models pass the padded check
 
 
+def test_a_reduction_over_the_batch_that_the_example_cannot_show_is_refused(backend):
+    """ReduceMax over the batch with zero padding equals the unpadded max for positive rows: the bucket used to pass
+    its check on such a request and then answer [0, 0, 0, 0] for a batch of negative rows. An output with no axis
+    along a batch dim is now also run with the padded rows holding other values; it changes, so it is refused."""
+    rng = np.random.default_rng(5)
+    sess = backend.session(tiny.batch_max_model(), buckets={"batch": [1, 2, 4]})
+    with pytest.raises(CaptureError, match=r"\['M'\] have no axis along 'batch'") as err:
+        sess.run(None, {"X": rng.uniform(0.5, 1, (3, 4)).astype(np.float32)})
+    assert err.value.outputs == ["M"] and err.value.input_set == "padding"
+    neg = -rng.uniform(0.5, 1, (3, 4)).astype(np.float32)
+    with pytest.raises(CaptureError, match=r"\['M'\]"):  # never an answer from the padded replay
+        sess.run(None, {"X": neg})
+    np.testing.assert_allclose(sess.run(None, {"X": neg}, run_options_for(-1))[0], neg.max(axis=0))
+    neutral = backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]})  # rows only: unaffected
+    assert neutral.warmup()["captured"] == 3
+
+
 def test_split_works_on_the_first_request_of_a_session(backend):
     model = tiny.bucket_model()
     sess = backend.session(model, buckets={"batch": [1, 2]}, oversize="split")

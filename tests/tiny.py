@@ -177,6 +177,15 @@ def batch_pooled_model() -> bytes:
                   [vi("X", ["batch", 4])], [vi("Y", [1, 4])])
 
 
+def batch_max_model() -> bytes:
+    """M = ReduceMax(X, axis 0) [4] and Y = 2 X for X [batch, 4]: zero padding along batch is harmless to M for a
+    batch of positive values only (a tester's case: the bucket passed its check on positive rows, then gave 0 for
+    negative ones)."""
+    return _model([helper.make_node("ReduceMax", ["X"], ["M"], axes=[0], keepdims=0),
+                   helper.make_node("Add", ["X", "X"], ["Y"])],
+                  [vi("X", ["batch", 4])], [vi("M", [4]), vi("Y", ["batch", 4])], opset=17)
+
+
 def batch_doubled_model() -> bytes:
     """Y = Concat(X, X) along axis 0: [2*batch, 4], a length that is a function of the batch."""
     return _model([helper.make_node("Concat", ["X", "X"], ["Y"], axis=0)], [vi("X", ["batch", 4])],

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ortcapture._buckets import feeds as _bucket_feeds
+from ortcapture._buckets import neutral as _neutral
 from ortcapture._buckets.feeds import requested_outputs
 from ortcapture._buckets.host import BucketHost
 from ortcapture._ort import compat
@@ -489,6 +490,9 @@ class BucketRunner:
                                 "is not padding-neutral for this dim: mask the padded positions, choose neutral "
                                 "pad_values=, or drop this bucket — see docs/BUCKETS.md; verify=False would return "
                                 "those outputs wrong)", doctor=self.doctor_command())
+        if self.level != "off":  # outputs without rows along a batch dim: do the padded rows' values change them?
+            _neutral.check_bucket(reference, self._resized, host, worst, entry, self._sites, self._rel,
+                                  self.output_names, self.level)
 
     def doctor_command(self) -> str:
         """The ``ortcapture doctor`` command line that reports these buckets' padding neutrality: ``--buckets
