@@ -369,6 +369,13 @@ def test_a_reduction_over_the_batch_that_the_example_cannot_show_is_refused(back
     np.testing.assert_allclose(sess.run(None, {"X": neg}, run_options_for(-1))[0], neg.max(axis=0))
     neutral = backend.session(tiny.bucket_model(), buckets={"batch": [1, 2, 4]})  # rows only: unaffected
     assert neutral.warmup()["captured"] == 3
+    # a 0/1 row mask is what keeps the padded rows out: it is not moved, and such a model is accepted
+    masked = backend.session(tiny.masked_batch_max_model(), buckets={"batch": [1, 2, 4]})
+    x = rng.uniform(0.5, 1, (3, 4)).astype(np.float32)
+    v = np.array([[1.0], [0.0], [1.0]], np.float32)
+    np.testing.assert_allclose(masked.run(None, {"X": x, "V": v})[0], x[[0, 2]].max(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(masked.run(None, {"X": -x, "V": v})[0], (-x)[[0, 2]].max(axis=0), rtol=1e-6)
+    assert masked.bucket_stats()["replayed"] == 2
 
 
 def test_split_works_on_the_first_request_of_a_session(backend):

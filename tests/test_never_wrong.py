@@ -282,6 +282,15 @@ def test_int64_wide_constant_analysis():
     assert _model_checks.int64_wide_constants(m) == [
         "Constant 'big''s value (e.g. -3000000000) read by Where (unnamed, output 'Y')"]
     assert _model_checks.int64_wide_constants(onnx.load_from_string(_where_model([1, 2, 3], slice_ends=True))) == []
+    # a scripted while-loop's trip count of INT64_MAX is read on the host
+    body = helper.make_graph([helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Add", ["v", "v"],
+                                                                                            ["v_out"])], "body",
+                             [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("v", [3])],
+                             [vi("c_out", [], TensorProto.BOOL), vi("v_out", [3])])
+    loop = _model([helper.make_node("Loop", ["M", "cond", "X"], ["Y"], body=body)],
+                  [vi("X", [3]), vi("cond", [], TensorProto.BOOL)], [vi("Y", [3])],
+                  [numpy_helper.from_array(np.array(2**63 - 1, np.int64), "M")], check=False)
+    assert _model_checks.int64_wide_constants(onnx.load_from_string(loop)) == []
 
 
 @pytest.mark.slow

@@ -529,3 +529,30 @@ def test_a_failed_device_copy_is_the_servers_fault_not_the_clients():
     ms = _device_replica(mem, healthy=True, ipc=_BrokenIpc(mem))
     (got,), = ms._run_calls([([({"X": DeviceRows.of([(_dev(1, "a"), 0, 1)]), "Z": _z(1)}, [1])], [[0]], None)])
     assert got["answers"][0]["status"] == 400 and ms.core.health_checks == 1
+
+
+def test_a_failed_copy_into_one_output_region_is_that_requests_500_only():
+    """A merged run whose member's output region cannot be written on the device (DeviceCopyError): that request's
+    500; the run's other requests, of this member and the other, get their answers and regions."""
+    from ortcapture.serving.cuda_ipc import DeviceCopyError
+
+    class _WriteFails(_FakeIpc):
+        def write(self, ref, a, where):
+            if ref.region.name == "broken":
+                raise DeviceCopyError("cudaMemcpy: cudaErrorIllegalAddress")
+            super().write(ref, a, where)
+
+    mem = {"a": np.arange(8, dtype=np.float32), "b": np.arange(100, 108, dtype=np.float32)}
+    ms = _device_replica(mem, ipc=_WriteFails(mem))
+    ok = shm.Ref(Regions().register_cuda("ok", HANDLE, 0, 64), 0, 16)
+    broken = shm.Ref(Regions().register_cuda("broken", HANDLE, 0, 64), 0, 16)
+    calls = [([({"X": DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "b"), 0, 1)]), "Z": _z(2)}, [1, 1],
+                [{"Y": broken}, None])], [[0, 0]], None),
+             ([({"X": DeviceRows.of([(_dev(1, "b"), 0, 1)]), "Z": _z(1)}, [1], [{"Y": ok}])], [[0]], None)]
+    first, second = ms._run_calls(calls)
+    got = first[0]["answers"]
+    assert got[0]["status"] == 500 and "DeviceCopyError" in got[0]["error"]
+    np.testing.assert_array_equal(got[1]["outputs"]["Y"], mem["b"][:4].reshape(1, 4) * 2)
+    np.testing.assert_array_equal(ms._ipc.written[("ok", 0)], mem["b"][:4].reshape(1, 4) * 2)
+    assert "outputs" in second[0] and ms._metrics.failed == 1
+

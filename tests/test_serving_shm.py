@@ -513,3 +513,27 @@ def test_grpc_typed_contents_of_the_wrong_count_say_so():
     msg = _grpc_request(np.zeros(3, np.float32), raw=False, shape=[2, 4])
     with pytest.raises(ProtocolError, match=r"input 'X': fp32_contents has 3 values; shape \[2, 4\] takes 8"):
         run(grpc_service.decode_infer(msg, SPEC))
+
+
+def test_output_regions_opened_for_a_refused_request_are_closed(obj):
+    """A request whose second output names an unknown region is refused after its first output's region was opened:
+    the descriptor is closed with the refusal, not left to the garbage collector."""
+    key, _ = obj
+    store = ShmStore(LocalRegistry())
+    run(store.register("out", key, 0, 64, "127.0.0.1"))
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    body, headers = _infer_body([{"name": "X", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}],
+                                [{"name": "Y", "parameters": {shm.REGION: "out", shm.BYTE_SIZE: 16}},
+                                 {"name": "S", "parameters": {shm.REGION: "nope", shm.BYTE_SIZE: 8}}])
+    run(store.regions(["out"]))  # the store's own descriptor of the region, opened once
+    store.maps.read(shm.Ref(run(store.regions(["out"]))["out"], 0, 4))
+    before = fds()
+    for _ in range(5):
+        with pytest.raises(ShmError, match="'nope' is not a registered"):
+            run(store.prepare_http(body, headers[protocol.HEADER_LENGTH], SPEC))
+    assert fds() == before
+    store.close()
+

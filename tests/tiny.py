@@ -186,6 +186,16 @@ def batch_max_model() -> bytes:
                   [vi("X", ["batch", 4])], [vi("M", [4]), vi("Y", ["batch", 4])], opset=17)
 
 
+def masked_batch_max_model() -> bytes:
+    """B = ReduceMax(X * V + (1 - V) * -1e4, axis 0) [4] for X [batch, 4] and a 0/1 row mask V [batch, 1] (float):
+    padded rows (V = 0) can never win, whatever X holds."""
+    c = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("one", 1.0), ("neg", -1e4))]
+    return _model([helper.make_node("Mul", ["X", "V"], ["xv"]), helper.make_node("Sub", ["one", "V"], ["inv"]),
+                   helper.make_node("Mul", ["inv", "neg"], ["off"]), helper.make_node("Add", ["xv", "off"], ["s"]),
+                   helper.make_node("ReduceMax", ["s"], ["B"], axes=[0], keepdims=0)],
+                  [vi("X", ["batch", 4]), vi("V", ["batch", 1])], [vi("B", [4])], c, opset=17)
+
+
 def batch_doubled_model() -> bytes:
     """Y = Concat(X, X) along axis 0: [2*batch, 4], a length that is a function of the batch."""
     return _model([helper.make_node("Concat", ["X", "X"], ["Y"], axis=0)], [vi("X", ["batch", 4])],

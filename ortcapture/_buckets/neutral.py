@@ -7,7 +7,8 @@ changes it can depend on the data: ``ReduceMax`` over the batch, zero-padded, is
 are all above zero and wrong for the next one whose values are all below (found by a tester: ``[0, 0, 0]`` came back
 for a batch of negative rows after a bucket had passed its check on positive ones). :func:`pad_sensitive_outputs`
 checks such outputs again on the request's values moved all below zero and all above zero (each float input that
-carries the dim: ``x - max(x) - 1`` and ``x - min(x) + 1``), padded against unpadded, both uncaptured: a pad value
+carries the dim, masks of 0 and 1 left alone: ``x - max(x) - 1`` and ``x - min(x) + 1``), padded against unpadded,
+both uncaptured: a pad value
 that is harmless only for data of one sign shows. A pad value that is harmless for every input stays accepted
 (``ReduceMax(Relu(x))`` or a sum over the batch, zero-padded). Only for dims bucketed on axis 0 of every input that
 carries them (a batch of independent samples: a padded row is a whole fake sample); along a sequence dim the pad
@@ -45,11 +46,13 @@ def rowless_outputs(relations: Mapping[str, Mapping[int, tuple]], labels: set[st
 
 def _moved(feeds: Mapping[str, np.ndarray], names: Sequence[str], up: bool) -> dict | None:
     """``feeds`` with the float inputs among ``names`` moved all above zero (``up``: ``x - min(x) + 1``) or all
-    below (``x - max(x) - 1``); ``None`` when none of them is a float input (nothing to move)."""
+    below (``x - max(x) - 1``); ``None`` when none of them is a float input (nothing to move). An input whose values
+    are all 0 or 1 is a mask (``x * valid + (1 - valid) * -1e4``: its pad value 0 is what keeps the padded rows out,
+    and moved it would let them in) and stays as it is."""
     out, changed = dict(feeds), False
     for name in names:
         x = feeds[name]
-        if not np.issubdtype(x.dtype, np.floating) or x.size == 0:
+        if not np.issubdtype(x.dtype, np.floating) or x.size == 0 or bool(np.all((x == 0) | (x == 1))):
             continue
         x64 = x.astype(np.float64)
         out[name] = (x64 - x64.min() + 1 if up else x64 - x64.max() - 1).astype(x.dtype)

@@ -97,6 +97,8 @@ HOST_READ_OPERANDS = {
     "Split": {1}, "CumSum": {1}, "CumProd": {1}, "NonMaxSuppression": {2}, "ReduceSum": {1}, "ReduceMean": {1},
     "ReduceMax": {1}, "ReduceMin": {1}, "ReduceProd": {1}, "ReduceL1": {1}, "ReduceL2": {1},
     "ReduceLogSum": {1}, "ReduceLogSumExp": {1}, "ReduceSumSquare": {1}, "Range": {0, 1, 2},
+    "Loop": {0}, "Trilu": {1}, "DFT": {1, 2}, "STFT": {1, 3}, "Col2Im": {1, 2}, "CenterCropPad": {1},
+    "MaxUnpool": {2}, "SplitToSequence": {1},
 }
 _INT32 = (-(2**31), 2**31 - 1)
 

@@ -29,7 +29,7 @@ import numpy as np
 from ortcapture.serving import cuda_shm, protocol, shm
 from ortcapture.serving.protocol import ModelSpec, ProtocolError
 from ortcapture.serving.shm import ShmError
-from ortcapture.serving.shm_store import check_input_ref
+from ortcapture.serving.shm_store import check_input_ref, expected_bytes
 
 #: the servicer function Ray Serve's gRPC proxy registers (an import path, imported in the proxy's process)
 SERVICER_FUNCTION = "ortcapture.serving.grpc_service.add_inference_servicer"
@@ -111,14 +111,7 @@ def _filled_fields(contents) -> list[str]:
 
 
 def _expected_bytes(t, spec: ModelSpec) -> int | None:
-    specs = {s.name: s for s in spec.inputs}
-    s = specs.get(t.name)
-    if s is None or t.datatype != s.datatype or len(t.shape) != len(s.shape) or any(d < 0 for d in t.shape):
-        return None
-    n = s.dtype.itemsize
-    for d in t.shape:
-        n *= int(d)
-    return n
+    return expected_bytes(t.name, t.datatype, [int(d) for d in t.shape], spec)
 
 
 async def decode_infer(msg, spec: ModelSpec, store=None):
@@ -195,22 +188,26 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
     if next_raw != len(raw):
         raise ProtocolError(f"{len(raw)} raw_input_contents for {next_raw} input(s) that take them")
     asked = []
-    for o, params in zip(msg.outputs, outputs_p):
-        op = {"binary_data": True}
-        if "classification" in params:
-            op["classification"] = params["classification"]
-        if shm.uses_shm(params):
-            store.add_output(plan, o.name, shm.reference(params, f"output {o.name[:100]!r}", regions), spec)
-        asked.append({"name": o.name, "parameters": op})
-    req: dict[str, Any] = {"inputs": entries, "parameters": {"binary_data_output": True}}
-    if msg.id:
-        req["id"] = msg.id
-    if asked:
-        req["outputs"] = asked
-    head = json.dumps(req).encode()
-    request = protocol.parse_infer_request(head + b"".join(pieces), len(head), spec, plan.device_inputs)
-    if plan:
-        plan.take_outputs(request)
+    try:
+        for o, params in zip(msg.outputs, outputs_p):
+            op = {"binary_data": True}
+            if "classification" in params:
+                op["classification"] = params["classification"]
+            if shm.uses_shm(params):
+                store.add_output(plan, o.name, shm.reference(params, f"output {o.name[:100]!r}", regions), spec)
+            asked.append({"name": o.name, "parameters": op})
+        req: dict[str, Any] = {"inputs": entries, "parameters": {"binary_data_output": True}}
+        if msg.id:
+            req["id"] = msg.id
+        if asked:
+            req["outputs"] = asked
+        head = json.dumps(req).encode()
+        request = protocol.parse_infer_request(head + b"".join(pieces), len(head), spec, plan.device_inputs)
+        if plan:
+            plan.take_outputs(request)
+    except BaseException:
+        plan.close()  # the output regions opened before the refusal
+        raise
     return request, (plan if plan else None)
 
 

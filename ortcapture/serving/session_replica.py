@@ -246,13 +246,15 @@ class ModelSession:
         """``feeds`` with each :class:`~ortcapture.serving.cuda_shm.DeviceRows` gathered into a CUDA ``OrtValue``
         (the feed path copies it device to device into the graph's buffer): the ``prepare`` of
         :meth:`ReplicaCore.run_joined`, so a batch that fails is gathered and run again one request at a time there.
-        Raises ShmError (a region that cannot be read: its request's 400)."""
+        Raises ShmError (a region that cannot be read: its request's 400) or
+        :class:`~ortcapture.serving.cuda_ipc.DeviceCopyError` (a copy that fails: the health rule decides)."""
         return {n: self._ipc.gather(n, v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
 
     def _device_outputs(self, answer: dict, rows, outs) -> dict:
         """Each request's rows of the outputs it names into CUDA regions (``outs``: per request ``{output name:
-        Ref}`` or ``None``), written there; a request whose region is too small gets its own 400 (the others their
-        outputs)."""
+        Ref}`` or ``None``), written there; a request whose region is too small gets its own 400, one whose copy
+        fails on the device (:class:`~ortcapture.serving.cuda_ipc.DeviceCopyError`) its own 500 (the others their
+        outputs, and a merged run's other members theirs)."""
         if "outputs" in answer:
             axes, offset, own = answer["axes"], 0, []
             for n in rows:
@@ -270,6 +272,10 @@ class ModelSession:
                     self._ipc.write(ref, own[k]["outputs"][name], f"output {name!r}")
             except ShmError as exc:
                 own[k] = {"error": str(exc), "status": 400}
+                bad = True
+            except Exception as exc:  # noqa: BLE001 - DeviceCopyError: the server's, this request's own 500
+                own[k] = {"error": f"the server could not write the outputs into the CUDA region "
+                                   f"({type(exc).__name__}: {exc})"[:300], "status": 500}
                 bad = True
         return {"answers": own} if bad or "answers" in answer else answer
 

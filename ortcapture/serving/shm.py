@@ -19,6 +19,7 @@ Registration is for clients on the server's machine: :func:`is_loopback` says wh
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import stat
@@ -258,6 +259,7 @@ class Maps:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
+            _out_of_descriptors(exc)
             raise ShmError(f"region {region.name!r}: cannot open shared memory key {region.key!r} "
                            f"({exc.strerror})") from None
         try:
@@ -277,20 +279,30 @@ class Maps:
 
     def pin(self, region: Region) -> int:
         """A descriptor of ``region``'s object of its own (``os.dup``; the caller closes it): what a request writes
-        its outputs through. Raises :class:`ShmError` as :meth:`read` does."""
-        return os.dup(self._fd(region))
+        its outputs through. Raises :class:`ShmError` as :meth:`read` does, a 503 :class:`ProtocolError` when the
+        process has no descriptor left."""
+        fd = self._fd(region)
+        try:
+            return os.dup(fd)
+        except OSError as exc:
+            _out_of_descriptors(exc)
+            raise
 
     def read(self, ref: Ref) -> bytes:
         """A copy of the ``ref.byte_size`` bytes ``ref`` names. Raises :class:`ShmError` when the object cannot be
         opened or is shorter than the reference (it shrank)."""
         fd = self._fd(ref.region)
-        start = ref.region.offset + ref.offset
-        data = os.pread(fd, ref.byte_size, start) if ref.byte_size else b""
-        if len(data) < ref.byte_size:
-            self.drop(ref.region.name)
-            raise ShmError(f"region {ref.region.name!r}: its shared memory object {ref.region.key!r} shrank below "
-                           "the region after it was registered")
-        return data
+        start, n = ref.region.offset + ref.offset, ref.byte_size
+        parts, got = [], 0
+        while got < n:  # Linux reads at most 2 GiB - 4 KiB per call
+            part = os.pread(fd, n - got, start + got)
+            if not part:
+                self.drop(ref.region.name)
+                raise ShmError(f"region {ref.region.name!r}: its shared memory object {ref.region.key!r} shrank "
+                               "below the region after it was registered")
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def write(self, ref: Ref, data, where: str, fd: int | None = None) -> None:
         """Copy ``data`` (bytes-like) to where ``ref`` points (through ``fd``, a :meth:`pin` of its region, when
@@ -327,6 +339,14 @@ class Maps:
 
     def __len__(self) -> int:
         return len(self._fds)
+
+
+def _out_of_descriptors(exc: OSError) -> None:
+    """Raise a 503 :class:`ProtocolError` when ``exc`` says this process has no file descriptor left (the server's
+    state, not the client's region)."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        raise ProtocolError(f"the server has no file descriptor left to open a shared memory region ({exc.strerror});"
+                            " retry later", 503) from None
 
 
 def is_loopback(peer: str | None) -> bool:

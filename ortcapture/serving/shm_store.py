@@ -306,12 +306,16 @@ class ShmStore:
                 pieces.append(binary[pos:pos + size])
                 pos += size
         pieces.append(binary[pos:])  # bytes no input declares: the protocol says so
-        for o in req.get("outputs") or []:
-            params = o.get("parameters") if isinstance(o, dict) else None
-            if isinstance(params, dict) and shm.uses_shm(params):
-                where = f"output {str(o.get('name'))[:100]!r}"
-                self.add_output(plan, str(o.get("name")), shm.reference(params, where, regions), spec)
-                o["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
+        try:
+            for o in req.get("outputs") or []:
+                params = o.get("parameters") if isinstance(o, dict) else None
+                if isinstance(params, dict) and shm.uses_shm(params):
+                    where = f"output {str(o.get('name'))[:100]!r}"
+                    self.add_output(plan, str(o.get("name")), shm.reference(params, where, regions), spec)
+                    o["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
+        except BaseException:
+            plan.close()  # the output regions opened before the one refused
+            raise
         head = json.dumps(req).encode()
         return head + b"".join(bytes(p) for p in pieces), str(len(head)), plan
 
@@ -340,7 +344,7 @@ class ShmStore:
         the output is written."""
         plan.add_output(name, ref, spec)
         if ref.region.kind != "cuda" and name not in plan.fds:
-            plan.fds[name] = self.maps.pin(ref.region)
+            plan.fds[name] = self.maps.pin(ref.region)  # ProtocolError 503 when out of descriptors
 
     def finish_http(self, plan: "ShmPlan", outputs: Mapping[str, Any], spec: protocol.ModelSpec,
                     payload: bytes, headers: dict) -> tuple[bytes, dict]:
@@ -427,22 +431,29 @@ def _tensor_params(*lists):
                 yield p
 
 
+def expected_bytes(name, datatype, shape, spec: protocol.ModelSpec) -> int | None:
+    """The bytes input ``name`` of ``datatype`` and ``shape`` takes, when it is one of the model's inputs with its
+    datatype, its rank and a shape of integers >= 0; ``None`` otherwise (the protocol says what is wrong). The one
+    computation for REST and gRPC inputs in system regions (:func:`check_input_ref`)."""
+    s = {t.name: t for t in spec.inputs}.get(name)
+    if s is None or datatype != s.datatype or not isinstance(shape, (list, tuple)) or len(shape) != len(s.shape):
+        return None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return None
+    n = s.dtype.itemsize
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _expected_bytes(inputs, spec: protocol.ModelSpec) -> dict:
-    """``{input name: bytes}`` its declared shape and datatype take, for inputs whose datatype is the model's and
-    whose shape is a list of integers (the others are the protocol's to refuse)."""
-    specs = {s.name: s for s in spec.inputs}
+    """``{input name: bytes}`` (:func:`expected_bytes`) of a REST request's inputs that have one."""
     out = {}
     for t in inputs:
-        if not isinstance(t, dict) or t.get("name") not in specs:
-            continue
-        s, shape = specs[t["name"]], t.get("shape")
-        if t.get("datatype") != s.datatype or not isinstance(shape, (list, tuple)):
-            continue
-        if all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            n = s.dtype.itemsize
-            for d in shape:
-                n *= d
-            out[t["name"]] = n
+        if isinstance(t, dict):
+            n = expected_bytes(t.get("name"), t.get("datatype"), t.get("shape"), spec)
+            if n is not None:
+                out[t["name"]] = n
     return out
 
 
