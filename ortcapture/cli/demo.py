@@ -297,6 +297,9 @@ def run(args) -> int:
     for k, s in stats.items():
         print(f"  {k:<28}{s['p50_us']:>10.1f}{s['p90_us']:>10.1f}{base / s['p50_us']:>9.2f}x"
               f"{iob / s['p50_us']:>13.2f}x")
+    if provider == "webgpu" and os.environ.get("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER") == "1":
+        print("  (WebGPU on the software adapter runs every kernel on the CPU: these times show that capture and "
+              "replay work, not the launch overhead a GPU saves; README.md's speedups are the H200's)", flush=True)
     print(f"\n  verified {checked} replays against the uncaptured run: max abs diff {worst:.3g} "
           f"({'OK' if ok else 'MISMATCH'}); captured graphs {list(sess.captured_graphs)}")
     if args.json:
