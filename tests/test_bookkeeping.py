@@ -20,7 +20,7 @@ from ortcapture._core.run import run_options_for
 from ortcapture.errors import (BindingError, CaptureAbortedError, GraphReleasedError, PointerLifetimeWarning,
                                TransferError)
 from tests import tiny
-from tests.conftest import Backend, cuda_available
+from tests.conftest import Backend, cuda_available, webgpu_available
 
 SHAPE = (2, 4)
 
@@ -420,3 +420,29 @@ def test_cuda_torch_bool_feeds(cuda, no_host_path):
         np.testing.assert_array_equal(y, np.where(c.cpu().numpy(), a, b))
     ortcapture.update_inplace(g.inputs["C"], ~c)
     np.testing.assert_array_equal(ortcapture.to_numpy(g.inputs["C"]), (~c).cpu().numpy())
+
+
+def test_to_numpy_of_a_host_ortvalue_is_a_copy():
+    """ORT's ``numpy()`` of a CPU OrtValue is a view of its memory: ``to_numpy`` (documented as a new host copy)
+    returned it as such, so a later ``update_inplace`` showed through a snapshot taken before, and writing into the
+    snapshot changed the value."""
+    v = ort.OrtValue.ortvalue_from_numpy(np.arange(4, dtype=np.float32))
+    snap = ortcapture.to_numpy(v)
+    ortcapture.update_inplace(v, np.full(4, 9.0, np.float32))
+    np.testing.assert_array_equal(snap, np.arange(4))
+    snap[:] = -1
+    np.testing.assert_array_equal(ortcapture.to_numpy(v), np.full(4, 9.0))
+
+
+def test_webgpu_buffers_of_2_gib_and_more_are_refused_not_crashed():
+    """ORT's WebGPU ``copy_tensors`` crashed (SIGSEGV) moving a buffer of 2**31 bytes or more, and a far larger
+    allocation only logged Vulkan's out-of-memory: refused with a clear exception, before ORT is called."""
+    if not webgpu_available():
+        pytest.skip("needs the WebGPU plugin EP")
+    sess = Backend("webgpu").session(tiny.affine_model())
+    for shape in ((2**31,), (2**42,)):
+        with pytest.raises(ortcapture.TransferError, match="crash at 2 GiB"):
+            sess.allocate(shape, np.uint8)
+    ok = sess.allocate((16,), np.uint8)  # small ones as before
+    ortcapture.update_inplace(ok, np.arange(16, dtype=np.uint8))
+    np.testing.assert_array_equal(ortcapture.to_numpy(ok), np.arange(16))

@@ -321,6 +321,15 @@ def test_host_read_input_is_a_checked_constant(backend, rng):
     with pytest.raises(CaptureError, match="'shp'") as ei:
         g.run({"X": x2, "shp": np.array([8, 1], np.int64)})
     assert ei.value.kind == "host_read_input"
+    # written into its fixed buffer outside run(): replay() and run() without it refuse too (a tester's Clip bound
+    # written with update_inplace was silently kept at its capture-time value)
+    ortcapture.update_inplace(g.inputs["shp"], np.array([8, 1], np.int64))
+    for call in (g.replay, lambda: g.run({"X": x2})):
+        with pytest.raises(CaptureError, match="finds in its fixed buffer") as ei:
+            call()
+        assert ei.value.kind == "host_read_input"
+    ortcapture.update_inplace(g.inputs["shp"], np.array([4, 2], np.int64))  # the capture's value again: runs
+    np.testing.assert_array_equal(g.run({"X": x2})[0], np.maximum(x2.reshape(4, 2), 0))
     g.release()
 
 

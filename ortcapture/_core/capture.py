@@ -161,14 +161,17 @@ def capture_bindings(state, binding: IOBinding, graph_id: int, run_options, owne
                       if n in host and b.kind == "cpu" and b.value is not None}
         if snapshots:
             tcopy.copy([t for t, _ in snapshots], [b for _, b in snapshots])
-        sentinels = _fill_sentinels(binding, SENTINEL_BYTE, skip=state.constant_outputs())
+        # a declared in-place state output shares its input's buffer: a pattern there would be the state the check
+        # replay steps from (the state came back as pattern + 1); the replay writes it in place, rightly in whole
+        in_place = {o for o, _ in declared}
+        sentinels = _fill_sentinels(binding, SENTINEL_BYTE, skip=set(state.constant_outputs()) | in_place)
         run()  # internal: not counted
         first = {name: _sentinel_mask(buf, pattern) for name, (buf, pattern) in sentinels.items()}
         suspect = [name for name, mask in first.items() if mask.any()]
         stale, partial = [], []
         if suspect:  # a real result may equal the pattern: confirm with a second one, state kept at one step
             again = _snapshot_state(state, binding, declared)
-            second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=suspect)
+            second = _fill_sentinels(binding, SENTINEL_BYTE_2, only=suspect, skip=in_place)
             run()
             for name, (buf, pattern) in second.items():
                 both = first[name] & _sentinel_mask(buf, pattern)  # held both patterns: written by no replay

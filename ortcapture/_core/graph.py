@@ -270,9 +270,9 @@ class CapturedGraph:
                     if not self._captured and compat.binding_c_session(self._binding) is not compat.c_session(
                             cs.session):
                         self._rebind()  # uncaptured_graph(): compact() or set_providers() replaced the C session
+                    if self._frozen:  # host-read inputs: the feeds, and the buffers written outside run (replay)
+                        check_frozen(self._frozen, feeds, self.inputs)
                     if feeds is not None:
-                        if self._frozen:
-                            check_frozen(self._frozen, feeds)
                         # copy_feeds' first test inlined: one feed, the source this input was last fed (its
                         # remembered device-to-device copy); anything else (or a run to settle) takes copy_feeds
                         hit = None

@@ -209,19 +209,28 @@ def _name_copy_only(exc: VerificationError, model_source: Any, graph) -> None:
                     "ScatterND on an input) or run this model without capture.",)
 
 
-def check_frozen(frozen: Mapping[str, np.ndarray], feeds: Mapping[str, Any]) -> None:
-    """Raise :class:`CaptureError` naming a host-read input whose value in ``feeds`` differs from the capture's.
-    Non-numpy feeds (OrtValues, DLPack) are read to the host for the comparison."""
+def check_frozen(frozen: Mapping[str, np.ndarray], feeds: Mapping[str, Any] | None,
+                 buffers: Mapping[str, Any] | None = None) -> None:
+    """Raise :class:`CaptureError` naming a host-read input whose value in ``feeds`` — or, not fed, in its fixed
+    buffer (``buffers``: written with ``update_inplace`` before a ``replay()``; a tester's ``Clip`` bound was
+    silently kept at its capture-time value) — differs from the capture's. Non-numpy values (OrtValues, DLPack)
+    are read to the host for the comparison (a host buffer as a view)."""
     for name, want in frozen.items():
-        if name not in feeds:
+        fed = feeds is not None and name in feeds
+        if fed:
+            got = feeds[name]
+        elif buffers is not None and name in buffers:
+            got = buffers[name]
+            got = got.numpy() if got.device_name().lower() == "cpu" else got
+        else:
             continue
-        got = feeds[name]
         got = tcopy.to_numpy(got) if not isinstance(got, (np.ndarray, np.generic, list, tuple, int, float)) \
             else np.asarray(got)
         if got.shape != want.shape or not np.array_equal(got, want):
             err = CaptureError(
                 f"input {name!r} is read by ORT in host memory (get_input_memory_infos()): its value is a constant "
-                f"of the captured graph ({want.tolist()}), and this run feeds {got.tolist()}. A replay would "
+                f"of the captured graph ({want.tolist()}), and this run "
+                f"{'feeds' if fed else 'finds in its fixed buffer'} {got.tolist()}. A replay would "
                 "silently use the capture-time value. Capture another graph for this value (or run with "
                 "gpu_graph_id=-1).")
             err.kind, err.inputs = "host_read_input", [name]

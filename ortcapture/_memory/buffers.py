@@ -14,6 +14,7 @@ never be freed under it (replay would write into freed memory). Who keeps a buff
 """
 from __future__ import annotations
 
+import math
 import operator
 import threading
 import weakref
@@ -24,7 +25,7 @@ import numpy as np
 from ortcapture._ort import compat
 from ortcapture._ort.compat import OrtInferenceSession, OrtValue
 from ortcapture._ort.providers import CaptureInfo
-from ortcapture._ort.values import BFLOAT16, STORAGE, remember
+from ortcapture._ort.values import BFLOAT16, STORAGE, check_webgpu_bytes, remember
 from ortcapture.errors import CaptureUnsupportedError, TransferError
 
 
@@ -54,7 +55,8 @@ def allocate(session, info: CaptureInfo, shape: Sequence[int], dtype) -> OrtValu
         The OrtValue, with its device kind and ordinal recorded (:func:`ortcapture._ort.values.remember`).
 
     Raises:
-        TransferError: a bad shape, or a dtype or device ORT cannot allocate.
+        TransferError: a bad shape, or a dtype or device ORT cannot allocate; a WebGPU buffer over 2 GiB - 1
+            (:data:`ortcapture._ort.values.WEBGPU_MAX_BYTES`).
         CaptureUnsupportedError: bfloat16 on WebGPU.
     """
     dims = _check_shape(shape)
@@ -67,6 +69,8 @@ def allocate(session, info: CaptureInfo, shape: Sequence[int], dtype) -> OrtValu
     if np_dtype == BFLOAT16 and kind == "webgpu":
         raise CaptureUnsupportedError("bfloat16 buffers on WebGPU: the WebGPU EP has no bfloat16 kernels (its "
                                       "nodes would fall back to the CPU EP); use float16 or float32 there")
+    if kind == "webgpu":
+        check_webgpu_bytes(math.prod(dims) * np_dtype.itemsize, f"allocate({list(dims)}, {np_dtype})")
     # ORT allocates the types its numpy bridge does not know (bfloat16) by ONNX element type code
     np_type = storage[1] if storage is not None else np_dtype.type
     try:

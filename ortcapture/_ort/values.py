@@ -104,6 +104,22 @@ def meta(value: OrtValue) -> ValueMeta:
     return m
 
 
+#: The largest WebGPU buffer ortcapture allocates or copies (bytes): ORT's ``copy_tensors`` crashed (SIGSEGV) moving
+#: a WebGPU buffer of 2**31 bytes or more, up and down (measured, onnxruntime 1.32 + WebGPU plugin 0.4.0; plain ORT
+#: alike), and an allocation far past the adapter's limits only logged Vulkan's out-of-memory and returned a value
+WEBGPU_MAX_BYTES = 2**31 - 1
+
+
+def check_webgpu_bytes(nbytes: int, what: str) -> None:
+    """Raise :class:`~ortcapture.errors.TransferError` for a WebGPU buffer of more than :data:`WEBGPU_MAX_BYTES`
+    (``what`` names it): a clear refusal where ORT would crash or return an unusable buffer."""
+    if nbytes > WEBGPU_MAX_BYTES:
+        from ortcapture.errors import TransferError
+
+        raise TransferError(f"{what}: {nbytes} bytes on WebGPU; ORT's WebGPU copies crash at 2 GiB and more "
+                            f"(at most {WEBGPU_MAX_BYTES} bytes per buffer)")
+
+
 def device_kind(value: OrtValue) -> str:
     """``"cpu"``, ``"cuda"``, ``"webgpu"``, … (recorded at allocation by ortcapture, else ``device_name()``)."""
     return meta(value).kind

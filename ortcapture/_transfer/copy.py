@@ -11,7 +11,7 @@ import numpy as np
 from ortcapture._ort import compat, sync
 from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, WEBGPU_LOCK, settle
-from ortcapture._ort.values import STORAGE, ValueMeta, meta
+from ortcapture._ort.values import STORAGE, ValueMeta, check_webgpu_bytes, meta
 from ortcapture._transfer.check import (
     _alias, _check_int32_range, _check_match, _dst_meta, _host_int64_rule, _name_it, _require_copyable,
 )
@@ -234,6 +234,7 @@ def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
     if not src:
         return
     if compat.has_copy_tensors() and any(m.kind == "webgpu" for m in (*sms, *dms)):
+        _webgpu_bytes(*sms, *dms)
         with WEBGPU_LOCK:
             compat.ort_copy_tensors(src, dst, None)  # one call for the batch; ORT's environment transfers know WebGPU
     else:
@@ -267,6 +268,7 @@ def to_numpy(value: OrtValue) -> np.ndarray:
     if m.dtype in STORAGE:
         return _storage_to_numpy(value, m)
     if m.kind == "webgpu":
+        _webgpu_bytes(m)
         host = OrtValue.ortvalue_from_shape_and_type(list(m.shape), m.dtype.type)
         with WEBGPU_LOCK:
             compat.ort_copy_tensors([value], [host], None)
@@ -274,7 +276,15 @@ def to_numpy(value: OrtValue) -> np.ndarray:
     if m.kind == "cuda":
         with _CUDA_SHARED:
             return value.numpy()
-    return value.numpy()
+    # a host value: ORT's numpy() is a view of the OrtValue's memory (a later update_inplace would show through it)
+    return np.array(value.numpy(), copy=True)
+
+
+def _webgpu_bytes(*metas: ValueMeta) -> None:
+    """Refuse a WebGPU copy ORT would crash on (:func:`ortcapture._ort.values.check_webgpu_bytes`)."""
+    for m in metas:
+        if m.kind == "webgpu":
+            check_webgpu_bytes(m.nbytes, f"a WebGPU buffer of shape {list(m.shape)}")
 
 
 _ORTVALUE = OrtValue  # the hot path takes exact OrtValues only (a ReplayOutput must be checked for staleness)
@@ -310,6 +320,7 @@ def _copy_host_to(dst: OrtValue, dm: ValueMeta, arr: np.ndarray) -> None:
     if storage is not None:  # ORT's numpy bridge copies the bytes of the same-size storage type unchanged
         arr = arr.view(storage[0])
     if dm.kind == "webgpu":
+        _webgpu_bytes(dm)
         with WEBGPU_LOCK:
             compat.ort_copy_tensors([OrtValue.ortvalue_from_numpy(arr)], [dst], None)
     elif dm.kind == "cuda":
@@ -336,6 +347,7 @@ def _copy_value_unguarded(src: OrtValue, sm: ValueMeta, dst: OrtValue, dm: Value
 
         memcpy_d2d(dm.span[0], sm.span[0], sm.nbytes)
     elif "webgpu" in (sm.kind, dm.kind):
+        _webgpu_bytes(sm, dm)
         with WEBGPU_LOCK:
             compat.ort_copy_tensors([src], [dst], None)
     elif _ORT_D2D:

@@ -13,6 +13,7 @@ import numpy as np
 from ortcapture._ort import compat, compute_stream, sync
 from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import UNSETTLED, WEBGPU_LOCK, settle
+from ortcapture._ort.values import WEBGPU_MAX_BYTES
 from ortcapture._transfer.check import _alias, _name_it
 from ortcapture._transfer.copy import _CUDA_SHARED, _ORTVALUE, _fast_pair, commit, prepare, update_inplace
 from ortcapture.errors import TransferError
@@ -177,7 +178,7 @@ def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None):
                 dst.update_inplace(s)
         return d2d
     if (sm.kind == "webgpu" == dm.kind and sync.COPY_BACKEND is None and compat.has_copy_tensors()
-            and _alias(src, sm, dst, dm) is None):
+            and _alias(src, sm, dst, dm) is None and sm.nbytes <= WEBGPU_MAX_BYTES):
         targets, copy_tensors = [dst], compat.ort_copy_tensors
 
         def webgpu(s):
