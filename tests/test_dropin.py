@@ -160,3 +160,31 @@ def test_patched_bucket_entries_take_the_other_bucket_keywords(provider, tmp_pat
     with pytest.raises(ortcapture.CaptureError, match="unknown keyword"):
         ortcapture.patch_onnxruntime(provider, buckets={str(path): {"buckets": {"batch": [4]}, "pad": 1}})
     assert not ortcapture.dropin.is_patched()
+
+
+def test_patched_webgpu_leaves_the_callers_own_session_options_unchanged(rng, monkeypatch):
+    """The WebGPU EP is added to a SessionOptions object: the drop-in added it to the caller's own, which then made
+    the caller's later sessions WebGPU capture sessions (a CPU session a CaptureUnsupportedError; after unpatch a
+    plain ORT session captured) and a model the EP cannot run refused instead of falling back. The caller's session
+    now runs as asked, with one warning, and their options are untouched."""
+    from tests.conftest import webgpu_available
+
+    if not webgpu_available():
+        pytest.skip("needs the WebGPU plugin EP")
+    from ortcapture._session import dropin as impl
+
+    monkeypatch.setattr(impl, "_WARNED_OPTIONS", [])
+    model = tiny.affine_model()
+    x = rng.random((2, 4), np.float32)
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    with ortcapture.patched("webgpu"):
+        with pytest.warns(RuntimeWarning, match="caller's own SessionOptions as asked"):
+            sess = ort.InferenceSession(model, so)
+        np.testing.assert_allclose(sess.run(None, {"X": x})[0], want, rtol=1e-6)
+        cpu = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])  # reused: still the caller's
+        np.testing.assert_allclose(cpu.run(None, {"X": x})[0], want, rtol=1e-6)
+        assert ort.InferenceSession(model).get_providers()[0] == "WebGpuExecutionProvider"  # no options: captured
+    assert not impl._has_plugin_ep(so)  # nothing was added to the caller's object
+    assert ort.InferenceSession(model, so).get_providers() == ["CPUExecutionProvider"]

@@ -257,8 +257,22 @@ def _with_capture(defaults: dict, sess_options, providers, provider_options):
         return sess_options, providers, provider_options
     if sess_options is not None and _has_plugin_ep(sess_options):
         return sess_options, providers, provider_options
+    if sess_options is not None and defaults["provider"] == "webgpu":
+        # the plugin EP is added to a SessionOptions object, which ORT cannot copy: adding it to the caller's own
+        # would change their object for every later session (after unpatch too) — their session runs as they asked
+        if not _WARNED_OPTIONS:
+            _WARNED_OPTIONS.append(True)
+            warnings.warn("ortcapture: patched(provider='webgpu') leaves sessions made with the caller's own "
+                          "SessionOptions as asked, without capture (the WebGPU EP would have to be added to that "
+                          "object, changing it for the caller's later sessions too); create the session without "
+                          "sess_options, or add the EP yourself: ortcapture.webgpu.session_options(True, so). "
+                          "Warned once per process.", RuntimeWarning, stacklevel=3)
+        return sess_options, providers, provider_options
     args = session_args(defaults["provider"], True, sess_options, ep_options=defaults.get("provider_options"))
     return args["sess_options"], args.get("providers"), None
+
+
+_WARNED_OPTIONS: list = []  # the warning above, once per process
 
 
 def _requests_capture(args) -> bool:
@@ -285,7 +299,9 @@ def patch_onnxruntime(provider: str | None = "auto", provider_options: Mapping[s
     """Install :class:`AutoCaptureSession` as ``onnxruntime.InferenceSession`` (see the module docstring).
 
     Args:
-        provider: the capture provider for sessions whose caller names none: ``"cuda"``, ``"webgpu"``, ``"auto"``
+        provider: the capture provider for sessions whose caller names none (with ``"webgpu"``, nor passes its own
+            ``SessionOptions``, which would have to be changed: such sessions run as asked, one warning):
+            ``"cuda"``, ``"webgpu"``, ``"auto"``
             (CUDA where onnxruntime-gpu's CUDA EP really loads — its CUDA libraries, a driver and a GPU:
             ``ortcapture._ort.cuda_probe`` — else WebGPU where a child-process probe captures), or ``None`` (leave
             such sessions as the caller made them).
