@@ -106,13 +106,18 @@ class ServeFailed(RuntimeError):
     """The model's deployment failed (its replicas could not start): the message is Serve's reason."""
 
 
+class ServeStopped(ServeFailed):
+    """A stop (SIGINT, SIGTERM, ``stop_event``) came while the replicas were warming up: :func:`serve` shuts down
+    and returns 0."""
+
+
 class ServeRefused(ServeFailed):
     """Nothing was deployed: the joined cluster's Serve listens elsewhere, or serves this name or route already
     (stopping must then leave that cluster's applications alone)."""
 
 
 def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
-          on_status: Callable[[str], None] | None = None, startup_timeout_s: float = 900.0) -> str:
+          on_status: Callable[[str], None] | None = None, startup_timeout_s: float = 900.0, stop_event=None) -> str:
     """Start Ray (a new local cluster, or join ``options.address``), Serve's HTTP proxy on ``host:port`` and the
     application; return the base URL once the model replicas are warm.
 
@@ -179,7 +184,7 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
     say(f"HTTP up at {scheme}://{options.host}:{options.port} (ready: 503 until warm); warming up {options.replicas} "
         + (f"replica(s): one graph per bucket {list(options.buckets)}" if provider != "cpu"
            else "replica(s) without capture (the CPU provider): each batch runs at its own size"))
-    _wait_running(model_app, startup_timeout_s)
+    _wait_running(model_app, startup_timeout_s, stop_event)
     return f"{scheme}://{options.host}:{options.port}"
 
 
@@ -202,10 +207,14 @@ def _check_listening(host: str, port: int, timeout_s: float = 30.0) -> None:
             time.sleep(0.2)
 
 
-def _wait_running(app: str, timeout_s: float) -> None:
-    """Wait until Serve says application ``app`` is RUNNING; :class:`ServeFailed` if it failed or took too long."""
+def _wait_running(app: str, timeout_s: float, stop=None) -> None:
+    """Wait until Serve says application ``app`` is RUNNING; :class:`ServeFailed` if it failed or took too long,
+    :class:`ServeStopped` as soon as ``stop`` (a ``threading.Event``: a signal) is set — a server whose replicas
+    cannot start (a GPU asked for where there is none) otherwise ignored Ctrl-C for the whole ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if stop is not None and stop.is_set():
+            raise ServeStopped(f"stopped while application {app!r} was warming up")
         st = ray_serve.status().applications.get(app)
         state = str(getattr(st.status, "value", st.status)) if st is not None else "NOT_STARTED"
         if state == "RUNNING":
@@ -293,7 +302,9 @@ def _failure(app_status) -> str:
     text = "\n".join(t for t in texts if t)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]:
+        head = ln.split(":", 1)[0]
+        # ORT's own exception types are named Fail, InvalidGraph, InvalidArgument, NoSuchFile, ... (pybind11)
+        if "Error" in head or "Exception" in head or (".onnxruntime_pybind11_state." in head and " " not in head):
             return ln
     return lines[-1] if lines else "the model deployment failed"
 
@@ -394,10 +405,14 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
     deployed = True
     try:
         try:
-            url = start(options, provider, ray_init=ray_init, on_status=on_status)
+            url = start(options, provider, ray_init=ray_init, on_status=on_status, stop_event=stop_event)
         except ServeRefused:
             deployed = False
             raise
+        except ServeStopped:  # a signal while warming up: shut down as after serving
+            if on_status:
+                on_status("stopping while warming up")
+            return 0
         if main:  # ray.init installs its own SIGTERM handler (it aborts the process): ours again
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, on_signal)

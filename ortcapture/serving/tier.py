@@ -155,6 +155,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         o = self.options
         try:
             rows = self.check.rows(feeds)
+            _check_device_outputs(device_outputs, self.spec)
         except RequestError as exc:
             self._refused["bad_request"] += 1
             return {"error": str(exc), "status": 400}
@@ -482,3 +483,20 @@ def api_of(spec) -> dict:
     return {"inputs": [(t.name, t.datatype, list(t.shape)) for t in spec.inputs],
             "outputs": [(t.name, t.datatype, list(t.shape)) for t in spec.outputs],
             "batch_axes": dict(spec.batch_axes), "max_rows": int(spec.max_rows)}
+
+
+def _check_device_outputs(device_outputs, spec) -> None:
+    """Raise :class:`RequestError` unless ``device_outputs`` is ``None`` or ``{output name: Ref}`` of CUDA regions
+    naming the model's outputs (what the routes build; a handle caller passing anything else got a 500 from the
+    session replica)."""
+    if device_outputs is None:
+        return
+    from ortcapture.serving.shm import Ref
+
+    names = {t.name for t in spec.outputs}
+    if not isinstance(device_outputs, dict) or not all(
+            isinstance(k, str) and k in names and isinstance(v, Ref) and v.region.kind == "cuda"
+            for k, v in device_outputs.items()):
+        raise RequestError("device_outputs must be {output name: a CUDA shared memory reference}; it is set by the "
+                           f"HTTP and gRPC routes for outputs in CUDA regions (the model's outputs: {sorted(names)})")
+
