@@ -86,25 +86,25 @@ def refuse_int64_arithmetic(model) -> None:
     # the graph only: external weights are not needed (nor loaded) for the analysis
     proto = onnx.load(os.fspath(model), load_external_data=False) if isinstance(model, (str, os.PathLike)) \
         else _inspect.load_structure(model)
-    nodes = int64_arithmetic_nodes(proto)
-    if nodes:
-        more = f" ... ({len(nodes) - 12} more)" if len(nodes) > 12 else ""
-        err = CaptureUnsupportedError(
-            f"node(s) {', '.join(nodes[:12])}{more} produce int64 from int64 arithmetic: ORT's WebGPU EP runs int64 "
-            "as 32-bit under enableGraphCapture=1 (captured and uncaptured runs; e.g. 3000000000 - 1 gives "
-            "-1294967297), and a range check of the inputs cannot catch an intermediate that overflows. Compute "
-            "them in int32/float, or pass allow_int64_as_int32=True if every int64 value stays within int32.")
-        err.kind, err.nodes = "int64_as_int32", nodes
-        raise err
-    wide = int64_wide_constants(proto)
-    if wide:
-        more = f" ... ({len(wide) - 8} more)" if len(wide) > 8 else ""
-        err = CaptureUnsupportedError(
-            f"{'; '.join(wide[:8])}{more}: int64 constant(s) beyond the int32 range read as data on WebGPU, which "
-            "runs int64 as 32-bit under enableGraphCapture=1 (captured and uncaptured runs keep the low 32 bits: "
-            "5000000000 reads as 705032704, and the capture check compares with the same wrong value). Keep the "
-            "constants within int32, or pass allow_int64_as_int32=True if the truncation is harmless.")
-        err.kind, err.nodes = "int64_as_int32", wide
+    _refuse_int64(int64_arithmetic_nodes(proto), 12, lambda shown: (
+        f"node(s) {', '.join(shown)} produce int64 from int64 arithmetic: ORT's WebGPU EP runs int64 as 32-bit under "
+        "enableGraphCapture=1 (captured and uncaptured runs; e.g. 3000000000 - 1 gives -1294967297), and a range "
+        "check of the inputs cannot catch an intermediate that overflows. Compute them in int32/float, or pass "
+        "allow_int64_as_int32=True if every int64 value stays within int32."))
+    _refuse_int64(int64_wide_constants(proto), 8, lambda shown: (
+        f"{'; '.join(shown)}: int64 constant(s) beyond the int32 range read as data on WebGPU, which runs int64 as "
+        "32-bit under enableGraphCapture=1 (captured and uncaptured runs keep the low 32 bits: 5000000000 reads as "
+        "705032704, and the capture check compares with the same wrong value). Keep the constants within int32, or "
+        "pass allow_int64_as_int32=True if the truncation is harmless."))
+
+
+def _refuse_int64(names: list[str], shown: int, message) -> None:
+    """Raise the ``int64_as_int32`` :class:`CaptureUnsupportedError` naming ``names`` (the first ``shown`` in
+    ``message(shown names)``, a count of the rest), if there are any."""
+    if names:
+        more = [f"... ({len(names) - shown} more)"] if len(names) > shown else []
+        err = CaptureUnsupportedError(message(names[:shown] + more))
+        err.kind, err.nodes = "int64_as_int32", names
         raise err
 
 
