@@ -27,6 +27,7 @@ from ray import serve as ray_serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from ortcapture.serving.batcher import AdaptiveBatcher, Item
+from ortcapture.serving.bodies import BodyGate, read_body
 from ortcapture.serving.config import ServeOptions, model_layout
 from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.protocol import ProtocolError
@@ -41,31 +42,8 @@ from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
 _log = logging.getLogger("ortcapture.serving")
 
-#: seconds without progress after which a pending request body gives its slot up to a new request at the cap
-EVICT_IDLE_S = 0.5
-#: the longest a new request waits at the cap for a pending body to become that stale (or a slot to free)
-EVICT_WAIT_S = 1.0
 #: batches in a row that found no session replica on this machine before a tier replica stops using batch slots
 SLOT_MISSES = 8
-
-
-class _PendingBody:
-    """A request body being read: when it last made progress (``time.monotonic()``), the read in progress."""
-
-    __slots__ = ("last", "waiter", "evicted")
-
-    def __init__(self):
-        self.last = time.monotonic()
-        self.waiter: asyncio.Future | None = None
-        self.evicted = False
-
-    def evict(self) -> bool:
-        """Stop the read (its reader answers 408; the slot is free once it has unwound). ``False`` when its read
-        cannot be stopped now (not started, or just done): it keeps its slot."""
-        if self.waiter is None or not self.waiter.cancel():
-            return False
-        self.evicted = True
-        return True
 
 
 def _first_line(exc: BaseException) -> str:
@@ -122,8 +100,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._draining = False  # set by drain(): new requests get a 503, the ones in flight finish
         self._in_flight = 0  # HTTP requests being answered
         self._infers = 0  # infer() calls being answered (HTTP and handle)
-        self._pending_bodies = 0  # requests whose body is still arriving
-        self._bodies: dict[int, _PendingBody] = {}  # those bodies: last progress, the read in progress
+        self._bodies = BodyGate(options.max_pending_bodies)  # requests whose body is still arriving
         self._queued = 0  # requests waiting for a session replica's answer
         self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "body_evicted": 0,
                          "request_timeout": 0, "client_gone": 0, "bad_request": 0}
@@ -278,67 +255,9 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             self._in_flight -= 1
 
     async def _read_body(self, request, cap: int) -> bytes:
-        """The request body, bounded three ways: at most ``cap`` bytes (413); at most
-        ``options.max_pending_bodies`` bodies arriving at once per tier replica; and a body that makes no progress
-        for ``options.body_timeout_s`` seconds is refused (408, ``Connection: close``). Ray Serve's proxy hands the
-        request over after its headers and streams the body on demand, so without these a thousand connections
-        that send headers and stall hold every slot.
-
-        At the cap, a new request takes the slot of the pending body that has made no progress for longest, once
-        that is at least :data:`EVICT_IDLE_S` (that one gets a 408 and ``Connection: close``; ``refused`` counts
-        ``body_evicted``): stalled connections cannot lock normal requests out, whose bodies arrive in
-        milliseconds, while a slow client that keeps sending is never the stalest. A new request waits at most
-        :data:`EVICT_WAIT_S` for that (or a free slot), then is refused (503, ``Retry-After``, ``Connection:
-        close``; ``bodies_pending``)."""
-        o = self.options
-        deadline = time.monotonic() + EVICT_WAIT_S
-        while self._pending_bodies >= o.max_pending_bodies:
-            victim = min((b for b in self._bodies.values() if not b.evicted), key=lambda b: b.last, default=None)
-            now = time.monotonic()
-            if victim is not None and now - victim.last >= EVICT_IDLE_S and victim.evict():
-                break
-            if now >= deadline:
-                self._refused["bodies_pending"] += 1
-                raise Refusal(f"{self._pending_bodies} requests are sending their bodies already; try again",
-                              503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
-            await asyncio.sleep(0.02)
-        body = _PendingBody()
-        self._bodies[id(body)] = body
-        self._pending_bodies += 1
-        try:
-            chunks, n = [], 0
-            stream = request.stream().__aiter__()
-            while True:
-                body.waiter = asyncio.ensure_future(stream.__anext__())
-                try:
-                    chunk = await asyncio.wait_for(body.waiter, o.body_timeout_s)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    self._refused["body_timeout"] += 1
-                    raise Refusal(f"the request body made no progress for {o.body_timeout_s:g} s", 408,
-                                  {"Connection": "close"}) from None
-                except asyncio.CancelledError:
-                    task = asyncio.current_task()
-                    if not body.evicted or (task is not None and getattr(task, "cancelling", lambda: 0)()):
-                        raise  # the handler itself is cancelled (the client went away): not an eviction
-                    self._refused["body_evicted"] += 1
-                    raise Refusal(f"the request body made no progress for {time.monotonic() - body.last:.1f} s, "
-                                  "the longest of the bodies pending, and a new request needed its slot", 408,
-                                  {"Connection": "close"}) from None
-                except Exception as exc:  # noqa: BLE001 - starlette's ClientDisconnect: the client went away
-                    self._refused["client_gone"] += 1
-                    raise Refusal(f"the client closed the connection before its body arrived "
-                                  f"({type(exc).__name__})", 400, {"Connection": "close"}) from None
-                body.last = time.monotonic()
-                n += len(chunk)
-                if n > cap:
-                    raise ProtocolError(f"request body is past the cap of {cap} bytes", 413)
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            self._pending_bodies -= 1
-            self._bodies.pop(id(body), None)
+        """The request body: :func:`ortcapture.serving.bodies.read_body` through this replica's gate (at most
+        ``options.max_pending_bodies`` bodies arriving at once, ``options.body_timeout_s`` without progress)."""
+        return await read_body(self._bodies, request.stream(), cap, self.options.body_timeout_s, self._refused)
 
     # -- lifecycle, readiness, reports ---------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> dict:
@@ -397,7 +316,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     def _own(self) -> dict:
         o = self.options
-        return {"pending_bodies": self._pending_bodies, "max_pending_bodies": o.max_pending_bodies,
+        return {"pending_bodies": self._bodies.held, "max_pending_bodies": o.max_pending_bodies,
                 "queued": self._queued, "max_queued": o.max_queued, "refused": dict(self._refused), **self._sent,
                 "http_errors": {str(k): v for k, v in self.router.http_errors.items()}}
 

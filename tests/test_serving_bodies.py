@@ -1,0 +1,169 @@
+"""The tier replica's request-body gate (ortcapture.serving.bodies), pure asyncio, no Ray: slots, the newest waiter
+first, the eviction of stalled bodies, no slot leaked by a waiter that went away, and a flood of stalled connections
+that cannot lock a normal request out nor keep the event loop busy."""
+
+import asyncio
+import time
+
+import pytest
+
+from ortcapture.serving.bodies import BodyGate, read_body
+from ortcapture.serving.protocol import ProtocolError
+from ortcapture.serving.routes import Refusal
+
+
+class _Stream:
+    """A request body: ``chunks`` (bytes) arrive when their events are set; a stalled body never sets them."""
+
+    def __init__(self, *chunks: bytes, stalled: bool = False):
+        self.chunks = list(chunks)
+        self.stalled = stalled
+        self.go = asyncio.Event()
+        if not stalled:
+            self.go.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await self.go.wait()
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop(0)
+
+
+def _counters() -> dict:
+    return {"bodies_pending": 0, "body_timeout": 0, "body_evicted": 0, "client_gone": 0}
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_bodies_read_and_slots_given_back():
+    async def main():
+        gate, refused = BodyGate(2), _counters()
+        got = await asyncio.gather(*(read_body(gate, _Stream(b"ab", b"c"), 10, 5, refused) for _ in range(5)))
+        assert got == [b"abc"] * 5
+        assert gate.held == 0 and not gate.bodies and gate.waiting == 0
+        with pytest.raises(ProtocolError) as e:
+            await read_body(gate, _Stream(b"x" * 11), 10, 5, refused)
+        assert e.value.status == 413 and gate.held == 0
+        assert refused == _counters()
+
+    _run(main())
+
+
+def test_stalled_body_times_out_and_refused_when_no_slot_comes():
+    async def main():
+        gate, refused = BodyGate(1, idle_s=30, wait_s=0.2), _counters()
+        stalled = asyncio.ensure_future(read_body(gate, _Stream(b"x", stalled=True), 10, 0.5, refused))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Refusal) as e:  # the one slot is held by a body not yet stale enough to evict
+            await read_body(gate, _Stream(b"y"), 10, 5, refused)
+        assert e.value.status == 503 and e.value.headers["Retry-After"] and refused["bodies_pending"] == 1
+        with pytest.raises(Refusal) as e:
+            await stalled
+        assert e.value.status == 408 and refused["body_timeout"] == 1
+        assert gate.held == 0
+
+    _run(main())
+
+
+def test_newest_waiter_gets_a_freed_slot():
+    async def main():
+        gate = BodyGate(1, idle_s=30, wait_s=5)
+        first = await gate.enter()
+        order = []
+
+        async def wait(tag):
+            body = await gate.enter()
+            order.append(tag)
+            return body
+
+        older = asyncio.ensure_future(wait("older"))
+        await asyncio.sleep(0.01)
+        newer = asyncio.ensure_future(wait("newer"))
+        await asyncio.sleep(0.01)
+        gate.leave(first)
+        gate.leave(await newer)
+        gate.leave(await older)
+        assert order == ["newer", "older"] and gate.held == 0
+
+    _run(main())
+
+
+def test_a_waiter_that_goes_away_keeps_no_slot():
+    async def main():
+        gate = BodyGate(1, idle_s=30, wait_s=5)
+        first = await gate.enter()
+        gone = asyncio.ensure_future(gate.enter())
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        # a slot handed to a waiter in the same step as it was cancelled moves on to the next one
+        handed = asyncio.ensure_future(gate.enter())
+        later = asyncio.ensure_future(gate.enter())
+        await asyncio.sleep(0.01)
+        gate.leave(first)  # -> ``later`` (the newest) ...
+        later.cancel()  # ... which goes away before it runs: the slot moves on to ``handed``
+        body = await asyncio.wait_for(handed, 2)
+        assert gate.held == 1
+        gate.leave(body)
+        assert gate.held == 0 and gate.waiting == 0
+
+    _run(main())
+
+
+def test_stalled_flood_cannot_lock_a_normal_request_out():
+    """1,000 stalled bodies (headers sent, never the body) at a cap of 64: a normal request that comes 0.6 s later
+    is the newest waiter, so it takes the slot of the next body evicted (within idle_s: the ones that took the
+    slots last were admitted at most idle_s ago) and is read; the stalled ones are evicted (408) or refused (503);
+    the event loop stays free while 936 requests wait (the wait is not a poll)."""
+    async def main():
+        gate, refused = BodyGate(64, idle_s=0.5, wait_s=1.0), _counters()
+        streams = [_Stream(b"x", stalled=True) for _ in range(1000)]
+        flood = [asyncio.ensure_future(read_body(gate, s, 10, 2, refused)) for s in streams]
+        await asyncio.sleep(0.1)
+        assert gate.held == 64 and gate.waiting == 936
+        lags = []
+        for _ in range(25):  # the event loop answers promptly while they wait
+            t = time.monotonic()
+            await asyncio.sleep(0.02)
+            lags.append(time.monotonic() - t - 0.02)
+        assert max(lags) < 0.1, max(lags)
+        t = time.monotonic()
+        got = await read_body(gate, _Stream(b"normal"), 10, 30, refused)
+        took = time.monotonic() - t
+        assert got == b"normal" and took < 0.5 + 0.25, took
+        outcomes = await asyncio.gather(*flood, return_exceptions=True)
+        statuses = sorted({e.status for e in outcomes})
+        assert statuses == [408, 503], statuses
+        assert refused["body_evicted"] >= 1 and refused["bodies_pending"] >= 1
+        # the last ones in slots, with nobody waiting any more, end at the body timeout (2 s)
+        assert refused["body_evicted"] + refused["bodies_pending"] + refused["body_timeout"] == 1000
+        assert gate.held == 0 and not gate.bodies and gate.waiting == 0
+
+    _run(main())
+
+
+def test_a_slow_client_that_keeps_sending_is_not_evicted():
+    async def main():
+        gate, refused = BodyGate(1, idle_s=0.3, wait_s=0.5), _counters()
+
+        class Slow(_Stream):
+            async def __anext__(self):
+                if not self.chunks:
+                    raise StopAsyncIteration
+                await asyncio.sleep(0.1)  # a chunk every 0.1 s: never stale for 0.3 s
+                return self.chunks.pop(0)
+
+        slow = asyncio.ensure_future(read_body(gate, Slow(*[b"s"] * 12), 100, 5, refused))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Refusal) as e:
+            await read_body(gate, _Stream(b"n"), 10, 5, refused)
+        assert e.value.status == 503
+        assert await slow == b"s" * 12 and refused["body_evicted"] == 0
+
+    _run(main())
