@@ -119,8 +119,9 @@ def test_a_waiter_that_goes_away_keeps_no_slot():
 def test_stalled_flood_cannot_lock_a_normal_request_out():
     """1,000 stalled bodies (headers sent, never the body) at a cap of 64: a normal request that comes 0.6 s later
     is the newest waiter, so it takes the slot of the next body evicted (within idle_s: the ones that took the
-    slots last were admitted at most idle_s ago) and is read; the stalled ones are evicted (408) or refused (503);
-    the event loop stays free while 936 requests wait (the wait is not a poll)."""
+    slots last were admitted at most idle_s ago) and is read; the stalled ones are evicted or refused (503);
+    the event loop stays free while 936 requests wait (the wait is not a poll). An evicted request is a 503 with
+    Retry-After (load shedding; under a burst Serve's proxy may be what delays a body its client sent whole)."""
     async def main():
         gate, refused = BodyGate(64, idle_s=0.5, wait_s=1.0), _counters()
         streams = [_Stream(b"x", stalled=True) for _ in range(1000)]
@@ -139,7 +140,9 @@ def test_stalled_flood_cannot_lock_a_normal_request_out():
         assert got == b"normal" and took < 0.5 + 0.25, took
         outcomes = await asyncio.gather(*flood, return_exceptions=True)
         statuses = sorted({e.status for e in outcomes})
-        assert statuses == [408, 503], statuses
+        assert statuses == [408, 503], statuses  # evicted or refused: 503; the last in slots: their body timeout
+        evicted = [e for e in outcomes if "while other requests waited" in str(e)]
+        assert evicted and all(e.status == 503 and e.headers["Retry-After"] for e in evicted)
         assert refused["body_evicted"] >= 1 and refused["bodies_pending"] >= 1
         # the last ones in slots, with nobody waiting any more, end at the body timeout (2 s)
         assert refused["body_evicted"] + refused["bodies_pending"] + refused["body_timeout"] == 1000

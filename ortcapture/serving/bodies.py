@@ -55,8 +55,10 @@ class BodyGate:
       waiting; a waiter that gets no slot within ``wait_s`` seconds is refused (503) as before, so no waiter waits
       longer than that either way;
     - while requests wait, one eviction task (one per gate, not one per waiter) stops the reads of the bodies that
-      made no progress for ``idle_s`` seconds, stalest first, as many as there are waiters (each then answers 408),
-      and sleeps until the next body could become that stale.
+      made no progress for ``idle_s`` seconds, stalest first, as many as there are waiters, and sleeps until the
+      next body could become that stale. An evicted request is answered 503 with ``Retry-After``, not 408: under a
+      burst Serve's proxy itself may deliver a body late that its client sent whole, so the server's load
+      shedding must not blame the client (a body that makes no progress for ``body_timeout_s`` is the 408).
 
     A slow client that keeps sending is never the stalest body; a normal request's body arrives in milliseconds.
     The cost of waiting does not grow with the number of waiters times the slots (the polling loop it replaces made
@@ -165,9 +167,9 @@ async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, time
             ``client_gone`` counted here).
 
     Raises:
-        Refusal: 503 (``Retry-After``, ``Connection: close``) when no slot came within ``gate.wait_s``; 408
-            (``Connection: close``) when the body made no progress for ``timeout_s``, or was evicted for a waiting
-            request; 400 when the client closed the connection before its body arrived.
+        Refusal: 503 (``Retry-After``, ``Connection: close``) when no slot came within ``gate.wait_s``, or the
+            body was evicted for a waiting request; 408 (``Connection: close``) when the body made no progress for
+            ``timeout_s``; 400 when the client closed the connection before its body arrived.
         ProtocolError: 413 past ``cap`` bytes.
     """
     body = await gate.enter()
@@ -193,9 +195,9 @@ async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, time
                 if not body.evicted or (task is not None and getattr(task, "cancelling", lambda: 0)()):
                     raise  # the handler itself is cancelled (the client went away): not an eviction
                 refused["body_evicted"] += 1
-                raise Refusal(f"the request body made no progress for {time.monotonic() - body.last:.1f} s, "
-                              "the longest of the bodies pending, and a new request needed its slot", 408,
-                              {"Connection": "close"}) from None
+                raise Refusal(f"the request body made no progress for {time.monotonic() - body.last:.1f} s, the "
+                              f"longest of the {gate.limit} bodies arriving, while other requests waited for a slot; "
+                              "try again", 503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}) from None
             except Exception as exc:  # noqa: BLE001 - starlette's ClientDisconnect: the client went away
                 refused["client_gone"] += 1
                 raise Refusal(f"the client closed the connection before its body arrived "
