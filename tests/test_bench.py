@@ -85,9 +85,10 @@ def test_bench_no_graph_capture_webgpu(webgpu, tmp_path, capsys):
                "--session-config", "session.intra_op.allow_spinning=0", "--pin-thread"])
     captured = capsys.readouterr()
     assert rc == 0, captured.out + captured.err
-    assert "same input shapes" in captured.err
+    # X is 2x4: the batch reported is the model's 2 (it was the 1 asked for), and 4 is not benchmarked again
+    assert "--batch 1 does not apply" in captured.err and "reported as batch 2" in captured.err
     res = json.loads(out_json.read_text())
-    _check_result(res, [1], procs=1, iters=4, capture=False)
+    _check_result(res, [2], procs=1, iters=4, capture=False)
     assert "[capture off]" in captured.out
     assert res["intra_op_threads"] == 1 and res["pin_thread"] is True
     assert res["session_config"] == {"session.intra_op.allow_spinning": "0"}
@@ -103,7 +104,7 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
     model.write_bytes(tiny.if_model())  # control flow: ORT refuses graph capture when the worker builds sessions
     assert main(["bench", str(model), "--provider", "webgpu", "--procs", "2", "--iters", "2"]) == 2
     err = capsys.readouterr().err
-    assert "worker for batch 1 · process 1/2 failed" in err and "control flow" in err
+    assert "worker for batch 2 · process 1/2 failed" in err and "control flow" in err  # X is [2]: no batch dim
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,6 +116,9 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
     (["--batch", "1,,2"], "empty entry"),
     (["--batch", "1,2,"], "empty entry"),
     (["--stream", "1-8", "--buckets", "1,,8"], "empty entry"),
+    (["--stream", "1-99999999999999999999"], "--stream: wants LO-HI"),  # was numpy's raw ValueError, after loading
+    (["--stream", "a-b"], "--stream: wants LO-HI"),
+    (["--stream", "1-2-3"], "--stream: wants LO-HI"),
     (["--procs", "0"], "--procs"),
     (["--iters", "0"], "--iters"),
     (["--iters", "3", "--rounds", "4"], "--rounds"),

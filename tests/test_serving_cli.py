@@ -36,6 +36,9 @@ def bucket_model(tmp_path):
     ("bucket", ["--buckets", "1,2,"], "empty entry"),
     ("bucket", ["--max-concurrent-batches", "0"], "--max-concurrent-batches must be"),
     ("bucket", ["--graceful-shutdown-s", "-5"], "--graceful-shutdown-s must be"),
+    ("bucket", ["--graceful-shutdown-s", "nan"], "--graceful-shutdown-s must be"),  # was taken, then Ray hung
+    ("bucket", ["--graceful-shutdown-s", "inf"], "--graceful-shutdown-s must be"),
+    ("bucket", ["--dim", f"n={1 << 63}"], "SIZE an int in 1..9223372036854775807"),  # past int64: was after Ray
     ("bucket", ["--host", "999.1.1.1"], "does not resolve"),
     ("bucket", ["--replicas", "0"], "--replicas"),
     ("bucket", ["--port", "70000"], "--port"),
@@ -87,6 +90,16 @@ def test_python_api_keeps_its_option_names(bucket_model):
         ServeOptions(str(bucket_model), host="999.1.1.1").checked()
     # joining a cluster (address=): the proxy listens there, so only resolution is checked here
     assert ServeOptions(str(bucket_model), host="192.0.2.1", address="ray://head:10001").checked().host == "192.0.2.1"
+
+
+def test_urls_bracket_an_ipv6_host(bucket_model):
+    """The URL printed for ``--host ::1`` is ``http://[::1]:8000`` (RFC 3986), not ``http://::1:8000``."""
+    from ortcapture.serving.config import ServeOptions
+
+    assert ServeOptions(str(bucket_model), host="::1", port=8000).authority() == "[::1]:8000"
+    assert ServeOptions(str(bucket_model), host="::1").authority(8001) == "[::1]:8001"
+    assert ServeOptions(str(bucket_model), host="127.0.0.1", port=9).authority() == "127.0.0.1:9"
+    assert ServeOptions(str(bucket_model), host="localhost", port=9).authority() == "localhost:9"
 
 
 def test_help_lists_the_options():

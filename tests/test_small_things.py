@@ -125,7 +125,7 @@ def test_doctor_buckets_syntax():
 
     assert parse_bucket_items(["batch=1,2,4", "X:1=8", "t+m:1=2,4"]) == {
         "batch": [1, 2, 4], ("X", 1): [8], ("t", ("m", 1)): [2, 4]}
-    for bad in ("batch", "batch=", "X:one=2", "batch=1,two", "batch=1,,2", "batch=1,2,"):
+    for bad in ("batch", "batch=", "X:one=2", "batch=1,two", "batch=1,,2", "batch=1,2,", "batch=0", "batch=2,-1"):
         with pytest.raises(DoctorError, match="--buckets"):
             parse_bucket_items([bad])
 

@@ -359,7 +359,16 @@ def _run(args) -> int:
     try:
         for b in batches:
             shp = example_shapes(args.model, b, args.shape)
+            if shapes.shape_signature(example_shapes(args.model, b + 1, args.shape)) == shapes.shape_signature(shp):
+                # no dynamic first dim (or --shape fixes it): report the batch the shapes have, not the one asked for
+                first = next((tuple(v) for v in shp.values() if len(v)), (b,))
+                if first[0] != b and args.batch != "1":  # said where --batch was given
+                    print(f"ortcapture bench: --batch {b} does not apply (the model's first dim is fixed, or --shape "
+                          f"fixes it): its shapes as they are, reported as batch {first[0]}", file=sys.stderr)
+                b = first[0]
             sig = shapes.shape_signature(shp)
+            if sig in seen and seen[sig] == b:
+                continue  # said above
             if sig in seen:
                 print(f"ortcapture bench: batch {b} gives the same input shapes as batch {seen[sig]} (the model's batch dim "
                       "is fixed, or --shape fixes it); skipped", file=sys.stderr)

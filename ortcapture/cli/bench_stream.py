@@ -21,11 +21,15 @@ import numpy as np
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    """``"1-8"`` -> (1, 8); raises ValueError."""
-    lo, sep, hi = str(text).partition("-")
-    lo, hi = int(lo), int(hi if sep else lo)
-    if lo < 1 or hi < lo:
-        raise ValueError(f"--stream wants LO-HI with 1 <= LO <= HI, got {text!r}")
+    """``"1-8"`` (or ``"4"``: 4-4) -> (1, 8); raises ValueError naming the form: integers ``1 <= LO <= HI < 2**31``
+    (a batch dim; numpy's seeded draw takes int64, and a larger batch cannot be allocated anyway)."""
+    lo, sep, hi = str(text).strip().partition("-")
+    try:
+        lo, hi = int(lo), int(hi if sep else lo)
+    except ValueError:
+        lo = hi = None
+    if lo is None or not 1 <= lo <= hi < 2 ** 31:
+        raise ValueError(f"wants LO-HI, two integers with 1 <= LO <= HI < 2**31 (e.g. 1-8), got {text!r}")
     return lo, hi
 
 

@@ -26,7 +26,7 @@ KIND = "padding"
 
 def parse_bucket_items(items: Sequence[str]) -> dict:
     """``["batch=1,2,4", "X:1=8,16", "t+m:1=4"]`` -> ``{"batch": [1, 2, 4], ("X", 1): [8, 16], ("t", ("m", 1)): [4]}``.
-    Raises :class:`DoctorError` for bad syntax (the sizes themselves are checked against the model by
+    Raises :class:`DoctorError` for bad syntax or a size < 1 (the sizes are checked against the model by
     ``buckets=``)."""
     out: dict = {}
     for item in items:
@@ -46,9 +46,12 @@ def parse_bucket_items(items: Sequence[str]) -> dict:
             else:
                 parts.append(part.strip())
         try:
-            out[parts[0] if len(parts) == 1 else tuple(parts)] = int_list(sizes, f"--buckets {item!r}: sizes")
+            got = int_list(sizes, f"--buckets {item!r}: sizes")
         except ValueError as exc:
             raise DoctorError(str(exc)) from None
+        if any(n < 1 for n in got):  # before any session is made
+            raise DoctorError(f"--buckets {item!r}: sizes must be ints >= 1")
+        out[parts[0] if len(parts) == 1 else tuple(parts)] = got
     return out
 
 

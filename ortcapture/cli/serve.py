@@ -170,7 +170,7 @@ def run(args) -> int:
         print(f"ortcapture serve: {options.name} on {provider} ({options.replicas} replica(s), buckets "
               f"{list(options.buckets)}) at {url}/v2/models/{options.name}", file=sys.stderr, flush=True)
         if options.grpc_port:  # hook: gRPC
-            _say(f"gRPC (tritonclient.grpc) at {options.host}:{options.grpc_port}")
+            _say(f"gRPC (tritonclient.grpc) at {options.authority(options.grpc_port)}")
         print(url, flush=True)
         # from here on stdout has said all it says: what Ray's driver prints there later (the raylet's "A worker
         # died ..." when a replica is replaced, its shutdown lines) goes to stderr with the rest of the log

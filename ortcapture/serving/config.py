@@ -21,6 +21,9 @@ from ortcapture.errors import CaptureError
 from ortcapture.serving.protocol import DEFAULT_MAX_BODY_BYTES, ModelSpec, TensorSpec
 
 PROVIDERS = ("auto", "cuda", "webgpu", "cpu")
+#: the largest dim ORT takes (int64)
+INT64_MAX = (1 << 63) - 1
+
 #: environment variables replicas get through ``runtime_env`` when set in the driver (workers that join a cluster
 #: do not inherit the driver's environment): the software WebGPU adapter, ortcapture's cache and switches, CUDA's
 ENV_PASSED = ("VK_ICD_FILENAMES", "VK_DRIVER_FILES", "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "ORTCAPTURE_CACHE",
@@ -212,12 +215,13 @@ class ServeOptions:
         if _not_int(o.max_body_bytes) or o.max_body_bytes < 1024:
             raise CaptureError(f"the body cap must be an int >= 1024 bytes, got {o.max_body_bytes!r}")
         if isinstance(o.graceful_shutdown_s, bool) or not isinstance(o.graceful_shutdown_s, (int, float)) or \
-                o.graceful_shutdown_s < 0:
-            raise CaptureError(f"{opt('graceful_shutdown_s')} must be a number >= 0, got {o.graceful_shutdown_s!r}")
+                not 0 <= o.graceful_shutdown_s <= 3600:  # nan and inf too: Ray takes them, then waits forever
+            raise CaptureError(f"{opt('graceful_shutdown_s')} must be a number of seconds in [0, 3600], got "
+                               f"{o.graceful_shutdown_s!r}")
         dims = {}
         for k, v in dict(o.dims).items():
-            if not isinstance(k, str) or _not_int(v) or v < 1:
-                raise CaptureError(f"--dim {k}={v}: give DIM_PARAM=SIZE with SIZE an int >= 1")
+            if not isinstance(k, str) or _not_int(v) or not 1 <= v <= INT64_MAX:  # ORT's dims are int64
+                raise CaptureError(f"--dim {k}={v}: give DIM_PARAM=SIZE with SIZE an int in 1..{INT64_MAX}")
             dims[k] = int(v)
         o.dims = dims
         o.env = {str(k): str(v) for k, v in dict(o.env).items()}
@@ -249,6 +253,12 @@ class ServeOptions:
         Ray resolves 127.0.0.1 to the machine's own address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set
         before ``import ray`` (``ortcapture serve`` sets it then)."""
         return not self.address and self.host_is_loopback()
+
+    def authority(self, port: int | None = None) -> str:
+        """``host:port`` as a URL carries it (an IPv6 address in brackets, RFC 3986: ``[::1]:8000``); ``port``
+        defaults to the HTTP port."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port if port is None else port}"
 
     def host_is_loopback(self) -> bool:
         """Whether HTTP listens on a loopback address only (``127.*``, ``::1``, ``localhost``)."""

@@ -181,11 +181,11 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
                                             route_prefix=None)],
                        wait_for_ingress_deployment_creation=True, wait_for_applications_running=False)
     scheme = "https" if options.ssl_certfile else "http"
-    say(f"HTTP up at {scheme}://{options.host}:{options.port} (ready: 503 until warm); warming up {options.replicas} "
+    say(f"HTTP up at {scheme}://{options.authority()} (ready: 503 until warm); warming up {options.replicas} "
         + (f"replica(s): one graph per bucket {list(options.buckets)}" if provider != "cpu"
            else "replica(s) without capture (the CPU provider): each batch runs at its own size"))
     _wait_running(model_app, startup_timeout_s, stop_event)
-    return f"{scheme}://{options.host}:{options.port}"
+    return f"{scheme}://{options.authority()}"
 
 
 def _check_listening(host: str, port: int, timeout_s: float = 30.0) -> None:
