@@ -79,7 +79,7 @@ def _post(url: str, body: bytes, headers: dict | None = None, timeout: float = 3
 
 class Server:
     def __init__(self, tmp: Path, provider: str = PROVIDER, replicas: int = 2, extra: tuple = (),
-                 scheme: str = "http"):
+                 scheme: str = "http", new_session: bool = False):
         self.model = tmp / f"{MODEL}.onnx"
         self.model.write_bytes(tiny.bucket_model())
         self.port = _free_port()
@@ -92,7 +92,7 @@ class Server:
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
         self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, env=env,
-                                     cwd=Path(__file__).resolve().parents[1])
+                                     cwd=Path(__file__).resolve().parents[1], start_new_session=new_session)
         self.ready_codes: list[int] = []  # readiness answers seen while starting
         self.stdout: list[str] = []
 
@@ -775,6 +775,34 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                           serialization.NoEncryption()))
     return certfile, keyfile
+
+
+def test_sigterm_to_the_process_group_exits_at_once(tmp_path):
+    """SIGTERM to the whole process group (a container stop, ``kill -- -PGID``) reaches Ray's GCS and raylet too:
+    ``ortcapture serve`` exits 0 at once, saying the cluster is gone, and leaves no process of the group behind (every
+    Serve call of the graceful stop used to wait 60 s for the dead GCS, then Ray aborted it: exit 1 after 61 s)."""
+    srv = Server(tmp_path, provider="cpu", replicas=1, new_session=True)
+    try:
+        srv.wait_ready()
+        t = time.monotonic()
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        rc = srv.proc.wait(45)
+        took = time.monotonic() - t
+        assert rc == 0 and took < 20, (rc, took, srv.tail())
+        deadline = time.monotonic() + 20
+        while True:  # the group's other processes (Ray's) end too
+            try:
+                os.killpg(srv.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "processes of the group are still running 20 s later"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        srv.stop()
 
 
 def test_sigterm_stops_it_cleanly_https_and_a_bearer_token(tmp_path, reference):

@@ -324,14 +324,59 @@ def stop(options: ServeOptions, deployed: bool = True) -> None:
         return
     import contextlib
     import sys
+    import threading
 
+    watch = None
+    if _RAY_STARTED_HERE[0]:  # SIGTERM to the whole process group kills the GCS of the cluster started here too
+        done = threading.Event()
+        thread = threading.Thread(target=_exit_when_cluster_gone, args=(done,), daemon=True,
+                                  name="ortcapture-cluster-watch")
+        thread.start()
+        watch = (done, thread)
     # Ray's driver prints the raylet's "Task ServeController... killed by ray.kill" lines of a shutdown to stdout,
     # which carries only the URL: they go to stderr with the rest of the log
     with contextlib.redirect_stdout(sys.stderr):
-        _stop(options)
+        _stop(options, watch)
 
 
-def _stop(options: ServeOptions) -> None:
+def _cluster_gone(address: str) -> bool:
+    """Whether the GCS at ``address`` (``host:port``) refuses connections: its process is gone (one TCP connect;
+    a timeout or any other error is not taken for that)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def _exit_when_cluster_gone(done, period_s: float = 0.25) -> None:
+    """While :func:`stop` runs on a cluster this process started: exit the process at once (status 0) if its GCS
+    goes away. SIGTERM to the whole process group (a container stop, ``kill -- -PGID``) kills Ray's GCS with the
+    server; every Serve call of the graceful stop then waited 60 s for the GCS and Ray aborted the process (exit 1
+    after 61 s). Nothing is left to drain then: the replicas died with it."""
+    import os
+    import sys
+
+    try:
+        address = str(ray.get_runtime_context().gcs_address)
+    except Exception:  # noqa: BLE001 - not connected: nothing to watch
+        return
+    while not done.wait(period_s):
+        if _cluster_gone(address):
+            print(f"ortcapture serve: the Ray cluster is gone (its GCS at {address} refuses connections): "
+                  "nothing left to drain; exiting", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(0)  # Ray's own exit hooks would wait for the GCS too
+
+
+def _stop(options: ServeOptions, watch=None) -> None:
+    """The graceful stop; ``watch``: ``(event, thread)`` of :func:`_exit_when_cluster_gone`, ended before this
+    process shuts its own cluster down (whose GCS then refuses connections as it should)."""
     try:
         try:  # requests in flight finish first: Serve's own shutdown closes the proxy's connections with them
             _drain(options)
@@ -343,6 +388,9 @@ def _stop(options: ServeOptions) -> None:
         else:
             ray_serve.shutdown()
     finally:
+        if watch is not None:
+            watch[0].set()
+            watch[1].join(5)
         if _RAY_STARTED_HERE[0] and ray.is_initialized():
             ray.shutdown()
         _RAY_STARTED_HERE[0] = False
