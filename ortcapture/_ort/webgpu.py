@@ -38,14 +38,22 @@ def plugin_installed() -> bool:
 
 
 def register() -> None:
-    """Register the plugin EP library with ORT once per process (idempotent).
+    """Register the plugin EP library with ORT once per process (idempotent, thread-safe: under
+    :data:`WEBGPU_LOCK`, as two threads registering it at once crashed the process with a segfault, ORT 1.32).
 
     Raises:
         CaptureUnsupportedError: ``onnxruntime-ep-webgpu`` is not installed (``pip install "ortcapture[webgpu]"``), or
             this onnxruntime has no plugin EP API (needs >= 1.24.4).
     """
-    global _registered
     if _registered:
+        return
+    with WEBGPU_LOCK:
+        _register()
+
+
+def _register() -> None:
+    global _registered
+    if _registered:  # another thread registered it while this one waited for the lock
         return
     ort = _onnxruntime()
 
