@@ -223,7 +223,7 @@ def test_feed_targets_remember_two_sources_per_input(monkeypatch):
     dst = ort.OrtValue.ortvalue_from_numpy(np.zeros(4, np.float32))
     targets = ttargets.FeedTargets({"X": dst})
     copied: list = []
-    monkeypatch.setattr(ttargets, "_direct_copier", lambda d, s, g, st=None: (lambda v, s=s: copied.append(s)))
+    monkeypatch.setattr(ttargets, "_direct_copier", lambda d, s, g, st=None, w=False: (lambda v, s=s: copied.append(s)))
     checked: list = []
     real = ttargets.update_inplace
     monkeypatch.setattr(ttargets, "update_inplace", lambda d, v: checked.append(v) or real(d, v))

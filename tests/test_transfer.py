@@ -152,3 +152,80 @@ def test_fuzz_update_inplace_copies_exactly_or_raises(dst_dtype, src_dtype, shap
     else:
         assert expect_ok
         np.testing.assert_array_equal(dst.numpy(), src)
+
+
+@pytest.mark.webgpu
+def test_webgpu_remembered_ortvalue_feeds_from_two_threads():
+    """A WebGPU OrtValue fed again takes the remembered copy (ORT's ``copy_tensors`` called under the session guard,
+    which on WebGPU is the process's WEBGPU_LOCK, without taking that lock again): two sessions replayed from two
+    threads, each with two device sources fed in turn and rewritten between calls, give the uncaptured answers."""
+    import threading
+
+    from tests.conftest import Backend, webgpu_available
+    from tests.tiny import affine_model
+
+    webgpu_available()
+    be = Backend("webgpu")
+    plain = ort.InferenceSession(affine_model(), providers=["CPUExecutionProvider"])  # a plain WebGPU session is
+    errors: list = []  # not guarded: its runs would race the other thread's WebGPU work
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            sess = be.session(affine_model())
+            x = rng.random((2, 4), np.float32)
+            g = sess.capture({"X": x})
+            srcs = [sess.allocate((2, 4), np.float32) for _ in range(2)]
+            for i in range(60):
+                src = srcs[i % 2]
+                x = rng.random((2, 4), np.float32)
+                update_inplace(src, x)  # the same OrtValue, new contents
+                (y,) = g.run({"X": src})
+                np.testing.assert_allclose(y, plain.run(None, {"X": x})[0], rtol=1e-5, atol=1e-6)
+            g.release()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+_FIRST_SESSIONS_IN_THREADS = """
+import sys, threading
+import numpy as np
+from tests.conftest import Backend
+from tests.tiny import affine_model
+be, out = Backend("webgpu"), []
+def first():
+    s = be.session(affine_model())
+    out.append(float(s.capture({"X": np.ones((2, 4), np.float32)}).run({"X": np.ones((2, 4), np.float32)})[0][0, 0]))
+threads = [threading.Thread(target=first) for _ in range(3)]
+[t.start() for t in threads]
+[t.join(120) for t in threads]
+print(out)
+sys.exit(0 if out == [3.0, 3.0, 3.0] else 1)
+"""
+
+
+@pytest.mark.webgpu
+def test_first_webgpu_sessions_made_in_threads_at_once():
+    """The first WebGPU sessions of a process made by three threads at once: each registers the plugin EP library
+    (``ortcapture._ort.webgpu.register``); ORT's registration twice at once crashed the process (segfault, ORT 1.32),
+    now it is registered once under WEBGPU_LOCK. In a fresh process: the first use is what is tested."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import webgpu_available
+
+    webgpu_available()
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(3):  # the crash came in most runs, not all
+        proc = subprocess.run([sys.executable, "-c", _FIRST_SESSIONS_IN_THREADS], capture_output=True, text=True,
+                              timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+        assert proc.returncode == 0, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])

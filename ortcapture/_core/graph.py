@@ -637,7 +637,7 @@ class CapturedGraph:
         # the session's CUDA compute stream where it is known (ortcapture's own): remembered device-to-device feeds
         # are then queued on it ahead of the replay instead of waiting for each copy
         stream = cs.compute_stream() if gate and where == "cuda" and cs.compute_stream is not None else None
-        self._targets = ttargets.FeedTargets(self.inputs, gate, st, factory, stream)
+        self._targets = ttargets.FeedTargets(self.inputs, gate, st, factory, stream, cs.lock)
         self._replay = cs.replayer(self._binding, self._run_options, self._record) if self._record is not None \
             else None
         #: the replay with nothing to add to ORT's call but the count (no host-read inputs to check, no queue

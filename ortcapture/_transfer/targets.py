@@ -37,14 +37,18 @@ class FeedTargets:
             targets when it replaces a buffer).
         gate_held: the caller holds ``CUDA_GATE.shared`` around every :meth:`copy` (a CUDA session's guard).
         staging: the graph's :class:`HostStaging` for host (numpy) sources, or ``None``.
+        lock: the lock the caller holds around every :meth:`copy` (the session guard's lock), or ``None``. Where it
+            is the process's :data:`~ortcapture._ort.sync.WEBGPU_LOCK` (a WebGPU session's guard), remembered WebGPU
+            copies call ORT's ``copy_tensors`` without taking that re-entrant lock again (~0.1 µs per feed).
     """
 
-    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "stream", "last", "_prev")
+    __slots__ = ("buffers", "gate_held", "staging", "make_staging", "stream", "last", "_prev", "webgpu_locked")
 
     def __init__(self, buffers: Mapping[str, OrtValue], gate_held: bool = False, staging=None,
-                 make_staging=None, stream=None) -> None:
+                 make_staging=None, stream=None, lock=None) -> None:
         self.buffers = buffers
         self.gate_held = bool(gate_held)
+        self.webgpu_locked = lock is WEBGPU_LOCK
         #: ``(stream, event, device)``: the session's CUDA compute stream, an event of its device and the device
         #: ordinal (device-to-device copies of remembered sources on that device are then queued on it ahead of
         #: the replay, with no host wait: :func:`ortcapture._ort.compute_stream.async_copier`), or None
@@ -142,7 +146,7 @@ class FeedTargets:
         return None
 
     def _remember(self, name: str, dst: OrtValue, src: Any) -> None:
-        fn = _direct_copier(dst, src, self.gate_held, self.stream)
+        fn = _direct_copier(dst, src, self.gate_held, self.stream, self.webgpu_locked)
         old = self.last.pop(name, None)
         if old is not None and old[0]() is not None:
             self._prev[name] = old
@@ -154,12 +158,13 @@ class FeedTargets:
             pass
 
 
-def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None):
+def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None, webgpu_locked: bool = False):
     """``copy(src)`` into ``dst`` for :class:`FeedTargets` to use next time without checking ``src`` again, or
     ``None`` where it must be checked every time (see there). Called after :func:`update_inplace` accepted the pair.
     The caller holding the CUDA gate: ORT's ``dst.update_inplace`` itself, or — ``stream`` given, both on the
     stream's device — the copy queued on the session's compute stream ahead of the replay (ORT's copy where that
-    fails)."""
+    fails). WebGPU: ORT's ``copy_tensors`` under :data:`WEBGPU_LOCK` (taken here unless ``webgpu_locked``: the
+    caller holds it)."""
     if type(src) is not _ORTVALUE:
         return None
     sm = getattr(src, "_ortcapture_meta", None)
@@ -180,6 +185,10 @@ def _direct_copier(dst: OrtValue, src: Any, gate_held: bool, stream=None):
     if (sm.kind == "webgpu" == dm.kind and sync.COPY_BACKEND is None and compat.has_copy_tensors()
             and _alias(src, sm, dst, dm) is None and sm.nbytes <= WEBGPU_MAX_BYTES):
         targets, copy_tensors = [dst], compat.ort_copy_tensors
+        if webgpu_locked:
+            def webgpu_held(s):
+                copy_tensors([s], targets, None)
+            return webgpu_held
 
         def webgpu(s):
             with WEBGPU_LOCK:
