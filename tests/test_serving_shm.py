@@ -537,3 +537,34 @@ def test_output_regions_opened_for_a_refused_request_are_closed(obj):
     assert fds() == before
     store.close()
 
+
+
+def test_a_region_unregistered_through_another_replica_is_closed_here(obj):
+    """Two ingress replicas share the registry. Replica B read region ``r``; a client unregistered it through
+    replica A and unlinked its key: B kept the object open (its memory allocated) until a request named that very
+    region again — for good when none did. B's next request naming any region, or its report loop's sweep (every
+    second), now closes it; a region still registered stays open."""
+    key, path = obj
+    registry = LocalRegistry()
+    a, b = ShmStore(registry), ShmStore(registry)
+    run(a.register("r", key, 0, 64, "127.0.0.1"))
+    run(a.register("keep", key, 0, 64, "127.0.0.1"))
+    for name in ("r", "keep"):
+        b.maps.read(shm.Ref(run(b.regions([name]))[name], 0, 4))
+    assert b.maps.names() == ["keep", "r"]
+    run(a.unregister("r"))
+    run(b.sweep())
+    assert b.maps.names() == ["keep"]
+    # the same through a request that names another region only
+    run(a.register("r", key, 0, 64, "127.0.0.1"))
+    b.maps.read(shm.Ref(run(b.regions(["r"]))["r"], 0, 4))
+    run(a.unregister("r"))
+    assert set(run(b.regions(["keep"]))) == {"keep"} and b.maps.names() == ["keep"]
+    # registered again under the same name (a new generation): the old descriptor goes, the new one opens on use
+    run(a.register("r", key, 0, 64, "127.0.0.1"))
+    run(b.sweep())
+    assert b.maps.names() == ["keep"]
+    b.maps.read(shm.Ref(run(b.regions(["r"]))["r"], 0, 4))
+    assert b.maps.names() == ["keep", "r"]
+    a.close()
+    b.close()

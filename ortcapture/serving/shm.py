@@ -332,6 +332,10 @@ class Maps:
             if name not in live or live[name].generation != gen:
                 self.drop(name)
 
+    def names(self) -> list[str]:
+        """The names of the regions whose objects are open here."""
+        return sorted(self._fds)
+
     def close(self) -> None:
         """Close every region's object."""
         for name in list(self._fds):

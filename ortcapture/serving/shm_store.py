@@ -187,15 +187,22 @@ class ShmStore:
         return await self.registry.status(name or None, kind)
 
     async def regions(self, names) -> dict[str, Region]:
-        """The registered regions among ``names`` (mappings of names no longer registered are dropped)."""
-        names = sorted(set(names))
+        """The registered regions among ``names``. The one registry call also looks up every region this replica
+        has open, and closes the objects of those no longer registered (or registered again since)."""
+        names = set(names)
         if not names:
             return {}
-        found = await self.registry.lookup(names)
-        for n in names:
-            if n not in found:
-                self.maps.drop(n)
-        return found
+        found = await self.registry.lookup(sorted(names | set(self.maps.names())))
+        self.maps.keep_only(found)
+        return {n: r for n, r in found.items() if n in names}
+
+    async def sweep(self) -> None:
+        """Close the objects of regions unregistered since this replica opened them: through another ingress
+        replica, or by a shutdown (called every second by the tier replica's report loop, so an unregistered
+        region's memory is not kept allocated here — until this replica's next request, as before, or for good
+        when none comes). One registry call, only while this replica has a region open."""
+        if len(self.maps):
+            self.maps.keep_only(await self.registry.lookup(self.maps.names()))
 
     def close(self) -> None:
         """Unmap every region here."""

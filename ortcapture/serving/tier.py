@@ -353,6 +353,12 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._others = {rid: (now - age, data) for rid, (age, data) in snap["tiers"].items()}
 
     async def _push_report(self) -> None:
+        """Every second (:class:`~ortcapture.serving.ray_common.Reporter`): this replica's counters to ModelStats,
+        and the shared memory objects of regions unregistered meanwhile closed (``ShmStore.sweep``)."""
+        try:
+            await self.shm.sweep()
+        except Exception:  # noqa: BLE001 - the registry restarting: the next round sweeps
+            pass
         await self._stats_target().tier.remote(self.replica_id, self._own())
 
 class ModelStats:
