@@ -85,10 +85,10 @@ def test_bench_no_graph_capture_webgpu(webgpu, tmp_path, capsys):
                "--session-config", "session.intra_op.allow_spinning=0", "--pin-thread"])
     captured = capsys.readouterr()
     assert rc == 0, captured.out + captured.err
-    # X is 2x4: the batch reported is the model's 2 (it was the 1 asked for), and 4 is not benchmarked again
-    assert "--batch 1 does not apply" in captured.err and "reported as batch 2" in captured.err
+    # X is 2x4, no batch dim: reported as fixed shapes (it was "batch 1", the size asked for), benchmarked once
+    assert "--batch does not apply" in captured.err and "fixed shapes (X 2x4)" in captured.out
     res = json.loads(out_json.read_text())
-    _check_result(res, [2], procs=1, iters=4, capture=False)
+    _check_result(res, [None], procs=1, iters=4, capture=False)
     assert "[capture off]" in captured.out
     assert res["intra_op_threads"] == 1 and res["pin_thread"] is True
     assert res["session_config"] == {"session.intra_op.allow_spinning": "0"}
@@ -104,7 +104,7 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
     model.write_bytes(tiny.if_model())  # control flow: ORT refuses graph capture when the worker builds sessions
     assert main(["bench", str(model), "--provider", "webgpu", "--procs", "2", "--iters", "2"]) == 2
     err = capsys.readouterr().err
-    assert "worker for batch 2 · process 1/2 failed" in err and "control flow" in err  # X is [2]: no batch dim
+    assert "worker for fixed shapes · process 1/2 failed" in err and "control flow" in err  # X is [2]: no batch
 
 
 # ---------------------------------------------------------------------------------------------------------------

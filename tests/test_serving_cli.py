@@ -39,6 +39,7 @@ def bucket_model(tmp_path):
     ("bucket", ["--graceful-shutdown-s", "nan"], "--graceful-shutdown-s must be"),  # was taken, then Ray hung
     ("bucket", ["--graceful-shutdown-s", "inf"], "--graceful-shutdown-s must be"),
     ("bucket", ["--dim", f"n={1 << 63}"], "SIZE an int in 1..9223372036854775807"),  # past int64: was after Ray
+    ("two_dims", ["--dim", f"n={1 << 62}"], "past ORT's int64 byte count"),  # 8 rows x 2**62 floats: the same
     ("bucket", ["--host", "999.1.1.1"], "does not resolve"),
     ("bucket", ["--replicas", "0"], "--replicas"),
     ("bucket", ["--port", "70000"], "--port"),

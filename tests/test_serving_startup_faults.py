@@ -54,3 +54,30 @@ def test_a_handle_callers_device_outputs_of_another_kind_are_its_400():
     for bad in ("abc", 5, [1, 2], {"Y": None}, {"Z": cuda}, {"Y": system}):
         with pytest.raises(RequestError, match="device_outputs must be"):
             _check_device_outputs(bad, spec)
+
+
+@pytest.mark.parametrize("address, watch, started", [(None, True, True), (None, False, False),
+                                                     ("10.0.0.9:6379", True, False)])
+def test_the_cluster_watch_runs_only_for_a_local_cluster_of_ortcapture_serve(monkeypatch, tmp_path, address, watch,
+                                                                              started):
+    """The watch that exits the process when the local cluster's GCS goes away (SIGTERM to the process group) runs
+    only where ``ortcapture serve`` asked for it (``serve(exit_when_cluster_gone=True)``) on a cluster it started:
+    never for a library caller of ``serve()`` (it would end their process) nor on a joined cluster (``--address``:
+    a GCS restarting there would have ended a stop in the middle with status 0). Ray stubbed: no cluster here."""
+    import ray
+
+    from ortcapture.serving import deployment
+    from ortcapture.serving.config import ServeOptions
+    from tests import tiny
+
+    model = tmp_path / "m.onnx"
+    model.write_bytes(tiny.bucket_model())
+    options = ServeOptions(str(model), address=address)
+    seen: list = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(deployment, "_RAY_STARTED_HERE", [True])
+    monkeypatch.setattr(deployment, "_exit_when_cluster_gone", lambda done: seen.append("watch") or done.wait(5))
+    monkeypatch.setattr(deployment, "_stop", lambda o, watch: seen.append(("stop", watch is not None)) or (
+        watch and (watch[0].set(), watch[1].join(5))))
+    deployment.stop(options, True, watch_cluster=watch)  # stop() itself refuses to watch a joined cluster
+    assert seen[-1] == ("stop", started) and ("watch" in seen) == started

@@ -186,11 +186,12 @@ def test_webgpu_remembered_ortvalue_feeds_from_two_threads():
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
+    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in (1, 2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a replay thread hangs"
     assert not errors, errors
 
 

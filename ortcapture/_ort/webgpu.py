@@ -39,7 +39,8 @@ def plugin_installed() -> bool:
 
 def register() -> None:
     """Register the plugin EP library with ORT once per process (idempotent, thread-safe: under
-    :data:`WEBGPU_LOCK`, as two threads registering it at once crashed the process with a segfault, ORT 1.32).
+    :data:`~ortcapture._ort.sync.WEBGPU_LOCK`, as two threads registering it at once crashed the process with a
+    segfault, ORT 1.32).
 
     Raises:
         CaptureUnsupportedError: ``onnxruntime-ep-webgpu`` is not installed (``pip install "ortcapture[webgpu]"``), or

@@ -73,7 +73,7 @@ import threading
 import time
 from collections import deque
 
-from ortcapture.cli.bench_report import ARMS, CAPTURE_ARMS, _print_batch, _stats, plot  # noqa: F401 - re-exported
+from ortcapture.cli.bench_report import ARMS, CAPTURE_ARMS, _print_batch, _stats, batch_label, plot  # noqa: F401 - re-exported
 
 from ortcapture.cli.bench_common import _PROGRESS, BenchError, session_args  # noqa: F401 - re-exported
 
@@ -360,14 +360,13 @@ def _run(args) -> int:
         for b in batches:
             shp = example_shapes(args.model, b, args.shape)
             if shapes.shape_signature(example_shapes(args.model, b + 1, args.shape)) == shapes.shape_signature(shp):
-                # no dynamic first dim (or --shape fixes it): report the batch the shapes have, not the one asked for
-                first = next((tuple(v) for v in shp.values() if len(v)), (b,))
-                if first[0] != b and args.batch != "1":  # said where --batch was given
-                    print(f"ortcapture bench: --batch {b} does not apply (the model's first dim is fixed, or --shape "
-                          f"fixes it): its shapes as they are, reported as batch {first[0]}", file=sys.stderr)
-                b = first[0]
+                # no dynamic first dim (or --shape fixes it): no batch to report ("batch": null, "fixed shapes")
+                if args.batch != "1" and None not in seen.values():  # said once, where --batch was given
+                    print(f"ortcapture bench: --batch does not apply (the model has no dynamic first dim, or --shape "
+                          "fixes it): its shapes as they are, reported as fixed shapes", file=sys.stderr)
+                b = None
             sig = shapes.shape_signature(shp)
-            if sig in seen and seen[sig] == b:
+            if sig in seen and seen[sig] is None:
                 continue  # said above
             if sig in seen:
                 print(f"ortcapture bench: batch {b} gives the same input shapes as batch {seen[sig]} (the model's batch dim "
@@ -415,7 +414,7 @@ def _run(args) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="ortcapture-bench-") as tmp:
             for b, shp in jobs:
-                fixed = os.path.join(tmp, f"batch{b}.onnx")
+                fixed = os.path.join(tmp, f"batch{b or 0}.onnx")
                 try:
                     with open(fixed, "wb") as fh:
                         fh.write(shapes.fix_input_shapes(args.model, shp))
@@ -423,7 +422,7 @@ def _run(args) -> int:
                     raise BenchError(str(exc)) from None
                 workers = []
                 for i in range(args.procs):
-                    desc = f"batch {b} · process {i + 1}/{args.procs}"
+                    desc = f"{batch_label(b)} · process {i + 1}/{args.procs}"
                     cmd = [sys.executable, "-m", "ortcapture.cli.bench", "worker", "--model", fixed, "--provider",
                            provider, "--shapes", json.dumps({n: list(s) for n, s in shp.items()}),
                            "--iters", str(args.iters), "--rounds", str(rounds), "--warmup", str(args.warmup),

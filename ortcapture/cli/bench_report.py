@@ -69,13 +69,18 @@ def _stats(per_process: list[dict]) -> dict:
     return {"stats": stats, "speedup": speedup, "overhead": overhead}
 
 
+def batch_label(batch: int | None) -> str:
+    """``"batch 8"``, or ``"fixed shapes"`` for a model without a dynamic first dim (``batch`` None)."""
+    return "fixed shapes" if batch is None else f"batch {batch}"
+
+
 def _label(arm: str, capture: bool) -> str:
     return ARMS[arm] + ("" if capture or arm not in CAPTURE_ARMS else " [capture off]")
 
 
 def _print_batch(entry: dict, procs: int, iters: int, capture: bool) -> None:
     shapes_ = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in entry["shapes"].items())
-    print(f"\nbatch {entry['batch']} ({shapes_}): {procs} process(es) x {iters} calls per arm, graph capture "
+    print(f"\n{batch_label(entry['batch'])} ({shapes_}): {procs} process(es) x {iters} calls per arm, graph capture "
           f"{'on' if capture else 'OFF'}")
     stats = entry["stats"]
     base, iob = stats["plain"]["p50_us"], stats["iobinding"]["p50_us"]
@@ -158,7 +163,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel(f"latency per call ({unit})" + (";\naxis cut at 1.15x the largest p95" if top > hi else ""))
         sp, ov = entry["speedup"], entry["overhead"]
         shapes_ = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in entry["shapes"].items())
-        ax.set_title(f"batch {entry['batch']} ({shapes_}) — captured vs IOBinding {sp['captured_vs_iobinding']:.2f}x,"
+        ax.set_title(f"{batch_label(entry['batch'])} ({shapes_}) — captured vs IOBinding {sp['captured_vs_iobinding']:.2f}x,"
                      f" ortcapture/raw {ov['ortcapture_over_raw']:.3f}x", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     settings = [f"sync: {result.get('sync', 'readback')}"]

@@ -64,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a request body that makes no progress this long gets 408 (default 10 s)")
     p.add_argument("--max-pending-bodies", type=int, default=64,
                    help="requests whose body is still arriving at once, per tier replica (default 64); past it a "
-                        "new request takes the slot of the body stalled longest (>= 0.5 s; that one gets 408), or "
-                        "gets 503 after waiting 1 s for one")
+                        "new request waits for a slot (bodies stalled >= 0.5 s are stopped for it: 503 with "
+                        "Retry-After), or gets 503 after waiting 1 s for one")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate (PEM), with --ssl-keyfile")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
     # hook: gRPC and system shared memory (ortcapture.serving.grpc_service, ortcapture.serving.shm_store)
@@ -187,6 +187,7 @@ def run(args) -> int:
     ray_init = {"num_cpus": args.num_cpus} if args.num_cpus and not options.address else None
     try:
         return deployment.serve(options=dataclasses.replace(options, provider=provider), on_ready=ready,
+                                exit_when_cluster_gone=True,
                                 on_status=_say, ray_init=ray_init)
     except deployment.ServeFailed as exc:
         raise CaptureError(f"cannot serve {options.model}: {exc}") from None

@@ -37,8 +37,8 @@ class PendingBody:
         self.evicted = False
 
     def evict(self) -> bool:
-        """Stop the read (its reader answers 408; the slot is free once it has unwound). ``False`` when its read
-        cannot be stopped now (not started, or just done): it keeps its slot."""
+        """Stop the read (its reader answers 503 with ``Retry-After``; the slot is free once it has unwound).
+        ``False`` when its read cannot be stopped now (not started, or just done): it keeps its slot."""
         if self.waiter is None or not self.waiter.cancel():
             return False
         self.evicted = True
@@ -79,6 +79,7 @@ class BodyGate:
         self.bodies: dict[int, PendingBody] = {}
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._evictor: asyncio.Task | None = None
+        self._arrived = asyncio.Event()  # a new waiter: the eviction task looks again at once
 
     @property
     def waiting(self) -> int:
@@ -132,13 +133,16 @@ class BodyGate:
             self.leave(PendingBody())  # an unregistered body: only its slot moves on
 
     def _wake_evictor(self) -> None:
+        self._arrived.set()
         if self._evictor is None or self._evictor.done():
             self._evictor = asyncio.ensure_future(self._evict_while_waited())
 
     async def _evict_while_waited(self) -> None:
         """While requests wait: evict the bodies stale for ``idle_s``, stalest first, one per waiter not yet
-        covered by an eviction in progress; then sleep until the stalest remaining body could be evicted."""
+        covered by an eviction in progress; then sleep until the stalest remaining body could be evicted, or a new
+        request waits (a body already stale is then evicted for it at once)."""
         while self.waiting:
+            self._arrived.clear()
             now = time.monotonic()
             live = sorted((b for b in self.bodies.values() if not b.evicted), key=lambda b: b.last)
             need = self.waiting - sum(b.evicted for b in self.bodies.values())
@@ -151,7 +155,10 @@ class BodyGate:
             # the next body to become stale, or (no body can be evicted now: reads not started, or slots being
             # handed over) a short look again
             pause = self.idle_s - (now - min(fresh)) if fresh else 0.05
-            await asyncio.sleep(max(pause, 0.005))
+            try:
+                await asyncio.wait_for(self._arrived.wait(), max(pause, 0.005))
+            except asyncio.TimeoutError:
+                pass
 
 
 async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, timeout_s: float,

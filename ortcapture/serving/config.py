@@ -8,6 +8,7 @@ session, no device) so the HTTP ingress can answer metadata before any replica i
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -91,10 +92,10 @@ class ServeOptions:
             and its connection closed (default 10 s): a client that sends headers and never the body holds nothing
             for long. A slow but steady client is never cut off.
         max_pending_bodies: requests whose body is still arriving, at once, per tier replica (default 64); past it
-            a new request takes the slot of the pending body stalled longest, once that has made no progress for
-            0.5 s (that one gets 408 and ``Connection: close``), and is refused with 503, ``Retry-After`` and
-            ``Connection: close`` when none is that stale within 1 s — connections that send headers and stall
-            cannot take every slot (``ortcapture.serving.tier.ModelTier._read_body``).
+            a new request waits for a slot: the newest waiter gets the next one freed, and bodies that made no
+            progress for 0.5 s are stopped for the waiters, stalest first (each gets 503 with ``Retry-After`` and
+            ``Connection: close``); a request with no slot within 1 s gets the same 503 — connections that send
+            headers and stall cannot take every slot (:class:`ortcapture.serving.bodies.BodyGate`).
         ssl_certfile / ssl_keyfile: serve HTTPS (both, PEM files; Ray Serve's own ``HTTPOptions``).
         token_file: a file holding a bearer token (its first line); every endpoint but ``/v2/health/*`` then
             requires ``Authorization: Bearer <token>`` (401 otherwise). ``None``: no authentication.
@@ -215,8 +216,8 @@ class ServeOptions:
         if _not_int(o.max_body_bytes) or o.max_body_bytes < 1024:
             raise CaptureError(f"the body cap must be an int >= 1024 bytes, got {o.max_body_bytes!r}")
         if isinstance(o.graceful_shutdown_s, bool) or not isinstance(o.graceful_shutdown_s, (int, float)) or \
-                not 0 <= o.graceful_shutdown_s <= 3600:  # nan and inf too: Ray takes them, then waits forever
-            raise CaptureError(f"{opt('graceful_shutdown_s')} must be a number of seconds in [0, 3600], got "
+                not 0 <= o.graceful_shutdown_s < math.inf:  # nan and inf too: Ray takes them, then waits forever
+            raise CaptureError(f"{opt('graceful_shutdown_s')} must be a finite number of seconds >= 0, got "
                                f"{o.graceful_shutdown_s!r}")
         dims = {}
         for k, v in dict(o.dims).items():
@@ -469,7 +470,8 @@ def model_layout(options: ServeOptions) -> ModelLayout:
     Raises:
         CaptureError: not an ONNX model; no input with a dynamic axis 0; inputs whose dynamic axis 0 carry different
             dim names; another dynamic input dim not in ``dims`` (named: ``--dim NAME=SIZE``) or unnamed; a ``dims``
-            name the model does not have; a non-numeric input or output.
+            name the model does not have; a non-numeric input or output; an input whose largest batch (``max_batch_size``
+            or the largest bucket, rows) holds more bytes than int64 counts.
     """
     import onnx
 
@@ -519,6 +521,10 @@ def model_layout(options: ServeOptions) -> ModelLayout:
         if is_batch:
             batch_axes[vi.name] = 0
         dtype = _np_dtype(vi.type.tensor_type.elem_type, f"input {vi.name!r}")
+        rows = max(int(options.max_batch_size), int(options.buckets[-1])) if is_batch else 1
+        if rows * math.prod(d for d in shape if d != -1) * max(dtype.itemsize, 1) > INT64_MAX:  # before Ray starts
+            raise CaptureError(f"input {vi.name!r}: {rows} row(s) of shape {shape[1:] if is_batch else shape} are "
+                               "past ORT's int64 byte count; give smaller --dim sizes")
         inputs.append(TensorSpec(vi.name, dtype, tuple(shape)))
         example[vi.name] = tuple(1 if d == -1 else d for d in shape)
     outputs = []

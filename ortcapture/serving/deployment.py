@@ -309,12 +309,12 @@ def _failure(app_status) -> str:
     return lines[-1] if lines else "the model deployment failed"
 
 
-def stop(options: ServeOptions, deployed: bool = True) -> None:
+def stop(options: ServeOptions, deployed: bool = True, watch_cluster: bool = False) -> None:
     """Shut the application down gracefully (requests in flight finish, graphs are released), then Serve and Ray
     when :func:`start` started them; where Ray was joined (``address``) or already running in this process, only this
     application is deleted and the connection closed only if :func:`start` opened it. ``deployed=False`` (a refused
     start deployed nothing of its own): nothing else is touched — not the Serve that refused it, nor its
-    applications."""
+    applications. ``watch_cluster``: see :func:`serve`'s ``exit_when_cluster_gone`` (a new local cluster only)."""
     if not ray.is_initialized():  # refused before Ray started (a port in use): nothing to stop
         return
     if not deployed:
@@ -327,7 +327,8 @@ def stop(options: ServeOptions, deployed: bool = True) -> None:
     import threading
 
     watch = None
-    if _RAY_STARTED_HERE[0]:  # SIGTERM to the whole process group kills the GCS of the cluster started here too
+    if watch_cluster and _RAY_STARTED_HERE[0] and not options.address:  # the local cluster started here: SIGTERM
+        # to the whole process group kills its GCS too (serve(exit_when_cluster_gone=True), ortcapture serve only)
         done = threading.Event()
         thread = threading.Thread(target=_exit_when_cluster_gone, args=(done,), daemon=True,
                                   name="ortcapture-cluster-watch")
@@ -415,7 +416,7 @@ def _drain(options: ServeOptions) -> None:
 
 def serve(model: str | None = None, *, options: ServeOptions | None = None, stop_event=None,
           on_ready: Callable[[str], None] | None = None, on_status: Callable[[str], None] | None = None,
-          ray_init: dict | None = None, **kwargs) -> int:
+          ray_init: dict | None = None, exit_when_cluster_gone: bool = False, **kwargs) -> int:
     """Serve ``model`` until SIGINT/SIGTERM (or ``stop_event`` is set), then shut down gracefully; returns 0.
 
     Args:
@@ -425,6 +426,10 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
         on_ready: called with the base URL once the replicas are warm (default: print it).
         on_status: progress lines (default: none).
         ray_init: extra ``ray.init`` keywords for the new local cluster (e.g. ``{"num_cpus": 2}``).
+        exit_when_cluster_gone: ``ortcapture serve``'s own process only: while the graceful stop runs on a new
+            local cluster (no ``address``), exit the process at once with status 0 if that cluster's GCS refuses
+            connections — SIGTERM to the whole process group killed it too, and every Serve call of the stop would
+            wait 60 s for it before Ray aborts the process (exit 1). Off by default: it ends the calling process.
 
     Raises:
         CaptureError: bad options, an unservable model layout, no usable provider (``ortcapture.pick_provider``).
@@ -472,7 +477,7 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
         return 0
     finally:
         try:
-            stop(options, deployed)
+            stop(options, deployed, watch_cluster=exit_when_cluster_gone and not options.address)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

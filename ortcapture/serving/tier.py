@@ -316,7 +316,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     def _own(self) -> dict:
         o = self.options
-        return {"pending_bodies": self._bodies.held, "max_pending_bodies": o.max_pending_bodies,
+        return {"pending_bodies": self._bodies.held, "waiting_bodies": self._bodies.waiting,
+                "max_pending_bodies": o.max_pending_bodies,
                 "queued": self._queued, "max_queued": o.max_queued, "refused": dict(self._refused), **self._sent,
                 "http_errors": {str(k): v for k, v in self.router.http_errors.items()}}
 
@@ -330,7 +331,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             if rid == self.replica_id or time.monotonic() - t > STALE_S:
                 continue
             n += 1
-            for key in ("pending_bodies", "queued", "session_calls", "requests_sent", "session_call_ns",
+            for key in ("pending_bodies", "waiting_bodies", "queued", "session_calls", "requests_sent", "session_call_ns",
                         "slot_batches", "slot_misses"):
                 total[key] += other.get(key, 0)
             for part in ("refused", "http_errors"):
