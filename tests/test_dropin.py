@@ -188,3 +188,70 @@ def test_patched_webgpu_leaves_the_callers_own_session_options_unchanged(rng, mo
         assert ort.InferenceSession(model).get_providers()[0] == "WebGpuExecutionProvider"  # no options: captured
     assert not impl._has_plugin_ep(so)  # nothing was added to the caller's object
     assert ort.InferenceSession(model, so).get_providers() == ["CPUExecutionProvider"]
+
+
+def test_patched_session_recaptures_a_graph_released_from_outside(backend):
+    """After ``set_providers()`` or ``release_captured_graph(id)`` every later run of a shape the drop-in had served
+    raised GraphReleasedError, for good (found by a tester): the released graph is forgotten and captured again, and
+    a bucket session's bucket likewise. ORT runs on after both."""
+    with ortcapture.patched(backend.name):
+        sess = ort.InferenceSession(tiny.affine_model())
+    x = np.ones((2, 4), np.float32)
+    want = np.full((2, 4), 3, np.float32)
+    np.testing.assert_allclose(sess.run(None, {"X": x})[0], want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ORT's own note on providers given beside configured session options
+        sess.set_providers(sess.get_providers())
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, {"X": x})[0], want)
+    (graph,) = sess._oc_graphs.entries()
+    sess.release_captured_graph(graph.graph_id)
+    np.testing.assert_allclose(sess.run(None, {"X": x})[0], want)
+    assert sess.stats["captured"] == 3 and sess.stats["uncaptured"] == 0
+
+    buckets = backend.session(tiny.bucket_model(), buckets={"batch": [2, 4]})
+    plain = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
+    xb = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    np.testing.assert_allclose(buckets.run(None, {"X": xb})[0], plain.run(None, {"X": xb})[0], rtol=1e-4, atol=1e-5)
+    for gid in list(buckets.captured_graphs):
+        buckets.release_captured_graph(gid)
+    np.testing.assert_allclose(buckets.run(None, {"X": xb})[0], plain.run(None, {"X": xb})[0], rtol=1e-4, atol=1e-5)
+    assert buckets.bucket_stats()["captured"] == 2
+
+
+def test_patched_session_runs_while_another_thread_compacts(provider):
+    """``compact()`` in one thread while three run: the drop-in read ``get_inputs()`` unguarded, which is None
+    while the C session is rebuilt — TypeError in the runners (found by a tester). Bounded: 3 s."""
+    import threading
+    import time
+
+    with ortcapture.patched(provider):
+        sess = ort.InferenceSession(tiny.bucket_model())
+    plain = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
+    stop, errors, runs = time.monotonic() + 3, [], [0]
+
+    def runner(k):
+        i = 0
+        while time.monotonic() < stop and not errors:
+            i += 1
+            x = np.full((1 + (i + k) % 4, 4), i % 5, np.float32)
+            try:
+                np.testing.assert_allclose(sess.run(None, {"X": x})[0], plain.run(None, {"X": x})[0], rtol=1e-4,
+                                           atol=1e-5)
+                runs[0] += 1
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+    def compactor():
+        while time.monotonic() < stop and not errors:
+            sess.compact()
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=runner, args=(k,), daemon=True) for k in range(3)]
+    threads.append(threading.Thread(target=compactor, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads) and not errors, errors[:1]
+    assert runs[0] > 20

@@ -395,3 +395,14 @@ def test_uncaptured_graph_survives_compact(backend):
     np.testing.assert_allclose(u.run()[0], np.full((2, 4), 3, np.float32))
     sess.compact()
     np.testing.assert_allclose(u.run({"X": np.full((2, 4), 2, np.float32)})[0], np.full((2, 4), 5, np.float32))
+
+
+def test_uncaptured_graph_runs_past_the_webgpu_queue_drain(backend):
+    """Every 256th run of a WebGPU graph reads an output back to drain ORT's queue; for uncaptured_graph() (whose
+    registry record pins no outputs) that run raised AttributeError (the path of ``bench --no-graph-capture``): it
+    reads its binding's output instead. 600 runs, each answer right."""
+    sess = backend.session(tiny.affine_model())
+    u = sess.uncaptured_graph({"X": np.zeros((2, 4), np.float32)})
+    for i in range(600):
+        (y,) = u.run({"X": np.full((2, 4), i, np.float32)})
+        assert y[0, 0] == 2 * i + 1, i

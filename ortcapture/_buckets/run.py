@@ -221,8 +221,7 @@ class BucketRunner:
         return outs if not ort_values else wrap_outputs(outs, ort_values)
 
     def _names(self, output_names) -> list[str] | None:
-        """:meth:`_output_names`, with ``None`` answered by :attr:`output_names` itself (the replay then returns the
-        graph's outputs as they come)."""
+        """:meth:`_output_names`; ``None``: :attr:`output_names` itself (the graph's outputs as they come)."""
         return self.output_names if output_names is None else self._output_names(output_names)
 
     def _signature(self, input_feed) -> tuple | None:
@@ -349,10 +348,13 @@ class BucketRunner:
         key = self._key(feeds, bucket) if key is None else key
         with self._lock:
             entry = self._graphs.get(key)
-            if entry is not None:
-                if isinstance(entry, Refused):
-                    raise entry.error
+            if isinstance(entry, Refused):
+                raise entry.error
+            if entry is not None and not entry.graph.released:
                 return entry
+            if entry is not None:  # released from outside (release_captured_graph): captured again below
+                self._retire(entry)
+                self._graphs.discard(key, entry)
             if self._rel is None:
                 try:
                     self._rel = self._decide_relations(feeds, bucket)
@@ -391,18 +393,20 @@ class BucketRunner:
             return entry
 
     def _evict(self) -> None:
-        """Make room for one more graph under ``max_graphs``: release the least recently used (the caller holds
-        the lock)."""
+        """Room for one more graph under ``max_graphs``: the least recently used released (the lock held)."""
         for e in self._graphs.make_room():
-            with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
-                e.evicted = True
-                e.graph.release()
-                # the session's totals outlive evicted graphs
-                self._counts["replayed"] += e.replayed
-                self._rows += e.rows
-                self._padded_rows += e.padded_rows
+            self._retire(e)
             self._counts["evicted"] += 1
             log.info("ortcapture: evicted bucket %s (least recently used)", e.label)
+
+    def _retire(self, e: _Entry) -> None:
+        """``e``'s graph released (evicted, or released from outside); its totals kept (the caller holds the lock)."""
+        with e.lock:  # after a replay in flight; a thread that looked it up before retries (_replay: None)
+            e.evicted = True
+            e.graph.release()
+            self._counts["replayed"] += e.replayed
+            self._rows += e.rows
+            self._padded_rows += e.padded_rows
 
     def _decide_relations(self, feeds: dict, bucket: dict) -> dict[str, dict]:
         probes = {}
@@ -516,7 +520,7 @@ class BucketRunner:
         """The request's outputs from ``entry``'s graph (new arrays, one per name, never views of each other or of
         ortcapture's buffers); ``None`` when the graph was evicted meanwhile (look it up again)."""
         with entry.lock:
-            if entry.evicted:
+            if entry.evicted or entry.graph.released:  # released from outside: _entry captures it again
                 return None
             tid = threading.get_ident()
             first_here = self._per_thread and tid not in entry.threads

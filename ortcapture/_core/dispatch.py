@@ -75,6 +75,13 @@ class GraphDispatcher:
             self._entries[key] = entry
             self._entries.move_to_end(key)
 
+    def discard(self, key: Hashable, entry: Any) -> None:
+        """Forget ``key`` if its entry is still ``entry`` (a graph released from outside: captured again on next
+        use); nothing otherwise."""
+        with self.lock:
+            if self._entries.get(key) is entry:
+                del self._entries[key]
+
     def refuse(self, key: Hashable, error: BaseException) -> Refused:
         """Remember that ``key`` was refused, with ``error``; returns its :class:`Refused` entry."""
         refused = Refused(error)

@@ -169,7 +169,7 @@ class CapturedGraph:
                 stream is not known or the calling thread's current device is another).
             copy_outputs: True: new host numpy arrays; False: the fixed output buffers as :class:`ReplayOutput`;
                 ``"pinned"``: the graph's own :attr:`host_outputs` arrays (page-locked on CUDA), no copy — they are
-                overwritten by this graph's next replay that returns host outputs, so copy what you keep.
+                overwritten by this graph's next replay returning host outputs (any thread's), so copy what you keep.
             out: arrays to write the outputs into (numpy, each exactly its output's shape and dtype, writeable):
                 ``{output name: array}`` or one entry per ``get_outputs()`` position (``None``: a new array there).
                 Outputs not named come back as new arrays; the returned list holds the ``out`` arrays themselves.

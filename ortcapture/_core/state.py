@@ -263,7 +263,7 @@ class CaptureState:
         run_bound(self.session, binding, run_options)
         record.replays += 1
         if self.drain_every and not record.replays % self.drain_every:
-            _drain(record)
+            _drain(record, binding)
 
     def replayer(self, binding, run_options, record: CapturedGraphRecord):
         """:meth:`replay` of ``binding`` decided once: a callable ``replay()`` doing exactly what :meth:`replay`
@@ -279,7 +279,7 @@ class CaptureState:
                 run()
                 record.replays += 1
                 if not record.replays % drain:
-                    _drain(record)
+                    _drain(record, binding)
             return replay
 
         def replay() -> None:
@@ -396,10 +396,16 @@ class CaptureState:
         return out
 
 
-def _drain(record: CapturedGraphRecord) -> None:
-    """Wait for the WebGPU queue: read back the record's smallest pinned output (see WEBGPU_DRAIN_EVERY)."""
+def _drain(record, binding) -> None:
+    """Wait for the WebGPU queue: read back the smallest output (see WEBGPU_DRAIN_EVERY) — the record's pinned
+    outputs, or for a graph without capture (``uncaptured_graph()``: its record has none) its binding's outputs."""
+    from ortcapture._ort.values import meta
     from ortcapture._transfer import copy as transfer
 
-    values = [b for b in record.outputs.values() if b.value is not None]
+    outputs = getattr(record, "outputs", None)
+    if outputs is not None:
+        values = [b.value for b in outputs.values() if b.value is not None]
+    else:
+        values = list(binding.get_outputs())
     if values:
-        transfer.to_numpy(min(values, key=lambda b: b.nbytes).value)
+        transfer.to_numpy(min(values, key=lambda v: meta(v).nbytes))

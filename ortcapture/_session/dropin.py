@@ -18,7 +18,7 @@ from ortcapture._core.run import replay_cannot_honour
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture._core.run import explicit_graph_id as _explicit_graph_id
 from ortcapture._core.run import uncaptured as _uncaptured
-from ortcapture.errors import CaptureError
+from ortcapture.errors import CaptureError, GraphReleasedError
 from ortcapture._session.session import InferenceSession
 
 class AutoCaptureSession(InferenceSession):
@@ -58,6 +58,8 @@ class AutoCaptureSession(InferenceSession):
         self.stats = {"replayed": 0, "captured": 0, "uncaptured": 0}
         self._oc_host_inputs = host_read_inputs(self)
         self._oc_output_names = [o.name for o in self.get_outputs()]
+        #: read once: while compact() or set_providers() rebuilds the C session, get_inputs() returns None
+        self._oc_input_names = [i.name for i in self.get_inputs()]
         self._oc_input_specs = input_specs(self)
 
     # -- plain run: replayed where it can be --------------------------------------------------------------------
@@ -87,6 +89,9 @@ class AutoCaptureSession(InferenceSession):
             return super().run(output_names, input_feed, _uncaptured(run_options))
         try:
             outs = graph.run(feeds)
+        except GraphReleasedError:  # released by another thread since the look-up: this run as ORT runs it
+            self.stats["uncaptured"] += 1
+            return super().run(output_names, input_feed, _uncaptured(run_options))
         except CaptureError as exc:  # a host-read input's value changed under the key (not with today's keys)
             if getattr(exc, "kind", None) != "host_read_input":
                 raise
@@ -151,7 +156,7 @@ class AutoCaptureSession(InferenceSession):
 
     # -- the graphs -----------------------------------------------------------------------------------------------
     def _oc_graph_for(self, feeds: dict, run_options):
-        names = [i.name for i in self.get_inputs()]
+        names = self._oc_input_names
         if set(feeds) != set(names):
             self._oc_warn("inputs", "a run that does not feed every input runs uncaptured")
             return None
@@ -160,6 +165,10 @@ class AutoCaptureSession(InferenceSession):
         graphs = self._oc_graphs
         with graphs.lock:
             known = graphs.get(key)
+            if known is not None and not isinstance(known, Refused) and known.released:
+                # released from outside (release_captured_graph, set_providers): captured again, as ORT would run
+                graphs.discard(key, known)
+                known = None
             if known is not None:
                 return None if isinstance(known, Refused) else known
             if not graphs.admits():
