@@ -199,15 +199,18 @@ def test_patched_session_recaptures_a_graph_released_from_outside(backend):
     x = np.ones((2, 4), np.float32)
     want = np.full((2, 4), 3, np.float32)
     np.testing.assert_allclose(sess.run(None, {"X": x})[0], want)
+    (graph,) = sess._oc_graphs.entries()
+    sess.release_captured_graph(graph.graph_id)
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, {"X": x})[0], want)
+    assert sess.stats["captured"] == 2 and sess.stats["uncaptured"] == 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ORT's own note on providers given beside configured session options
         sess.set_providers(sess.get_providers())
     for _ in range(2):
         np.testing.assert_allclose(sess.run(None, {"X": x})[0], want)
-    (graph,) = sess._oc_graphs.entries()
-    sess.release_captured_graph(graph.graph_id)
-    np.testing.assert_allclose(sess.run(None, {"X": x})[0], want)
-    assert sess.stats["captured"] == 3 and sess.stats["uncaptured"] == 0
+    if sess.capture_enabled:  # ORT < 1.30 takes no plugin EP name in providers=: set_providers gave a CPU session
+        assert sess.stats["captured"] == 3 and sess.stats["uncaptured"] == 0
 
     buckets = backend.session(tiny.bucket_model(), buckets={"batch": [2, 4]})
     plain = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])

@@ -49,7 +49,7 @@ for v in $versions; do
       export ORTCAPTURE_REQUIRE_SERVE=0
     fi
     echo "=== onnxruntime $v: pytest ==="
-    "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt"
+    "$venv/bin/python" -m pytest -q -rfEs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt"
   ) || status=1
   # pytest's own last line: "N passed, M skipped ... in T s" (or why it stopped)
   last=$(grep -v '^[[:space:]]*$' "$logdir/pytest-$v.txt" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g; s/^=* *//; s/ *=*$//' || true)

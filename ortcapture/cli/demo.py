@@ -188,6 +188,7 @@ def run(args) -> int:
 
     if args.batch < 1 or (args.iters is not None and args.iters < 1):
         raise CaptureError("--batch and --iters must be >= 1")
+    ort.set_default_logger_severity(3)  # ORT's process-wide warnings too (docs/INSTALL.md): errors only
     if args.model:
         check_model_file(args.model)
     check_output_file("--json", args.json)
@@ -293,15 +294,17 @@ def run(args) -> int:
     stats = {k: timing.summary(v) for k, v in results.items()}
     base = stats["plain run(numpy)"]["p50_us"]
     iob = stats["IOBinding, no graph"]["p50_us"]
-    print(f"\n  {'arm':<28}{'p50 µs':>10}{'p90 µs':>10}{'vs plain':>10}{'vs IOBinding':>14}")
+    unit, div = ("ms", 1e3) if max(s["p90_us"] for s in stats.values()) >= 1e5 else ("µs", 1.0)
+    print(f"\n  {'arm':<28}{'p50 ' + unit:>10}{'p90 ' + unit:>10}{'vs plain':>10}{'vs IOBinding':>14}")
     for k, s in stats.items():
-        print(f"  {k:<28}{s['p50_us']:>10.1f}{s['p90_us']:>10.1f}{base / s['p50_us']:>9.2f}x"
+        print(f"  {k:<28}{s['p50_us'] / div:>10.1f}{s['p90_us'] / div:>10.1f}{base / s['p50_us']:>9.2f}x"
               f"{iob / s['p50_us']:>13.2f}x")
+    print("  (vs plain / vs IOBinding: that arm's p50 over this arm's; above 1.00x this arm is faster)")
     if provider == "webgpu" and os.environ.get("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER") == "1":
         print("  (WebGPU on the software adapter runs every kernel on the CPU: these times show that capture and "
               "replay work, not the launch overhead a GPU saves; README.md's speedups are the H200's)", flush=True)
     print(f"\n  verified {checked} replays against the uncaptured run: max abs diff {worst:.3g} "
-          f"({'OK' if ok else 'MISMATCH'}); captured graphs {list(sess.captured_graphs)}")
+          f"({'OK' if ok else 'MISMATCH'}); captured graph ids (gpu_graph_id) {list(sess.captured_graphs)}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": model, "provider": provider, "ort": ort.__version__, "shapes": shapes_,
