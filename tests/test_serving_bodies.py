@@ -32,6 +32,25 @@ class _Stream:
         return self.chunks.pop(0)
 
 
+class _Paced(_Stream):
+    """``chunks`` one every ``every`` seconds, the first with the headers (as clients send a body); ``then_stall``:
+    after the chunks, nothing more, ever."""
+
+    def __init__(self, *chunks: bytes, every: float, then_stall: bool = False):
+        super().__init__(*chunks)
+        self.every, self.then_stall, self.first = every, then_stall, True
+
+    async def __anext__(self):
+        if not self.chunks:
+            if self.then_stall:
+                await asyncio.Event().wait()
+            raise StopAsyncIteration
+        if not self.first:
+            await asyncio.sleep(self.every)
+        self.first = False
+        return self.chunks.pop(0)
+
+
 def _counters() -> dict:
     return {"bodies_pending": 0, "body_timeout": 0, "body_evicted": 0, "client_gone": 0}
 
@@ -57,7 +76,8 @@ def test_bodies_read_and_slots_given_back():
 def test_stalled_body_times_out_and_refused_when_no_slot_comes():
     async def main():
         gate, refused = BodyGate(1, idle_s=30, wait_s=0.2), _counters()
-        stalled = asyncio.ensure_future(read_body(gate, _Stream(b"x", stalled=True), 10, 0.5, refused))
+        # one byte, then nothing: not idle long enough (idle_s 30), not yet EVICT_RATE_AFTER_S old
+        stalled = asyncio.ensure_future(read_body(gate, _Paced(b"x", every=0, then_stall=True), 10, 0.5, refused))
         await asyncio.sleep(0.05)
         with pytest.raises(Refusal) as e:  # the one slot is held by a body not yet stale enough to evict
             await read_body(gate, _Stream(b"y"), 10, 5, refused)
@@ -152,23 +172,56 @@ def test_stalled_flood_cannot_lock_a_normal_request_out():
     _run(main())
 
 
-def test_a_slow_client_that_keeps_sending_is_not_evicted():
+def test_a_client_that_keeps_sending_at_an_honest_rate_is_not_evicted():
+    """4 KiB every 0.1 s (40 KB/s) for 2 s beside a request waiting 1.5 s: never evicted (the waiter gets its 503)."""
     async def main():
-        gate, refused = BodyGate(1, idle_s=0.3, wait_s=0.5), _counters()
-
-        class Slow(_Stream):
-            async def __anext__(self):
-                if not self.chunks:
-                    raise StopAsyncIteration
-                await asyncio.sleep(0.1)  # a chunk every 0.1 s: never stale for 0.3 s
-                return self.chunks.pop(0)
-
-        slow = asyncio.ensure_future(read_body(gate, Slow(*[b"s"] * 12), 100, 5, refused))
+        gate, refused = BodyGate(1, idle_s=0.3, wait_s=1.5), _counters()
+        slow = asyncio.ensure_future(read_body(gate, _Paced(*[b"s" * 4096] * 20, every=0.1), 1 << 20, 5, refused))
         await asyncio.sleep(0.05)
         with pytest.raises(Refusal) as e:
             await read_body(gate, _Stream(b"n"), 10, 5, refused)
         assert e.value.status == 503
-        assert await slow == b"s" * 12 and refused["body_evicted"] == 0
+        assert await slow == b"s" * 4096 * 20 and refused["body_evicted"] == 0
+
+    _run(main())
+
+
+def test_a_trickle_holds_a_slot_at_most_about_a_second():
+    """Four connections that each send a byte every 0.3 s filled a cap of 4 for as long as they liked: each byte is
+    progress, so none was ever idle for 0.5 s (a tester's slow-POST attack). Below EVICT_MIN_RATE on average after
+    EVICT_RATE_AFTER_S they are evicted for waiting requests: a normal request is read within ~1 s."""
+    async def main():
+        gate, refused = BodyGate(4, idle_s=0.5, wait_s=2.0), _counters()
+        trickles = [asyncio.ensure_future(read_body(gate, _Paced(*[b"t"] * 100, every=0.3), 1000, 30, refused))
+                    for _ in range(4)]
+        await asyncio.sleep(0.2)
+        t = time.monotonic()
+        assert await read_body(gate, _Stream(b"normal"), 10, 30, refused) == b"normal"
+        assert time.monotonic() - t < 1.3, time.monotonic() - t
+        assert refused["body_evicted"] == 1
+        for f in trickles:
+            f.cancel()
+        await asyncio.gather(*trickles, return_exceptions=True)
+
+    _run(main())
+
+
+def test_closing_the_gate_answers_every_pending_body_at_once():
+    """A graceful stop waited for stalled bodies until graceful_shutdown_s (a tester: two stalled connections held a
+    stop 32 s longer): close() stops every read now with a 503 "shutting down", waiters and new requests too."""
+    async def main():
+        gate, refused = BodyGate(2, idle_s=30, wait_s=5), _counters()
+        pending = [asyncio.ensure_future(read_body(gate, _Stream(b"x", stalled=True), 10, 30, refused))
+                   for _ in range(3)]  # two read, one waits
+        await asyncio.sleep(0.05)
+        t = time.monotonic()
+        gate.close()
+        outcomes = await asyncio.gather(*pending, return_exceptions=True)
+        assert time.monotonic() - t < 0.5
+        assert all(isinstance(e, Refusal) and e.status == 503 and "shutting down" in str(e) for e in outcomes)
+        with pytest.raises(Refusal, match="shutting down"):
+            await read_body(gate, _Stream(b"late"), 10, 30, refused)
+        assert gate.held == 0 and refused["body_evicted"] == 0
 
     _run(main())
 

@@ -22,19 +22,34 @@ from ortcapture.serving.routes import RETRY_AFTER_S, Refusal
 
 #: seconds without progress after which a pending request body gives its slot up to a new request at the cap
 EVICT_IDLE_S = 0.5
-#: the longest a new request waits at the cap for a slot (freed, or taken from a body stale for EVICT_IDLE_S)
+#: the longest a new request waits at the cap for a slot (freed, or taken from a body evicted for it)
 EVICT_WAIT_S = 1.0
+#: ... and a body arriving slower than this many bytes a second on average, once it is EVICT_RATE_AFTER_S old
+#: (Apache's mod_reqtimeout ``MinRate`` idea: one byte every 0.3 s is progress, but no client's honest rate)
+EVICT_MIN_RATE = 500.0
+#: ... the age (seconds) from which a body's average rate is held against EVICT_MIN_RATE
+EVICT_RATE_AFTER_S = 1.0
 
 
 class PendingBody:
-    """A request body being read: when it last made progress (``time.monotonic()``), the read in progress."""
+    """A request body being read: when it started and last made progress (``time.monotonic()``), the bytes
+    received, the read in progress."""
 
-    __slots__ = ("last", "waiter", "evicted")
+    __slots__ = ("start", "last", "received", "waiter", "evicted")
 
     def __init__(self):
-        self.last = time.monotonic()
+        self.start = self.last = time.monotonic()
+        self.received = 0
         self.waiter: asyncio.Future | None = None
         self.evicted = False
+
+    def evictable_at(self, idle_s: float) -> float:
+        """When (``time.monotonic()``) this body may be evicted for a waiting request: ``idle_s`` after its last
+        progress, or once its average rate is below :data:`EVICT_MIN_RATE` after :data:`EVICT_RATE_AFTER_S` —
+        whichever comes first. (Headers with no body byte yet get the full ``idle_s``: under a burst Serve's proxy
+        can deliver a normal request's body hundreds of milliseconds after its headers; a 0.1 s grace tried for
+        them evicted such a request beside 1,100 stalled connections.)"""
+        return min(self.last + idle_s, self.start + max(EVICT_RATE_AFTER_S, self.received / EVICT_MIN_RATE))
 
     def evict(self) -> bool:
         """Stop the read (its reader answers 503 with ``Retry-After``; the slot is free once it has unwound).
@@ -55,12 +70,18 @@ class BodyGate:
       waiting; a waiter that gets no slot within ``wait_s`` seconds is refused (503) as before, so no waiter waits
       longer than that either way;
     - while requests wait, one eviction task (one per gate, not one per waiter) stops the reads of the bodies that
-      made no progress for ``idle_s`` seconds, stalest first, as many as there are waiters, and sleeps until the
-      next body could become that stale. An evicted request is answered 503 with ``Retry-After``, not 408: under a
+      may be evicted (:meth:`PendingBody.evictable_at`: no progress for ``idle_s`` seconds, or slower than
+      :data:`EVICT_MIN_RATE` bytes a second on average after :data:`EVICT_RATE_AFTER_S`), earliest first, as many
+      as there are waiters, and sleeps until the next body
+      may be, or a new request waits. An evicted request is answered 503 with ``Retry-After``, not 408: under a
       burst Serve's proxy itself may deliver a body late that its client sent whole, so the server's load
       shedding must not blame the client (a body that makes no progress for ``body_timeout_s`` is the 408).
 
-    A slow client that keeps sending is never the stalest body; a normal request's body arrives in milliseconds.
+    A normal request's body arrives in milliseconds, with its headers; a client that keeps sending at an honest rate
+    is never evicted. A connection that trickles a byte now and then holds a slot at most ~1 s (found by a tester:
+    four connections sending a byte every 0.3 s held ``--max-pending-bodies 4`` for as long as they liked).
+    Connections that send headers and stall hold their slot 0.5 s each when requests wait: a flood of more than
+    ``limit / 0.5`` new ones a second (128 per tier replica by default) keeps most requests out while it lasts.
     The cost of waiting does not grow with the number of waiters times the slots (the polling loop it replaces made
     every waiter scan every slot every 20 ms: with 1,000 stalled connections that kept a CI machine's event loop
     busy for seconds, and the normal request waited 2.8 s and got a 503).
@@ -80,15 +101,30 @@ class BodyGate:
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._evictor: asyncio.Task | None = None
         self._arrived = asyncio.Event()  # a new waiter: the eviction task looks again at once
+        self.closed = False  # close(): the server stops; every body read stopped, no new one admitted
 
     @property
     def waiting(self) -> int:
         """Requests waiting for a slot now."""
         return sum(not f.done() for f in self._waiters)
 
+    def close(self) -> None:
+        """The server is stopping (a graceful drain): stop every body read now (each answers 503) and admit no new
+        one, so a stalled connection cannot hold the drain for ``graceful_shutdown_s`` (a tester: two stalled
+        connections held a stop 32 s longer)."""
+        self.closed = True
+        for body in list(self.bodies.values()):
+            body.evict()
+        for fut in list(self._waiters):
+            if not fut.done():
+                fut.cancel()
+
     async def enter(self) -> PendingBody | None:
         """A slot for one body: its :class:`PendingBody` (give it back with :meth:`leave`), or ``None`` when none
-        came within ``wait_s`` seconds. Cancelled while waiting (the client went away): no slot is kept."""
+        came within ``wait_s`` seconds or the gate is closed. Cancelled while waiting (the client went away): no
+        slot is kept."""
+        if self.closed:
+            return None
         if self.held < self.limit and not self._waiters:
             self.held += 1
             return self._start()
@@ -101,6 +137,9 @@ class BodyGate:
             self._forget(fut)
             raise
         if fut.done() and not fut.cancelled():
+            if self.closed:  # handed over as the gate closed: passed on, not used
+                self.leave(PendingBody())
+                return None
             return self._start()  # a slot was handed over
         self._forget(fut)
         return None
@@ -144,17 +183,17 @@ class BodyGate:
         while self.waiting:
             self._arrived.clear()
             now = time.monotonic()
-            live = sorted((b for b in self.bodies.values() if not b.evicted), key=lambda b: b.last)
+            live = sorted(((b.evictable_at(self.idle_s), id(b), b) for b in self.bodies.values() if not b.evicted))
             need = self.waiting - sum(b.evicted for b in self.bodies.values())
-            for body in live:
-                if need <= 0 or now - body.last < self.idle_s:
+            for at, _, body in live:
+                if need <= 0 or at > now:
                     break
                 if body.evict():
                     need -= 1
-            fresh = [b.last for b in live if not b.evicted and now - b.last < self.idle_s]
-            # the next body to become stale, or (no body can be evicted now: reads not started, or slots being
-            # handed over) a short look again
-            pause = self.idle_s - (now - min(fresh)) if fresh else 0.05
+            later = [at for at, _, b in live if not b.evicted and at > now]
+            # the next body that may be evicted, or (none can be now: reads not started, or slots being handed
+            # over) a short look again
+            pause = min(later) - now if later else 0.05
             try:
                 await asyncio.wait_for(self._arrived.wait(), max(pause, 0.005))
             except asyncio.TimeoutError:
@@ -180,6 +219,8 @@ async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, time
         ProtocolError: 413 past ``cap`` bytes.
     """
     body = await gate.enter()
+    if body is None and gate.closed:
+        raise Refusal("the server is shutting down", 503, {"Connection": "close"})
     if body is None:
         refused["bodies_pending"] += 1
         raise Refusal(f"{gate.held} requests are sending their bodies already; try again", 503,
@@ -201,6 +242,8 @@ async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, time
                 task = asyncio.current_task()
                 if not body.evicted or (task is not None and getattr(task, "cancelling", lambda: 0)()):
                     raise  # the handler itself is cancelled (the client went away): not an eviction
+                if gate.closed:
+                    raise Refusal("the server is shutting down", 503, {"Connection": "close"}) from None
                 refused["body_evicted"] += 1
                 raise Refusal(f"the request body made no progress for {time.monotonic() - body.last:.1f} s, the "
                               f"longest of the {gate.limit} bodies arriving, while other requests waited for a slot; "
@@ -210,6 +253,7 @@ async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, time
                 raise Refusal(f"the client closed the connection before its body arrived "
                               f"({type(exc).__name__})", 400, {"Connection": "close"}) from None
             body.last = time.monotonic()
+            body.received += len(chunk)
             n += len(chunk)
             if n > cap:
                 raise ProtocolError(f"request body is past the cap of {cap} bytes", 413)

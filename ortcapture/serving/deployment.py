@@ -38,6 +38,8 @@ MODEL_DEPLOYMENT = TIER_DEPLOYMENT
 
 #: whether :func:`start` connected this process to Ray (a new local cluster or a joined one), not its caller
 _RAY_STARTED_HERE = [False]
+#: when (``time.time()``) :func:`start` started Ray here: the batch-slot pools made since are this server's
+_STARTED_AT = [0.0]
 
 
 def model_handle(app_name: str):
@@ -153,6 +155,7 @@ def start(options: ServeOptions, provider: str, *, ray_init: dict | None = None,
 
         main = threading.current_thread() is threading.main_thread()
         term = signal.getsignal(signal.SIGTERM) if main else None
+        _STARTED_AT[0] = time.time()
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
         _RAY_STARTED_HERE[0] = True
         if callable(term):  # ray.init replaces a Python SIGTERM handler with its own (it aborts the process)
@@ -330,7 +333,7 @@ def stop(options: ServeOptions, deployed: bool = True, watch_cluster: bool = Fal
     if watch_cluster and _RAY_STARTED_HERE[0] and not options.address:  # the local cluster started here: SIGTERM
         # to the whole process group kills its GCS too (serve(exit_when_cluster_gone=True), ortcapture serve only)
         done = threading.Event()
-        thread = threading.Thread(target=_exit_when_cluster_gone, args=(done,), daemon=True,
+        thread = threading.Thread(target=_exit_when_cluster_gone, args=(done, _STARTED_AT[0]), daemon=True,
                                   name="ortcapture-cluster-watch")
         thread.start()
         watch = (done, thread)
@@ -355,13 +358,15 @@ def _cluster_gone(address: str) -> bool:
     return False
 
 
-def _exit_when_cluster_gone(done, period_s: float = 0.25) -> None:
+def _exit_when_cluster_gone(done, since: float = 0.0, period_s: float = 0.25) -> None:
     """While :func:`stop` runs on a cluster this process started: exit the process at once (status 0) if its GCS
     goes away. SIGTERM to the whole process group (a container stop, ``kill -- -PGID``) kills Ray's GCS with the
     server; every Serve call of the graceful stop then waited 60 s for the GCS and Ray aborted the process (exit 1
-    after 61 s). Nothing is left to drain then: the replicas died with it."""
+    after 61 s). Nothing is left to drain then: the replicas died with it. ``since``: when this server started
+    (``time.time()``): its replicas' batch-slot pools, made after it, are unlinked once their processes are gone."""
     import os
     import sys
+    import time
 
     try:
         address = str(ray.get_runtime_context().gcs_address)
@@ -371,6 +376,15 @@ def _exit_when_cluster_gone(done, period_s: float = 0.25) -> None:
         if _cluster_gone(address):
             print(f"ortcapture serve: the Ray cluster is gone (its GCS at {address} refuses connections): "
                   "nothing left to drain; exiting", file=sys.stderr, flush=True)
+            # the tier replicas die with it, their batch-slot pools left in /dev/shm (32 MiB each, found by a
+            # tester): unlinked once their processes are gone (pools made since this server started; 3 s at most: a
+            # replica that outlives its raylet longer leaves its pool to the next server's start, which sweeps it)
+            from ortcapture.serving.slots import pool_owners, sweep_stale_pools
+
+            deadline = time.monotonic() + 3.0
+            while pool_owners(since) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            sweep_stale_pools()
             sys.stdout.flush()
             os._exit(0)  # Ray's own exit hooks would wait for the GCS too
 

@@ -211,14 +211,41 @@ def sweep_stale_pools(prefix: str = "ortcapture") -> list[str]:
     return gone
 
 
+def pool_owners(created_after: float, prefix: str = "ortcapture") -> list[int]:
+    """The live processes that made a pool in ``/dev/shm`` (``<prefix>-<pid>-<32 hex>``) at or after
+    ``created_after`` (``time.time()``; the pool's change time): a server's own tier replicas, what its stop waits
+    for before :func:`sweep_stale_pools` can unlink their pools (a pool of a server started before it is not)."""
+    try:
+        names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _POOL_NAME.search(name)
+        if m is None or not name.startswith(prefix + "-"):
+            continue
+        try:
+            if os.lstat(os.path.join(SHM_DIR, name)).st_ctime >= created_after and _alive(int(m.group(1))):
+                out.append(int(m.group(1)))
+        except OSError:  # gone already
+            continue
+    return out
+
+
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not yet reaped: a replica whose raylet died, until PID 1 reaps it)
+    does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (macOS), or gone meanwhile
+        return True
 
 
 class SlotReader:

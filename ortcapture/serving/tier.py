@@ -265,6 +265,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         most ``timeout_s`` seconds) until the requests in flight have their answers. Returns ``{"replica": id,
         "in_flight": requests still in flight then (0 normally)}``."""
         self._draining = True
+        self._bodies.close()  # bodies still arriving: 503 now (a stalled one would hold the drain to its end)
         deadline = time.monotonic() + timeout_s
         while (self._in_flight or self._infers) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
