@@ -76,7 +76,8 @@ def test_the_cluster_watch_runs_only_for_a_local_cluster_of_ortcapture_serve(mon
     seen: list = []
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(deployment, "_RAY_STARTED_HERE", [True])
-    monkeypatch.setattr(deployment, "_exit_when_cluster_gone", lambda done: seen.append("watch") or done.wait(5))
+    monkeypatch.setattr(deployment, "_exit_when_cluster_gone",
+                        lambda done, since=0.0: seen.append("watch") or done.wait(5))
     monkeypatch.setattr(deployment, "_stop", lambda o, watch: seen.append(("stop", watch is not None)) or (
         watch and (watch[0].set(), watch[1].join(5))))
     deployment.stop(options, True, watch_cluster=watch)  # stop() itself refuses to watch a joined cluster
