@@ -229,6 +229,8 @@ async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, time
         chunks, n = [], 0
         chunk_iter = stream.__aiter__()
         while True:
+            if gate.closed:  # close() came after a chunk arrived, before this read resumed: evict() missed it
+                raise Refusal("the server is shutting down", 503, {"Connection": "close"})
             body.waiter = asyncio.ensure_future(chunk_iter.__anext__())
             try:
                 chunk = await asyncio.wait_for(body.waiter, timeout_s)
@@ -245,9 +247,13 @@ async def read_body(gate: BodyGate, stream: AsyncIterator[bytes], cap: int, time
                 if gate.closed:
                     raise Refusal("the server is shutting down", 503, {"Connection": "close"}) from None
                 refused["body_evicted"] += 1
-                raise Refusal(f"the request body made no progress for {time.monotonic() - body.last:.1f} s, the "
-                              f"longest of the {gate.limit} bodies arriving, while other requests waited for a slot; "
-                              "try again", 503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}) from None
+                now = time.monotonic()
+                why = (f"made no progress for {now - body.last:.1f} s" if now - body.last >= gate.idle_s else
+                       f"arrived at {body.received / max(now - body.start, 1e-9):.0f} bytes/s, below the "
+                       f"{EVICT_MIN_RATE:.0f} kept")
+                raise Refusal(f"the request body {why} while other requests waited for one of the {gate.limit} "
+                              "slots; try again", 503, {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
+                              ) from None
             except Exception as exc:  # noqa: BLE001 - starlette's ClientDisconnect: the client went away
                 refused["client_gone"] += 1
                 raise Refusal(f"the client closed the connection before its body arrived "
