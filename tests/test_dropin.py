@@ -222,6 +222,86 @@ def test_patched_session_recaptures_a_graph_released_from_outside(backend):
     assert buckets.bucket_stats()["captured"] == 2
 
 
+def test_released_graphs_hold_no_place_under_max_graphs(backend):
+    """A graph released from outside (``set_providers``, ``release_captured_graph``) kept its place under
+    ``max_graphs`` until its own shape came again, so new shapes ran uncaptured (found by review)."""
+    with ortcapture.patched(backend.name, max_graphs=2):
+        sess = ort.InferenceSession(tiny.bucket_model())
+    for n in (1, 2):
+        sess.run(None, {"X": np.ones((n, 4), np.float32)})
+    for gid in list(sess.captured_graphs):
+        sess.release_captured_graph(gid)
+    for n in (3, 4, 3, 4):
+        sess.run(None, {"X": np.ones((n, 4), np.float32)})
+    assert sess.stats["captured"] == 4 and sess.stats["uncaptured"] == 0
+
+
+def _release_while_running(sess, plain, seconds: float) -> tuple[int, list]:
+    """Two threads run shapes 1-4 of the bucket model through ``sess`` while a third releases every captured graph
+    every 10 ms, for ``seconds``; returns (right answers, errors)."""
+    import threading
+    import time
+
+    stop, errors, runs = time.monotonic() + seconds, [], [0]
+
+    def runner(k):
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            x = np.full((1 + (i + k) % 4, 4), i % 5, np.float32)
+            try:
+                np.testing.assert_allclose(sess.run(None, {"X": x})[0], plain.run(None, {"X": x})[0], rtol=1e-4,
+                                           atol=1e-5)
+                runs[0] += 1
+            except Exception as exc:  # noqa: BLE001 - reported by the caller
+                errors.append(exc)
+
+    def releaser():
+        while time.monotonic() < stop:
+            for gid in list(sess.captured_graphs):
+                sess.release_captured_graph(gid)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=runner, args=(k,), daemon=True) for k in range(2)]
+    threads.append(threading.Thread(target=releaser, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return runs[0], errors
+
+
+def test_a_release_from_another_thread_during_a_capture_is_no_refusal(backend):
+    """Another thread releasing graphs while a shape (or a bucket) was being captured and checked made the drop-in
+    remember that shape as refused — uncaptured for good — and a bucket session refuse the bucket, raising
+    GraphReleasedError on every later run (found by review). Such a failure now runs that request as ORT runs it,
+    and the next one captures again. Bounded: 2 x 2.5 s."""
+    plain = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ortcapture.patched(backend.name):
+            sess = ort.InferenceSession(tiny.bucket_model())
+        runs, errors = _release_while_running(sess, plain, 2.5)
+        assert not errors and runs > 10, (runs, errors[:1])
+        assert sess._oc_graphs.refused() == 0
+        before = dict(sess.stats)
+        for n in (1, 2, 3, 4):
+            sess.run(None, {"X": np.ones((n, 4), np.float32)})
+        assert sess.stats["uncaptured"] == before["uncaptured"]  # all four captured (or replayed) again
+
+        buckets = backend.session(tiny.bucket_model(), buckets={"batch": [2, 4]})
+        runs, errors = _release_while_running(buckets, plain, 2.5)
+        assert not errors and runs > 10, (runs, errors[:1])
+        assert buckets.bucket_stats()["refused"] == 0
+        before = buckets.bucket_stats()["uncaptured"]
+        for n in (1, 2, 3, 4):
+            x = np.full((n, 4), 2, np.float32)
+            np.testing.assert_allclose(buckets.run(None, {"X": x})[0], plain.run(None, {"X": x})[0], rtol=1e-4,
+                                       atol=1e-5)
+        assert buckets.bucket_stats()["uncaptured"] == before
+
+
 def test_patched_session_runs_while_another_thread_compacts(provider):
     """``compact()`` in one thread while three run: the drop-in read ``get_inputs()`` unguarded, which is None
     while the C session is rebuilt — TypeError in the runners (found by a tester). Bounded: 3 s."""

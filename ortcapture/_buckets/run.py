@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ortcapture._buckets import feeds as _bucket_feeds
+from ortcapture._buckets import messages as _messages
 from ortcapture._buckets import neutral as _neutral
 from ortcapture._buckets.feeds import requested_outputs
 from ortcapture._buckets.host import BucketHost
@@ -39,7 +40,7 @@ from ortcapture._core.rows import to_host
 from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
-from ortcapture.errors import CaptureAbortedError, CaptureError
+from ortcapture.errors import CaptureAbortedError, CaptureError, GraphReleasedError
 from ortcapture._transfer.copy import update_inplace
 
 log = logging.getLogger("ortcapture")
@@ -205,14 +206,16 @@ class BucketRunner:
                     return wrap_outputs(outs, ort_values)
             self._warn_oversize(sizes)
             return self._plain(output_names, input_feed, run_options, ort_values)
-        while True:  # again when another thread evicted the graph (max_graphs) between the look-up and the replay
+        for _ in range(4):  # again when another thread evicted or released the graph between look-up and replay
             key = self._key(feeds, bucket)
             entry = self._entry(feeds, sizes, bucket, key)
             if entry is None:
-                return self._plain(output_names, input_feed, run_options, ort_values)
+                break
             outs = self._replay(entry, feeds, sizes, names, count=count)
             if outs is not None:
                 break
+        if entry is None or outs is None:  # not captured, or released under it again and again: as ORT runs it
+            return self._plain(output_names, input_feed, run_options, ort_values)
         if sig is not None:  # checked (every feed ORT takes, consistent sizes, in a bucket): known from now on
             known = self._known
             if len(known) >= 1024:
@@ -367,12 +370,16 @@ class BucketRunner:
             label = ", ".join(f"{k}={v}" for k, v in bucket.items())
             t0 = time.perf_counter()
             padded = self._resized(feeds, bucket)
+            family = self.host.state.family
+            releases = family.releases  # moved: another thread released graphs meanwhile (see _passing)
             try:
                 graph = self.host.capture(padded)  # checked below, padded against unpadded
             except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
                 if not (isinstance(exc, CaptureError) or _from_ort(exc)):
                     raise
-                err = self._padding_failed(exc, label) if _from_ort(exc) else exc
+                if _passing(exc, family, releases):
+                    return None  # this request uncaptured; the next one captures the bucket again
+                err = _messages.padding_failed(exc, label, self._host_read) if _from_ort(exc) else exc
                 self._graphs.refuse(key, err)
                 if err is exc:
                     raise
@@ -382,7 +389,10 @@ class BucketRunner:
             try:
                 self._verify(entry, feeds, sizes)
             except BaseException as exc:  # an interrupt too: no graph is left behind, and only a refusal is kept
+                passing = _passing(exc, family, releases)
                 graph.release()
+                if passing:
+                    return None
                 if isinstance(exc, CaptureError):
                     self._graphs.refuse(key, exc)
                 raise
@@ -421,50 +431,12 @@ class BucketRunner:
             except Exception as exc:  # noqa: BLE001 - ORT's own types: the feeds were valid, resized they are not
                 if not _from_ort(exc):
                     raise
-                raise CaptureError(self._probe_failure(feeds, sizes, exc) + self._host_read_hint()) from exc
+                raise CaptureError(_messages.probe_failure(self.dims, self._sites, self._s.get_inputs(), feeds,
+                                                         self._request_sizes(feeds), sizes, exc)
+                                   + _messages.host_read_hint(self._host_read)) from exc
             return {n: tuple(o.shape) for n, o in zip(self.output_names, outs)}
 
         return output_relations(run, self.dims, probes, self._declared)
-
-    def _padding_failed(self, exc: Exception, label: str) -> CaptureError:
-        """The error for a model that ORT runs on the request's feeds but not on them padded (or cut) to ``label``:
-        typically an input ORT reads on the host that encodes the batch size (a Reshape shape ``[n, -1]``)."""
-        return CaptureError(f"buckets: the model fails on the feeds padded or cut to {label} (ORT: "
-                            f"{str(exc).strip()[:300]}).{self._host_read_hint()} Run such requests with "
-                            "gpu_graph_id=-1 or use the session without buckets=.")
-
-    def _host_read_hint(self) -> str:
-        host = sorted(self._host_read)
-        return (f" The inputs ORT reads on the host ({host}) keep their values when the bucketed dims are padded; one "
-                "that encodes the batch size (e.g. a Reshape shape [n, ...]) cannot be bucketed." if host else "")
-
-    def _probe_failure(self, feeds: dict, sizes: Mapping[str, int], exc: Exception) -> str:
-        """Why an uncaptured run on feeds resized along the bucketed axes failed: most often an input (a recurrent
-        state, a cache) whose shape follows a bucketed dim on an axis the buckets do not name, so it was not
-        padded alongside. Names such axes: dynamic, not bucketed, as long as a bucketed dim in the request."""
-        request = self._request_sizes(feeds) or {}
-        hints = []  # (input, axis, length, dim)
-        for m in self._s.get_inputs():
-            bucketed = {a for a, _ in self._sites.get(m.name, ())}
-            shape = shape_of(feeds[m.name])
-            for ax, d in enumerate(m.shape):
-                if isinstance(d, int) or ax in bucketed or ax >= len(shape):
-                    continue
-                hints += [(m.name, ax, n, label) for label, n in request.items() if shape[ax] == n]
-        text = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        msg = (f"buckets: the uncaptured run with the feeds padded or cut to {text} along the bucketed axes failed "
-               f"({str(exc).strip()[:300]}). An input whose shape follows a bucketed dim on an axis the buckets do "
-               "not name (e.g. a recurrent state fed every call) cannot be padded alongside; ")
-        if hints:
-            name, ax, _, label = hints[0]
-            dim = next(d for d in self.dims if d.label == label)
-            part = label if "[" not in label and "+" not in label else dim.sites[0]
-            msg += ("candidates: " + "; ".join(f"input {n!r} axis {a} (length {k}, as {lb})" for n, a, k, lb in hints)
-                    + f". Name it in the same key, e.g. buckets={{({part!r}, ({name!r}, {ax})): [...]}} (a key may "
-                    "be a tuple of dim_params and (input, axis) pairs).")
-        else:
-            msg += "name such an axis in the same bucket key (a tuple of dim_params and (input, axis) pairs)."
-        return msg
 
     def _verify(self, entry: _Entry, feeds: dict, sizes: dict) -> None:
         """Check ``entry``'s graph on the request that captured it and, where that request filled the bucket, also
@@ -474,7 +446,10 @@ class BucketRunner:
         host = {n: (v if isinstance(v, np.ndarray) else to_host(v)) for n, v in feeds.items()}
 
         def replay(fs):
-            return self._replay(entry, fs, self._request_sizes(fs), self.output_names, count=False)
+            outs = self._replay(entry, fs, self._request_sizes(fs), self.output_names, count=False)
+            if outs is None:
+                raise GraphReleasedError(f"bucket {entry.label}: its graph was released during its check")
+            return outs
 
         if self._reference is None:
             to = self.host
@@ -518,52 +493,62 @@ class BucketRunner:
     def _replay(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str],
                 count: bool = True) -> list | None:
         """The request's outputs from ``entry``'s graph (new arrays, one per name, never views of each other or of
-        ortcapture's buffers); ``None`` when the graph was evicted meanwhile (look it up again)."""
+        ortcapture's buffers); ``None`` when the graph was evicted or released meanwhile (look it up again)."""
         with entry.lock:
             if entry.evicted or entry.graph.released:  # released from outside: _entry captures it again
                 return None
-            tid = threading.get_ident()
-            first_here = self._per_thread and tid not in entry.threads
-            t0 = time.perf_counter() if first_here else 0.0
-            graph = entry.graph
-            if sizes == entry.bucket:  # the request fills the bucket: the graph's own run, as g.run(feeds)
-                if entry.filled:  # every row written (or, should the run fail, maybe some: re-pad all next)
-                    entry.filled.clear()
-                outs = graph.run(feeds)
-                cut = entry.full_cut
-                if cut is None:  # what the relations keep of each output at the bucket's own sizes (once)
-                    cut = entry.full_cut = {n: {a: k for a, k in self._lengths(n, sizes, graph).items()
-                                                if k != o.shape[a]} for n, o in zip(self.output_names, outs)}
-                    entry.whole = not any(cut.values())
-                if entry.whole and names is self.output_names:
-                    result = outs
-                else:
-                    by_name = dict(zip(self.output_names, outs))
-                    result = [cut_rows(by_name[n], cut[n]) if cut[n] else by_name[n] for n in names]
-            else:  # its rows into the fixed buffers, the rest padded; only its rows back (ortcapture._core.rows)
-                outs = None
-                try:
-                    graph.feed_rows(feeds, self._axes, pad=self._pad, last=entry.filled)
-                except BaseException:
-                    entry.filled.clear()  # written in part, maybe: the next request re-pads every row
-                    raise
-                for name in self._axes:
-                    entry.filled[name] = shape_of(feeds[name])
-                graph.run(None, copy_outputs=False)
-                result = graph.read_rows(names, {n: self._lengths(n, sizes, graph) for n in set(names)})
-            if result is not outs and len(set(names)) < len(names):  # a name asked twice: separate arrays, as ORT
-                seen: set[str] = set()
-                result = [r.copy() if n in seen or seen.add(n) else r for n, r in zip(names, result)]
-            if first_here:
-                entry.threads.add(tid)
-                log.info("ortcapture: bucket %s captured for thread %s in %.3f s (CUDA graphs are per thread)",
-                         entry.label, threading.current_thread().name, time.perf_counter() - t0)
-            if count:  # the entry's counts; stats() adds them up, _evict() folds them into the session's totals
-                entry.replayed += 1
-                req = entry.capacity if result is outs else math.prod(sizes.values())
-                entry.rows += req
-                entry.padded_rows += entry.capacity - req
+            try:
+                return self._replay_held(entry, feeds, sizes, names, count)
+            except Exception:
+                if entry.graph.released:  # by another thread mid-request (release_captured_graph): look it up again
+                    return None
+                raise
+
+    def _replay_held(self, entry: _Entry, feeds: dict, sizes: dict, names: Sequence[str], count: bool) -> list:
+        """:meth:`_replay` with ``entry.lock`` held."""
+        tid = threading.get_ident()
+        first_here = self._per_thread and tid not in entry.threads
+        t0 = time.perf_counter() if first_here else 0.0
+        graph = entry.graph
+        if sizes == entry.bucket:  # the request fills the bucket: the graph's own run, as g.run(feeds)
+            if entry.filled:  # every row written (or, should the run fail, maybe some: re-pad all next)
+                entry.filled.clear()
+            outs = graph.run(feeds)
+            cut = entry.full_cut
+            if cut is None:  # what the relations keep of each output at the bucket's own sizes (once)
+                cut = entry.full_cut = {n: {a: k for a, k in self._lengths(n, sizes, graph).items()
+                                            if k != o.shape[a]} for n, o in zip(self.output_names, outs)}
+                entry.whole = not any(cut.values())
+            if entry.whole and names is self.output_names:
+                result = outs
+            else:
+                by_name = dict(zip(self.output_names, outs))
+                result = [cut_rows(by_name[n], cut[n]) if cut[n] else by_name[n] for n in names]
+        else:  # its rows into the fixed buffers, the rest padded; only its rows back (ortcapture._core.rows)
+            outs = None
+            try:
+                graph.feed_rows(feeds, self._axes, pad=self._pad, last=entry.filled)
+            except BaseException:
+                entry.filled.clear()  # written in part, maybe: the next request re-pads every row
+                raise
+            for name in self._axes:
+                entry.filled[name] = shape_of(feeds[name])
+            graph.run(None, copy_outputs=False)
+            result = graph.read_rows(names, {n: self._lengths(n, sizes, graph) for n in set(names)})
+        if result is not outs and len(set(names)) < len(names):  # a name asked twice: separate arrays, as ORT
+            seen: set[str] = set()
+            result = [r.copy() if n in seen or seen.add(n) else r for n, r in zip(names, result)]
+        if first_here:
+            entry.threads.add(tid)
+            log.info("ortcapture: bucket %s captured for thread %s in %.3f s (CUDA graphs are per thread)",
+                     entry.label, threading.current_thread().name, time.perf_counter() - t0)
+        if count:  # the entry's counts; stats() adds them up, _evict() folds them into the session's totals
+            entry.replayed += 1
+            req = entry.capacity if result is outs else math.prod(sizes.values())
+            entry.rows += req
+            entry.padded_rows += entry.capacity - req
         return result
+
     def _lengths(self, name: str, sizes: Mapping[str, int], graph) -> dict[int, int]:
         """``{axis: length}`` of output ``name`` for a request of ``sizes``; raises :class:`CaptureError` where that is
         beyond the bucket graph's output (the relation does not hold there)."""
@@ -691,6 +676,13 @@ class BucketRunner:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=False)
+
+
+def _passing(exc: BaseException, family, releases: int) -> bool:
+    """Whether a capture or check that raised ``exc`` failed because another thread released graphs meanwhile
+    (``release_captured_graph``, ``set_providers``: ``family.releases`` moved since it was ``releases``): not a
+    refusal to remember, the bucket is captured again on its next request."""
+    return isinstance(exc, GraphReleasedError) or family.releases != releases
 
 
 def _from_ort(exc: BaseException) -> bool:

@@ -82,6 +82,19 @@ class GraphDispatcher:
             if self._entries.get(key) is entry:
                 del self._entries[key]
 
+    def prune(self, dead) -> list:
+        """Forget every live entry for which ``dead(entry)`` is true (graphs released from outside, which would
+        otherwise hold a place under ``max_graphs`` until their own key comes again); returns them."""
+        with self.lock:
+            gone = [k for k, e in self._entries.items() if not isinstance(e, Refused) and dead(e)]
+            return [self._entries.pop(k) for k in gone]
+
+    def forget_refused(self) -> None:
+        """Forget every refused key (the session they were refused for is gone: ``set_providers``)."""
+        with self.lock:
+            for k in [k for k, e in self._entries.items() if isinstance(e, Refused)]:
+                del self._entries[k]
+
     def refuse(self, key: Hashable, error: BaseException) -> Refused:
         """Remember that ``key`` was refused, with ``error``; returns its :class:`Refused` entry."""
         refused = Refused(error)

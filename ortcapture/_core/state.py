@@ -168,6 +168,10 @@ class CaptureState:
         self.pool = BufferPool(session, self.device) if self.device is not None else None
         # family-level: set on the family state only
         self.graphs = GraphPool()
+        #: graphs released or forgotten so far (release, reset), counted on the family state: a capture that failed
+        #: while it moved may have failed because another thread released the graph being captured
+        #: (``release_captured_graph``, ``set_providers``) — a passing fault, not a refusal to remember
+        self.releases = 0
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
         #: ``() -> frozenset``: outputs whose value depends on no input (set by the session; ortcapture._verify.inspect)
         self.constant_outputs = frozenset
@@ -348,6 +352,7 @@ class CaptureState:
         are retired instead; ``aborted``: its capture was interrupted, and a retry of the id is told so), and detach
         the CapturedGraph that owned it."""
         with self.guard:
+            self.family.releases += 1
             rec = self.registry.release(graph_id, aborted) if self.registry is not None else None
             if rec is not None:
                 self.ledger.released(graph_id, freed=self.info.releases_natively, pinned_bytes=rec.nbytes)
@@ -362,6 +367,7 @@ class CaptureState:
     def reset(self) -> None:
         """Forget every graph of the family (the C sessions that held them are going: ``set_providers``) and detach
         the CapturedGraphs. The caller holds :attr:`capture_guard`."""
+        self.family.releases += 1
         for st in list(self.members()):
             if st.registry is not None:
                 for rec in st.registry.reset():

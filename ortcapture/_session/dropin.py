@@ -41,6 +41,9 @@ class AutoCaptureSession(InferenceSession):
                           "when the caller names none)", RuntimeWarning, stacklevel=2)
             bucket_kwargs = {}
         buckets = bucket_kwargs.get("buckets")
+        #: feed key -> CapturedGraph, or Refused (run uncaptured): the one key -> graph map (ortcapture._core.dispatch);
+        #: made first: ORT's constructor may call set_providers (its fallback providers)
+        self._oc_graphs = GraphDispatcher(self._oc_defaults["max_graphs"], full="refuse")
         try:
             super().__init__(path_or_bytes, *args, **bucket_kwargs, **kwargs)
         except Exception as exc:  # noqa: BLE001 - whatever the capture request broke
@@ -52,8 +55,6 @@ class AutoCaptureSession(InferenceSession):
                           f"capture on failed ({type(exc).__name__}: {str(exc)[:300]})", RuntimeWarning,
                           stacklevel=2)
             super().__init__(path_or_bytes, *caller, **kwargs)
-        #: feed key -> CapturedGraph, or Refused (run uncaptured): the one key -> graph map (ortcapture._core.dispatch)
-        self._oc_graphs = GraphDispatcher(self._oc_defaults["max_graphs"], full="refuse")
         self._oc_warned: set[str] = set()
         self.stats = {"replayed": 0, "captured": 0, "uncaptured": 0}
         self._oc_host_inputs = host_read_inputs(self)
@@ -171,23 +172,38 @@ class AutoCaptureSession(InferenceSession):
                 known = None
             if known is not None:
                 return None if isinstance(known, Refused) else known
+            graphs.prune(_released)  # released from outside: no place held under max_graphs
             if not graphs.admits():
                 self._oc_warn("max_graphs", f"more than max_graphs={self._oc_defaults['max_graphs']} distinct input "
                                             "shapes: the others run uncaptured")
                 return None
             graph = None
+            family = self._oc_state.family
+            releases = family.releases
             try:
                 graph = self.capture(feeds, verify=self._oc_defaults.get("verify", "full"))  # ortcapture._verify.compare
                 self.stats["captured"] += 1
             except Exception as exc:  # noqa: BLE001 - whatever refused the capture: run uncaptured instead
+                passing = isinstance(exc, GraphReleasedError) or family.releases != releases
                 if graph is not None:
                     graph.release()
+                if passing:  # a graph released by another thread meanwhile: this run uncaptured, the next captures
+                    return None
                 self._oc_warn(f"capture:{type(exc).__name__}", f"inputs of shapes "
                               f"{ {n: s for n, s, _, _ in key} } run uncaptured: {exc}")
                 graphs.refuse(key, exc)
                 return None
             graphs.add(key, graph)
             return graph
+
+    def set_providers(self, providers=None, provider_options=None) -> None:
+        """ORT's ``set_providers`` (:meth:`ortcapture.InferenceSession.set_providers`); the shapes refused under the old
+        providers are tried again under the new ones."""
+        try:
+            super().set_providers(providers, provider_options)
+        finally:
+            self._oc_graphs.forget_refused()
+            self._oc_graphs.prune(_released)
 
     def _oc_warn(self, kind: str, message: str) -> None:
         if kind not in self._oc_warned:
@@ -229,6 +245,10 @@ def _buckets_for(spec, path_or_bytes):
             if os.path.realpath(os.fspath(key)) == want:
                 return value
     return None
+
+
+def _released(graph) -> bool:
+    return graph.released
 
 
 def _select(all_names: list, outs: list, names: list) -> list:
