@@ -691,10 +691,8 @@ class CapturedGraph:
 class _NotCaptured:
     """The registry record's stand-in for a graph built with ``_without_capture``: it only counts runs."""
 
-    __slots__ = ("replays", "frozen")
+    __slots__ = ("replays", "frozen", "outputs")
 
     def __init__(self) -> None:
-        self.replays = 0
-        self.frozen: dict = {}  # as CapturedGraphRecord.frozen: nothing bound with bind_cpu_input
-
-
+        # as CapturedGraphRecord's: nothing bound with bind_cpu_input; nothing pinned (the binding's outputs are read)
+        self.replays, self.frozen, self.outputs = 0, {}, {}

@@ -408,10 +408,6 @@ def _drain(record, binding) -> None:
     from ortcapture._ort.values import meta
     from ortcapture._transfer import copy as transfer
 
-    outputs = getattr(record, "outputs", None)
-    if outputs is not None:
-        values = [b.value for b in outputs.values() if b.value is not None]
-    else:
-        values = list(binding.get_outputs())
+    values = [b.value for b in record.outputs.values() if b.value is not None] or list(binding.get_outputs())
     if values:
         transfer.to_numpy(min(values, key=lambda v: meta(v).nbytes))
