@@ -97,11 +97,37 @@ def test_compact_makes_released_graphs_memory_reusable(cuda):
     np.testing.assert_allclose(live.run()[0], state * 0.5 + 0.01, rtol=1e-6)
 
 
+_FRESH = """
+import json, sys
+import numpy as np
+from ortcapture.cli.soak import small_model, soak
+from tests.conftest import Backend
+threshold = 16 << 20
+sess = Backend("cuda").session(small_model(64))
+sess.compact_threshold = threshold
+n = 64
+feeds = {"state": np.zeros((n, n), np.float32), "x": np.full((n, n), 0.01, np.float32)}
+result = soak(sess, feeds, mode="cycles", count=1000, state={"state_out": "state"}, sample_s=0.0)
+print("SUMMARY " + json.dumps(result["summary"]))
+"""
+
+
 def test_small_model_1000_cycles_with_automatic_compaction(cuda):
-    threshold = 16 * MiB
-    sess, feeds = _small(cuda, threshold)
-    result = soak(sess, feeds, mode="cycles", count=1000, state={"state_out": "state"}, sample_s=0.0)
-    _check_cycles(result, threshold, cycles=1000)
+    """In a fresh process: the CUDA driver keeps the memory of graphs captured earlier in a process and hands it to
+    new captures, so after other tests' hundreds of captures the cycles' growth is not seen and nothing is retired
+    (measured on an H100 with the drop-in's release tests earlier in the same pytest process: +14 MiB, 0 compactions)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", _FRESH], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=240)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SUMMARY ")]
+    assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    _check_cycles({"summary": json.loads(lines[-1][len("SUMMARY "):])}, 16 * MiB, cycles=1000)
 
 
 def test_reference_model_cycles_with_automatic_compaction(cuda, reference_model_path):

@@ -454,3 +454,83 @@ def test_doctor_reports_host_read_inputs(webgpu, capsys, tmp_path):
     found = [f for f in report["findings"] if f["kind"] == "host_read_input"]
     assert found and found[0]["details"]["inputs"] == ["lo"] and found[0]["fix"], report["findings"]
     assert code == 0 and report["capture"]["outcome"] == "captured", report["capture"]
+
+
+# -- uncaptured runs of a device session: what ORT crashes on or gets wrong (found by a tester) --------------------
+_NONE_FEEDS = """
+import sys, threading, warnings
+import onnxruntime as ort, ortcapture
+from tests import tiny
+warnings.simplefilter("ignore")
+opts = ortcapture.webgpu.session_options(capture=True)
+buckets = ortcapture.InferenceSession(tiny.dynamic_model(), opts, buckets={"batch": [1, 2]})
+plain = ortcapture.InferenceSession(tiny.affine_model(), opts)
+with ortcapture.patched("webgpu"):
+    dropin = ort.InferenceSession(tiny.affine_model())
+done = threading.Event()
+for call in (lambda: buckets.run(None, {"X": None}), lambda: dropin.run(None, {"X": None}),
+             lambda: plain.run(None, {"X": None}, ortcapture.run_options_for(-1)),
+             lambda: plain.run_async(None, {"X": None}, lambda *a: done.set(), None, ortcapture.run_options_for(-1))):
+    try:
+        call()
+        print("RAN")
+    except TypeError as exc:
+        print("TypeError", "input 'X' is None" in str(exc))
+"""
+
+
+def test_a_none_feed_is_a_type_error_not_a_segfault(webgpu):
+    """``{"X": None}`` segfaulted ORT's WebGPU EP (exit 139) in a bucket session, the drop-in, ``gpu_graph_id=-1``
+    runs and ``run_async``: each is a TypeError naming the input now, before ORT (in a child process: a crash
+    fails the test, not the run)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", _NONE_FEEDS], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-1500:])
+    assert proc.stdout.split("\n")[:4] == ["TypeError True"] * 4, proc.stdout
+
+
+def test_uncaptured_webgpu_runs_refuse_int64_past_int32_and_read_big_endian_right(webgpu):
+    """int64 values outside int32 came back cut to 32 bits on the uncaptured WebGPU paths (a bucket session's
+    oversize request, ``gpu_graph_id=-1``, the drop-in past ``max_graphs``) while the captured paths refuse them
+    (issue 15): refused alike now. A big-endian feed (``>f4``) was read as native bytes (wrong values, as raw ORT
+    does): it is sent in native order."""
+    model = _model([helper.make_node("Cast", ["X"], ["Y"], to=TensorProto.FLOAT)],
+                   [vi("X", ["n", 1], TensorProto.INT64)], [vi("Y", ["n", 1])])
+    sess = webgpu.session(model, buckets={"n": [1, 2]})
+    big = np.full((9, 1), 2**33 + 5, np.int64)  # 9 rows: beyond the largest bucket, run uncaptured
+    with pytest.raises(TransferError, match="input 'X': int64 value 8589934597 is outside the int32 range"):
+        sess.run(None, {"X": big})
+    np.testing.assert_array_equal(sess.run(None, {"X": np.full((9, 1), 7, np.int64)})[0], np.full((9, 1), 7.0))
+    plain = webgpu.session(model)
+    with pytest.raises(TransferError, match="outside the int32 range"):
+        plain.run(None, {"X": big[:2]}, ortcapture.run_options_for(-1))
+
+    from tests import tiny
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    want = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
+    swapped = x.astype(">f4")
+    for s, ro in ((webgpu.session(tiny.bucket_model(), buckets={"batch": [2, 4]}), None),
+                  (webgpu.session(tiny.bucket_model()), ortcapture.run_options_for(-1))):
+        np.testing.assert_allclose(s.run(None, {"X": swapped}, ro)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_pointer_binding_ort_would_crash_on_is_refused_before_ort(webgpu):
+    """``bind_input(..., buffer_ptr=0)`` segfaulted inside ORT's bind on WebGPU (a tester): a pointer that is not an
+    int above 0, or a negative dim, is a BindingError before ORT is called."""
+    from tests import tiny
+
+    b = webgpu.session(tiny.affine_model()).io_binding()
+    for ptr, shape, words in [(0, [2, 4], "an int above 0"), (-8, [2, 4], "an int above 0"),
+                              ("8", [2, 4], "an int above 0"), (1.5, [2, 4], "an int above 0"),
+                              (True, [2, 4], "an int above 0"), (4096, [2, -4], "non-negative ints")]:
+        with pytest.raises(BindingError, match=words):
+            b.bind_input("X", "cpu", 0, np.float32, shape, ptr)
+        with pytest.raises(BindingError, match=words):
+            b.bind_output("Y", "cpu", 0, np.float32, shape, ptr)

@@ -142,6 +142,9 @@ def _bad(feeds_=None, binary=(), mutate=None, hl_delta=0, tail=b""):
                                                                        parameters={"binary_data_size": 128})),
      400, "sent"),
     (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape=[8, 10 ** 6])), 400, "fixes it"),
+    # a zero-size tensor's other dims: numpy's reshape failed past 2**62 and the client got a 500 (a tester)
+    (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape=[0, 2 ** 70], data=[])), 400, "dims up to 2147483647; entry 1 is"),
+    (lambda: _bad(mutate=lambda h: h["inputs"][0].update(shape=[2 ** 62, 0], data=[])), 400, "entry 0 is"),
     (lambda: _bad(mutate=lambda h: h.update(outputs=[{"name": "nope"}])), 400, "not an output"),
     (lambda: _bad(mutate=lambda h: h.update(outputs=[{"name": "Y", "parameters": {"classification": 2}}])),
      400, "classification"),

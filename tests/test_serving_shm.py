@@ -496,7 +496,7 @@ def test_an_input_in_a_region_is_checked_before_a_byte_is_read(obj, monkeypatch)
             (SPEC, [{"name": "X", "datatype": "FP32", "shape": ["2", 4]}], "needs datatype FP32"),
             (SPEC, [{"name": "Q", "datatype": "FP32", "shape": [2, 4]}], "must be one of the model's inputs"),
             (dataclasses.replace(SPEC, max_body_bytes=16), [{"name": "X", "datatype": "FP32", "shape": [2, 4]}],
-             "32 bytes are past the cap of 16 bytes")]:
+             "32 bytes in all are past the cap of 16 bytes")]:
         store = ShmStore(LocalRegistry())
         router = Router(spec, None, None, shm=store)
         assert _register(router, "in", key, 0, 4096).status == 200
@@ -568,3 +568,43 @@ def test_a_region_unregistered_through_another_replica_is_closed_here(obj):
     assert b.maps.names() == ["keep", "r"]
     a.close()
     b.close()
+
+
+def test_an_input_named_twice_is_refused_before_its_region_is_read_again(obj, monkeypatch):
+    """A 14 KB request naming one 16 MiB region 100 times as input 'X' made the ingress read 1.6 GB (4.8 GB peak)
+    before the protocol refused the duplicate (a tester), over REST and gRPC alike: now the second name is refused
+    before a second read, and the regions' bytes of one request stay within the request cap together."""
+    import dataclasses
+
+    from ortcapture.serving import grpc_service
+
+    key, _ = obj
+    store = ShmStore(LocalRegistry())
+    router = Router(SPEC, None, None, shm=store)
+    assert _register(router, "in", key, 0, 4096).status == 200
+    reads = []
+    real = store.maps.read
+    monkeypatch.setattr(store.maps, "read", lambda ref: reads.append(ref) or real(ref))
+    params = {shm.REGION: "in", shm.BYTE_SIZE: 32}
+    inputs = [{"name": "X", "datatype": "FP32", "shape": [2, 4], "parameters": dict(params)} for _ in range(100)]
+    with pytest.raises(ShmError, match="input 'X' appears twice"):
+        run(store.prepare_http(*_infer_body(inputs)[0:1], None, SPEC))
+    assert len(reads) == 1
+    p = grpc_service.pb2()
+    msg = p.ModelInferRequest(model_name="m")
+    for _ in range(100):
+        t = msg.inputs.add(name="X", datatype="FP32", shape=[2, 4])
+        t.parameters[shm.REGION].string_param = "in"
+        t.parameters[shm.BYTE_SIZE].int64_param = 32
+    reads.clear()
+    with pytest.raises(ShmError, match="input 'X' appears twice"):
+        run(grpc_service.decode_infer(msg, SPEC, store))
+    assert len(reads) == 1
+    two = dataclasses.replace(SPEC, inputs=SPEC.inputs + (TensorSpec("Z", np.dtype(np.float32), (-1, 4)),),
+                              batch_axes={"X": 0, "Z": 0}, max_body_bytes=48)
+    both = [{"name": n, "datatype": "FP32", "shape": [2, 4], "parameters": dict(params)} for n in ("X", "Z")]
+    reads.clear()
+    with pytest.raises(ShmError, match="64 bytes in all are past the cap of 48"):
+        run(store.prepare_http(*_infer_body(both)[0:1], None, two))
+    assert len(reads) == 1
+    store.close()

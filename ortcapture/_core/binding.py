@@ -178,8 +178,15 @@ class IOBinding(OrtIOBinding):
         object that owns that memory (the torch tensor, cupy array, OrtValue ...). The binding, and the record of a
         graph captured with it, hold ``owner`` so the memory outlives every replay; without it a pointer binding
         under capture warns :class:`~ortcapture.errors.PointerLifetimeWarning` (replays of freed memory read
-        garbage, measured on CUDA: zeros)."""
+        garbage, measured on CUDA: zeros).
+
+        Raises:
+            BindingError: a captured ``gpu_graph_id`` pins this binding; or ``buffer_ptr`` is not an int above 0, or
+                ``shape`` has a negative dim (ORT dereferences the pointer in the bind itself: a segfault on WebGPU
+                for 0, ORT 1.32), before ORT is called.
+        """
         self._oc_reject_if_pinned("rebind inputs")
+        _check_pointer(buffer_ptr, shape, f"bind_input({name!r})")
         super().bind_input(name, device_type, device_id, element_type, shape, buffer_ptr)
         self._oc_inputs[name] = Bound(
             "pointer", str(device_type).lower(), int(device_id), tuple(shape), onnx_type_of(element_type),
@@ -200,8 +207,11 @@ class IOBinding(OrtIOBinding):
 
     def bind_output(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None, *,
                     owner=None):
-        """ORT's ``bind_output``; with ``buffer_ptr``, ``owner`` is kept alive as for :meth:`bind_input`."""
+        """ORT's ``bind_output``; with ``buffer_ptr``, ``owner`` is kept alive and the pointer checked as for
+        :meth:`bind_input` (:class:`BindingError`)."""
         self._oc_reject_if_pinned("rebind outputs")
+        if buffer_ptr is not None:
+            _check_pointer(buffer_ptr, shape or (), f"bind_output({name!r})")
         super().bind_output(name, device_type, device_id, element_type, shape, buffer_ptr)
         if buffer_ptr is None:
             rec = Bound("allocate", str(device_type).lower(), int(device_id), None, None, None, None)
@@ -260,3 +270,14 @@ class IOBinding(OrtIOBinding):
         if FORKED_DEVICES:
             self._oc_origin.check("IOBinding.synchronize_outputs()")
         return super().synchronize_outputs()
+
+
+def _check_pointer(buffer_ptr, shape, what: str) -> None:
+    """Refuse a pointer binding ORT would crash on before it is called: ``buffer_ptr`` not an int above 0, a negative
+    dim in ``shape``. (A pointer to memory that is not there cannot be told apart here: the caller's to get right.)"""
+    import numbers
+
+    if isinstance(buffer_ptr, bool) or not isinstance(buffer_ptr, numbers.Integral) or int(buffer_ptr) <= 0:
+        raise BindingError(f"{what}: buffer_ptr must be a device address (an int above 0), got {buffer_ptr!r}")
+    if any(not isinstance(d, numbers.Integral) or int(d) < 0 for d in shape):
+        raise BindingError(f"{what}: shape must be non-negative ints, got {list(shape)!r}")

@@ -31,19 +31,17 @@ from ortcapture._ort.model import ModelSource, external_folder
 from ortcapture._session import buckets as _buckets_api
 from ortcapture._session import capture as _capture
 from ortcapture._session import memory as _memory_api
-from ortcapture._ort.providers import (
-    CaptureInfo, detect_capture, device_kind, names_cuda_ep, normalize, requested_capture)
+from ortcapture._ort.providers import CaptureInfo, detect_capture, device_kind, names_cuda_ep, normalize, requested_capture
 from ortcapture._session.setup import (
     build_without_capture, check_version, constant_outputs_of, refuse_int64_arithmetic, refusal_text,
     trt_bucket_profiles, without_capture)
-from ortcapture._core.run import (
-    GRAPH_ID_KEY, SKIP_GRAPH_ID, graph_id_of, run_bound, unsynchronised)
+from ortcapture._core.run import GRAPH_ID_KEY, SKIP_GRAPH_ID, graph_id_of, run_bound, unsynchronised
 from ortcapture._core.state import CaptureState
 from ortcapture._ort.sync import (
     CUDA_GATE, FORKED_DEVICES, WEBGPU_LOCK, Origin, defer_sync, device_origin, hold, run_async_guarded)
 from ortcapture._verify.compare import level_of
+from ortcapture._transfer.check import check_plain_feeds
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
-
 
 _NULL = contextlib.nullcontext()
 
@@ -438,6 +436,7 @@ class InferenceSession(OrtInferenceSession):
                 with self._oc_state.guard:
                     return super().run_with_ort_values(output_names, input_feed, run_options)
             return super().run_with_ort_values(output_names, input_feed, run_options)
+        input_feed = check_plain_feeds(input_feed, self._oc_state.device)  # None, byte order, WebGPU's limits
         if self._oc_check_plain_run("run", run_options):
             with self._oc_state.guard:
                 return super().run(output_names, input_feed, run_options)
@@ -457,6 +456,7 @@ class InferenceSession(OrtInferenceSession):
         run; then it calls ``callback`` (on that helper thread, not ORT's). This call waits until the run is queued
         (as :meth:`run` waits for the guard), so what ORT raises at once (missing inputs, feeds it cannot convert)
         is raised here, as ORT raises it."""
+        input_feed = check_plain_feeds(input_feed, self._oc_state.device)
         if not self._oc_check_plain_run("run_async", run_options):
             return super().run_async(output_names, input_feed, callback, user_data, run_options)
 

@@ -11,7 +11,7 @@ import numpy as np
 from ortcapture._ort import compat
 from ortcapture._ort.compat import C_OrtDevice, C_OrtValue, OrtDevice, OrtValue
 from ortcapture._ort.sync import FORKED_DEVICES, check_device
-from ortcapture._ort.values import ONNX_TO_NP, ValueMeta, meta
+from ortcapture._ort.values import ONNX_TO_NP, ValueMeta, check_webgpu_bytes, meta
 from ortcapture.errors import TransferError
 
 
@@ -336,3 +336,41 @@ def check_feeds(specs: Mapping[str, InputSpec], feeds: Mapping[str, Any],
             raise TransferError(problem)
     if rules:
         check_values(rules, feeds)
+
+
+def check_plain_feeds(input_feed: Any, device: Any) -> Any:
+    """The feeds of a device session's uncaptured ``run`` (``gpu_graph_id=-1``, the drop-in's and the buckets' runs
+    ORT does itself), made safe before ORT's native code sees them; returns them (a new dict where a feed changed).
+
+    * a ``None`` feed: refused (ORT's WebGPU EP segfaults on it; ORT 1.32, software adapter);
+    * a numpy array of non-native byte order (``">f4"``): sent in native order (ORT reads its bytes as native:
+      silently wrong values on every EP);
+    * ``device`` (the session's capture device, a :class:`~ortcapture._ort.providers.CaptureInfo`, or ``None``) on
+      WebGPU (a capturing WebGPU session): a numpy feed over 2 GiB is refused (ORT's WebGPU
+      copies crash), and int64 values outside int32 are refused (:func:`value_rules`: under
+      ``enableGraphCapture=1`` ORT keeps the low 32 bits in uncaptured runs too; issue 15).
+
+    Anything else (a feed that is not a mapping, unknown names, lists, OrtValues) goes to ORT as given: its own
+    result or error.
+
+    Raises:
+        TypeError: a ``None`` feed, naming the input.
+        TransferError: the WebGPU refusals above, naming the input.
+    """
+    if not isinstance(input_feed, Mapping):
+        return input_feed
+    out = None
+    device_type = getattr(device, "device_type", None)
+    rules = value_rules(device_type) if device_type else {}
+    for name, v in input_feed.items():
+        if v is None:
+            raise TypeError(f"input {name!r} is None: feed an array (ORT's WebGPU EP crashes on a None feed)")
+        if type(v) is not np.ndarray:
+            continue
+        if not v.dtype.isnative:
+            out = dict(input_feed) if out is None else out
+            out[name] = v = v.astype(v.dtype.newbyteorder("="))
+        if device_type == "webgpu":
+            check_webgpu_bytes(v.nbytes, f"input {name!r}")
+            check_values(rules, {name: v})
+    return input_feed if out is None else out

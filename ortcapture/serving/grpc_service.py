@@ -141,7 +141,7 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
                             413)
     entries, pieces, next_raw = [], [], 0
     plan = ShmPlan()
-    specs = {s.name: s for s in spec.inputs}
+    specs, read = {s.name: s for s in spec.inputs}, {}
     for t, params in zip(msg.inputs, inputs_p):
         where = f"input {t.name[:100]!r}"
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": [int(d) for d in t.shape]}
@@ -153,7 +153,7 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
             if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
                 plan.add_input(t.name, cuda_shm.device_tensor(ref, entry, specs, where))
                 continue
-            check_input_ref(ref, t.name, expected, spec)
+            check_input_ref(ref, t.name, expected, spec, read)
             data = store.maps.read(ref)
         elif raw:
             if filled:

@@ -294,6 +294,7 @@ class ShmStore:
         expected = _expected_bytes(req["inputs"], spec)
         plan = ShmPlan()
         specs = {s.name: s for s in spec.inputs}
+        read: dict = {}
         for t in list(req["inputs"]):
             params = t.get("parameters") if isinstance(t, dict) else None
             if isinstance(params, dict) and shm.uses_shm(params):
@@ -303,7 +304,7 @@ class ShmStore:
                     plan.add_input(str(t.get("name")), cuda_shm.device_tensor(ref, t, specs, where))
                     req["inputs"].remove(t)
                     continue
-                check_input_ref(ref, t.get("name"), expected.get(t.get("name")), spec)
+                check_input_ref(ref, t.get("name"), expected.get(t.get("name")), spec, read)
                 data = self.maps.read(ref)
                 t["parameters"] = {k: v for k, v in params.items() if k not in shm.PARAMETERS}
                 t["parameters"]["binary_data_size"] = len(data)
@@ -464,13 +465,17 @@ def _expected_bytes(inputs, spec: protocol.ModelSpec) -> dict:
     return out
 
 
-def check_input_ref(ref: Ref, name, expected: int | None, spec: protocol.ModelSpec) -> None:
+def check_input_ref(ref: Ref, name, expected: int | None, spec: protocol.ModelSpec, read: dict) -> None:
     """The one check of input ``name`` read from a system region, before a byte is read (REST and gRPC): its
     ``shared_memory_byte_size`` is what its shape and datatype take (``expected``; ``None``: not one of the model's
     inputs with its datatype and a shape of integers >= 0 — the region is not read at all, so a wrong datatype
-    cannot make the server copy a whole large region), and at most the request cap (``spec.max_body_bytes``, as
-    for a body). Raises :class:`ShmError`."""
+    cannot make the server copy a whole large region); the request names it once, and its regions' bytes together
+    stay within the request cap (``spec.max_body_bytes``, as for a body) — ``read``: this request's inputs read from
+    regions so far, ``{name: bytes}``, updated here (a tester's 14 KB request naming one 16 MiB region 100 times
+    made the ingress read 1.6 GB before the duplicate was refused). Raises :class:`ShmError`."""
     where = f"input {str(name)[:100]!r}"
+    if name in read:
+        raise ShmError(f"{where} appears twice")
     if expected is None:
         s = {t.name: t for t in spec.inputs}.get(name)
         raise ShmError(f"{where}: a shared memory input must be one of the model's inputs "
@@ -479,6 +484,7 @@ def check_input_ref(ref: Ref, name, expected: int | None, spec: protocol.ModelSp
                        "integers >= 0")
     if ref.byte_size != expected:
         raise ShmError(f"{where}: {shm.BYTE_SIZE} {ref.byte_size}; its shape and datatype take {expected} bytes")
-    if expected > spec.max_body_bytes:
-        raise ShmError(f"{where}: {expected} bytes are past the cap of {spec.max_body_bytes} bytes a request may "
-                       "carry")
+    if expected + sum(read.values()) > spec.max_body_bytes:
+        raise ShmError(f"{where}: {expected + sum(read.values())} bytes in all are past the cap of "
+                       f"{spec.max_body_bytes} bytes a request may carry")
+    read[name] = expected
