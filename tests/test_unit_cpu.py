@@ -85,6 +85,14 @@ def test_graph_id_of_run_options():
     ro.add_run_config_entry("gpu_graph_id", "x")
     with pytest.raises(ortcapture.CaptureError, match="integer"):
         graph_id_of(ro)
+    # int() takes " 0", "+0", "1_0", ORT's parse does not (its run failed inside the capture, the id retired); the
+    # range message of "-2" was swallowed into "must be an integer" (a tester)
+    for entry, words in [(" 0", "digits"), ("+0", "digits"), ("1_0", "digits"), ("-2", "or in \\[0, 2147483647\\], got -2"),
+                         ("2147483648", "got 2147483648")]:
+        ro = ort.RunOptions()
+        ro.add_run_config_entry("gpu_graph_id", entry)
+        with pytest.raises(ortcapture.CaptureError, match=words):
+            graph_id_of(ro)
 
 
 def _cpu_binding():
