@@ -370,14 +370,14 @@ class BucketRunner:
             label = ", ".join(f"{k}={v}" for k, v in bucket.items())
             t0 = time.perf_counter()
             padded = self._resized(feeds, bucket)
-            family = self.host.state.family
-            releases = family.releases  # moved: another thread released graphs meanwhile (see _passing)
+            state = self.host.state
+            mark = state.release_mark()  # another thread releasing graphs from here on: see _passing
             try:
                 graph = self.host.capture(padded)  # checked below, padded against unpadded
             except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
                 if not (isinstance(exc, CaptureError) or _from_ort(exc)):
                     raise
-                if _passing(exc, family, releases):
+                if _passing(exc, state, mark):
                     return None  # this request uncaptured; the next one captures the bucket again
                 err = _messages.padding_failed(exc, label, self._host_read) if _from_ort(exc) else exc
                 self._graphs.refuse(key, err)
@@ -389,7 +389,7 @@ class BucketRunner:
             try:
                 self._verify(entry, feeds, sizes)
             except BaseException as exc:  # an interrupt too: no graph is left behind, and only a refusal is kept
-                passing = _passing(exc, family, releases)
+                passing = _passing(exc, state, mark)
                 graph.release()
                 if passing:
                     return None
@@ -678,11 +678,11 @@ class BucketRunner:
             self._worker.shutdown(wait=False)
 
 
-def _passing(exc: BaseException, family, releases: int) -> bool:
-    """Whether a capture or check that raised ``exc`` failed because another thread released graphs meanwhile
-    (``release_captured_graph``, ``set_providers``: ``family.releases`` moved since it was ``releases``): not a
-    refusal to remember, the bucket is captured again on its next request."""
-    return isinstance(exc, GraphReleasedError) or family.releases != releases
+def _passing(exc: BaseException, state, mark: tuple[int, int]) -> bool:
+    """Whether a capture or check that raised ``exc`` may have failed because another thread released graphs
+    meanwhile (``release_captured_graph``, ``set_providers``; ``state.released_elsewhere(mark)``): not a refusal to
+    remember, the bucket is captured again on its next request."""
+    return isinstance(exc, GraphReleasedError) or state.released_elsewhere(mark)
 
 
 def _from_ort(exc: BaseException) -> bool:

@@ -168,10 +168,11 @@ class CaptureState:
         self.pool = BufferPool(session, self.device) if self.device is not None else None
         # family-level: set on the family state only
         self.graphs = GraphPool()
-        #: graphs released or forgotten so far (release, reset), counted on the family state: a capture that failed
-        #: while it moved may have failed because another thread released the graph being captured
-        #: (``release_captured_graph``, ``set_providers``) — a passing fault, not a refusal to remember
+        #: graphs released or forgotten so far (release, reset), counted on the family state, in all and per thread
+        #: (:meth:`release_mark`, :meth:`released_elsewhere`)
         self.releases = 0
+        self.release_lock = threading.Lock()
+        self.releases_here = threading.local()
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
         #: ``() -> frozenset``: outputs whose value depends on no input (set by the session; ortcapture._verify.inspect)
         self.constant_outputs = frozenset
@@ -352,7 +353,7 @@ class CaptureState:
         are retired instead; ``aborted``: its capture was interrupted, and a retry of the id is told so), and detach
         the CapturedGraph that owned it."""
         with self.guard:
-            self.family.releases += 1
+            self._count_release()
             rec = self.registry.release(graph_id, aborted) if self.registry is not None else None
             if rec is not None:
                 self.ledger.released(graph_id, freed=self.info.releases_natively, pinned_bytes=rec.nbytes)
@@ -364,10 +365,30 @@ class CaptureState:
                 if g is not None:
                     g.detach()
 
+    def _count_release(self) -> None:
+        fam = self.family
+        with fam.release_lock:
+            fam.releases += 1
+        fam.releases_here.n = getattr(fam.releases_here, "n", 0) + 1
+
+    def release_mark(self) -> tuple[int, int]:
+        """``(graphs of the family released so far, those released by the calling thread)``: the mark
+        :meth:`released_elsewhere` compares with."""
+        fam = self.family
+        return fam.releases, getattr(fam.releases_here, "n", 0)
+
+    def released_elsewhere(self, mark: tuple[int, int]) -> bool:
+        """Whether another thread released graphs of the family since ``mark`` (:meth:`release_mark`): a capture
+        that failed meanwhile may have failed because its graph was released under it (``release_captured_graph``,
+        ``set_providers`` from another thread) — a passing fault, not a refusal to remember. Releases of the calling
+        thread itself (a failed check releasing its own graph) do not count."""
+        total, mine = self.release_mark()
+        return total - mark[0] > mine - mark[1]
+
     def reset(self) -> None:
         """Forget every graph of the family (the C sessions that held them are going: ``set_providers``) and detach
         the CapturedGraphs. The caller holds :attr:`capture_guard`."""
-        self.family.releases += 1
+        self._count_release()
         for st in list(self.members()):
             if st.registry is not None:
                 for rec in st.registry.reset():

@@ -178,13 +178,12 @@ class AutoCaptureSession(InferenceSession):
                                             "shapes: the others run uncaptured")
                 return None
             graph = None
-            family = self._oc_state.family
-            releases = family.releases
+            mark = self._oc_state.release_mark()
             try:
                 graph = self.capture(feeds, verify=self._oc_defaults.get("verify", "full"))  # ortcapture._verify.compare
                 self.stats["captured"] += 1
             except Exception as exc:  # noqa: BLE001 - whatever refused the capture: run uncaptured instead
-                passing = isinstance(exc, GraphReleasedError) or family.releases != releases
+                passing = isinstance(exc, GraphReleasedError) or self._oc_state.released_elsewhere(mark)
                 if graph is not None:
                     graph.release()
                 if passing:  # a graph released by another thread meanwhile: this run uncaptured, the next captures
