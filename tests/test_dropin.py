@@ -336,3 +336,17 @@ def test_patched_session_runs_while_another_thread_compacts(provider):
         t.join(30)
     assert not any(t.is_alive() for t in threads) and not errors, errors[:1]
     assert runs[0] > 20
+
+
+def test_an_interrupt_is_never_taken_for_a_release_from_another_thread():
+    """A bucket check interrupted (KeyboardInterrupt) while another thread released a graph was swallowed as a
+    passing fault and the request ran uncaptured (a reviewer): only an Exception may be one."""
+    from ortcapture._buckets.run import _passing
+
+    class Released:
+        def released_elsewhere(self, mark):
+            return True
+
+    assert _passing(RuntimeError("a buffer gone"), Released(), (0, 0))
+    assert not _passing(KeyboardInterrupt(), Released(), (0, 0))
+    assert not _passing(SystemExit(1), Released(), (0, 0))

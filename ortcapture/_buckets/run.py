@@ -682,6 +682,8 @@ def _passing(exc: BaseException, state, mark: tuple[int, int]) -> bool:
     """Whether a capture or check that raised ``exc`` may have failed because another thread released graphs
     meanwhile (``release_captured_graph``, ``set_providers``; ``state.released_elsewhere(mark)``): not a refusal to
     remember, the bucket is captured again on its next request."""
+    if not isinstance(exc, Exception):  # an interrupt (KeyboardInterrupt), SystemExit: never swallowed
+        return False
     return isinstance(exc, GraphReleasedError) or state.released_elsewhere(mark)
 
 

@@ -181,9 +181,9 @@ class IOBinding(OrtIOBinding):
         garbage, measured on CUDA: zeros).
 
         Raises:
-            BindingError: a captured ``gpu_graph_id`` pins this binding; or ``buffer_ptr`` is not an int above 0, or
-                ``shape`` has a negative dim (ORT dereferences the pointer in the bind itself: a segfault on WebGPU
-                for 0, ORT 1.32), before ORT is called.
+            BindingError: a captured ``gpu_graph_id`` pins this binding; or ``buffer_ptr`` is not an int above 0 (0
+                only for a tensor of no elements), or ``shape`` has a negative dim (ORT dereferences the pointer in the
+                bind itself: a segfault on WebGPU for 0, ORT 1.32), before ORT is called.
         """
         self._oc_reject_if_pinned("rebind inputs")
         _check_pointer(buffer_ptr, shape, f"bind_input({name!r})")
@@ -211,7 +211,7 @@ class IOBinding(OrtIOBinding):
         :meth:`bind_input` (:class:`BindingError`)."""
         self._oc_reject_if_pinned("rebind outputs")
         if buffer_ptr is not None:
-            _check_pointer(buffer_ptr, shape or (), f"bind_output({name!r})")
+            _check_pointer(buffer_ptr, () if shape is None else shape, f"bind_output({name!r})")
         super().bind_output(name, device_type, device_id, element_type, shape, buffer_ptr)
         if buffer_ptr is None:
             rec = Bound("allocate", str(device_type).lower(), int(device_id), None, None, None, None)
@@ -273,11 +273,16 @@ class IOBinding(OrtIOBinding):
 
 
 def _check_pointer(buffer_ptr, shape, what: str) -> None:
-    """Refuse a pointer binding ORT would crash on before it is called: ``buffer_ptr`` not an int above 0, a negative
-    dim in ``shape``. (A pointer to memory that is not there cannot be told apart here: the caller's to get right.)"""
+    """Refuse a pointer binding ORT would crash on before it is called: ``buffer_ptr`` not an int, negative, or 0 for
+    a tensor with elements (an empty tensor's pointer may be 0: torch's and CuPy's are), a negative dim in ``shape``.
+    (A pointer to memory that is not there cannot be told apart here: the caller's to get right.)"""
     import numbers
 
-    if isinstance(buffer_ptr, bool) or not isinstance(buffer_ptr, numbers.Integral) or int(buffer_ptr) <= 0:
-        raise BindingError(f"{what}: buffer_ptr must be a device address (an int above 0), got {buffer_ptr!r}")
-    if any(not isinstance(d, numbers.Integral) or int(d) < 0 for d in shape):
-        raise BindingError(f"{what}: shape must be non-negative ints, got {list(shape)!r}")
+    dims = list(shape)
+    if any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or int(d) < 0 for d in dims):
+        raise BindingError(f"{what}: shape must be non-negative ints, got {dims!r}")
+    empty = any(int(d) == 0 for d in dims)
+    if (isinstance(buffer_ptr, bool) or not isinstance(buffer_ptr, numbers.Integral) or int(buffer_ptr) < 0
+            or (int(buffer_ptr) == 0 and not empty)):
+        raise BindingError(f"{what}: buffer_ptr must be a device address (an int above 0; 0 only for a tensor of no "
+                           f"elements), got {buffer_ptr!r}")

@@ -172,6 +172,9 @@ class CaptureState:
         #: (:meth:`release_mark`, :meth:`released_elsewhere`)
         self.releases = 0
         self.release_lock = threading.Lock()
+        #: ``(C session, inputs ORT reads on the host, input specs)`` for the checks of plain runs
+        #: (:mod:`ortcapture._session.plain`), made again when the C session is another
+        self.plain_inputs: tuple | None = None
         self.releases_here = threading.local()
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
         #: ``() -> frozenset``: outputs whose value depends on no input (set by the session; ortcapture._verify.inspect)
@@ -353,9 +356,9 @@ class CaptureState:
         are retired instead; ``aborted``: its capture was interrupted, and a retry of the id is told so), and detach
         the CapturedGraph that owned it."""
         with self.guard:
-            self._count_release()
             rec = self.registry.release(graph_id, aborted) if self.registry is not None else None
             if rec is not None:
+                self._count_release()  # a graph there was (an unknown id counts for nothing)
                 self.ledger.released(graph_id, freed=self.info.releases_natively, pinned_bytes=rec.nbytes)
             if compat.has_release_captured_graph():
                 compat.OrtInferenceSession.release_captured_graph(self.session, graph_id)

@@ -40,7 +40,7 @@ from ortcapture._core.state import CaptureState
 from ortcapture._ort.sync import (
     CUDA_GATE, FORKED_DEVICES, WEBGPU_LOCK, Origin, defer_sync, device_origin, hold, run_async_guarded)
 from ortcapture._verify.compare import level_of
-from ortcapture._transfer.check import check_plain_feeds
+from ortcapture._session import plain as _plain
 from ortcapture.errors import BindingError, CaptureError, CaptureUnsupportedError
 
 _NULL = contextlib.nullcontext()
@@ -436,7 +436,7 @@ class InferenceSession(OrtInferenceSession):
                 with self._oc_state.guard:
                     return super().run_with_ort_values(output_names, input_feed, run_options)
             return super().run_with_ort_values(output_names, input_feed, run_options)
-        input_feed = check_plain_feeds(input_feed, self._oc_state.device)  # None, byte order, WebGPU's limits
+        input_feed = self._oc_plain_feeds(input_feed)  # None, byte order, WebGPU's limits
         if self._oc_check_plain_run("run", run_options):
             with self._oc_state.guard:
                 return super().run(output_names, input_feed, run_options)
@@ -456,7 +456,7 @@ class InferenceSession(OrtInferenceSession):
         run; then it calls ``callback`` (on that helper thread, not ORT's). This call waits until the run is queued
         (as :meth:`run` waits for the guard), so what ORT raises at once (missing inputs, feeds it cannot convert)
         is raised here, as ORT raises it."""
-        input_feed = check_plain_feeds(input_feed, self._oc_state.device)
+        input_feed = self._oc_plain_feeds(input_feed)
         if not self._oc_check_plain_run("run_async", run_options):
             return super().run_async(output_names, input_feed, callback, user_data, run_options)
 
@@ -586,8 +586,7 @@ class InferenceSession(OrtInferenceSession):
                 st.replay(iobinding, run_options, rec)
                 return None
 
-    # -- release / reset --------------------------------------------------------------------------------------
-    # graph release and memory: methods defined in ortcapture._session.memory
+    # -- release / reset: graph release and memory, methods defined in ortcapture._session.memory ------------------
     release_captured_graph = _memory_api.release_captured_graph
     compact = _memory_api.compact
     compact_threshold = _memory_api.compact_threshold
@@ -636,6 +635,7 @@ class InferenceSession(OrtInferenceSession):
                 raise
         self._oc_origin.check("set_providers()")  # a device EP from the session options, its parent's device
 
+    _oc_plain_feeds = _plain.oc_plain_feeds
     # -- buckets: methods defined in ortcapture._session.buckets --------------------------------------------------
     _oc_bucket_reference = _buckets_api.oc_bucket_reference
     _oc_new_buckets = _buckets_api.oc_new_buckets

@@ -338,23 +338,25 @@ def check_feeds(specs: Mapping[str, InputSpec], feeds: Mapping[str, Any],
         check_values(rules, feeds)
 
 
-def check_plain_feeds(input_feed: Any, device: Any) -> Any:
+def check_plain_feeds(input_feed: Any, device: Any, host_read: frozenset = frozenset()) -> Any:
     """The feeds of a device session's uncaptured ``run`` (``gpu_graph_id=-1``, the drop-in's and the buckets' runs
-    ORT does itself), made safe before ORT's native code sees them; returns them (a new dict where a feed changed).
+    ORT does itself), made safe before ORT's native code sees them; returns them (a new dict where a feed changed,
+    never the caller's dict changed).
 
-    * a ``None`` feed: refused (ORT's WebGPU EP segfaults on it; ORT 1.32, software adapter);
-    * a numpy array of non-native byte order (``">f4"``): sent in native order (ORT reads its bytes as native:
-      silently wrong values on every EP);
+    * a ``None`` feed: left out, as ORT's Python ``run`` treats it on the CPU EP (an input with an initializer keeps
+      its default, a required one gets ORT's own "missing" error) — ORT's WebGPU EP segfaulted on it (ORT 1.32);
+    * a numpy array (a subclass too) of non-native byte order (``">f4"``): sent in native order (ORT reads its bytes
+      as native: silently wrong values on every EP);
     * ``device`` (the session's capture device, a :class:`~ortcapture._ort.providers.CaptureInfo`, or ``None``) on
-      WebGPU (a capturing WebGPU session): a numpy feed over 2 GiB is refused (ORT's WebGPU
-      copies crash), and int64 values outside int32 are refused (:func:`value_rules`: under
-      ``enableGraphCapture=1`` ORT keeps the low 32 bits in uncaptured runs too; issue 15).
+      WebGPU (a capturing WebGPU session): a numpy feed over 2 GiB is refused (ORT's WebGPU copies crash), and int64
+      values outside int32 are refused (:func:`value_rules`: under ``enableGraphCapture=1`` ORT keeps the low 32 bits
+      of device inputs in uncaptured runs too; issue 15) except in the inputs ORT reads on the host (``host_read``: a
+      Slice end of INT64_MAX is right there).
 
     Anything else (a feed that is not a mapping, unknown names, lists, OrtValues) goes to ORT as given: its own
-    result or error.
+    result or error (the session converts lists first where it checks them: :mod:`ortcapture._session.plain`).
 
     Raises:
-        TypeError: a ``None`` feed, naming the input.
         TransferError: the WebGPU refusals above, naming the input.
     """
     if not isinstance(input_feed, Mapping):
@@ -364,13 +366,16 @@ def check_plain_feeds(input_feed: Any, device: Any) -> Any:
     rules = value_rules(device_type) if device_type else {}
     for name, v in input_feed.items():
         if v is None:
-            raise TypeError(f"input {name!r} is None: feed an array (ORT's WebGPU EP crashes on a None feed)")
-        if type(v) is not np.ndarray:
+            out = dict(input_feed) if out is None else out
+            del out[name]
+            continue
+        if not isinstance(v, np.ndarray):
             continue
         if not v.dtype.isnative:
             out = dict(input_feed) if out is None else out
             out[name] = v = v.astype(v.dtype.newbyteorder("="))
         if device_type == "webgpu":
             check_webgpu_bytes(v.nbytes, f"input {name!r}")
-            check_values(rules, {name: v})
+            if name not in host_read:
+                check_values(rules, {name: v})
     return input_feed if out is None else out
