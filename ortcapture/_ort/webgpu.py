@@ -94,7 +94,8 @@ def ep_device():
     if not devices:
         raise CaptureUnsupportedError(
             "no WebGPU EP device: on a machine without a GPU set ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1 and a "
-            "software Vulkan driver (tools/setup_webgpu.sh) before the first session"
+            "software Vulkan driver (tools/setup_webgpu.sh) before the first session — after the README's commands: "
+            "source \"${ORTCAPTURE_CACHE:-$HOME/.cache/ortcapture}/webgpu.env\" (it sets both, and VK_ICD_FILENAMES)"
         )
     devices.sort(key=lambda d: 0 if "GPU" in str(d.device.type) else 1)
     return devices[0]
