@@ -172,8 +172,8 @@ class CaptureState:
         #: (:meth:`release_mark`, :meth:`released_elsewhere`)
         self.releases = 0
         self.release_lock = threading.Lock()
-        #: ``(C session, inputs ORT reads on the host, input specs)`` for the checks of plain runs
-        #: (:mod:`ortcapture._session.plain`), made again when the C session is another
+        #: ``(id of the C session, inputs ORT reads on the host, input specs)`` for the checks of plain runs
+        #: (:mod:`ortcapture._session.plain`), made again when the C session is another (dropped by reset, rebuilt)
         self.plain_inputs: tuple | None = None
         self.releases_here = threading.local()
         self.siblings: dict[tuple, CaptureState] = {}  # shape signature -> the sibling session's state
@@ -392,6 +392,7 @@ class CaptureState:
         """Forget every graph of the family (the C sessions that held them are going: ``set_providers``) and detach
         the CapturedGraphs. The caller holds :attr:`capture_guard`."""
         self._count_release()
+        self.plain_inputs = None
         for st in list(self.members()):
             if st.registry is not None:
                 for rec in st.registry.reset():
@@ -407,6 +408,7 @@ class CaptureState:
         id is gone, and no thread has a CUDA graph of it yet. The caller holds :attr:`capture_guard`."""
         self.registry = GraphRegistry(self.info)
         self.tls = threading.local()
+        self.plain_inputs = None
         if self.pool is not None:
             self.pool.clear()
 

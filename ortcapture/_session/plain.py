@@ -31,9 +31,9 @@ def oc_plain_feeds(self, input_feed: Any) -> Any:
     device = st.device
     host_read: frozenset = frozenset()
     if device is not None and device.device_type == "webgpu":
-        c_session = compat.c_session(self)
+        c_session = id(compat.c_session(self))  # its id only: holding it would keep a replaced C session alive
         known = st.plain_inputs
-        if known is None or known[0] is not c_session:  # per C session (set_providers, compact rebuild it)
+        if known is None or known[0] != c_session:  # per C session (set_providers, compact rebuild it)
             known = st.plain_inputs = (c_session, host_read_inputs(self), input_specs(self))
         _, host_read, specs = known
         if any(type(v) is list for v in input_feed.values()):
