@@ -234,13 +234,20 @@ def test_max_graphs_evicts_the_least_recently_used(backend):
     ({"nope": [1]}, "no input dim is named 'nope'"),
     ({("X", 1): [1]}, "fixed at 4"),
     ({"batch": [4, 2]}, "ascending"),
-    ({"batch": [0, 2]}, "positive"),
+    ({"batch": [0, 2]}, "ints from 1 to"),
+    ({"batch": [1, 2**40]}, "ints from 1 to 2147483647"),  # every request failed later with MemoryError (a tester)
     ({("Z", 0): [1]}, "not an input"),
     ([1, 2], "mapping"),
 ])
 def test_bad_bucket_specs(backend, spec, match):
     with pytest.raises(CaptureError, match=match):
         backend.session(tiny.bucket_model(), buckets=spec)
+
+
+def test_replay_thread_takes_a_bool_only(backend):
+    """``replay_thread="yes"`` (and "no") were taken as their truth value (a tester)."""
+    with pytest.raises(CaptureError, match="replay_thread must be True or False, got 'no'"):
+        backend.session(tiny.bucket_model(), buckets={"batch": [1]}, replay_thread="no")
 
 
 def test_buckets_need_capture(backend):

@@ -128,6 +128,8 @@ class BucketRunner:
         #: {input: bucketed axes}: the axes along which a request's feed may be shorter than its bucket's buffer
         self._per_thread = self.device_type == "cuda"  # CUDA graphs are per thread: the first replay captures
         self._axes = {name: tuple(a for a, _ in sites) for name, sites in self._sites.items()}
+        if not isinstance(replay_thread, bool):  # "yes" / "no" were taken as their truth value (a tester)
+            raise CaptureError(f"replay_thread must be True or False, got {replay_thread!r}")
         self._worker = ThreadPoolExecutor(1, "ortcapture-replay") if replay_thread else None
         self._worker_ident: int | None = None
         self._warned_oversize = False

@@ -96,6 +96,16 @@ def _sites(key: Any, dims: Mapping[str, Sequence]) -> list[tuple[str, int]]:
     return [(name, axis)]
 
 
+#: the largest bucket size (ORT's dims are int64, but a graph that size cannot be allocated; ORT parses 32-bit ids)
+MAX_SIZE = 2**31 - 1
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, at most 80 characters (an int of 400 digits was printed whole: a tester)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _sizes(key: Any, sizes: Any) -> tuple[int, ...]:
     if isinstance(sizes, (str, bytes)):
         raise CaptureError(f"buckets[{key!r}] must be a list of ints such as [1, 2, 4, 8], got the string {sizes!r}")
@@ -103,8 +113,9 @@ def _sizes(key: Any, sizes: Any) -> tuple[int, ...]:
         vals = list(sizes)
     except TypeError:
         raise CaptureError(f"buckets[{key!r}] must be a list of sizes, got {sizes!r}") from None
-    if not vals or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in vals):
-        raise CaptureError(f"buckets[{key!r}] must be positive ints, got {vals!r}")
+    if not vals or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= MAX_SIZE
+                       for v in vals):  # past MAX_SIZE every request failed at its first run (MemoryError: a tester)
+        raise CaptureError(f"buckets[{key!r}] must be ints from 1 to {MAX_SIZE}, got {str(vals)[:200]}")
     if any(b <= a for a, b in zip(vals, vals[1:])):
         raise CaptureError(f"buckets[{key!r}] must be strictly ascending, got {vals!r}")
     return tuple(int(v) for v in vals)
@@ -133,7 +144,7 @@ def check_pad_values(spec: Any, input_types: Mapping[str, np.dtype | None],
         dtype = input_types[name]
         arr = np.asarray(value)
         if arr.ndim != 0 or arr.dtype.kind not in "biuf" or dtype is None:
-            raise CaptureError(f"pad_values[{name!r}] must be a real scalar for a numeric input, got {value!r}")
+            raise CaptureError(f"pad_values[{name!r}] must be a real scalar for a numeric input, got {_short(value)}")
         with np.errstate(all="ignore"):
             cast = arr.astype(dtype)
         if np.dtype(dtype).kind == "f":  # rounding is fine (0.1 in float32); overflow to inf is not
@@ -142,7 +153,7 @@ def check_pad_values(spec: Any, input_types: Mapping[str, np.dtype | None],
             same = (not np.isnan(arr.astype(np.float64)) and float(cast) == float(arr)
                     and not (np.dtype(dtype) == np.bool_ and arr.dtype.kind == "f"))
         if not same:
-            raise CaptureError(f"pad_values[{name!r}] = {value!r} does not fit the input's dtype {np.dtype(dtype)}")
+            raise CaptureError(f"pad_values[{name!r}] = {_short(value)} does not fit the input's dtype {np.dtype(dtype)}")
         out[name] = cast[()]
     return out
 
