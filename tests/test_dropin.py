@@ -237,9 +237,11 @@ def test_released_graphs_hold_no_place_under_max_graphs(backend):
     assert sess.stats["captured"] == 4 and sess.stats["uncaptured"] == 0
 
 
-def _release_while_running(sess, plain, seconds: float, rtol: float) -> tuple[int, list]:
-    """Two threads run shapes 1-4 of the bucket model through ``sess`` while a third releases every captured graph
-    every 10 ms, for ``seconds``; returns (right answers: within ``rtol`` of the CPU EP's, errors)."""
+def _runs_beside(sess, plain, rtol: float, disturb, *, runners: int = 2, seconds: float = 2.5,
+                 every: float = 0.01) -> tuple[int, list]:
+    """``runners`` threads run shapes 1-4 of the bucket model through ``sess`` (each answer within ``rtol`` of
+    ``plain``'s, the CPU EP) while one more thread calls ``disturb()`` every ``every`` seconds, for ``seconds`` or
+    until the first error; returns (right answers, errors)."""
     import threading
     import time
 
@@ -247,7 +249,7 @@ def _release_while_running(sess, plain, seconds: float, rtol: float) -> tuple[in
 
     def runner(k):
         i = 0
-        while time.monotonic() < stop:
+        while time.monotonic() < stop and not errors:
             i += 1
             x = np.full((1 + (i + k) % 4, 4), i % 5, np.float32)
             try:
@@ -256,20 +258,24 @@ def _release_while_running(sess, plain, seconds: float, rtol: float) -> tuple[in
             except Exception as exc:  # noqa: BLE001 - reported by the caller
                 errors.append(exc)
 
-    def releaser():
-        while time.monotonic() < stop:
-            for gid in list(sess.captured_graphs):
-                sess.release_captured_graph(gid)
-            time.sleep(0.01)
+    def disturber():
+        while time.monotonic() < stop and not errors:
+            disturb()
+            time.sleep(every)
 
-    threads = [threading.Thread(target=runner, args=(k,), daemon=True) for k in range(2)]
-    threads.append(threading.Thread(target=releaser, daemon=True))
+    threads = [threading.Thread(target=runner, args=(k,), daemon=True) for k in range(runners)]
+    threads.append(threading.Thread(target=disturber, daemon=True))
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads)
     return runs[0], errors
+
+
+def _release_all(sess):
+    """``disturb`` for :func:`_runs_beside`: release every graph ``sess`` has captured (as another thread would)."""
+    return lambda: [sess.release_captured_graph(gid) for gid in list(sess.captured_graphs)]
 
 
 def test_a_release_from_another_thread_during_a_capture_is_no_refusal(backend):
@@ -282,7 +288,7 @@ def test_a_release_from_another_thread_during_a_capture_is_no_refusal(backend):
         warnings.simplefilter("ignore")
         with ortcapture.patched(backend.name):
             sess = ort.InferenceSession(tiny.bucket_model())
-        runs, errors = _release_while_running(sess, plain, 2.5, TOL[backend.name])
+        runs, errors = _runs_beside(sess, plain, TOL[backend.name], _release_all(sess))
         assert not errors and runs > 10, (runs, errors[:1])
         assert sess._oc_graphs.refused() == 0
         before = dict(sess.stats)
@@ -291,7 +297,7 @@ def test_a_release_from_another_thread_during_a_capture_is_no_refusal(backend):
         assert sess.stats["uncaptured"] == before["uncaptured"]  # all four captured (or replayed) again
 
         buckets = backend.session(tiny.bucket_model(), buckets={"batch": [2, 4]})
-        runs, errors = _release_while_running(buckets, plain, 2.5, TOL[backend.name])
+        runs, errors = _runs_beside(buckets, plain, TOL[backend.name], _release_all(buckets))
         assert not errors and runs > 10, (runs, errors[:1])
         assert buckets.bucket_stats()["refused"] == 0
         before = buckets.bucket_stats()["uncaptured"]
@@ -304,38 +310,12 @@ def test_a_release_from_another_thread_during_a_capture_is_no_refusal(backend):
 def test_patched_session_runs_while_another_thread_compacts(provider):
     """``compact()`` in one thread while three run: the drop-in read ``get_inputs()`` unguarded, which is None
     while the C session is rebuilt — TypeError in the runners (found by a tester). Bounded: 3 s."""
-    import threading
-    import time
-
     with ortcapture.patched(provider):
         sess = ort.InferenceSession(tiny.bucket_model())
     plain = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
-    stop, errors, runs = time.monotonic() + 3, [], [0]
-
-    def runner(k):
-        i = 0
-        while time.monotonic() < stop and not errors:
-            i += 1
-            x = np.full((1 + (i + k) % 4, 4), i % 5, np.float32)
-            try:
-                close(sess.run(None, {"X": x})[0], plain.run(None, {"X": x})[0], TOL[provider])
-                runs[0] += 1
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-    def compactor():
-        while time.monotonic() < stop and not errors:
-            sess.compact()
-            time.sleep(0.02)
-
-    threads = [threading.Thread(target=runner, args=(k,), daemon=True) for k in range(3)]
-    threads.append(threading.Thread(target=compactor, daemon=True))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads) and not errors, errors[:1]
-    assert runs[0] > 20
+    runs, errors = _runs_beside(sess, plain, TOL[provider], sess.compact, runners=3, seconds=3, every=0.02)
+    assert not errors, errors[:1]
+    assert runs > 20
 
 
 def test_an_interrupt_is_never_taken_for_a_release_from_another_thread():
