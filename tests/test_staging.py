@@ -213,10 +213,13 @@ class _FakeCudart:
     def sync_stream(self, stream):
         self.calls.append(("sync",))
 
-    def host_register(self, ptr, nbytes):
+    def host_register(self, ptr, nbytes, portable=False):
         if ptr in self.refuse:
             raise RuntimeError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")
-        self.calls.append(("register", ptr, nbytes))
+        self.calls.append(("register", ptr, nbytes) + (("portable",) if portable else ()))
+
+    def host_unregister(self, ptr):
+        self.calls.append(("unregister", ptr))
 
     def memset_async(self, dst, value, nbytes, stream):
         self.calls.append(("memset", dst, value, nbytes))
@@ -240,7 +243,7 @@ def fake_pinned(monkeypatch):
 
     fake = _FakeCudart()
     for name in ("host_alloc", "copy_async", "new_stream", "new_event", "record", "wait_event", "sync_stream",
-                 "release_later", "free_pending", "set_device", "host_register", "memset_async"):
+                 "release_later", "free_pending", "set_device", "host_register", "host_unregister", "memset_async"):
         monkeypatch.setattr(cudart, name, getattr(fake, name))
     monkeypatch.setattr(compat, "has_cuda_python", lambda: True)
     monkeypatch.setattr(_sync, "PINNED", True)

@@ -269,16 +269,27 @@ def host_alloc(nbytes: int) -> int:
     return int(ptr)
 
 
-def host_register(ptr: int, nbytes: int) -> None:
-    """Page-lock ``nbytes`` bytes of existing host memory at ``ptr`` in place (``cudaHostRegister``, default flags);
-    undone by :func:`release_later` ``("registered", (ptr, owner))``. Call under ``CUDA_GATE.shared``, never inside
-    a capture. Raises :class:`RuntimeError` (memory already page-locked, e.g. ``cudaErrorHostMemoryAlreadyRegistered``
-    for a page shared with another registration; a mapping the driver cannot lock; no cuda-python)."""
+def host_register(ptr: int, nbytes: int, portable: bool = False) -> None:
+    """Page-lock ``nbytes`` bytes of existing host memory at ``ptr`` in place (``cudaHostRegister``; ``portable``:
+    ``cudaHostRegisterPortable``, for every CUDA context); undone by :func:`release_later` ``("registered", (ptr,
+    owner))`` or :func:`host_unregister`. Call under ``CUDA_GATE.shared``, never inside a capture. Raises
+    :class:`RuntimeError` (memory already page-locked, e.g. ``cudaErrorHostMemoryAlreadyRegistered`` for a page
+    shared with another registration; a mapping the driver cannot lock; no cuda-python)."""
     rt = compat.cudart()
     if rt is None:
         raise RuntimeError("cuda-python is not installed")
-    (err,) = rt.cudaHostRegister(int(ptr), int(nbytes), 0)
+    (err,) = rt.cudaHostRegister(int(ptr), int(nbytes), HOST_ALLOC_PORTABLE if portable else 0)
     _check(err, f"cudaHostRegister({nbytes})")
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo :func:`host_register` now (``cudaHostUnregister``), for an owner about to unmap the memory. Call under
+    ``CUDA_GATE.shared``, with no copy from or to it in flight. A failure is cleared, not raised."""
+    rt = compat.cudart()
+    if rt is not None:
+        (err,) = rt.cudaHostUnregister(int(ptr))
+        if int(err):  # leave no error behind: ORT checks cudaGetLastError() after its launches
+            rt.cudaGetLastError()
 
 
 def release_later(kind: str, handle) -> None:

@@ -15,6 +15,8 @@
   at import; the modules that use them read them here at call time.
 * The staging copy threads (:func:`staging_pool`): the process-wide thread pools pinned staging fills copy on.
 
+* :data:`HOST_RANGES`: host memory its owner page-locked for feeds (:func:`ortcapture.transfer.pin_host_memory`).
+
 Everything else ortcapture keeps lives in a session (:mod:`ortcapture._core.state`) or a graph. Caches that are
 process-wide but only memoise facts (the installed ORT's features in :mod:`ortcapture._ort.compat`, peer access in
 :mod:`ortcapture._ort.cudart`, DLPack wrappers in :mod:`ortcapture._transfer.sources`) hold no state a user can observe.
@@ -538,7 +540,6 @@ def _keep_forever(objs: list) -> None:
 #: Set from $ORTCAPTURE_COPY_BACKEND at import; tests set it here.
 COPY_BACKEND = os.environ.get("ORTCAPTURE_COPY_BACKEND") or None
 
-
 #: $ORTCAPTURE_COMPUTE_STREAM=0: leave the CUDA EP's stream to ORT (feed copies then wait, as ORT's own do)
 COMPUTE_STREAM = os.environ.get("ORTCAPTURE_COMPUTE_STREAM", "1") != "0"
 
@@ -561,10 +562,8 @@ def _usable_cpus() -> int:
 #: ``benchmarks/profile_replay.py`` times them.
 STAGING_THREADS = int(os.environ.get("ORTCAPTURE_STAGING_THREADS") or 0) or min(3, _usable_cpus())
 
-
 #: Chunk of a pipelined fill (bytes; $ORTCAPTURE_STAGING_CHUNK); feeds up to twice this go in one piece
 STAGING_CHUNK = int(os.environ.get("ORTCAPTURE_STAGING_CHUNK") or 0) or 1 << 20
-
 
 #: $ORTCAPTURE_STAGING_PIN=1: each staging worker thread runs on one CPU of its own (spread over the process's
 #: affinity mask) instead of wherever the scheduler wakes it. Off by default; the profile measures both. A burst of
@@ -603,14 +602,21 @@ PINNED_AUTO_MIN = _auto_min(os.environ.get("ORTCAPTURE_PINNED_MIN"))
 #: ($ORTCAPTURE_PINNED_POOL_BYTES)
 OUTPUT_POOL_BYTES = int(os.environ.get("ORTCAPTURE_PINNED_POOL_BYTES") or 64 << 20)
 
-
-#: $ORTCAPTURE_REGISTER=0 turns off page-locking repeated numpy feeds in place
-#: (see :class:`ortcapture._transfer.staging._InPlace`)
+#: $ORTCAPTURE_REGISTER=0 turns off page-locking repeated numpy feeds in place (:class:`ortcapture._transfer.
+#: staging._InPlace`) and feeding from memory its owner page-locked (:data:`HOST_RANGES`)
 REGISTER = os.environ.get("ORTCAPTURE_REGISTER", "1").strip().lower() not in ("0", "off", "false", "no")
-
 
 #: Bytes of callers' arrays one graph keeps page-locked (and alive) at most ($ORTCAPTURE_REGISTER_BYTES)
 REGISTER_BYTES = int(os.environ.get("ORTCAPTURE_REGISTER_BYTES") or 256 << 20)
+
+#: host memory page-locked by its owner (:func:`ortcapture.transfer.pin_host_memory`): ``(start, end)`` addresses; the
+#: list is replaced whole on each change (readers take no lock). A synchronous feed inside one goes by one DMA.
+HOST_RANGES: list[tuple[int, int]] = []
+
+
+def owner_pinned(ptr: int, nbytes: int) -> bool:
+    """Whether ``[ptr, ptr + nbytes)`` lies inside one range of :data:`HOST_RANGES`."""
+    return any(a <= ptr and ptr + nbytes <= b for a, b in HOST_RANGES)
 
 
 # ---------------------------------------------------------------------------------------------------------------

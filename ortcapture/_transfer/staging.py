@@ -262,7 +262,8 @@ class HostStaging:
     non-blocking copy stream of the graph's own and ``cudaMemcpyAsync`` both ways. A numpy feed is copied into its
     page-locked buffer in chunks (by :data:`STAGING_THREADS` threads), each chunk's host-to-device copy queued as
     soon as it is in; a feed that *is* the graph's host input buffer is sent without the host copy, and so is one fed
-    again (page-locked in place: :class:`_InPlace`; ``ORTCAPTURE_REGISTER=0`` turns that off). Before a buffer
+    again (page-locked in place: :class:`_InPlace`), and one inside memory its owner page-locked
+    (:func:`ortcapture.transfer.pin_host_memory`; ``ORTCAPTURE_REGISTER=0`` turns both off). Before a buffer
     is refilled, its previous copy is waited for (an event per input); every upload and readback has completed when
     it returns (the transfer module's ordering guarantee), except :meth:`upload_async`, whose caller waits.
     Otherwise (``kind == "pageable"``: WebGPU, CPU, CUDA without cuda-python, bfloat16 buffers, or
@@ -284,6 +285,8 @@ class HostStaging:
         self._stream = None
         self._events: dict[str, Any] = {}
         self._busy: set[str] = set()  # inputs whose host-to-device copy may still be running
+        #: uploads sent by one DMA from memory its owner page-locked (:func:`ortcapture.transfer.pin_host_memory`)
+        self.owner_dmas = 0
         self.device_id = devices.pop() if len(devices) == 1 else 0
         if pinned:
             try:
@@ -403,6 +406,9 @@ class HostStaging:
             if n:
                 if arr is self.host_inputs[name]:
                     cudart.copy_async(dptr, hptr, n, stream)
+                elif in_place and sync.HOST_RANGES and sync.owner_pinned(src := arr.ctypes.data, n):
+                    cudart.copy_async(dptr, src, n, stream)  # memory its owner page-locked: one DMA from there
+                    self.owner_dmas += 1
                 elif in_place and (src := self._inplace.source(name, arr, n)):
                     cudart.copy_async(dptr, src, n, stream)
                 else:
@@ -419,8 +425,9 @@ class HostStaging:
         check_rows`). ``pad_byte``: the byte ``pad`` repeats, or ``None``.
 
         Pinned, one axis with nothing before it (a batch on axis 0): the request's rows are a prefix of the buffer,
-        copied in chunks by the staging threads, each chunk's DMA queued as soon as it is in (as :meth:`upload`),
-        the rows ``last`` wrote beyond them set on the device (``cudaMemsetAsync``) — the rest of the buffer is not
+        copied in chunks by the staging threads, each chunk's DMA queued as soon as it is in (as :meth:`upload`;
+        rows in memory their owner page-locked, :func:`ortcapture.transfer.pin_host_memory`: one DMA from there), the
+        rows ``last`` wrote beyond them set on the device (``cudaMemsetAsync``) — the rest of the buffer is not
         sent. Otherwise the region is written into :attr:`host_inputs` ``[name]`` with the rest of it set to
         ``pad``, and that whole array is uploaded (pinned: one DMA; pageable: :func:`update_inplace`)."""
         own = self.host_inputs[name]
@@ -440,7 +447,10 @@ class HostStaging:
                 self._busy.discard(name)
             hptr, dptr, _ = self._ptr[("in", name)]
             stream = self._stream
-            if n * inner:
+            if n * inner and sync.REGISTER and sync.HOST_RANGES and sync.owner_pinned(arr.ctypes.data, n * inner):
+                cudart.copy_async(dptr, arr.ctypes.data, n * inner, stream)  # its owner page-locked it: one DMA
+                self.owner_dmas += 1
+            elif n * inner:
                 _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n * inner, stream, device=self.device_id)
             if stop > n and inner:
                 tail = (stop - n) * inner

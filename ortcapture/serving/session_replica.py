@@ -70,7 +70,9 @@ class ModelSession:
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
-        self._slot_reader = SlotReader()  # the tier replicas' batch slots (node-local shared memory), mapped once
+        # the tier replicas' batch slots (node-local shared memory), mapped once; page-locked on CUDA (one DMA per
+        # input from the slot into the graph's buffer)
+        self._slot_reader = SlotReader(pin=provider == "cuda")
         # the clients' CUDA regions this replica opened (ortcapture.serving.cuda_ipc; CUDA only)
         self._ipc = IpcMemory() if provider == "cuda" else None
         self._registry = None  # the shared memory registry (which of them are still registered), on first use
@@ -313,10 +315,13 @@ class ModelSession:
         (``switch_interval_s``, :func:`ortcapture.serving.ray_common.quick_gil_handoff`), whether it runs with Ray
         Serve's throughput-optimised settings (``serve_throughput_optimized``: its ``runtime_env`` set
         ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, :attr:`ServeOptions.serve_throughput_optimized`), the runs that shared a
-        replay with an earlier one (``merged_runs``, :mod:`ortcapture.serving.merge`), and where the batches' time
-        went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival to answer, ns)
-        and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider: 0)."""
+        replay with an earlier one (``merged_runs``, :mod:`ortcapture.serving.merge`), the tier replicas' batch slot
+        pools page-locked here (``slots_pinned``; ``slot_pin_error``: why one could not be, or ``None``), and where
+        the batches' time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival
+        to answer, ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider:
+        0)."""
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
+                "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
                 "serve_throughput_optimized": os.environ.get(THROUGHPUT_ENV) == "1",
                 "merged_runs": self.merged_runs, **self._timing}
 

@@ -249,10 +249,18 @@ def _alive(pid: int) -> bool:
 
 
 class SlotReader:
-    """The session replica's side: pools mapped by name (once each), descriptors read and checked."""
+    """The session replica's side: pools mapped by name (once each), descriptors read and checked.
 
-    def __init__(self):
+    ``pin``: page-lock each pool once mapped (:func:`ortcapture.transfer.pin_host_memory`; a CUDA session replica),
+    so a batch's rows go from the slot to the graph's input buffer with one DMA, no host copy into the graph's
+    staging. A pool the driver will not lock is read as before (``pin_error`` says why)."""
+
+    def __init__(self, pin: bool = False):
         self._maps: dict[str, shared_memory.SharedMemory] = {}
+        self._pin = pin
+        self._pins: dict[str, Any] = {}  # pool name -> PinnedHostMemory
+        #: why the last pool could not be page-locked (``None``: every pool mapped is, or ``pin`` is off)
+        self.pin_error: str | None = None
 
     def _pool(self, name: str, size: int) -> shared_memory.SharedMemory:
         shm = self._maps.get(name)
@@ -269,6 +277,13 @@ class SlotReader:
                 except Exception:  # noqa: BLE001 - a Python that does not register attached objects
                     pass
             self._maps[name] = shm
+            if self._pin:
+                from ortcapture.transfer import pin_host_memory
+
+                try:
+                    self._pins[name] = pin_host_memory(shm.buf)
+                except Exception as exc:  # noqa: BLE001 - no cuda-python, the driver refused: read as before
+                    self.pin_error = f"{type(exc).__name__}: {exc}"[:300]
         if shm.size < int(size):
             raise SlotMissing(f"shared memory object {name!r} is {shm.size} bytes, the descriptor says {size}")
         return shm
@@ -311,8 +326,17 @@ class SlotReader:
             placed.append(where)
         return placed
 
+    @property
+    def pinned(self) -> int:
+        """Pools page-locked now."""
+        return len(self._pins)
+
     def close(self) -> None:
-        """Unmap every pool (only when no view of them is left)."""
+        """Undo the page-locking and unmap every pool (only when no view of them is left; call it when no run reads
+        from them)."""
+        for pin in self._pins.values():
+            pin.close()
+        self._pins.clear()
         for shm in self._maps.values():
             try:
                 shm.close()

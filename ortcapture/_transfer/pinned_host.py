@@ -1,0 +1,119 @@
+"""Host memory its owner page-locks for feeds: :func:`pin_host_memory` (issue 44: the serving batch slots).
+
+A numpy feed that lies inside such memory is sent to a captured graph's device buffer with one DMA from where it is
+(``cudaMemcpyAsync`` on the graph's copy stream, waited for before ``run`` returns) instead of being copied into the
+graph's page-locked staging first. The staging's own in-place registration (:class:`ortcapture._transfer.staging.
+_InPlace`) never locks memory numpy does not own — a view of ``SharedMemory`` or ``mmap`` can be unmapped while the
+array lives, and a range left registered over an address a later mapping reuses is undefined behaviour in the
+driver — so memory like that is pinned by whoever maps it, for as long as it stays mapped: this module.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ortcapture._ort import sync
+from ortcapture._ort.sync import CUDA_GATE
+
+_LOCK = threading.Lock()
+
+
+class PinnedHostMemory:
+    """Host memory page-locked in place (``cudaHostRegister``, portable) until :meth:`close`; made by
+    :func:`pin_host_memory`. Holds a ``memoryview`` of the buffer, so the buffer cannot be released meanwhile (a
+    ``SharedMemory.close()`` raises ``BufferError`` until this is closed). Attributes: ``ptr`` (the first byte's
+    address, int) and ``nbytes`` (int)."""
+
+    def __init__(self, view: memoryview, ptr: int, nbytes: int) -> None:
+        self._view: memoryview | None = view
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._view is None
+
+    def close(self) -> None:
+        """Stop feeding from this memory and undo the page-locking now (``cudaHostUnregister``), under the CUDA
+        capture gate (never while another thread captures). Call it when no run that feeds from this memory is in
+        progress and before the memory is unmapped or freed. Idempotent."""
+        if self._view is None:
+            return
+        from ortcapture._ort import cudart
+
+        with _LOCK:
+            key = (self.ptr, self.ptr + self.nbytes)
+            ranges = list(sync.HOST_RANGES)
+            if key in ranges:
+                ranges.remove(key)
+            sync.HOST_RANGES = ranges
+        with CUDA_GATE.shared:
+            cudart.host_unregister(self.ptr)
+        self._view.release()
+        self._view = None
+
+    def __enter__(self) -> "PinnedHostMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"PinnedHostMemory(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, {state})"
+
+
+def _address(view: memoryview) -> int:
+    """The first byte's address of C-contiguous ``view`` (the temporary views made for it are gone on return)."""
+    arr = np.frombuffer(view, np.uint8) if view.ndim <= 1 and view.itemsize == 1 else \
+        np.frombuffer(view.cast("B"), np.uint8)
+    try:
+        return int(arr.ctypes.data)
+    finally:
+        del arr
+
+
+def pin_host_memory(buffer) -> PinnedHostMemory:
+    """Page-lock ``buffer``'s memory in place so that numpy feeds inside it reach a captured graph's device buffers
+    with one DMA (no host copy into the graph's staging; CUDA graphs with page-locked staging only, i.e.
+    ``host_staging == "pinned"``; ``ORTCAPTURE_REGISTER=0`` turns the use off).
+
+    What it is for: memory an owner keeps mapped for a long time and fills with feeds — a ``SharedMemory`` ring that
+    another process writes images into (``ortcapture serve``'s batch slots), an ``mmap``. A feed is used from there
+    only when the whole array lies inside the pinned range; the copy is waited for before ``run`` returns, so the
+    owner may rewrite the memory as soon as ``run`` returns (never *during* a run that feeds from it).
+
+    Args:
+        buffer: an object with the buffer protocol (``SharedMemory.buf``, ``mmap.mmap``, a numpy array, ``bytearray``),
+            C-contiguous, at least one byte. It stays referenced until :meth:`PinnedHostMemory.close`.
+
+    Returns:
+        :class:`PinnedHostMemory` (a context manager): close it before unmapping or freeing the memory.
+
+    Raises:
+        TypeError: ``buffer`` has no buffer protocol.
+        ValueError: not C-contiguous, empty, or overlapping memory pinned here already.
+        RuntimeError: no cuda-python, or the driver refused (``cudaHostRegister``: memory already page-locked by
+            someone else, a mapping it cannot lock).
+    """
+    from ortcapture._ort import cudart
+
+    view = memoryview(buffer)
+    try:
+        if not view.c_contiguous:
+            raise ValueError("pin_host_memory: the buffer must be C-contiguous")
+        if view.nbytes < 1:
+            raise ValueError("pin_host_memory: the buffer is empty")
+        ptr, nbytes = _address(view), int(view.nbytes)
+        with _LOCK:
+            if any(a < ptr + nbytes and ptr < b for a, b in sync.HOST_RANGES):
+                raise ValueError(f"pin_host_memory: [0x{ptr:x}, +{nbytes}) overlaps memory pinned already")
+            with CUDA_GATE.shared:
+                cudart.host_register(ptr, nbytes, portable=True)
+            sync.HOST_RANGES = [*sync.HOST_RANGES, (ptr, ptr + nbytes)]
+    except BaseException:
+        view.release()
+        raise
+    return PinnedHostMemory(view, ptr, nbytes)

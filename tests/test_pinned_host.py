@@ -1,0 +1,189 @@
+"""Host memory its owner page-locks for feeds (``ortcapture.transfer.pin_host_memory``, issue 44): a numpy feed
+inside it goes to the graph's device buffer with one DMA from where it is, never through the staging's host copy;
+bad buffers are refused before any CUDA call; the serving batch slots' reader pins the pools it maps. The logic runs
+on CPU with cudart's calls faked (``tests.test_staging.fake_pinned``); the real DMA runs in the CUDA-marked test."""
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ortcapture._ort import sync as _sync
+from ortcapture._transfer import staging as _staging
+from ortcapture.transfer import PinnedHostMemory, pin_host_memory
+from tests.test_staging import cuda, fake_pinned  # noqa: F401 - fixtures
+
+SHAPE = (4, 600, 500)  # 4.8 MB, 1.2 MB a row: a chunked staging fill when it goes through the staging
+
+
+@pytest.fixture
+def shm():
+    mem = shared_memory.SharedMemory(create=True, size=int(np.prod(SHAPE)) * 4 + 8192)
+    yield mem
+    try:
+        mem.close()
+    finally:
+        mem.unlink()
+
+
+def _copies(fake):
+    return [c for c in fake.calls if c[0] == "copy"]
+
+
+def test_a_feed_inside_pinned_memory_is_one_dma_from_there(fake_pinned, shm, rng, monkeypatch):  # noqa: F811
+    fake, as_cuda = fake_pinned
+    monkeypatch.setattr(_sync, "_POOL", [])
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros(SHAPE, np.float32)))
+    st = _staging.HostStaging({"x": x}, {}, pinned=True)
+    view = np.ndarray(SHAPE, np.float32, buffer=shm.buf, offset=4096)  # a slot's input, 4 KiB in
+    view[...] = rng.random(SHAPE, dtype=np.float32)
+    fake.calls.clear()
+    with pin_host_memory(shm.buf) as pin:
+        assert isinstance(pin, PinnedHostMemory) and not pin.closed and pin.nbytes == shm.size
+        assert fake.calls == [("register", pin.ptr, shm.size, "portable")]
+        assert _sync.HOST_RANGES == [(pin.ptr, pin.ptr + shm.size)]
+        fake.calls.clear()
+        st.upload({"x": view})
+        assert [(c[2], c[3]) for c in _copies(fake)] == [(view.ctypes.data, view.nbytes)]  # no host copy first
+        np.testing.assert_array_equal(x.numpy(), view)
+        assert st.owner_dmas == 1
+        # a request's rows (a prefix of the buffer): one DMA of those rows, the rest set on the device
+        rows = np.ndarray((1, *SHAPE[1:]), np.float32, buffer=shm.buf, offset=4096)
+        rows[...] = 7.0
+        fake.calls.clear()
+        st.upload_rows("x", rows, (0,), 0.0, 0, None)
+        assert [(c[2], c[3]) for c in _copies(fake)] == [(rows.ctypes.data, rows.nbytes)]
+        assert [c[0] for c in fake.calls if c[0] == "memset"] == ["memset"]
+        got = x.numpy()
+        assert (got[0] == 7.0).all() and (got[1:] == 0).all() and st.owner_dmas == 2
+        # an array outside the pinned memory goes through the staging as before (chunks)
+        other = rng.random(SHAPE, dtype=np.float32)
+        fake.calls.clear()
+        st.upload({"x": other})
+        assert len(_copies(fake)) > 1 and st.owner_dmas == 2
+        np.testing.assert_array_equal(x.numpy(), other)
+        # ORTCAPTURE_REGISTER=0 turns the use off
+        monkeypatch.setattr(_sync, "REGISTER", False)
+        fake.calls.clear()
+        st.upload({"x": view})
+        st.upload_rows("x", rows, (0,), 0.0, 0, None)
+        assert st.owner_dmas == 2 and len(_copies(fake)) > 2
+        monkeypatch.setattr(_sync, "REGISTER", True)
+    assert pin.closed and _sync.HOST_RANGES == [] and ("unregister", pin.ptr) in fake.calls
+    pin.close()  # idempotent
+    fake.calls.clear()
+    st.upload({"x": view})  # closed: staged again
+    assert len(_copies(fake)) > 1 and st.owner_dmas == 2
+    np.testing.assert_array_equal(x.numpy(), view)
+
+
+def test_pin_host_memory_refuses_bad_buffers_before_any_cuda_call(fake_pinned):  # noqa: F811
+    fake, _ = fake_pinned
+    fake.calls.clear()
+    with pytest.raises(TypeError):
+        pin_host_memory(12345)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pin_host_memory(np.arange(10.0)[::2])
+    with pytest.raises(ValueError, match="empty"):
+        pin_host_memory(bytearray())
+    assert fake.calls == [] and _sync.HOST_RANGES == []
+    buf = np.zeros((4, 1024), np.float32)
+    with pin_host_memory(buf):
+        with pytest.raises(ValueError, match="overlaps"):
+            pin_host_memory(buf[1:])
+        assert len(_sync.HOST_RANGES) == 1
+    fake.refuse.add(buf.ctypes.data)  # the driver says no: nothing is left registered, the buffer is free again
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        pin_host_memory(buf)
+    assert _sync.HOST_RANGES == []
+    buf.resize((2, 1024), refcheck=True)  # no export of it is left
+    grow = bytearray(64)
+    with pin_host_memory(grow):
+        with pytest.raises(BufferError):  # the buffer cannot be resized (or unmapped) while it is pinned
+            grow.extend(b"x")
+    grow.extend(b"x")
+
+
+def test_without_cuda_pinning_raises_a_clear_error_and_keeps_nothing(monkeypatch):
+    from ortcapture._ort import compat
+
+    monkeypatch.setattr(compat, "cudart", lambda: None)
+    with pytest.raises(RuntimeError, match="cuda-python"):
+        pin_host_memory(bytearray(64))
+    assert _sync.HOST_RANGES == []
+
+
+def test_slot_reader_pins_each_pool_once_and_unpins_before_unmapping(fake_pinned):  # noqa: F811
+    from ortcapture.serving.slots import SlotPool, SlotReader
+
+    fake, _ = fake_pinned
+    pool = SlotPool(1 << 20, 1 << 16, 2)
+    try:
+        slot = pool.slots[0]
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        assert slot.place([[("x", [x[:1], x[1:]], 0)]])
+        reader = SlotReader(pin=True)
+        fake.calls.clear()
+        (feeds,), (again,) = reader.inputs(slot.descriptor()), reader.inputs(slot.descriptor())
+        np.testing.assert_array_equal(feeds["x"], x)
+        assert reader.pinned == 1 and reader.pin_error is None
+        assert [c[0] for c in fake.calls] == ["register"] and fake.calls[0][2] == pool.size
+        lo, hi = _sync.HOST_RANGES[0]
+        assert lo <= feeds["x"].ctypes.data and feeds["x"].ctypes.data + feeds["x"].nbytes <= hi
+        del feeds, again
+        reader.close()
+        assert reader.pinned == 0 and _sync.HOST_RANGES == [] and fake.calls[-1][0] == "unregister"
+    finally:
+        pool.close()
+
+
+def test_slot_reader_reads_unpinned_when_the_driver_refuses(monkeypatch):
+    from ortcapture._ort import compat
+    from ortcapture.serving.slots import SlotPool, SlotReader
+
+    monkeypatch.setattr(compat, "cudart", lambda: None)  # no cuda-python: pinning fails, reading does not
+    pool = SlotPool(1 << 16, 1 << 16, 1)
+    try:
+        slot = pool.slots[0]
+        x = np.ones((2, 3), np.int64)
+        assert slot.place([[("x", [x], None)]])
+        reader = SlotReader(pin=True)
+        (feeds,) = reader.inputs(slot.descriptor())
+        np.testing.assert_array_equal(feeds["x"], x)
+        assert reader.pinned == 0 and "cuda-python" in reader.pin_error
+        del feeds
+        reader.close()
+    finally:
+        pool.close()
+
+
+@pytest.mark.cuda
+def test_cuda_feeds_from_pinned_shared_memory_are_right(cuda, shm, rng):  # noqa: F811
+    """On the GPU: a captured graph fed a view of page-locked shared memory (as the serving batch slots are) answers
+    right with the feed sent by one DMA (``owner_dmas``); a request's rows likewise (``upload_rows``, a bucket's
+    padded region); unpinned, the same feed is staged as before and still right."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    from tests import tiny
+
+    sess = cuda.session(tiny.affine_model(SHAPE))  # Y = 2 X + 1
+    view = np.ndarray(SHAPE, np.float32, buffer=shm.buf, offset=4096)
+    view[...] = rng.random(SHAPE, dtype=np.float32)
+    with sess.capture({"X": np.zeros(SHAPE, np.float32)}, verify=False) as g:
+        with pin_host_memory(shm.buf):
+            for k in range(3):
+                view[0, 0, 0] = k
+                np.testing.assert_array_equal(g.run({"X": view})[0], view * 2 + 1)
+            assert g._staging is not None and g._staging.kind == "pinned" and g._staging.owner_dmas == 3
+        view[...] = rng.random(SHAPE, dtype=np.float32)
+        np.testing.assert_array_equal(g.run({"X": view})[0], view * 2 + 1)
+        assert g._staging.owner_dmas == 3
+    x = ort.OrtValue.ortvalue_from_numpy(np.full(SHAPE, 5, np.float32), "cuda", 0)
+    st = _staging.HostStaging({"x": x}, {}, pinned=True)
+    rows = np.ndarray((2, *SHAPE[1:]), np.float32, buffer=shm.buf, offset=4096)
+    with pin_host_memory(shm.buf):
+        st.upload_rows("x", rows, (0,), 0.0, 0, None)
+    got = x.numpy()
+    np.testing.assert_array_equal(got[:2], rows)
+    assert (got[2:] == 0).all() and st.owner_dmas == 1
