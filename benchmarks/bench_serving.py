@@ -25,11 +25,15 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
   product-st1 / product-stpin
                  the session replica's host copies: one staging thread (ORTCAPTURE_STAGING_THREADS=1), or the
                  staging threads pinned to CPUs (ORTCAPTURE_STAGING_PIN=1), in every replica's environment
+  product-noreg  the batch slots not page-locked by the session replica (ORTCAPTURE_REGISTER=0: a batch's rows are
+                 copied into the graph's staging, then sent; the default since 2026-12-07 sends them with one DMA)
+  product-inline the replicas' answers up to 4 MiB returned inline by Ray (RAY_max_direct_call_object_size)
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,
 and arrival to the start of their round on the replay thread) and the session replicas' own time per batch run
 (mean ms; and per batch-8 run, ``run8_ms``, against ``run8_plain``: the same bucket session's batch-8 ``run()``
-timed in this process before Ray starts), from ``/stats``.
+timed in this process before Ray starts), from ``/stats``, and where the machine's CPU time went during the
+measurement (``cpu``: cores used per process group, benchmarks/cpu_use.py; ``--py-spy-level N`` records stacks).
 The hand-written arms are reached through a handle only (they have no HTTP routes). Per arm, client level and
 path (``handle``: a Ray ``DeploymentHandle`` to the ``Model`` deployment; ``http``: ``tritonclient.http`` binary
 tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tensors through Ray Serve's gRPC proxy;
@@ -63,6 +67,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_use  # noqa: E402 - benchmarks/cpu_use.py, beside this file
 
 ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "hand-buckets": {"hand": "buckets"}, "hand-padded": {"hand": "padded"},
@@ -84,6 +90,11 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         # the session replica's host copies under load (issue 44, item 4: its batch-8 run 1.8x a plain process's):
         # one staging thread (the replay thread copies alone), or the staging threads pinned to CPUs
         "product-st1": {"env": {"ORTCAPTURE_STAGING_THREADS": "1"}},
+        # the batch slots not page-locked in the session replica (ORTCAPTURE_REGISTER=0: rows copied into the graph's
+        # staging first, as before 2026-12-07), and Ray returning answers up to 4 MiB inline instead of through its
+        # object store
+        "product-noreg": {"env": {"ORTCAPTURE_REGISTER": "0"}},
+        "product-inline": {"env": {"RAY_max_direct_call_object_size": str(4 << 20)}},
         "product-stpin": {"env": {"ORTCAPTURE_STAGING_PIN": "1"}}}
 TOL = 1e-2
 
@@ -484,6 +495,10 @@ def main() -> int:
     ap.add_argument("--plain-runs", type=int, default=200,
                     help="batch-8 runs timed in this process before Ray starts (the session replica's run8_ms is "
                     "compared with them: issue 44, item 4); 0 skips them")
+    ap.add_argument("--py-spy-level", type=int, default=None,
+                    help="at this client level (first repeat, handle path, product arms): py-spy records the session "
+                         "replicas and one tier replica during the measurement (raw collapsed stacks in --out)")
+    ap.add_argument("--py-spy-bin", default="py-spy", help="the py-spy executable")
     ap.add_argument("--smoke", action="store_true", help="only start Ray, one noop replica, one request; say where "
                     "Ray's object store and session live")
     args = ap.parse_args()
@@ -576,6 +591,7 @@ def main() -> int:
         p.start()
         clients.append((p, a))
     log(f"{nproc} client processes")
+    named = {**{p.pid: "client" for p, _ in clients}, os.getpid(): "bench driver"}  # cpu_use's groups by pid
 
     user = _user_deployments()
     for arm in arms:
@@ -618,7 +634,17 @@ def main() -> int:
                         target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm", "cudashm") else url
                         conn.send(("http" if path == "http-stalled" else path, app, target, n, args.seconds,
                                    args.warm, hand != "noop"))
+                    time.sleep(args.warm)  # the clients' measured window starts: where the CPU time goes in it
+                    cpu0 = cpu_use.sample(named)
+                    spy = None
+                    if level == args.py_spy_level and rep == 0 and not hand and path == "handle":
+                        tiers = cpu_use.pids_of(":Model")
+                        targets = {f"session{k}": pid for k, pid in enumerate(cpu_use.pids_of(":ModelSession"))}
+                        targets.update({"tier0": tiers[0]} if tiers else {})
+                        spy = cpu_use.PySpy(args.py_spy_bin, targets, args.seconds - 0.3, args.out, f"{arm}-{level}")
                     outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
+                    cpu = cpu_use.use(cpu0, cpu_use.sample(named))
+                    spied = spy.wait() if spy is not None else None
                     held = stalled.held()
                 time.sleep(1.3)  # the replicas push their counters every second
                 after = _stats(url, "yolo") if url else {}
@@ -634,6 +660,7 @@ def main() -> int:
                        **({"stalled": {"opened": stalled.opened, "held_at_end": held,
                                        "settle_s": args.stalled_settle}} if stalled.n else {}),
                        "merged_runs": _sum(after, "merged_runs") - _sum(before, "merged_runs") if url else None,
+                       "cpu": cpu, **({"py_spy": spied} if spied else {}),
                        "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
                                                            "graphs_per_bucket", "uncaptured", "padding_waste")}
                                     for r in after.get("ortcapture", {}).get("replicas", [])]}
@@ -641,6 +668,9 @@ def main() -> int:
                 log(f"{arm:6} {level:3} clients {path:6}: {run['images_per_s']:8.1f} img/s  p50 {run['p50_ms']} ms  "
                     f"p99 {run['p99_ms']} ms  wrong {run['wrong']} errors {run['errors']}  "
                     f"batches {run['batch_histogram']}  session {run['session']} merged {run['merged_runs']}")
+                log(f"    cpu: machine {cpu['machine_busy_cores']}/{cpu['cpus']} cores busy; " + ", ".join(
+                    f"{g} {v['cores']} ({v['procs']}, max {v['max_proc_cores']})"
+                    for g, v in list(cpu["groups"].items())[:8]))
         if not hand:
             deployment.ray_serve.delete(deployment.model_app_name(opts))
         deployment.ray_serve.delete(opts.app_name)
