@@ -4,13 +4,19 @@ bad buffers are refused before any CUDA call; the serving batch slots' reader pi
 on CPU with cudart's calls faked (``tests.test_staging.fake_pinned``); the real DMA runs in the CUDA-marked test."""
 from __future__ import annotations
 
+import gc
+import os
+import threading
+import time
 from multiprocessing import shared_memory
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
+from ortcapture._ort import cudart
 from ortcapture._ort import sync as _sync
+from ortcapture._ort.sync import CUDA_GATE
 from ortcapture._transfer import staging as _staging
 from ortcapture.transfer import PinnedHostMemory, pin_host_memory
 from tests.test_staging import cuda, fake_pinned  # noqa: F401 - fixtures
@@ -104,6 +110,112 @@ def test_pin_host_memory_refuses_bad_buffers_before_any_cuda_call(fake_pinned): 
         with pytest.raises(BufferError):  # the buffer cannot be resized (or unmapped) while it is pinned
             grow.extend(b"x")
     grow.extend(b"x")
+
+
+def test_read_only_memory_is_registered_read_only(fake_pinned):  # noqa: F811
+    fake, _ = fake_pinned
+    data = bytes(8192)  # a PROT_READ mapping alike: the driver refuses it without cudaHostRegisterReadOnly
+    fake.calls.clear()
+    with pin_host_memory(data) as pin:
+        assert fake.calls == [("register", pin.ptr, 8192, "portable", "read_only")]
+
+
+def test_a_pin_dropped_without_close_stops_being_used_and_is_undone_later(fake_pinned, shm):  # noqa: F811
+    """Collected without close(): its range goes at once (a later mapping at the same address is never taken for
+    page-locked), and its cudaHostUnregister is queued for the next safe point with the memoryview, which keeps the
+    memory mapped until then."""
+    fake, _ = fake_pinned
+    pin = pin_host_memory(shm.buf)
+    lo = pin.ptr
+    del pin
+    gc.collect()
+    assert _sync.HOST_RANGES == []
+    queued = [h for k, h in fake.freed if k == "registered"]
+    assert [h[0] for h in queued] == [lo]
+    with pytest.raises(BufferError):  # still mapped: the queued unregistration holds the view
+        shm.close()
+    fake.freed.clear()  # what free_pending does after cudaHostUnregister: the view goes
+    del queued
+    gc.collect()
+    shm.close()  # unmapped now
+
+
+def test_concurrent_closes_undo_the_pinning_once(fake_pinned, monkeypatch):  # noqa: F811
+    fake, _ = fake_pinned
+    slow = fake.host_unregister
+
+    def unregister(ptr):
+        time.sleep(0.2)
+        slow(ptr)
+    monkeypatch.setattr(cudart, "host_unregister", unregister)
+    pin = pin_host_memory(bytearray(8192))
+    errors = []
+
+    def close():
+        try:
+            pin.close()
+        except BaseException as exc:  # noqa: BLE001 - the test's finding
+            errors.append(exc)
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert errors == [] and sum(c[0] == "unregister" for c in fake.calls) == 1 and pin.closed
+
+
+def test_pinning_takes_the_capture_gate_before_its_own_lock(fake_pinned):  # noqa: F811
+    """T1 inside the gate pins; T2 pins while T3's capture is pending (new readers wait for it); T3 waits for T1.
+    With the module's lock taken before the gate, T2 would hold it and wait at the gate: all three stuck."""
+    hold, done = threading.Event(), []
+
+    def t1():
+        with CUDA_GATE.shared:
+            hold.wait(5)
+            time.sleep(0.3)  # T2 is in pin_host_memory now, waiting at the gate
+            pin_host_memory(bytearray(8192)).close()
+            done.append("t1")
+
+    def t2():
+        pin_host_memory(bytearray(8192)).close()
+        done.append("t2")
+
+    def t3():
+        with CUDA_GATE.exclusive:
+            done.append("t3")
+    a = threading.Thread(target=t1, daemon=True)
+    a.start()
+    time.sleep(0.1)
+    c = threading.Thread(target=t3, daemon=True)
+    c.start()
+    time.sleep(0.1)  # the capture is pending
+    b = threading.Thread(target=t2, daemon=True)
+    b.start()
+    hold.set()
+    for t in (a, b, c):
+        t.join(5)
+    assert sorted(done) == ["t1", "t2", "t3"], f"deadlock: only {done} finished"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_has_no_pinned_ranges_and_closes_without_cuda(fake_pinned):  # noqa: F811
+    fake, _ = fake_pinned
+    pin = pin_host_memory(bytearray(8192))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once
+        ok = _sync.HOST_RANGES == []
+        fake.calls.clear()
+        pin.close()
+        ok = ok and not any(c[0] == "unregister" for c in fake.calls)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    got = os.read(r, 1)
+    os.close(r)
+    pin.close()
+    assert got == b"1", "the child inherited the ranges or called cudaHostUnregister"
 
 
 def test_without_cuda_pinning_raises_a_clear_error_and_keeps_nothing(monkeypatch):

@@ -213,10 +213,11 @@ class _FakeCudart:
     def sync_stream(self, stream):
         self.calls.append(("sync",))
 
-    def host_register(self, ptr, nbytes, portable=False):
+    def host_register(self, ptr, nbytes, portable=False, read_only=False):
         if ptr in self.refuse:
             raise RuntimeError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")
-        self.calls.append(("register", ptr, nbytes) + (("portable",) if portable else ()))
+        self.calls.append(("register", ptr, nbytes) + (("portable",) if portable else ())
+                          + (("read_only",) if read_only else ()))
 
     def host_unregister(self, ptr):
         self.calls.append(("unregister", ptr))

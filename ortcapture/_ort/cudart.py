@@ -244,6 +244,7 @@ _CAPTURE_ERRORS = frozenset(range(900, 909))
 # included) are queued and done at the next safe point (free_pending), likewise streams and events.
 #: cudaHostAllocPortable: the block is page-locked for every CUDA context (any device's copies may use it)
 HOST_ALLOC_PORTABLE = 0x01
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads the registered memory
 STREAM_NON_BLOCKING = 0x01  # cudaStreamNonBlocking: no implicit ordering against the legacy default stream
 EVENT_DISABLE_TIMING = 0x02  # cudaEventDisableTiming
 NOT_READY = 600  # cudaErrorNotReady (cudaEventQuery of pending work)
@@ -269,16 +270,18 @@ def host_alloc(nbytes: int) -> int:
     return int(ptr)
 
 
-def host_register(ptr: int, nbytes: int, portable: bool = False) -> None:
+def host_register(ptr: int, nbytes: int, portable: bool = False, read_only: bool = False) -> None:
     """Page-lock ``nbytes`` bytes of existing host memory at ``ptr`` in place (``cudaHostRegister``; ``portable``:
-    ``cudaHostRegisterPortable``, for every CUDA context); undone by :func:`release_later` ``("registered", (ptr,
+    ``cudaHostRegisterPortable``, for every CUDA context; ``read_only``: ``cudaHostRegisterReadOnly``, which memory
+    mapped read-only needs — the device only reads it); undone by :func:`release_later` ``("registered", (ptr,
     owner))`` or :func:`host_unregister`. Call under ``CUDA_GATE.shared``, never inside a capture. Raises
     :class:`RuntimeError` (memory already page-locked, e.g. ``cudaErrorHostMemoryAlreadyRegistered`` for a page
     shared with another registration; a mapping the driver cannot lock; no cuda-python)."""
     rt = compat.cudart()
     if rt is None:
         raise RuntimeError("cuda-python is not installed")
-    (err,) = rt.cudaHostRegister(int(ptr), int(nbytes), HOST_ALLOC_PORTABLE if portable else 0)
+    flags = (HOST_ALLOC_PORTABLE if portable else 0) | (HOST_REGISTER_READ_ONLY if read_only else 0)
+    (err,) = rt.cudaHostRegister(int(ptr), int(nbytes), flags)
     _check(err, f"cudaHostRegister({nbytes})")
 
 

@@ -574,7 +574,6 @@ STAGING_PIN = os.environ.get("ORTCAPTURE_STAGING_PIN", "0") == "1"
 #: $ORTCAPTURE_PINNED=0 turns page-locked staging off (graphs then stage in ordinary host memory, as on WebGPU)
 PINNED = os.environ.get("ORTCAPTURE_PINNED", "1") != "0"
 
-
 def _auto_min(value: str | None) -> int | None:
     """$ORTCAPTURE_PINNED_MIN: bytes; ``off`` (or ``none``): never unasked; unset: :data:`PINNED_AUTO_DEFAULT`."""
     if value is None or not value.strip():
@@ -589,7 +588,6 @@ def _auto_min(value: str | None) -> int | None:
 
 #: Unasked staging's default threshold: graphs whose inputs and outputs hold at least 1 MiB
 PINNED_AUTO_DEFAULT = 1 << 20
-
 
 #: A graph whose inputs and outputs hold at least this many bytes stages plain numpy feeds and
 #: ``copy_outputs=True`` outputs through page-locked memory unasked ($ORTCAPTURE_PINNED_MIN; ``off``: only once a
@@ -609,8 +607,8 @@ REGISTER = os.environ.get("ORTCAPTURE_REGISTER", "1").strip().lower() not in ("0
 #: Bytes of callers' arrays one graph keeps page-locked (and alive) at most ($ORTCAPTURE_REGISTER_BYTES)
 REGISTER_BYTES = int(os.environ.get("ORTCAPTURE_REGISTER_BYTES") or 256 << 20)
 
-#: host memory page-locked by its owner (:func:`ortcapture.transfer.pin_host_memory`): ``(start, end)`` addresses; the
-#: list is replaced whole on each change (readers take no lock). A synchronous feed inside one goes by one DMA.
+#: host memory page-locked by its owner (:func:`ortcapture.transfer.pin_host_memory`): ``(start, end)`` addresses,
+#: the list replaced whole on each change (readers take no lock); a synchronous feed inside one goes by one DMA
 HOST_RANGES: list[tuple[int, int]] = []
 
 
@@ -676,7 +674,9 @@ def staging_pool(threads: int | None = None, pin: bool | None = None):
 def _after_fork_in_child() -> None:
     """The at-fork hook (in the child): the parent's devices are inherited; every session and graph held
     (:func:`hold`) is marked and kept alive for good; runs the parent left unsettled are dropped unsettled (their
-    synchronisation would reach the device)."""
+    synchronisation would reach the device); host memory the parent page-locked is not the child's."""
+    global HOST_RANGES
+    HOST_RANGES = []
     FORKED_DEVICES.update(_USED_DEVICES)
     if FORKED_DEVICES:
         # Garbage the parent had not collected yet (sessions, graphs, buffers of released graphs in reference

@@ -9,26 +9,31 @@ driver — so memory like that is pinned by whoever maps it, for as long as it s
 """
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 
 import numpy as np
 
 from ortcapture._ort import sync
 from ortcapture._ort.sync import CUDA_GATE
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a finalizer (_dropped) may run on a thread that holds it
 
 
 class PinnedHostMemory:
     """Host memory page-locked in place (``cudaHostRegister``, portable) until :meth:`close`; made by
     :func:`pin_host_memory`. Holds a ``memoryview`` of the buffer, so the buffer cannot be released meanwhile (a
-    ``SharedMemory.close()`` raises ``BufferError`` until this is closed). Attributes: ``ptr`` (the first byte's
-    address, int) and ``nbytes`` (int)."""
+    ``SharedMemory.close()`` raises ``BufferError`` until this is closed). Dropped without :meth:`close`, its range
+    stops being used at once and the page-locking is undone at the next safe point (the memoryview, which keeps the
+    memory mapped, is held until then). Attributes: ``ptr`` (the first byte's address, int) and ``nbytes`` (int)."""
 
     def __init__(self, view: memoryview, ptr: int, nbytes: int) -> None:
         self._view: memoryview | None = view
         self.ptr = ptr
         self.nbytes = nbytes
+        self._pid = os.getpid()  # a forked child undoes nothing on the device
+        self._finalizer = weakref.finalize(self, _dropped, view, ptr, nbytes, self._pid)
 
     @property
     def closed(self) -> bool:
@@ -38,21 +43,22 @@ class PinnedHostMemory:
     def close(self) -> None:
         """Stop feeding from this memory and undo the page-locking now (``cudaHostUnregister``), under the CUDA
         capture gate (never while another thread captures). Call it when no run that feeds from this memory is in
-        progress and before the memory is unmapped or freed. Idempotent."""
-        if self._view is None:
-            return
+        progress and before the memory is unmapped or freed. Idempotent and safe from several threads at once; in a
+        process forked after pinning, nothing is undone on the device (the page-locking is the parent's)."""
         from ortcapture._ort import cudart
 
         with _LOCK:
-            key = (self.ptr, self.ptr + self.nbytes)
-            ranges = list(sync.HOST_RANGES)
-            if key in ranges:
-                ranges.remove(key)
-            sync.HOST_RANGES = ranges
-        with CUDA_GATE.shared:
-            cudart.host_unregister(self.ptr)
-        self._view.release()
-        self._view = None
+            view, self._view = self._view, None
+            if view is None:
+                return
+            self._finalizer.detach()
+            _forget(self.ptr, self.nbytes)
+        try:
+            if self._pid == os.getpid():
+                with CUDA_GATE.shared:
+                    cudart.host_unregister(self.ptr)
+        finally:
+            view.release()
 
     def __enter__(self) -> "PinnedHostMemory":
         return self
@@ -63,6 +69,23 @@ class PinnedHostMemory:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"PinnedHostMemory(ptr=0x{self.ptr:x}, nbytes={self.nbytes}, {state})"
+
+
+def _forget(ptr: int, nbytes: int) -> None:
+    """Take ``[ptr, ptr + nbytes)`` out of :data:`ortcapture._ort.sync.HOST_RANGES` (the caller holds ``_LOCK``)."""
+    sync.HOST_RANGES = [r for r in sync.HOST_RANGES if r != (ptr, ptr + nbytes)]
+
+
+def _dropped(view: memoryview, ptr: int, nbytes: int, pid: int) -> None:
+    """A :class:`PinnedHostMemory` collected without :meth:`~PinnedHostMemory.close` (a finalizer, which may run
+    anywhere, a capture included): its range is no longer used, and its ``cudaHostUnregister`` is queued with the
+    memoryview (the memory stays mapped until then) for the next safe point (``cudart.free_pending``)."""
+    from ortcapture._ort import cudart
+
+    with _LOCK:
+        _forget(ptr, nbytes)
+    if pid == os.getpid():
+        cudart.release_later("registered", (ptr, view))
 
 
 def _address(view: memoryview) -> int:
@@ -107,13 +130,14 @@ def pin_host_memory(buffer) -> PinnedHostMemory:
         if view.nbytes < 1:
             raise ValueError("pin_host_memory: the buffer is empty")
         ptr, nbytes = _address(view), int(view.nbytes)
-        with _LOCK:
+        with CUDA_GATE.shared, _LOCK:  # the gate first, as everywhere
             if any(a < ptr + nbytes and ptr < b for a, b in sync.HOST_RANGES):
                 raise ValueError(f"pin_host_memory: [0x{ptr:x}, +{nbytes}) overlaps memory pinned already")
-            with CUDA_GATE.shared:
-                cudart.host_register(ptr, nbytes, portable=True)
+            # read-only memory (a PROT_READ mapping, bytes) needs cudaHostRegisterReadOnly: feeds only read it
+            cudart.host_register(ptr, nbytes, portable=True, read_only=view.readonly)
+            pinned = PinnedHostMemory(view, ptr, nbytes)
             sync.HOST_RANGES = [*sync.HOST_RANGES, (ptr, ptr + nbytes)]
     except BaseException:
         view.release()
         raise
-    return PinnedHostMemory(view, ptr, nbytes)
+    return pinned
