@@ -1,6 +1,8 @@
 """Strict in-place updates and copies (CPU OrtValues; device paths are covered in test_capture/test_cuda)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -37,6 +39,29 @@ def test_dtype_mismatch_is_refused_not_reinterpreted():
     np.testing.assert_array_equal(dst.numpy(), 0)
     update_inplace(dst, np.arange(6, dtype=np.int32).reshape(2, 3), cast=True)
     np.testing.assert_array_equal(dst.numpy(), np.arange(6).reshape(2, 3))
+
+
+@pytest.mark.parametrize("dst_dtype, src, bad", [
+    (np.int32, np.array([[0, 1, 2], [3, 4, 2**32 + 5]], np.int64), "4294967301 at index (1, 2)"),  # wraps to 5
+    (np.int32, np.array([[0, 1, 2], [3, 4, 5.5]]), "5.5"),  # fraction truncated
+    (np.int64, np.array([[0, 1, 2], [3, 4, np.nan]]), "nan"),
+    (np.uint8, np.array([[0, 1, 2], [3, -1, 5]], np.int64), "-1 at index (1, 1)"),
+    (np.float32, np.array([[0, 1, 2], [3, 4, 1e300]]), "1e+300"),  # overflows to inf
+    (np.float32, np.array([[0, 1, 2], [3, 4, 1 + 2j]]), "(1+2j)"),  # the imaginary part dropped
+    (np.bool_, np.array([[0, 1, 0], [1, 2, 1]], np.int64), "2 at index (1, 1)"),
+])
+def test_cast_refuses_values_the_buffer_cannot_hold(dst_dtype, src, bad):
+    """numpy's astype wraps, truncates and overflows silently; cast=True refuses instead, naming one value, and
+    leaves the buffer as it was. Values that survive (rounding to a narrower float included) are converted."""
+    dst = ov(np.full((2, 3), 9, dst_dtype))
+    with pytest.raises(TransferError, match=re.escape(bad)):
+        update_inplace(dst, src, cast=True)
+    np.testing.assert_array_equal(dst.numpy(), np.full((2, 3), 9, dst_dtype))
+    update_inplace(dst, np.ones((2, 3), src.dtype), cast=True)  # values that survive are converted
+    np.testing.assert_array_equal(dst.numpy(), np.ones((2, 3), dst_dtype))
+    if dst_dtype == np.float32:  # rounding to the narrower float is no loss it refuses
+        update_inplace(dst, np.full((2, 3), 0.1), cast=True)
+        np.testing.assert_array_equal(dst.numpy(), np.full((2, 3), 0.1, np.float32))
 
 
 def test_shape_must_match_exactly_not_just_element_count():

@@ -38,7 +38,9 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
             ``cupy.ndarray``: wrapped zero-copy; CUDA sources go device to device, peer to peer across GPUs, never
             through the host; non-contiguous device sources are refused). Exactly ``dst``'s shape and dtype;
             ``src`` that is ``dst`` itself is a no-op.
-        cast: convert a numpy source of another dtype on the host first.
+        cast: convert a numpy source of another dtype on the host first — refused when a value would not survive
+            (wrap-around or a truncated fraction into an integer buffer, NaN into an integer, a finite value
+            overflowing to infinity, a dropped imaginary part; numpy's ``astype`` does all of these silently).
 
     int64 into a WebGPU buffer: ORT's WebGPU EP under graph capture keeps only the low 32 bits, so every host
     source (numpy array, CPU OrtValue, CPU DLPack tensor) is range-checked here on every call; a WebGPU OrtValue
@@ -50,7 +52,8 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
 
     Raises:
         TransferError: (a ``ValueError``) shape, dtype or device mismatch, overlapping buffers, an unsupported source
-            type, int64 host data outside the int32 range for a WebGPU buffer — always before any native call.
+            type, a ``cast=True`` value the buffer's dtype cannot hold, int64 host data outside the int32 range for
+            a WebGPU buffer — always before any native call.
         StaleOutputError: ``src`` is a ``ReplayOutput`` overwritten by a later replay.
         CaptureUnsupportedError: the installed ORT lacks the needed copy path (device to device needs ORT >= 1.26
             or cuda-python).

@@ -172,8 +172,35 @@ def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
     if src.dtype != dm.dtype:
         if not cast:
             _check_match(dm, tuple(src.shape), src.dtype, "numpy source")
-        src = src.astype(dm.dtype)
+        src = _cast(src, dm.dtype)
     _check_match(dm, tuple(src.shape), src.dtype, "numpy source")
     if dm.kind == "webgpu" and src.dtype == np.int64 and src.size:
         _check_int32_range(src)
     return np.require(src, requirements="C")  # ascontiguousarray would turn 0-d into (1,)
+
+
+def _cast(src: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``src`` as ``dtype`` (``update_inplace(cast=True)``) when every value survives: into an integer or bool
+    buffer (or from complex into real) each value must come back unchanged (no wrap-around, no truncated fraction, no
+    NaN, no dropped imaginary part), into a float buffer no finite value may overflow to infinity (rounding to the
+    narrower float is accepted). Raises TransferError."""
+    import warnings
+
+    with warnings.catch_warnings(), np.errstate(invalid="ignore", over="ignore"):
+        warnings.simplefilter("ignore")  # numpy's ComplexWarning / cast warnings: checked below instead
+        out = src.astype(dtype)
+        if not src.size or dtype == src.dtype:
+            return out
+        if dtype.kind in "iub" or (src.dtype.kind == "c" and dtype.kind != "c"):
+            bad = out.astype(src.dtype) != src
+            if src.dtype.kind in "fc":
+                bad |= ~np.isfinite(src)
+        elif dtype.kind in "fc" and src.dtype.kind in "fc":
+            bad = np.isfinite(src) & ~np.isfinite(out)
+        else:
+            return out
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise TransferError(f"cast=True: the {src.dtype} source holds values {dtype} cannot hold (e.g. "
+                            f"{src[where].item()!r} at index {where}); convert it yourself if that is meant")
+    return out
