@@ -278,6 +278,9 @@ def test_dynamic_dims_capture_via_specialization_on_webgpu(webgpu, tmp_path, cap
 
     code, report = doctor_json(capsys, path, "--provider", "webgpu", "--shape", "X=2x16")
     assert code == 0 and report["capture"]["static_shapes"] == {"X": [2, 16]}
+    # --shape passed already: the advice does not ask for it again (a new user was told to pass what they had)
+    fixes = [f for f in report["what_to_change"] if f.startswith("fix dims")]
+    assert fixes and all("--shape" not in f and "static_shapes={'X': (2, 16)}" in f for f in fixes)
     assert report["capture"]["max_abs_diff"] <= 1e-3 * 2
 
 

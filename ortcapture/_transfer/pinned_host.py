@@ -98,6 +98,17 @@ def _address(view: memoryview) -> int:
         del arr
 
 
+def _explained(exc: RuntimeError) -> RuntimeError:
+    """``cudaHostRegister``'s failure, said plainly where the cause is the machine (no cuda-python, no driver)."""
+    text = str(exc)
+    if "cuda-python is not installed" in text:
+        return RuntimeError('pin_host_memory needs CUDA: cuda-python is not installed (pip install "ortcapture[cuda]"); '
+                            "CPU and WebGPU sessions have no page-locked memory to feed from")
+    if "InsufficientDriver" in text or "NoDevice" in text:
+        return RuntimeError(f"pin_host_memory needs an NVIDIA GPU and its driver; none is usable here ({text})")
+    return exc
+
+
 def pin_host_memory(buffer) -> PinnedHostMemory:
     """Page-lock ``buffer``'s memory in place so that numpy feeds inside it reach a captured graph's device buffers
     with one DMA (no host copy into the graph's staging; CUDA graphs with page-locked staging only, i.e.
@@ -118,12 +129,15 @@ def pin_host_memory(buffer) -> PinnedHostMemory:
     Raises:
         TypeError: ``buffer`` has no buffer protocol.
         ValueError: not C-contiguous, empty, or overlapping memory pinned here already.
-        RuntimeError: no cuda-python, or the driver refused (``cudaHostRegister``: memory already page-locked by
-            someone else, a mapping it cannot lock).
+        RuntimeError: no cuda-python, no NVIDIA driver or GPU, or the driver refused (``cudaHostRegister``: memory
+            already page-locked by someone else, a mapping it cannot lock).
     """
     from ortcapture._ort import cudart
 
-    view = memoryview(buffer)
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise TypeError(f"pin_host_memory: {exc}") from None
     try:
         if not view.c_contiguous:
             raise ValueError("pin_host_memory: the buffer must be C-contiguous")
@@ -134,7 +148,10 @@ def pin_host_memory(buffer) -> PinnedHostMemory:
             if any(a < ptr + nbytes and ptr < b for a, b in sync.HOST_RANGES):
                 raise ValueError(f"pin_host_memory: [0x{ptr:x}, +{nbytes}) overlaps memory pinned already")
             # read-only memory (a PROT_READ mapping, bytes) needs cudaHostRegisterReadOnly: feeds only read it
-            cudart.host_register(ptr, nbytes, portable=True, read_only=view.readonly)
+            try:
+                cudart.host_register(ptr, nbytes, portable=True, read_only=view.readonly)
+            except RuntimeError as exc:
+                raise _explained(exc) from None
             pinned = PinnedHostMemory(view, ptr, nbytes)
             sync.HOST_RANGES = [*sync.HOST_RANGES, (ptr, ptr + nbytes)]
     except BaseException:

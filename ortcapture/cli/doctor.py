@@ -185,7 +185,7 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
             "pass --shape with the shapes you will run", None, {"derived": {n: list(example[n]) for n in derived}}))
     for f in findings:
         if f.kind == "dynamic_dims" and f.severity == "warning":
-            f.fix = dims_fix(model, example)
+            f.fix = dims_fix(model, example, given=list(given))
     from ortcapture._ort import cuda_probe
 
     # onnxruntime-gpu's CUDA EP that does not load: ORT would place every node on the CPU EP, so placement findings
@@ -210,7 +210,8 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
         unused = f"; the --provider-option values {ep_options} were not used" if ep_options else ""
         findings.append(Finding("provider", "info", f"no capture attempted: {why_none}{unused}"))
     else:
-        more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress, ep_options)
+        more, capture = dynamic_checks(model_path, model, chosen, example, findings, progress, ep_options,
+                                       given=list(given))
         findings += more
         if capture["outcome"] == "captured":  # ORT captured with the dims dynamic: nothing to fix
             for f in findings:

@@ -414,7 +414,7 @@ _PHASE_AS_GIVEN, _PHASE_FIXED, _PHASE_CAPTURE = "model as given", "dims fixed", 
 
 
 def _placement_findings(model, ep: str, example, placement: Placement, fixed: Placement | None,
-                        capture: dict) -> list[Finding]:
+                        capture: dict, given: Sequence[str] = ()) -> list[Finding]:
     from ortcapture._ort import specialize as shapes
 
     out: list[Finding] = []
@@ -444,7 +444,7 @@ def _placement_findings(model, ep: str, example, placement: Placement, fixed: Pl
             "shape_subgraph_cpu", "info" if outcome == "captured" else "warning",
             f"{len(shape_nodes)} node(s) of the model as given run on the CPU EP — the shape computation of its "
             f"dynamic dims: {Placement(shape_nodes, None).cpu_labels(8)}; with the dims fixed they go away{others}. "
-            + verdict, None if outcome == "captured" else dims_fix(model, example),
+            + verdict, None if outcome == "captured" else dims_fix(model, example, given=given),
             {"nodes": [list(n) for n in shape_nodes]}))
     if remaining:
         ops = sorted({op for _, op in remaining})
@@ -519,7 +519,8 @@ def _unstable_finding(ep: str, stable: tuple[bool, float, str | None], ep_option
                    fix, {"max_abs_diff": worst if math.isfinite(worst) else None})
 
 
-def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[Finding]) -> Finding:
+def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[Finding],
+                     given: Sequence[str] = ()) -> Finding:
     from ortcapture._ort import specialize as shapes
 
     outcome = capture["outcome"]
@@ -533,7 +534,7 @@ def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[
             "capture", "info",
             f"captured via shape specialization on {ep} (dims fixed to {fixed}); one replay matches the "
             f"uncaptured run (max abs diff {capture['max_abs_diff']:.3g})"
-            + (f". ORT refused the model as given: {why}" if why else ""), dims_fix(model, example))
+            + (f". ORT refused the model as given: {why}" if why else ""), dims_fix(model, example, given=given))
     kind = capture.get("kind")
     if outcome == "refused" and kind in WRONG_RESULT_KINDS and kind != "host_read_input":
         text, fix = WRONG_RESULT_KINDS[kind]
@@ -562,7 +563,7 @@ def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[
     if outcome == "refused":
         fix = None
         if not any(f.severity == "error" and f.fix for f in findings):
-            fix = (dims_fix(model, example) if shapes.dynamic_inputs(model) else
+            fix = (dims_fix(model, example, given=given) if shapes.dynamic_inputs(model) else
                    "ORT's reason above is all there is: check the nodes listed as off the EP")
         return Finding("capture", "error", f"{ep} refused graph capture ({capture['stage']}): {capture['reason']}",
                        fix, {"error": capture.get("error")})
@@ -576,8 +577,9 @@ def _capture_finding(model, ep: str, example, capture: dict, findings: Sequence[
 
 def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, Sequence[int]],
                    static: Sequence[Finding], progress=None,
-                   ep_options: Mapping[str, str] | None = None) -> tuple[list[Finding], dict]:
-    """Placement, ORT's log and a real capture on ``provider``; returns (findings, capture result).
+                   ep_options: Mapping[str, str] | None = None, given: Sequence[str] = ()) -> tuple[list[Finding], dict]:
+    """Placement, ORT's log and a real capture on ``provider``; returns (findings, capture result). ``given``: the
+    inputs whose ``--shape`` the user passed (the advice does not ask for those again).
 
     Raises :class:`DoctorError` when ORT cannot even create an uncaptured session for the model."""
     from ortcapture._ort import specialize as shapes
@@ -641,7 +643,7 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
         capture["reason"] = refusals[-1]
     if refusals and capture.get("deferred") and not capture.get("direct_refusal"):
         capture["direct_refusal"] = refusals[0]
-    findings = _placement_findings(model, ep, example, placement, fixed_placement, capture)
+    findings = _placement_findings(model, ep, example, placement, fixed_placement, capture, given)
     if host:
         text, fix = WRONG_RESULT_KINDS["host_read_input"]
         findings.append(Finding("host_read_input", "warning", f"input(s) {host}: {text}; a replay keeps the value "
@@ -654,5 +656,5 @@ def dynamic_checks(model_path: str, model, provider: str, example: Mapping[str, 
         findings.append(accuracy)
     if probe is not None and not (probe.kind == "int64_as_int32" and capture.get("kind") == "int64_as_int32"):
         findings.append(probe)
-    findings.append(_capture_finding(model, ep, example, capture, list(static) + findings))
+    findings.append(_capture_finding(model, ep, example, capture, list(static) + findings, given))
     return findings, capture

@@ -140,8 +140,10 @@ def check_dynamic_dims(model, given: Mapping[str, Sequence[int]]) -> list[Findin
     return out
 
 
-def dims_fix(model, example: Mapping[str, Sequence[int]], only: Sequence[str] | None = None) -> str | None:
-    """The "fix dims ..." advice for the dynamic inputs (``only``: restrict to these inputs)."""
+def dims_fix(model, example: Mapping[str, Sequence[int]], only: Sequence[str] | None = None,
+             given: Sequence[str] = ()) -> str | None:
+    """The "fix dims ..." advice for the dynamic inputs (``only``: restrict to these inputs; ``given``: inputs whose
+    ``--shape`` the user passed already, not asked for again)."""
     from ortcapture._ort import specialize as shapes
 
     dyn = {n: d for n, d in shapes.dynamic_inputs(model).items() if only is None or n in only}
@@ -150,9 +152,10 @@ def dims_fix(model, example: Mapping[str, Sequence[int]], only: Sequence[str] | 
     labels = [d if isinstance(d, str) else f"{n}[{i}]" for n, ds in dyn.items() for i, d in enumerate(ds)
               if not isinstance(d, int)]
     labels = list(dict.fromkeys(labels))
-    flags = " ".join(f"--shape {n}={_fmt_shape(example[n])}" for n in dyn if n in example)
+    flags = " ".join(f"--shape {n}={_fmt_shape(example[n])}" for n in dyn if n in example and n not in given)
     static = "{" + ", ".join(f"{n!r}: {tuple(example[n])}" for n in dyn if n in example) + "}"
-    return (f"fix dims {', '.join(labels)}: pass {flags} here, and InferenceSession(..., static_shapes={static}) "
+    here = f"pass {flags} here, and " if flags else ""
+    return (f"fix dims {', '.join(labels)}: {here}InferenceSession(..., static_shapes={static}) "
             "for the raw IOBinding path (sess.capture(feeds) specialises by itself)")
 
 
