@@ -279,3 +279,23 @@ def test_doctor_without_a_model_examines_the_reference_model():
     rc, out, err = ortcapture("doctor", "--provider", "none")
     assert rc == 3, (out, err)  # unknown: no capture attempted with --provider none
     assert "320n.onnx" in out + err
+
+
+def test_the_software_adapter_hint_is_given_once(tmp_path, monkeypatch):
+    """A provider refusal gets the "source webgpu.env" hint unless its own text names webgpu.env already (a new
+    user read the same advice twice on one line)."""
+    from ortcapture import cli as _cli
+    from ortcapture._ort import providers
+    from ortcapture.errors import CaptureUnsupportedError
+
+    (tmp_path / "webgpu.env").write_text("export ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1\n")
+    monkeypatch.setenv("ORTCAPTURE_CACHE", str(tmp_path))
+    monkeypatch.delenv("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", raising=False)
+    for said, count in (("WebGPU is not usable here: no adapter", 1),
+                        ('WebGPU is not usable here: source ".../webgpu.env" (it sets both)', 1)):
+        def refuse(requested, said=said):
+            raise CaptureUnsupportedError(said)
+        monkeypatch.setattr(providers, "pick_provider", refuse)
+        with pytest.raises(CaptureUnsupportedError) as info:
+            _cli.pick_provider("webgpu")
+        assert str(info.value).count("webgpu.env") == count, str(info.value)

@@ -99,7 +99,8 @@ def pick_provider(requested: str = "auto", cuda_must_load: bool = False) -> str:
     try:
         return _pick(requested)
     except CaptureUnsupportedError as exc:
-        hint = webgpu_env_hint() if "WebGPU" in str(exc) else ""
+        # the hint once: ORT-side messages that name webgpu.env already say it (a new user read it twice)
+        hint = webgpu_env_hint() if "WebGPU" in str(exc) and "webgpu.env" not in str(exc) else ""
         raise CaptureUnsupportedError(one_line(exc) + hint) from None
 
 
