@@ -140,6 +140,43 @@ def test_a_pin_dropped_without_close_stops_being_used_and_is_undone_later(fake_p
     shm.close()  # unmapped now
 
 
+def test_a_pin_dropped_while_the_lock_is_held_is_undone_by_the_holder(fake_pinned):  # noqa: F811
+    """A finalizer may run on the thread that is rebuilding the range list (a collection in the middle of it): it
+    never waits for the lock and never writes the list itself then; the holder undoes it before it lets go, and
+    the range cannot come back with the holder's own write."""
+    from ortcapture._transfer import pinned_host
+
+    fake, _ = fake_pinned
+    keep = pin_host_memory(bytearray(4096))
+    pin = pin_host_memory(bytearray(8192))
+    lo = pin.ptr
+    pinned_host._LOCK.acquire()  # this thread is the holder, mid-update
+    try:
+        read = list(_sync.HOST_RANGES)  # what the holder read before the collection
+        del pin
+        gc.collect()  # its finalizer runs here, on the holder's thread
+        assert any(a == lo for a, _ in _sync.HOST_RANGES)  # deferred, not lost
+        _sync.HOST_RANGES = read  # the holder's own write, from what it read
+    finally:
+        pinned_host._release()
+    assert [a for a, _ in _sync.HOST_RANGES] == [keep.ptr]
+    assert [h[0] for k, h in fake.freed if k == "registered"] == [lo]
+    # from another thread while this one holds the lock: undone when it lets go
+    holder = [pin_host_memory(bytearray(8192))]
+    lo2 = holder[0].ptr
+    pinned_host._LOCK.acquire()
+    try:
+        t = threading.Thread(target=lambda: (holder.clear(), gc.collect()))
+        t.start()
+        t.join(5)
+        assert any(a == lo2 for a, _ in _sync.HOST_RANGES)
+    finally:
+        pinned_host._release()
+    assert [a for a, _ in _sync.HOST_RANGES] == [keep.ptr]
+    keep.close()
+    assert _sync.HOST_RANGES == [] and not pinned_host._DROPPED
+
+
 def test_concurrent_closes_undo_the_pinning_once(fake_pinned, monkeypatch):  # noqa: F811
     fake, _ = fake_pinned
     slow = fake.host_unregister

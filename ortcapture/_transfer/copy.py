@@ -39,8 +39,9 @@ def update_inplace(dst: OrtValue, src: Any, *, cast: bool = False) -> OrtValue:
             through the host; non-contiguous device sources are refused). Exactly ``dst``'s shape and dtype;
             ``src`` that is ``dst`` itself is a no-op.
         cast: convert a numpy source of another dtype on the host first — refused when a value would not survive
-            (wrap-around or a truncated fraction into an integer buffer, NaN into an integer, a finite value
-            overflowing to infinity, a dropped imaginary part; numpy's ``astype`` does all of these silently).
+            (wrap-around, a sign flip or a truncated fraction into an integer buffer, NaN into an integer, a finite
+            value overflowing to infinity, a dropped imaginary part; numpy's ``astype`` does all of these silently)
+            or is not a number (object, string, datetime); rounding to the nearest float is accepted.
 
     int64 into a WebGPU buffer: ORT's WebGPU EP under graph capture keeps only the low 32 bits, so every host
     source (numpy array, CPU OrtValue, CPU DLPack tensor) is range-checked here on every call; a WebGPU OrtValue

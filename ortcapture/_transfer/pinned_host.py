@@ -18,7 +18,10 @@ import numpy as np
 from ortcapture._ort import sync
 from ortcapture._ort.sync import CUDA_GATE
 
-_LOCK = threading.RLock()  # re-entrant: a finalizer (_dropped) may run on a thread that holds it
+_LOCK = threading.Lock()  # changes of sync.HOST_RANGES; released through _release() only
+#: ``(ptr, nbytes, view, pid)`` of pins collected while ``_LOCK`` was held (a finalizer may run on the very thread
+#: that holds it, in the middle of rebuilding the list): undone by whoever holds the lock, before it lets go
+_DROPPED: list = []
 
 
 class PinnedHostMemory:
@@ -47,12 +50,15 @@ class PinnedHostMemory:
         process forked after pinning, nothing is undone on the device (the page-locking is the parent's)."""
         from ortcapture._ort import cudart
 
-        with _LOCK:
+        _LOCK.acquire()
+        try:
             view, self._view = self._view, None
             if view is None:
                 return
             self._finalizer.detach()
             _forget(self.ptr, self.nbytes)
+        finally:
+            _release()
         try:
             if self._pid == os.getpid():
                 with CUDA_GATE.shared:
@@ -78,14 +84,29 @@ def _forget(ptr: int, nbytes: int) -> None:
 
 def _dropped(view: memoryview, ptr: int, nbytes: int, pid: int) -> None:
     """A :class:`PinnedHostMemory` collected without :meth:`~PinnedHostMemory.close` (a finalizer, which may run
-    anywhere, a capture included): its range is no longer used, and its ``cudaHostUnregister`` is queued with the
-    memoryview (the memory stays mapped until then) for the next safe point (``cudart.free_pending``)."""
+    anywhere, a capture included, and never waits for a lock): its range is no longer used — now, or, where
+    ``_LOCK`` is held (maybe by this very thread, mid-update), by the holder before it lets go — and then its
+    ``cudaHostUnregister`` is queued with the memoryview (the memory stays mapped until then) for the next safe point
+    (``cudart.free_pending``)."""
+    _DROPPED.append((ptr, nbytes, view, pid))
+    if _LOCK.acquire(blocking=False):
+        _release()
+
+
+def _release() -> None:
+    """Undo the dropped pins (:data:`_DROPPED`) and release ``_LOCK``; again if more were dropped meanwhile and the
+    lock is free (a drop whose own try found it taken is undone here, never left behind)."""
     from ortcapture._ort import cudart
 
-    with _LOCK:
-        _forget(ptr, nbytes)
-    if pid == os.getpid():
-        cudart.release_later("registered", (ptr, view))
+    while True:
+        while _DROPPED:
+            ptr, nbytes, view, pid = _DROPPED.pop()
+            _forget(ptr, nbytes)
+            if pid == os.getpid():  # a forked child undoes nothing on the device
+                cudart.release_later("registered", (ptr, view))
+        _LOCK.release()
+        if not _DROPPED or not _LOCK.acquire(blocking=False):
+            return
 
 
 def _address(view: memoryview) -> int:
@@ -132,8 +153,6 @@ def pin_host_memory(buffer) -> PinnedHostMemory:
         RuntimeError: no cuda-python, no NVIDIA driver or GPU, or the driver refused (``cudaHostRegister``: memory
             already page-locked by someone else, a mapping it cannot lock).
     """
-    from ortcapture._ort import cudart
-
     try:
         view = memoryview(buffer)
     except TypeError as exc:
@@ -144,17 +163,29 @@ def pin_host_memory(buffer) -> PinnedHostMemory:
         if view.nbytes < 1:
             raise ValueError("pin_host_memory: the buffer is empty")
         ptr, nbytes = _address(view), int(view.nbytes)
-        with CUDA_GATE.shared, _LOCK:  # the gate first, as everywhere
-            if any(a < ptr + nbytes and ptr < b for a, b in sync.HOST_RANGES):
-                raise ValueError(f"pin_host_memory: [0x{ptr:x}, +{nbytes}) overlaps memory pinned already")
-            # read-only memory (a PROT_READ mapping, bytes) needs cudaHostRegisterReadOnly: feeds only read it
+        with CUDA_GATE.shared:  # the gate first, then _LOCK, as everywhere
+            _LOCK.acquire()
             try:
-                cudart.host_register(ptr, nbytes, portable=True, read_only=view.readonly)
-            except RuntimeError as exc:
-                raise _explained(exc) from None
-            pinned = PinnedHostMemory(view, ptr, nbytes)
-            sync.HOST_RANGES = [*sync.HOST_RANGES, (ptr, ptr + nbytes)]
+                pinned = _register(view, ptr, nbytes)
+            finally:
+                _release()
     except BaseException:
         view.release()
         raise
+    return pinned
+
+
+def _register(view: memoryview, ptr: int, nbytes: int) -> PinnedHostMemory:
+    """:func:`pin_host_memory`'s registration, with the CUDA gate and ``_LOCK`` held."""
+    from ortcapture._ort import cudart
+
+    if any(a < ptr + nbytes and ptr < b for a, b in sync.HOST_RANGES):
+        raise ValueError(f"pin_host_memory: [0x{ptr:x}, +{nbytes}) overlaps memory pinned already")
+    # read-only memory (a PROT_READ mapping, bytes) needs cudaHostRegisterReadOnly: feeds only read it
+    try:
+        cudart.host_register(ptr, nbytes, portable=True, read_only=view.readonly)
+    except RuntimeError as exc:
+        raise _explained(exc) from None
+    pinned = PinnedHostMemory(view, ptr, nbytes)
+    sync.HOST_RANGES = [*sync.HOST_RANGES, (ptr, ptr + nbytes)]
     return pinned

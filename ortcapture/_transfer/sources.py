@@ -181,26 +181,42 @@ def _as_numpy(src: np.ndarray, dm: ValueMeta, cast: bool) -> np.ndarray:
 
 def _cast(src: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``src`` as ``dtype`` (``update_inplace(cast=True)``) when every value survives: into an integer or bool
-    buffer (or from complex into real) each value must come back unchanged (no wrap-around, no truncated fraction, no
-    NaN, no dropped imaginary part), into a float buffer no finite value may overflow to infinity (rounding to the
-    narrower float is accepted). Raises TransferError."""
+    buffer (or from complex into real) each value must come back unchanged (no wrap-around, no sign flip between
+    signed and unsigned, no truncated fraction, no NaN), into a float buffer no finite value may overflow to infinity
+    (rounding to the nearest value the float holds — a narrower float, or a large integer into float32 — is
+    accepted). Numbers only: a source of another kind (object, string, datetime) is refused. Raises
+    TransferError."""
     import warnings
 
+    sk, dk = src.dtype.kind, dtype.kind
+    floaty = _float_like(dtype)
+    if sk not in "biufc" and not _float_like(src.dtype):
+        raise TransferError(f"cast=True converts numbers only; the source is {src.dtype} (convert it yourself)")
     with warnings.catch_warnings(), np.errstate(invalid="ignore", over="ignore"):
         warnings.simplefilter("ignore")  # numpy's ComplexWarning / cast warnings: checked below instead
         out = src.astype(dtype)
         if not src.size or dtype == src.dtype:
             return out
-        if dtype.kind in "iub" or (src.dtype.kind == "c" and dtype.kind != "c"):
+        if dk in "iub" or (sk == "c" and dk != "c"):
             bad = out.astype(src.dtype) != src
-            if src.dtype.kind in "fc":
+            if sk not in "iub":
                 bad |= ~np.isfinite(src)
-        elif dtype.kind in "fc" and src.dtype.kind in "fc":
+            if sk in "iu" and dk in "iu":  # uint64 max into int64 is -1, and back again it is uint64 max
+                bad |= (out < 0) != (src < 0)
+        elif floaty:
             bad = np.isfinite(src) & ~np.isfinite(out)
         else:
             return out
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = np.asarray(src)[where]
         raise TransferError(f"cast=True: the {src.dtype} source holds values {dtype} cannot hold (e.g. "
-                            f"{src[where].item()!r} at index {where}); convert it yourself if that is meant")
+                            f"{getattr(value, 'item', lambda: value)()!r} at index {where}); convert it yourself if "
+                            "that is meant")
     return out
+
+
+def _float_like(dtype: np.dtype) -> bool:
+    """numpy's floats and complex, and ml_dtypes' (bfloat16, float8 ...: kind ``V``)."""
+    return dtype.kind in "fc" or (dtype.kind == "V" and type(dtype.type).__module__ != "numpy"
+                                  and getattr(dtype.type, "__module__", "").startswith("ml_dtypes"))
