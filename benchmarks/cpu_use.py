@@ -11,18 +11,25 @@ collapsed stacks, one line per stack with its sample count) while a measurement 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
+
+_METHOD = re.compile(r"\.\w+$")  # Ray titles an actor busy in a method "ray::Class.method"
+
+
+def _title(cmd: list) -> str | None:
+    """A Ray worker's title without the method it is running (``ray::ServeReplica:app:Model``), else ``None``."""
+    first = (cmd[0] if cmd else "").split()
+    if not first or not first[0].startswith("ray::"):
+        return None
+    return _METHOD.sub("", first[0])
 
 
 def _group(info: dict, named: dict[int, str], pid: int) -> str:
     if pid in named:
         return named[pid]
-    cmd = info.get("cmdline") or []
-    first = (cmd[0] if cmd else "").split()
-    if first and first[0].startswith("ray::"):
-        return first[0]
-    return info.get("name") or "?"
+    return _title(info.get("cmdline") or []) or info.get("name") or "?"
 
 
 def sample(named: dict[int, str] | None = None) -> tuple:
@@ -72,9 +79,8 @@ def pids_of(title_suffix: str) -> list[int]:
 
     out = []
     for p in psutil.process_iter(["cmdline"]):
-        cmd = (p.info.get("cmdline") or [""])
-        first = (cmd[0] if cmd else "").split()
-        if first and first[0].startswith("ray::") and first[0].endswith(title_suffix):
+        title = _title(p.info.get("cmdline") or [])
+        if title is not None and title.endswith(title_suffix):
             out.append(p.pid)
     return out
 
@@ -85,29 +91,41 @@ class PySpy:
     ``seconds + 15``)."""
 
     def __init__(self, exe: str, targets: dict[str, int], seconds: float, out: str, tag: str, rate: int = 200):
-        self.procs = []
-        self.files = []
+        self.runs: list[tuple] = []  # (Popen or None, path, why not started)
+        self.errs: dict[str, str] = {}
         for label, pid in targets.items():
             path = os.path.join(out, f"pyspy-{tag}-{label}.txt")
-            cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, int(round(seconds)))), "--rate",
-                   str(rate), "--format", "raw", "--nonblocking", "--threads", "--output", path]
-            try:
-                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-                self.files.append(path)
+            cmd = [exe or "py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(round(seconds)))),
+                   "--rate", str(rate), "--format", "raw", "--nonblocking", "--threads", "--output", path]
+            try:  # stderr to a file: a pipe nobody reads until the end could fill and block py-spy
+                err = open(path + ".err", "wb")
+                self.runs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err), path, None))
+                err.close()
             except OSError as exc:
-                self.files.append(f"{path}: {exc}")
+                self.runs.append((None, path, f"not started: {exc}"))
         self.seconds = seconds
 
     def wait(self) -> list[str]:
-        """Wait for every recording; the files written (or why not)."""
+        """Wait for every recording (each at most ``seconds + 15``, then killed and reaped); per target the file
+        written, or the file and why it is not there."""
         done = []
-        for p, f in zip(self.procs, self.files):
+        for p, path, why in self.runs:
+            if p is None:
+                done.append(f"{path}: {why}")
+                continue
             try:
-                _, err = p.communicate(timeout=self.seconds + 15)
+                p.wait(timeout=self.seconds + 15)
             except subprocess.TimeoutExpired:
                 p.kill()
-                err = b"timed out"
-            done.append(f if p.returncode == 0 else f"{f}: rc {p.returncode} {err.decode(errors='replace')[-300:]}")
+                p.wait()
+            if p.returncode == 0:
+                done.append(path)
+            else:
+                try:
+                    tail = open(path + ".err", "rb").read()[-300:].decode(errors="replace")
+                except OSError:
+                    tail = ""
+                done.append(f"{path}: rc {p.returncode} {tail}")
         return done
 
 
