@@ -432,3 +432,24 @@ def test_compare_handles_non_numeric_and_nan_outputs():
     ok, _, what = _compare([np.array([np.nan, 1.0])], [np.array([1.0, np.nan])], 1e-4)
     assert not ok and what == "output 0: NaNs differ"
     assert _json_safe({"a": [float("inf"), 1.5, float("nan")]}) == {"a": [None, 1.5, None]}
+
+
+def test_a_named_dim_given_for_one_input_holds_for_the_others(tmp_path):
+    """--shape X=2x16 on X[batch, 16], Y[batch, seq]: Y is checked at batch 2, not 1 (the advice told a user to pass
+    --shape Y=1x320, which the model refuses beside X's batch 2)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ortcapture.cli.demo import example_shapes
+
+    g = helper.make_graph([helper.make_node("Concat", ["X", "Y"], ["Z"], axis=1)], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 16]),
+                           helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", "seq"])],
+                          [helper.make_tensor_value_info("Z", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = str(tmp_path / "xy.onnx")
+    onnx.save(model, path)
+    assert example_shapes(path, 1, ["X=2x16"]) == {"X": (2, 16), "Y": (2, 320)}
+    assert example_shapes(path, 1, ["Y=3x5"]) == {"X": (3, 16), "Y": (3, 5)}
+    assert example_shapes(path, 1, []) == {"X": (1, 16), "Y": (1, 320)}

@@ -142,8 +142,9 @@ def random_feeds(dtypes, shapes_, rng, n: int) -> list[dict]:
 
 
 def example_shapes(model_path: str, batch: int, overrides: list[str]) -> dict:
-    """``{input: shape}`` to capture with: ``--shape`` overrides, else the model's dims with a dynamic first dim set
-    to ``batch`` and other dynamic dims to 320 (the reference model's). Raises :class:`CaptureError` for a bad or
+    """``{input: shape}`` to capture with: ``--shape`` overrides, else the model's dims — a named dim that another
+    input's ``--shape`` sets takes that value, a dynamic first dim ``batch`` and other dynamic dims 320 (the
+    reference model's). Raises :class:`CaptureError` for a bad or
     unknown ``--shape``: wrong rank, a dim the model fixes otherwise, or a dim of 0."""
     from ortcapture._ort import specialize as shapes
     from ortcapture.cli.options import shape_arg_problem
@@ -154,12 +155,15 @@ def example_shapes(model_path: str, batch: int, overrides: list[str]) -> dict:
     problem = shape_arg_problem(given, all_dims, allow_empty=False)
     if problem:
         raise CaptureError(problem)
+    # a named dim the --shape of one input sets holds for every input that shares it (batch=2 for X is batch=2 for Y)
+    named = {d: int(given[n][i]) for n, dims in all_dims.items() if n in given
+             for i, d in enumerate(dims) if isinstance(d, str) and i < len(given[n])}
     out = {}
     for name, dims in all_dims.items():
         if name in given:
             out[name] = given[name]
             continue
-        fixed = [d if isinstance(d, int) else None for d in dims]
+        fixed = [d if isinstance(d, int) else named.get(d) if isinstance(d, str) else None for d in dims]
         if fixed and fixed[0] is None:
             fixed[0] = batch
         if any(d is None for d in fixed):
