@@ -778,6 +778,9 @@ def test_run_many_refusals(backend, rng):
         sess.capture({"A": a, "B": a}, verify=False, copies=0)
     with pytest.raises(ortcapture.CaptureError, match="copies"):
         sess.capture({"A": a, "B": a}, verify=False, copies=True)
+    with pytest.raises(ortcapture.CaptureError, match="from 1 to 16"):  # refused before any capture (was unbounded)
+        sess.capture({"A": a, "B": a}, verify=False, copies=10**9)
+    assert not sess.captured_graphs
     rec = backend.session(tiny.recurrent_model())
     with pytest.raises(ortcapture.CaptureError, match="state"):
         rec.capture({"x": np.zeros((1, 8), np.float32), "state_in": np.zeros((1, 8), np.float32)},

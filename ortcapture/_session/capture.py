@@ -15,6 +15,10 @@ from ortcapture._ort.providers import CaptureInfo
 from ortcapture._ort.sync import FORKED_DEVICES
 from ortcapture._session.setup import check_tensor_io
 from ortcapture._transfer import copy as tcopy
+
+#: at most this many buffer sets per capture (``copies=``): run_many overlaps one request's copy with the replay
+#: before it, so 2-3 are the useful range, and each one is a whole graph with its own device buffers
+MAX_COPIES = 16
 from ortcapture._verify.compare import level_of
 from ortcapture.errors import CaptureError, CaptureUnsupportedError
 
@@ -53,7 +57,7 @@ def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None,
             message names the nodes ORT placed off the EP and dtypes or non-tensor inputs/outputs it cannot
             take), or an input/output is not a numeric tensor (strings, sequences, maps, optional values).
         CaptureError: ``graph_id`` taken or invalid; a refused capture (see CapturedGraph); ``copies`` not an
-            int >= 1, or ``copies > 1`` with ``state=``.
+            int from 1 to :data:`MAX_COPIES` (16), or ``copies > 1`` with ``state=``.
         GraphReleasedError: ``graph_id`` was released on CUDA/TensorRT (retired).
         TransferError: feeds that do not match the model's inputs.
         CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made the session:
@@ -66,8 +70,9 @@ def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None,
 
     if FORKED_DEVICES:  # an os.fork() child: refused before any native call (ortcapture._ort.sync.Origin)
         self._oc_origin.check("capture()")
-    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
-        raise CaptureError(f"copies must be an int >= 1, got {copies!r}")
+    if isinstance(copies, bool) or not isinstance(copies, int) or not 1 <= copies <= MAX_COPIES:
+        raise CaptureError(f"copies must be an int from 1 to {MAX_COPIES}, got {copies!r} (each copy is a whole "
+                           "graph with its own device buffers; run_many needs 2-3)")
     if copies > 1:
         if state:
             raise CaptureError("copies > 1 cannot carry state= (each buffer set would hold its own state)")
