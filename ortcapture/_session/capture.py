@@ -57,7 +57,7 @@ def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None,
             message names the nodes ORT placed off the EP and dtypes or non-tensor inputs/outputs it cannot
             take), or an input/output is not a numeric tensor (strings, sequences, maps, optional values).
         CaptureError: ``graph_id`` taken or invalid; a refused capture (see CapturedGraph); ``copies`` not an
-            int from 1 to :data:`MAX_COPIES` (16), or ``copies > 1`` with ``state=``.
+            int from 1 to 16 (``MAX_COPIES``), or ``copies > 1`` with ``state=``.
         GraphReleasedError: ``graph_id`` was released on CUDA/TensorRT (retired).
         TransferError: feeds that do not match the model's inputs.
         CaptureError: (``kind`` ``"fork"``) in an ``os.fork()`` child of the process that made the session:
