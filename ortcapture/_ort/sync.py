@@ -14,7 +14,6 @@
   :data:`COMPUTE_STREAM`, :data:`STAGING_THREADS`, :data:`PINNED`, ...; docs/INSTALL.md lists them), each read once,
   at import; the modules that use them read them here at call time.
 * The staging copy threads (:func:`staging_pool`): the process-wide thread pools pinned staging fills copy on.
-
 * :data:`HOST_RANGES`: host memory its owner page-locked for feeds (:func:`ortcapture.transfer.pin_host_memory`).
 
 Everything else ortcapture keeps lives in a session (:mod:`ortcapture._core.state`) or a graph. Caches that are

@@ -234,6 +234,13 @@ class _InPlace:
         return [e[0] for regs in self.regs.values() for e in regs]
 
 
+def _owner_pinned(arr: np.ndarray, nbytes: int) -> int:
+    """``arr``'s address where its first ``nbytes`` lie in memory its owner page-locked (:data:`ortcapture._ort.sync.
+    HOST_RANGES`), else 0 (the two upload paths' one test; callers check the list is not empty first)."""
+    ptr = arr.ctypes.data
+    return ptr if sync.owner_pinned(ptr, nbytes) else 0
+
+
 def _owns_memory(arr: np.ndarray) -> bool:
     """Whether ``arr``'s memory belongs to numpy (its base chain ends in an ndarray that owns its data), so that a
     reference to ``arr`` keeps it mapped. Not so for views of ``SharedMemory``, ``mmap``/``np.memmap``, ``bytes``, a
@@ -406,7 +413,7 @@ class HostStaging:
             if n:
                 if arr is self.host_inputs[name]:
                     cudart.copy_async(dptr, hptr, n, stream)
-                elif in_place and sync.HOST_RANGES and sync.owner_pinned(src := arr.ctypes.data, n):
+                elif in_place and sync.HOST_RANGES and (src := _owner_pinned(arr, n)):
                     cudart.copy_async(dptr, src, n, stream)  # memory its owner page-locked: one DMA from there
                     self.owner_dmas += 1
                 elif in_place and (src := self._inplace.source(name, arr, n)):
@@ -447,8 +454,8 @@ class HostStaging:
                 self._busy.discard(name)
             hptr, dptr, _ = self._ptr[("in", name)]
             stream = self._stream
-            if n * inner and sync.REGISTER and sync.HOST_RANGES and sync.owner_pinned(arr.ctypes.data, n * inner):
-                cudart.copy_async(dptr, arr.ctypes.data, n * inner, stream)  # its owner page-locked it: one DMA
+            if n * inner and sync.REGISTER and sync.HOST_RANGES and (src := _owner_pinned(arr, n * inner)):
+                cudart.copy_async(dptr, src, n * inner, stream)  # its owner page-locked it: one DMA
                 self.owner_dmas += 1
             elif n * inner:
                 _fill_and_send(self._flat[("in", name)], arr, hptr, dptr, n * inner, stream, device=self.device_id)
