@@ -14,12 +14,13 @@ after the runs an ortcapture session made with ``disable_synchronize_execution_p
 before the device finished them: :func:`ortcapture._ort.sync.settle`).
 
 This module only re-exports: the implementation is :mod:`ortcapture._transfer` (``check``, ``sources``, ``copy``,
-``targets``, ``staging``, ``host_copy``, ``pinned_host``). ``COPY_BACKEND`` (the forced device-to-device backend, set from
-``$ORTCAPTURE_COPY_BACKEND`` at import) is :data:`ortcapture._ort.sync.COPY_BACKEND`: set it there.
+``targets``, ``staging``, ``host_copy``, ``pinned_host``, ``arena``). ``COPY_BACKEND`` (the forced device-to-device
+backend, set from ``$ORTCAPTURE_COPY_BACKEND`` at import) is :data:`ortcapture._ort.sync.COPY_BACKEND`: set it there.
 """
 from __future__ import annotations
 
 from ortcapture._ort.values import ONNX_TO_NP, STORAGE, ValueMeta, meta
+from ortcapture._transfer.arena import OutputArena, outputs_into
 from ortcapture._transfer.check import (
     CPU, GPU, INT32_RANGE, NONE_VENDOR, InputSpec, can_copy, check_feeds, check_values, input_specs, np_dtype_of,
     source_spec, value_rules,
@@ -31,6 +32,7 @@ from ortcapture._transfer.pinned_host import PinnedHostMemory, pin_host_memory
 from ortcapture._transfer.targets import FeedTargets, copy_feeds
 
 __all__ = ["CPU", "GPU", "INT32_RANGE", "NONE_VENDOR", "ONNX_TO_NP", "STORAGE", "FeedTargets", "InputSpec",
-           "PinnedHostMemory", "ValueMeta", "can_copy", "check_feeds", "check_int64_inputs", "check_source",
-           "check_values", "input_specs", "commit", "copy", "copy_feeds", "meta", "np_dtype_of", "pin_host_memory",
-           "prepare", "restore", "source_spec", "to_numpy", "update_inplace", "value_rules"]
+           "OutputArena", "PinnedHostMemory", "ValueMeta", "can_copy", "check_feeds", "check_int64_inputs",
+           "check_source", "check_values", "input_specs", "commit", "copy", "copy_feeds", "meta", "np_dtype_of",
+           "outputs_into", "pin_host_memory", "prepare", "restore", "source_spec", "to_numpy", "update_inplace",
+           "value_rules"]

@@ -336,3 +336,38 @@ def test_cuda_feeds_from_pinned_shared_memory_are_right(cuda, shm, rng):  # noqa
     got = x.numpy()
     np.testing.assert_array_equal(got[:2], rows)
     assert (got[2:] == 0).all() and st.owner_dmas == 1
+
+
+@pytest.mark.cuda
+def test_cuda_outputs_read_into_pinned_shared_memory_are_right(cuda, shm, rng):  # noqa: F811
+    """On the GPU: ``outputs_into`` a page-locked shared memory buffer (the serving batch slot's output room) —
+    ``CapturedGraph.run``'s outputs and a bucket request's rows land there, one DMA each, equal to the CPU EP."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    from ortcapture.transfer import outputs_into
+    from tests import tiny
+
+    sess = cuda.session(tiny.affine_model(SHAPE))  # Y = 2 X + 1
+    x = rng.random(SHAPE, dtype=np.float32)
+    with sess.capture({"X": np.zeros(SHAPE, np.float32)}, verify=False) as g, pin_host_memory(shm.buf):
+        g.run({"X": x})  # the staging is made
+        with outputs_into(shm.buf, 4096) as arena:
+            (y,) = g.run({"X": x})
+        assert np.shares_memory(y, np.frombuffer(shm.buf, np.uint8)) and arena.taken == 1
+        np.testing.assert_array_equal(y, x * 2 + 1)
+        del y, arena
+    model = tiny.bucket_model()
+    answer = tiny.bucket_cpu_answer()
+    bsess = cuda.session(model, buckets={"batch": [2, 4]})
+    names = [o.name for o in bsess.get_outputs()]
+    with pin_host_memory(shm.buf):
+        for n in (3, 4, 1):  # padded rows (read_rows), the whole bucket (read_new), padded again
+            xb = rng.standard_normal((n, 4)).astype(np.float32)
+            bsess.run(None, {"X": xb})  # each bucket's graph captured outside the block
+            with outputs_into(shm.buf) as arena:
+                got = dict(zip(names, bsess.run(None, {"X": xb})))
+            want = answer(xb)
+            for k in names:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+            assert np.shares_memory(got["scores"], np.frombuffer(shm.buf, np.uint8)), n  # a prefix: read there
+            assert arena.taken >= 2
+            del got, arena

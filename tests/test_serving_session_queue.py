@@ -182,3 +182,69 @@ def test_a_failed_call_to_the_session_replica_is_each_requests_500():
     got = asyncio.run(t._run_batch(items))
     assert [a["status"] for a in got] == [500] * 3, got
     assert all("ValueError" in a["error"] and "larger than max" in a["error"] for a in got)
+
+
+class _ArenaCore(_Core):
+    """:class:`_Core` whose outputs are read as the staging reads them: into the current
+    ``ortcapture.transfer.outputs_into`` arena when there is one (CUDA, a page-locked slot)."""
+
+    def run_joined(self, feeds, rows, queued=(), isolate=True, prepare=None):
+        from ortcapture._transfer.arena import current
+
+        self.runs.append(list(rows))
+        y = feeds["X"] * 2
+        arena = current()
+        a = arena.take(y.shape, y.dtype) if arena is not None else None
+        if a is not None:
+            a[:] = y
+            y = a
+        return {"outputs": {"y": y}, "axes": {"y": 0}}
+
+
+class _Pinned:
+    def close(self):
+        pass
+
+
+def test_outputs_of_a_lone_run_are_read_into_its_slot_and_never_copied_there_again():
+    """The session replica reads a call's outputs straight into its page-locked batch slot (no host copy on the
+    replay thread); a call of several runs, or runs merged across calls, are copied as before — every answer its
+    own rows either way."""
+    from ortcapture.serving.slots import SlotPool
+
+    ms = _replica(0.0)
+    ms.core = _ArenaCore(0.0)
+    pool = SlotPool(in_bytes=1 << 14, out_bytes=1 << 14, count=4)
+    rng = np.random.default_rng(3)
+
+    def call(*row_counts):
+        slot = asyncio.run(pool.acquire())
+        xs = [rng.standard_normal((n, 5)).astype(np.float32) for n in row_counts]
+        assert slot.place([[("X", [x], 0)] for x in xs])
+        desc = slot.descriptor()
+        feeds = ms._slot_reader.inputs(desc)
+        ms._slot_reader._pins[desc["pool"]] = _Pinned()  # as SlotReader(pin=True) on CUDA
+        return slot, xs, ([(f, [n]) for f, n in zip(feeds, row_counts)], [()] * len(xs), desc)
+
+    def check(slot, xs, answers):
+        assert len(answers) == len(xs)
+        for x, a in zip(xs, answers):
+            np.testing.assert_array_equal(slot.outputs(a["slot_outputs"])["y"], x * 2)
+
+    try:
+        lone = call(3)
+        (got,) = ms._run_calls([lone[2]])
+        check(lone[0], lone[1], got)
+        assert ms._slot_reader.in_place == 1  # read into the slot: not copied
+        two_runs = call(2, 4)
+        (got,) = ms._run_calls([two_runs[2]])
+        check(two_runs[0], two_runs[1], got)
+        a, b = call(1), call(2)  # two calls' runs merged into one replay
+        got_a, got_b = ms._run_calls([a[2], b[2]])
+        assert ms.core.runs[-1] == [1, 2]
+        check(a[0], a[1], got_a)
+        check(b[0], b[1], got_b)
+        assert ms._slot_reader.in_place == 1  # neither of those was read into a slot
+    finally:
+        ms._slot_reader._pins.clear()
+        pool.close()

@@ -21,6 +21,7 @@ from ortcapture._ort import compat, sync
 from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, settle
 from ortcapture._ort.values import STORAGE
+from ortcapture._transfer.arena import current as current_arena
 from ortcapture._transfer.check import _dst_meta
 from ortcapture._transfer.copy import copy, to_numpy, update_inplace
 from ortcapture._transfer.host_copy import _fill, _fill_and_send, host_copy
@@ -499,9 +500,13 @@ class HostStaging:
         full, dtype = pool.specs[name]
         if math.prod(full[:axis]) != 1:
             return None
-        arr = pool.take(name)
+        arena = current_arena()
+        arr = arena.take(full[:axis] + (n,) + full[axis + 1:], dtype) if arena is not None else None
         if arr is None:
-            return None
+            arr = pool.take(name)
+            if arr is None:
+                return None
+            arr = arr[(slice(None),) * axis + (slice(0, n),)]
         from ortcapture._ort import cudart
 
         if UNSETTLED:
@@ -510,7 +515,7 @@ class HostStaging:
         if nbytes:
             cudart.copy_async(arr.ctypes.data, self._ptr[("out", name)][1], nbytes, self._stream)
         self.wait()
-        return arr[(slice(None),) * axis + (slice(0, n),)]
+        return arr
 
     def fill(self, host: Mapping[str, np.ndarray]) -> None:
         """Copy each array into its page-locked host input buffer only (pinned; no device copy), once the buffer's
@@ -584,9 +589,12 @@ class HostStaging:
         stream = self._stream
         res: list = []
         spill = []
+        arena = current_arena()
         for i, n in enumerate(names):
             _hptr, dptr, nbytes = self._ptr[("out", n)]
-            arr = pool.take(n)
+            arr = arena.take(*pool.specs[n]) if arena is not None else None
+            if arr is None:
+                arr = pool.take(n)
             if arr is None:
                 spill.append(i)
                 res.append(None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -31,6 +32,7 @@ from typing import Sequence
 from ray import serve as ray_serve
 
 from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
+from ortcapture.transfer import outputs_into
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.merge import merge_runs, mergeable, split_answer
@@ -224,7 +226,9 @@ class ModelSession:
             try:
                 queued = [t for i in members for t in flat[i][2]]
                 device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
-                answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
+                arena = self._output_arena(calls, flat, members, alive)
+                with outputs_into(arena) if arena is not None else contextlib.nullcontext():
+                    answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
                 self.merged_runs += len(members) - 1
                 parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
                 # each member's requests' outputs into the CUDA regions they name, from its own rows
@@ -243,6 +247,20 @@ class ModelSession:
                 if left[c] == 0:
                     finish(c)
         return [f if f is not None else a for f, a in zip(failed, answers)]
+
+    def _output_arena(self, calls: list, flat: list, members: list, alive):
+        """Where this run's outputs are read (:func:`ortcapture.transfer.outputs_into`): its call's page-locked
+        batch slot, at the place :meth:`_into_slot` copies them to — so that copy (YOLOv8n batch 8: 5.6 MB on the
+        replay thread) is skipped. Only for a call of one run, not merged with others (its outputs, and a failed
+        run's per-request answers, are the only arrays in that room), still waited for; else ``None``."""
+        c = flat[members[0]][0]
+        slot = calls[c][2]
+        if len(members) != 1 or slot is None or len(calls[c][0]) != 1 or (alive is not None and not alive(c)):
+            return None
+        try:
+            return self._slot_reader.output_arena(slot)
+        except Exception:  # noqa: BLE001 - SlotMissing, a bad descriptor: its inputs failed already; copy as before
+            return None
 
     def _gather(self, feeds: dict) -> dict:
         """``feeds`` with each :class:`~ortcapture.serving.cuda_shm.DeviceRows` gathered into a CUDA ``OrtValue``
@@ -316,12 +334,14 @@ class ModelSession:
         Serve's throughput-optimised settings (``serve_throughput_optimized``: its ``runtime_env`` set
         ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, :attr:`ServeOptions.serve_throughput_optimized`), the runs that shared a
         replay with an earlier one (``merged_runs``, :mod:`ortcapture.serving.merge`), the tier replicas' batch slot
-        pools page-locked here (``slots_pinned``; ``slot_pin_error``: why one could not be, or ``None``), and where
+        pools page-locked here (``slots_pinned``; ``slot_pin_error``: why one could not be, or ``None``), the outputs read
+        straight into their batch slot (``slot_outputs_in_place``: not copied there, :meth:`_output_arena`), and where
         the batches' time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival
         to answer, ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider:
         0)."""
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
                 "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
+                "slot_outputs_in_place": self._slot_reader.in_place,
                 "serve_throughput_optimized": os.environ.get(THROUGHPUT_ENV) == "1",
                 "merged_runs": self.merged_runs, **self._timing}
 

@@ -261,6 +261,8 @@ class SlotReader:
         self._pins: dict[str, Any] = {}  # pool name -> PinnedHostMemory
         #: why the last pool could not be page-locked (``None``: every pool mapped is, or ``pin`` is off)
         self.pin_error: str | None = None
+        #: outputs :meth:`write_outputs` found read into their place already (:meth:`output_arena`): not copied
+        self.in_place = 0
 
     def _pool(self, name: str, size: int) -> shared_memory.SharedMemory:
         shm = self._maps.get(name)
@@ -315,16 +317,49 @@ class SlotReader:
         need = sum(_up(np.asarray(o).nbytes) for outs in runs_outputs for o in outs.values())
         if need > room or not all(slot_dtype(np.asarray(o).dtype) for outs in runs_outputs for o in outs.values()):
             return None
+        room_view = np.frombuffer(shm.buf, np.uint8)[base:base + room]
+        off, plan = base, []
+        for outs in runs_outputs:
+            for name, o in outs.items():
+                o = np.asarray(o)
+                dst = np.ndarray(o.shape, o.dtype, buffer=shm.buf, offset=off)
+                if o.ctypes.data == dst.ctypes.data and o.flags.c_contiguous:
+                    o = None  # read there already (ortcapture.transfer.outputs_into): no copy
+                elif np.may_share_memory(o, room_view):
+                    o = o.copy()  # elsewhere in the room: an earlier output's copy could overwrite it
+                plan.append((dst, o))
+                off += _up(dst.nbytes)
+        for dst, o in plan:
+            if o is None:
+                self.in_place += 1
+            else:
+                np.copyto(dst, o)
         off, placed = base, []
         for outs in runs_outputs:
             where = {}
             for name, o in outs.items():
                 o = np.asarray(o)
-                np.copyto(np.ndarray(o.shape, o.dtype, buffer=shm.buf, offset=off), o)
                 where[name] = (off, tuple(o.shape), o.dtype.str)
                 off += _up(o.nbytes)
             placed.append(where)
         return placed
+
+    def output_arena(self, desc: Mapping[str, Any], start: int | None = None):
+        """The descriptor's output room from ``start`` (bytes from the pool's start; ``None``: the room's start) as
+        an :class:`ortcapture.transfer.OutputArena` laid out as :meth:`write_outputs` lays out outputs: read inside
+        ``ortcapture.transfer.outputs_into(arena)``, outputs land where :meth:`write_outputs` would copy them, which
+        then skips the copy (counted in :attr:`in_place`). ``None`` when the pool is not page-locked (a DMA into
+        pageable memory gains nothing) or the room is outside the pool. Raises :class:`SlotMissing`."""
+        from ortcapture.transfer import OutputArena
+
+        shm = self._pool(desc["pool"], desc["size"])
+        if desc["pool"] not in self._pins:
+            return None
+        base, room = int(desc["out"][0]), int(desc["out"][1])
+        start = base if start is None else int(start)
+        if base < 0 or base + room > shm.size or not base <= start <= base + room:
+            return None
+        return OutputArena(shm.buf, start, base + room, ALIGN)
 
     @property
     def pinned(self) -> int:

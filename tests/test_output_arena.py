@@ -1,0 +1,159 @@
+"""``ortcapture.transfer.outputs_into``: host outputs read straight into memory the caller chose (a serving batch
+slot), one DMA each and no host copy; the slot reader skips the copy for outputs already in place and never lets a
+copy overwrite an output it has still to write. The staging's pinned branch runs on CPU OrtValues posing as CUDA
+buffers (``tests.test_staging.fake_pinned``); the CUDA run of the same path is in ``test_pinned_host``."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ortcapture._transfer import staging as _staging
+from ortcapture.transfer import OutputArena, outputs_into
+from ortcapture._transfer.arena import current
+from tests.test_staging import fake_pinned  # noqa: F401 - the fixture
+
+
+def test_an_arena_hands_out_aligned_arrays_in_order_and_refuses_what_does_not_fit():
+    buf = bytearray(10000)
+    arena = OutputArena(buf, 100, 9000, align=1024)
+    a = arena.take((3, 4), np.float32)
+    b = arena.take((2,), np.int64)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    assert a.ctypes.data - base == 100 and b.ctypes.data - base == 100 + 1024
+    assert a.flags.c_contiguous and a.flags.writeable and a.dtype == np.float32 and a.shape == (3, 4)
+    assert arena.offset == 100 + 2048 and arena.taken == 2
+    assert arena.take((10000,), np.uint8) is None and arena.offset == 100 + 2048  # no room: nothing moves
+    a[:] = 7
+    assert np.frombuffer(buf, np.float32, 12, 100).tolist() == [7.0] * 12  # the buffer's own memory
+
+
+@pytest.mark.parametrize("bad, exc", [
+    (dict(buffer=b"read-only bytes"), TypeError),
+    (dict(buffer=np.zeros((4, 4))[:, ::2]), TypeError),
+    (dict(buffer=3), TypeError),
+    (dict(buffer=bytearray(10), start=5, stop=11), ValueError),
+    (dict(buffer=bytearray(10), start=6, stop=5), ValueError),
+    (dict(buffer=bytearray(10), align=3), ValueError),
+])
+def test_a_bad_buffer_or_range_is_refused(bad, exc):
+    with pytest.raises(exc):
+        with outputs_into(**bad):
+            pass
+    assert current() is None
+
+
+def test_blocks_nest_and_belong_to_their_thread():
+    outer, inner = bytearray(4096), bytearray(4096)
+    seen = []
+    with outputs_into(outer) as a:
+        with outputs_into(inner) as b:
+            assert current() is b
+            t = threading.Thread(target=lambda: seen.append(current()))
+            t.start()
+            t.join()
+        assert current() is a
+    assert current() is None and seen == [None]
+
+
+def _staging_with_output(fake_pinned, rows=8):
+    fake, as_cuda = fake_pinned
+    y = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.arange(rows * 6, dtype=np.float32).reshape(rows, 6)))
+    z = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.arange(rows * 2, dtype=np.int64).reshape(rows, 2) * -1))
+    return fake, _staging.HostStaging({}, {"y": y, "z": z}, pinned=True)
+
+
+def test_outputs_read_inside_the_block_land_in_the_buffer_with_one_dma_each(fake_pinned):
+    fake, st = _staging_with_output(fake_pinned)
+    buf = np.zeros(3 * 4096, np.uint8)
+    with outputs_into(buf) as arena:
+        fake.calls.clear()
+        y3 = st.read_rows("y", 0, 3)  # a bucket's rows
+        y, z = st.read_new(["y", "z"])  # CapturedGraph.run's whole outputs
+    assert [c[0] for c in fake.calls].count("copy") == 3  # one DMA per output, nothing copied on the host
+    np.testing.assert_array_equal(y3, np.arange(18, dtype=np.float32).reshape(3, 6))
+    np.testing.assert_array_equal(y, np.arange(48, dtype=np.float32).reshape(8, 6))
+    np.testing.assert_array_equal(z, np.arange(16).reshape(8, 2) * -1)
+    offsets = [a.ctypes.data - buf.ctypes.data for a in (y3, y, z)]
+    assert offsets == [0, 4096, 8192] and arena.taken == 3
+    outside = st.read_new(["y"])[0]  # after the block: the staging's own pool again
+    assert not np.shares_memory(outside, buf)
+    np.testing.assert_array_equal(outside, y)
+
+
+def test_an_output_the_buffer_cannot_hold_goes_to_the_pool_and_later_ones_still_fit(fake_pinned):
+    fake, st = _staging_with_output(fake_pinned)
+    buf = np.zeros(256, np.uint8)  # y (192 bytes) fits, z (128 bytes) after it does not, one row of y (24) does
+    with outputs_into(buf, align=64) as arena:
+        y, z = st.read_new(["y", "z"])
+        y1 = st.read_rows("y", 0, 1)
+    assert np.shares_memory(y, buf) and not np.shares_memory(z, buf)
+    assert np.shares_memory(y1, buf) and arena.taken == 2
+    np.testing.assert_array_equal(z, np.arange(16).reshape(8, 2) * -1)
+    np.testing.assert_array_equal(y1, np.arange(6, dtype=np.float32).reshape(1, 6))
+    np.testing.assert_array_equal(y, np.arange(48, dtype=np.float32).reshape(8, 6))
+
+
+# -- the serving batch slot ---------------------------------------------------------------------------------------
+
+def _slot_pair():
+    from ortcapture.serving.slots import SlotPool, SlotReader
+
+    pool, reader = SlotPool(in_bytes=8192, out_bytes=4 * 4096, count=1), SlotReader()
+    slot = asyncio.run(pool.acquire())
+    assert slot.place([[("x", [np.ones((2, 3), np.float32)], 0)]])
+    desc = slot.descriptor()
+    reader.inputs(desc)  # maps the pool
+    return pool, reader, slot, desc
+
+
+class _Pinned:
+    def close(self):
+        pass
+
+
+def test_the_slot_reader_skips_outputs_already_in_place_and_copies_the_rest():
+    pool, reader, slot, desc = _slot_pair()
+    try:
+        assert reader.output_arena(desc) is None  # not page-locked: a DMA there gains nothing, copy as before
+        reader._pins[desc["pool"]] = _Pinned()  # as SlotReader(pin=True) on CUDA
+        arena = reader.output_arena(desc)
+        y = np.arange(10, dtype=np.float32).reshape(2, 5)
+        with outputs_into(arena):
+            a = current().take(y.shape, y.dtype)
+        a[:] = y
+        z = np.array([[1, 2], [3, 4]], np.int64)  # not read there: copied
+        where = reader.write_outputs(desc, [{"y": a, "z": z}])
+        assert reader.in_place == 1
+        got = slot.outputs(where[0])
+        np.testing.assert_array_equal(got["y"], y)
+        np.testing.assert_array_equal(got["z"], z)
+    finally:
+        del a, arena
+        reader.close()
+        pool.close()
+
+
+def test_an_output_read_into_another_outputs_place_is_kept_before_that_place_is_written():
+    """A run whose first output was not read into the slot (say it did not fit then) while the second was: the
+    second sits where the first must go. Copying the first there would overwrite the second before it is written
+    to its own place: a silent wrong answer. It is taken aside first."""
+    pool, reader, slot, desc = _slot_pair()
+    try:
+        reader._pins[desc["pool"]] = _Pinned()
+        arena = reader.output_arena(desc)
+        first = np.full((2, 5), 3.0, np.float32)  # elsewhere
+        second = arena.take((2, 5), np.float32)  # at the room's start: the first output's place
+        second[:] = np.arange(10, dtype=np.float32).reshape(2, 5)
+        where = reader.write_outputs(desc, [{"a": first, "b": second}])
+        got = slot.outputs(where[0])
+        np.testing.assert_array_equal(got["a"], 3.0)
+        np.testing.assert_array_equal(got["b"], np.arange(10, dtype=np.float32).reshape(2, 5))
+        assert reader.in_place == 0
+    finally:
+        del second, arena
+        reader.close()
+        pool.close()
