@@ -26,7 +26,8 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
                  the session replica's host copies: one staging thread (ORTCAPTURE_STAGING_THREADS=1), or the
                  staging threads pinned to CPUs (ORTCAPTURE_STAGING_PIN=1), in every replica's environment
   product-noreg  the batch slots not page-locked by the session replica (ORTCAPTURE_REGISTER=0: a batch's rows are
-                 copied into the graph's staging, then sent; the default since 2026-12-07 sends them with one DMA)
+                 copied into the graph's staging, then sent, and its outputs copied into the slot; the default since
+                 2026-12-07 sends the rows with one DMA and reads the outputs into the slot with one DMA)
   product-inline the replicas' answers up to 4 MiB returned inline by Ray (RAY_max_direct_call_object_size)
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,

@@ -130,6 +130,13 @@ def _explained(exc: RuntimeError) -> RuntimeError:
     return exc
 
 
+def pinning_in_place() -> bool:
+    """Whether ortcapture page-locks host memory in place (``cudaHostRegister``): ``False`` under
+    ``ORTCAPTURE_REGISTER=0``, read at import. :func:`pin_host_memory` itself always pins; callers that pin on their
+    own initiative (``ortcapture serve``'s batch slots) ask this first."""
+    return sync.REGISTER
+
+
 def pin_host_memory(buffer) -> PinnedHostMemory:
     """Page-lock ``buffer``'s memory in place so that numpy feeds inside it reach a captured graph's device buffers
     with one DMA (no host copy into the graph's staging; CUDA graphs with page-locked staging only, i.e.

@@ -32,7 +32,7 @@ from typing import Sequence
 from ray import serve as ray_serve
 
 from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
-from ortcapture.transfer import outputs_into
+from ortcapture.transfer import outputs_into, pinning_in_place
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.merge import merge_runs, mergeable, split_answer
@@ -74,7 +74,7 @@ class ModelSession:
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         # the tier replicas' batch slots (node-local shared memory), mapped once; page-locked on CUDA (one DMA per
         # input from the slot into the graph's buffer)
-        self._slot_reader = SlotReader(pin=provider == "cuda")
+        self._slot_reader = SlotReader(pin=provider == "cuda" and pinning_in_place())
         # the clients' CUDA regions this replica opened (ortcapture.serving.cuda_ipc; CUDA only)
         self._ipc = IpcMemory() if provider == "cuda" else None
         self._registry = None  # the shared memory registry (which of them are still registered), on first use
