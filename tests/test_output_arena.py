@@ -35,6 +35,8 @@ def test_an_arena_hands_out_aligned_arrays_in_order_and_refuses_what_does_not_fi
     (dict(buffer=b"read-only bytes"), TypeError),
     (dict(buffer=np.zeros((4, 4))[:, ::2]), TypeError),
     (dict(buffer=3), TypeError),
+    (dict(buffer=np.zeros(4, "M8[s]")), TypeError),
+    (dict(buffer=OutputArena(bytearray(64)), start=8), ValueError),
     (dict(buffer=bytearray(10), start=5, stop=11), ValueError),
     (dict(buffer=bytearray(10), start=6, stop=5), ValueError),
     (dict(buffer=bytearray(10), align=3), ValueError),
@@ -57,6 +59,34 @@ def test_blocks_nest_and_belong_to_their_thread():
             t.join()
         assert current() is a
     assert current() is None and seen == [None]
+
+
+def test_a_coroutines_block_does_not_catch_another_coroutines_outputs(fake_pinned):
+    """Blocks belong to the asyncio task that entered them: a coroutine awaiting inside its block does not hand its
+    buffer to another coroutine on the same thread (that coroutine's answer would change when the buffer is
+    reused)."""
+    fake, st = _staging_with_output(fake_pinned)
+    ring = np.zeros(4 * 4096, np.uint8)
+
+    async def holder(entered, done):
+        with outputs_into(ring) as arena:
+            entered.set()
+            await done.wait()
+        return arena.taken
+
+    async def other(entered, done):
+        await entered.wait()
+        (z,) = st.read_new(["z"])
+        done.set()
+        return z
+
+    async def main():
+        entered, done = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(holder(entered, done), other(entered, done))
+
+    taken, z = asyncio.run(main())
+    assert taken == 0 and not np.shares_memory(z, ring)
+    np.testing.assert_array_equal(z, np.arange(16).reshape(8, 2) * -1)
 
 
 def _staging_with_output(fake_pinned, rows=8):
@@ -157,3 +187,36 @@ def test_an_output_read_into_another_outputs_place_is_kept_before_that_place_is_
         del second, arena
         reader.close()
         pool.close()
+
+
+def test_outputs_read_by_a_staging_into_a_slot_are_not_copied_there_again(fake_pinned):
+    """The whole way a served batch's outputs take on CUDA: the staging reads them inside the slot reader's arena,
+    and the slot reader finds them in place."""
+    fake, st = _staging_with_output(fake_pinned)
+    pool, reader, slot, desc = _slot_pair()
+    try:
+        reader._pins[desc["pool"]] = _Pinned()
+        arena = reader.output_arena(desc)
+        with outputs_into(arena):
+            y, z = st.read_new(["y", "z"])
+            y2 = st.read_rows("y", 0, 2)
+        where = reader.write_outputs(desc, [{"y": y, "z": z}])
+        assert reader.in_place == 2
+        got = slot.outputs(where[0])
+        np.testing.assert_array_equal(got["y"], np.arange(48, dtype=np.float32).reshape(8, 6))
+        np.testing.assert_array_equal(got["z"], np.arange(16).reshape(8, 2) * -1)
+        np.testing.assert_array_equal(y2, np.arange(12, dtype=np.float32).reshape(2, 6))
+    finally:
+        del y, z, y2, arena
+        reader.close()
+        pool.close()
+
+
+def test_register_off_leaves_the_batch_slots_unpinned(monkeypatch):
+    from ortcapture._ort import sync
+    from ortcapture.transfer import pinning_in_place
+
+    monkeypatch.setattr(sync, "REGISTER", False)
+    assert pinning_in_place() is False
+    monkeypatch.setattr(sync, "REGISTER", True)
+    assert pinning_in_place() is True

@@ -185,7 +185,8 @@ class CapturedGraph:
         is copied into its buffer in 1 MiB chunks claimed by ``ORTCAPTURE_STAGING_THREADS`` threads (default 3, the
         caller among them), each chunk sent with ``cudaMemcpyAsync`` on the graph's copy stream as soon as it is in,
         and with ``copy_outputs=True`` each output is read with one DMA into a page-locked block of a recycling pool that
-        becomes the returned array (the block goes back to the pool when the array is gone). A numpy feed fed again
+        becomes the returned array (the block goes back to the pool when the array is gone; inside
+        :func:`ortcapture.transfer.outputs_into`, into the caller's buffer instead). A numpy feed fed again
         (the same array object, same address and size, memory numpy owns: a request buffer reused) is page-locked in
         place on its
         second call (``cudaHostRegister``) and from then on sent with one DMA from its own memory, no host copy

@@ -12,12 +12,14 @@ not fit what is left goes to the pool as before. Where it landed is the returned
 from __future__ import annotations
 
 import contextlib
-import threading
+import contextvars
 from typing import Iterator
 
 import numpy as np
 
-_LOCAL = threading.local()
+# a context variable, not a thread-local: per thread, and per asyncio task too (a coroutine's block must not catch
+# the outputs of another coroutine that runs on the same thread while it awaits)
+_ARENA: contextvars.ContextVar = contextvars.ContextVar("ortcapture_output_arena", default=None)
 
 
 class OutputArena:
@@ -30,14 +32,16 @@ class OutputArena:
         align: every array starts at a multiple of ``align`` bytes past ``start`` (a power of two).
 
     Raises:
-        TypeError: ``buffer`` is not a writable C-contiguous buffer.
+        TypeError: ``buffer`` is not a writable C-contiguous buffer (or one Python cannot export, e.g. datetime64).
         ValueError: the range is outside the buffer, or ``align`` is not a power of two.
+
+    Not thread-safe: :meth:`take` moves :attr:`offset` without a lock, so give each thread its own arena.
     """
 
     def __init__(self, buffer, start: int = 0, stop: int | None = None, align: int = 4096):
         try:
             view = memoryview(buffer)
-        except TypeError:
+        except (TypeError, ValueError):
             raise TypeError(f"outputs_into() needs a buffer (memoryview, mmap, numpy array), got "
                             f"{type(buffer).__name__}") from None
         if view.readonly or not view.c_contiguous:
@@ -72,22 +76,35 @@ class OutputArena:
 
 def current() -> OutputArena | None:
     """The arena of the innermost :func:`outputs_into` block of this thread, or ``None``."""
-    return getattr(_LOCAL, "arena", None)
+    return _ARENA.get()
 
 
 @contextlib.contextmanager
 def outputs_into(buffer, start: int = 0, stop: int | None = None, align: int = 4096) -> Iterator[OutputArena]:
-    """Place the host outputs this thread reads inside the block in ``buffer[start:stop]`` (see the module
-    docstring): ``CapturedGraph.run`` with ``copy_outputs=True`` and a session's bucket runs, on a page-locked
-    (CUDA) staging. Yields the :class:`OutputArena` (``offset``: where the next one would go; ``taken``: how many
-    landed there). Blocks nest (the innermost wins) and are per thread. Raises what :class:`OutputArena` raises.
+    """Place the host outputs read inside the block in ``buffer[start:stop]`` (see the module docstring), on a
+    page-locked (CUDA) staging: ``CapturedGraph.run`` with ``copy_outputs=True`` (no ``out=``), and a session's
+    bucket runs made on this thread (not those a ``replay_thread=True`` session hands to its replay thread, nor
+    ``run_many``'s, read on a helper thread). Each array starts ``align`` bytes (or a multiple) past ``start``; one
+    that does not fit what is left, and every output of a pageable staging (WebGPU, CPU), comes back as without the
+    block. Yields the :class:`OutputArena` (``offset``: where the next one would go; ``taken``: how many landed
+    there). Blocks nest (the innermost wins) and belong to the thread and the asyncio task that entered them.
 
+    ``buffer`` may be an :class:`OutputArena` already (then ``start``, ``stop`` and ``align`` must be left out).
     The arrays returned inside the block are views of ``buffer``: they change when it is written, and keep it
-    exported (a ``SharedMemory`` cannot close while one is alive)."""
-    arena = buffer if isinstance(buffer, OutputArena) else OutputArena(buffer, start, stop, align)
-    prev = current()
-    _LOCAL.arena = arena
+    exported (a ``SharedMemory`` cannot close while one is alive).
+
+    Raises:
+        TypeError, ValueError: what :class:`OutputArena` raises; ``ValueError`` for an :class:`OutputArena` given
+            with ``start``, ``stop`` or ``align``.
+    """
+    if isinstance(buffer, OutputArena):
+        if (start, stop, align) != (0, None, 4096):
+            raise ValueError("outputs_into(arena): start, stop and align belong to the OutputArena already")
+        arena = buffer
+    else:
+        arena = OutputArena(buffer, start, stop, align)
+    token = _ARENA.set(arena)
     try:
         yield arena
     finally:
-        _LOCAL.arena = prev
+        _ARENA.reset(token)

@@ -492,8 +492,9 @@ class HostStaging:
 
     def read_rows(self, name: str, axis: int, n: int) -> np.ndarray | None:
         """Output ``name``'s first ``n`` rows along ``axis`` as a new host array (pinned, nothing before ``axis``:
-        one DMA of that prefix into a block of the recycling pool, see :meth:`read_new`); ``None`` where this
-        staging cannot (pageable, rows not a prefix, the pool's cap reached): the caller reads the whole output."""
+        one DMA of that prefix into the caller's :func:`ortcapture.transfer.outputs_into` buffer when it has room,
+        else into a block of the recycling pool, see :meth:`read_new`); ``None`` where this staging cannot (pageable,
+        rows not a prefix, the pool's cap reached): the caller reads the whole output."""
         pool = self._out_pool
         if pool is None:
             return None
@@ -572,6 +573,7 @@ class HostStaging:
     def read_new(self, names) -> list[np.ndarray]:
         """The outputs ``names`` (one per position; a name may repeat) as new host numpy arrays, one per position,
         each of its output's shape and dtype; done when this returns. Pinned: each is read with one DMA straight into
+        the caller's :func:`ortcapture.transfer.outputs_into` buffer where one is open and has room, else into
         a page-locked block from this staging's recycling pool (:class:`_OutputPool`), which goes back to the pool
         when the array and every view of it are gone — no host copy, and no page faults of fresh memory (measured on
         the H200, 1.48 MB: 36 µs against 183 µs into the staging buffer and copied out, 202 µs into a new pageable

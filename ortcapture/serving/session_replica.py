@@ -199,8 +199,10 @@ class ModelSession:
         """``calls``: ``[(runs, queued, slot)]``; their runs merged into replays of at most ``max_batch_size`` rows
         (and the largest bucket) where the model allows it. Per call: one answer per run (outputs into its slot
         when it has one), or the exception its own runs or slot raised; ``done(k, result)`` is called for call
-        ``k`` as soon as it is complete. A call that ``alive(k)`` says was given up on writes nothing into its slot
-        (the tier may have given the slot to another batch)."""
+        ``k`` as soon as it is complete. A call that ``alive(k)`` says was given up on before its run reads nothing
+        into its slot, and one given up on before its answer copies nothing there; a call given up on during its run
+        may still have its outputs read into the slot (:meth:`_output_arena`), which is why the tier never hands a
+        slot out again once its call was given up on (:meth:`ortcapture.serving.slots.SlotPool.retire`)."""
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
         merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable)
         answers: list[list] = [[] for _ in calls]
@@ -259,7 +261,7 @@ class ModelSession:
             return None
         try:
             return self._slot_reader.output_arena(slot)
-        except Exception:  # noqa: BLE001 - SlotMissing, a bad descriptor: its inputs failed already; copy as before
+        except (SlotMissing, KeyError, TypeError, ValueError):  # a bad descriptor: its inputs failed already
             return None
 
     def _gather(self, feeds: dict) -> dict:

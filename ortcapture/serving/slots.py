@@ -164,7 +164,9 @@ class SlotPool:
         return slot
 
     def release(self, slot: Slot) -> None:
-        """Give ``slot`` back (only once the session replica answered for its batch)."""
+        """Give ``slot`` back — only once the session replica answered for its batch: until then it may still read
+        that batch's outputs into the slot (:meth:`SlotReader.output_arena`); a batch whose outcome is unknown
+        :meth:`retire` s its slot instead."""
         self._free.put_nowait(slot)
 
     def retire(self, slot: Slot) -> None:
