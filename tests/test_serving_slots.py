@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+from multiprocessing import shared_memory
 import os
 
 import numpy as np
@@ -285,3 +286,57 @@ def test_a_pool_whose_process_is_gone_is_swept_when_a_pool_is_made():
             p = os.path.join(slots.SHM_DIR, n)
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_a_gone_tier_replicas_pool_is_unpinned_and_unmapped_by_the_session_replica():
+    """A long-lived session replica maps (and on CUDA page-locks) each tier replica's pool; one whose tier replica is
+    gone (a restarted replica makes a new pool) is dropped the next time a pool is mapped — unpinned at once, and
+    unmapped once no view of it is left. A live tier replica's pool is kept."""
+    import secrets
+    import subprocess
+    import sys
+
+    from ortcapture.serving import slots
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)
+    dead = int(child.stdout)
+    if slots._alive(dead):
+        pytest.skip("the pid was reused at once")
+    gone_name = f"ortcapture-{dead}-{secrets.token_hex(16)}"
+    gone = shared_memory.SharedMemory(name=gone_name, create=True, size=8192)
+    reader = SlotReader()
+    closed = []
+
+    class _Pin:
+        def close(self):
+            closed.append(True)
+
+    live = None
+    try:
+        desc = {"pool": gone_name, "size": 8192, "runs": [[("x", 0, (2, 4), "<f4")]], "out": (4096, 4096)}
+        (feeds,) = reader.inputs(desc)  # a batch of the gone tier replica, still held
+        reader._pins[gone_name] = _Pin()
+        live = _pool()  # a new tier replica's pool (making it unlinks the gone one's: the mapping stays)
+        live_slot = asyncio.run(live.acquire())
+        assert live_slot.place([[("x", [np.ones((1, 4), np.float32)], 0)]])
+        reader.inputs(live_slot.descriptor())
+        assert reader.new_pools
+        assert reader.drop_stale() == [] and closed == [True]  # unpinned; still mapped: a view is alive
+        assert gone_name in reader._maps and gone_name not in reader._pins and reader.new_pools
+        assert float(feeds["x"].sum()) == 0.0  # the view still reads its memory (unmapped under it: a segfault)
+        with pytest.raises(SlotMissing):  # a batch of it arriving now goes by value
+            reader.inputs(desc)
+        del feeds
+        assert reader.drop_stale() == [gone_name] and reader.dropped == 1
+        assert set(reader._maps) == {live.name} and not reader.new_pools  # the live tier's pool stays
+        assert reader.drop_stale() == []
+    finally:
+        reader.close()
+        if live is not None:
+            live.close()
+        gone.close()
+        try:
+            gone.unlink()
+        except FileNotFoundError:  # swept already: its creator's pid is gone
+            pass

@@ -203,6 +203,8 @@ class ModelSession:
         into its slot, and one given up on before its answer copies nothing there; a call given up on during its run
         may still have its outputs read into the slot (:meth:`_output_arena`), which is why the tier never hands a
         slot out again once its call was given up on (:meth:`ortcapture.serving.slots.SlotPool.retire`)."""
+        if self._slot_reader.new_pools:  # a tier replica started: one that is gone leaves its pool mapped and pinned
+            self._slot_reader.drop_stale()
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
         merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable)
         answers: list[list] = [[] for _ in calls]
@@ -336,14 +338,15 @@ class ModelSession:
         Serve's throughput-optimised settings (``serve_throughput_optimized``: its ``runtime_env`` set
         ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, :attr:`ServeOptions.serve_throughput_optimized`), the runs that shared a
         replay with an earlier one (``merged_runs``, :mod:`ortcapture.serving.merge`), the tier replicas' batch slot
-        pools page-locked here (``slots_pinned``; ``slot_pin_error``: why one could not be, or ``None``), the outputs read
-        straight into their batch slot (``slot_outputs_in_place``: not copied there, :meth:`_output_arena`), and where
-        the batches' time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival
-        to answer, ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider:
-        0)."""
+        pools page-locked here (``slots_pinned``; ``slot_pin_error``: why one could not be, or ``None``), the
+        outputs read straight into their batch slot (``slot_outputs_in_place``: not copied there,
+        :meth:`_output_arena`), the pools of tier replicas that are gone, unmapped and unpinned here
+        (``slot_pools_dropped``, :meth:`ortcapture.serving.slots.SlotReader.drop_stale`), and where the batches'
+        time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival to answer,
+        ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider: 0)."""
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
                 "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
-                "slot_outputs_in_place": self._slot_reader.in_place,
+                "slot_outputs_in_place": self._slot_reader.in_place, "slot_pools_dropped": self._slot_reader.dropped,
                 "serve_throughput_optimized": os.environ.get(THROUGHPUT_ENV) == "1",
                 "merged_runs": self.merged_runs, **self._timing}
 

@@ -26,6 +26,7 @@ import asyncio
 import os
 import re
 import secrets
+import threading
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Mapping, Sequence
 
@@ -259,6 +260,11 @@ class SlotReader:
 
     def __init__(self, pin: bool = False):
         self._maps: dict[str, shared_memory.SharedMemory] = {}
+        self._lock = threading.Lock()  # _maps and _pins: mapped on the event loop, dropped on the replay thread
+        #: a pool was mapped since the last :meth:`drop_stale` (only then can another tier replica have gone)
+        self.new_pools = False
+        #: pools unmapped by :meth:`drop_stale`
+        self.dropped = 0
         self._pin = pin
         self._pins: dict[str, Any] = {}  # pool name -> PinnedHostMemory
         #: why the last pool could not be page-locked (``None``: every pool mapped is, or ``pin`` is off)
@@ -267,6 +273,17 @@ class SlotReader:
         self.in_place = 0
 
     def _pool(self, name: str, size: int) -> shared_memory.SharedMemory:
+        shm = self._maps.get(name)
+        if shm is None:
+            with self._lock:
+                shm = self._map(name)
+        if shm.buf is None:  # being dropped (drop_stale: unmapped once its last view goes)
+            raise SlotMissing(f"shared memory object {name!r} is being unmapped here")
+        if shm.size < int(size):
+            raise SlotMissing(f"shared memory object {name!r} is {shm.size} bytes, the descriptor says {size}")
+        return shm
+
+    def _map(self, name: str) -> shared_memory.SharedMemory:
         shm = self._maps.get(name)
         if shm is None:
             if not isinstance(name, str) or "/" in name or not name.startswith("ortcapture"):
@@ -288,9 +305,37 @@ class SlotReader:
                     self._pins[name] = pin_host_memory(shm.buf)
                 except Exception as exc:  # noqa: BLE001 - no cuda-python, the driver refused: read as before
                     self.pin_error = f"{type(exc).__name__}: {exc}"[:300]
-        if shm.size < int(size):
-            raise SlotMissing(f"shared memory object {name!r} is {shm.size} bytes, the descriptor says {size}")
+            self.new_pools = True
         return shm
+
+    def drop_stale(self) -> list[str]:
+        """Undo the page-locking of, and unmap, every pool whose tier replica is gone (its process, named in the
+        pool's name, no longer runs on this machine: a replica Ray restarted or killed; and its object unlinked, by
+        that replica or by :func:`sweep_stale_pools` when the next pool was made), so a long-lived session
+        replica does not keep each restarted tier's pool (YOLOv8n at 320, 4 slots of 8 rows: ~60 MB) page-locked
+        and mapped for good. Call it where no run reads from a pool (the session replica's replay thread, between
+        runs): a batch of that pool still queued then goes through the staging's host copy. A pool a view still
+        uses stays mapped, unpinned, and is tried again next time (a batch of it arriving meanwhile goes by value:
+        :class:`SlotMissing`). Returns the names unmapped."""
+        gone = []
+        with self._lock:
+            self.new_pools = False
+            for name in list(self._maps):
+                m = _POOL_NAME.search(name)
+                if m is None or _alive(int(m.group(1))) or os.path.exists(os.path.join(SHM_DIR, name)):
+                    continue  # its tier replica runs, or its pool is not unlinked yet (sweep_stale_pools does that)
+                pin = self._pins.pop(name, None)
+                if pin is not None:
+                    pin.close()
+                try:
+                    self._maps[name].close()
+                except BufferError:  # a view is alive (a batch still queued): unmapped next time
+                    self.new_pools = True
+                    continue
+                del self._maps[name]
+                gone.append(name)
+            self.dropped += len(gone)
+        return gone
 
     def inputs(self, desc: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """Per run, ``{input name: numpy view}`` (no copy). Raises :class:`SlotMissing` (send by value) or
@@ -304,7 +349,10 @@ class SlotReader:
                 n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
                 if int(off) < 0 or int(off) + n > shm.size:
                     raise ValueError(f"slot input {name!r} at {off} (+{n} bytes) is outside its pool")
-                feeds[name] = np.ndarray(tuple(shape), dt, buffer=shm.buf, offset=int(off))
+                # through a memoryview of its own: the view holds an export of the mapping, so unmapping it while
+                # the view lives raises BufferError (np.ndarray(buffer=shm.buf) holds none: close() would unmap it
+                # under the view, and reading it then is a segfault)
+                feeds[name] = np.frombuffer(shm.buf[int(off):int(off) + n], dt).reshape(tuple(shape))
             out.append(feeds)
         return out
 
@@ -371,6 +419,10 @@ class SlotReader:
     def close(self) -> None:
         """Undo the page-locking and unmap every pool (only when no view of them is left; call it when no run reads
         from them)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for pin in self._pins.values():
             pin.close()
         self._pins.clear()
