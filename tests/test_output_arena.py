@@ -32,20 +32,55 @@ def test_an_arena_hands_out_aligned_arrays_in_order_and_refuses_what_does_not_fi
 
 
 @pytest.mark.parametrize("bad, exc", [
-    (dict(buffer=b"read-only bytes"), TypeError),
-    (dict(buffer=np.zeros((4, 4))[:, ::2]), TypeError),
+    (dict(buffer=b"read-only bytes"), ValueError),
+    (dict(buffer=np.zeros((4, 4))[:, ::2]), ValueError),
     (dict(buffer=3), TypeError),
     (dict(buffer=np.zeros(4, "M8[s]")), TypeError),
     (dict(buffer=OutputArena(bytearray(64)), start=8), ValueError),
+    (dict(buffer=OutputArena(bytearray(64)), align=4096), ValueError),
+    (dict(buffer=bytearray(10), start=1.7), TypeError),
+    (dict(buffer=bytearray(10), stop="8"), TypeError),
     (dict(buffer=bytearray(10), start=5, stop=11), ValueError),
     (dict(buffer=bytearray(10), start=6, stop=5), ValueError),
+    (dict(buffer=bytearray(10), start=-1), ValueError),
     (dict(buffer=bytearray(10), align=3), ValueError),
 ])
-def test_a_bad_buffer_or_range_is_refused(bad, exc):
+def test_a_bad_buffer_or_range_is_refused_before_the_block(bad, exc):
     with pytest.raises(exc):
-        with outputs_into(**bad):
-            pass
+        outputs_into(**bad)  # at the call, not when the block is entered
     assert current() is None
+
+
+def test_the_block_lets_go_of_the_buffer_but_its_arrays_keep_it_while_they_live():
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=8192)
+    try:
+        with outputs_into(shm.buf) as arena:
+            pass
+        assert arena.take((2,), np.float32) is None  # let go: hands nothing out any more
+        shm.close()  # nothing of the block holds the buffer now
+        shm = shared_memory.SharedMemory(name=shm.name)
+        with outputs_into(shm.buf) as arena:
+            a = arena.take((4,), np.float32)
+        a[:] = 1.5
+        with pytest.raises(BufferError):  # the array still reads that memory: not unmapped under it
+            shm.close()
+        assert a.tolist() == [1.5] * 4
+        del a, arena
+        shm.close()
+    finally:
+        shm.unlink()
+
+
+def test_a_block_is_entered_once_at_a_time():
+    block = outputs_into(bytearray(4096))
+    with block:
+        with pytest.raises(RuntimeError):
+            with block:
+                pass
+    with block:  # again after it ended
+        assert current() is not None
 
 
 def test_blocks_nest_and_belong_to_their_thread():
@@ -59,6 +94,19 @@ def test_blocks_nest_and_belong_to_their_thread():
             t.join()
         assert current() is a
     assert current() is None and seen == [None]
+
+
+def test_a_worker_thread_that_copied_the_context_does_not_use_the_block():
+    """``asyncio.to_thread`` runs its function in a copy of the caller's context: two such workers would share one
+    arena (not thread-safe) if the block followed the context alone."""
+    async def main():
+        with outputs_into(bytearray(4096)) as arena:
+            here = current()
+            there = await asyncio.gather(*(asyncio.to_thread(current) for _ in range(2)))
+        return arena, here, there
+
+    arena, here, there = asyncio.run(main())
+    assert here is arena and there == [None, None]
 
 
 def test_a_coroutines_block_does_not_catch_another_coroutines_outputs(fake_pinned):

@@ -11,15 +11,23 @@ not fit what is left goes to the pool as before. Where it landed is the returned
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from typing import Iterator
+import operator
+import threading
 
 import numpy as np
 
 # a context variable, not a thread-local: per thread, and per asyncio task too (a coroutine's block must not catch
-# the outputs of another coroutine that runs on the same thread while it awaits)
+# the outputs of another coroutine that runs on the same thread while it awaits); it holds the entering thread's id
+# as well, since asyncio.to_thread and loop.run_in_executor copy the context into worker threads
 _ARENA: contextvars.ContextVar = contextvars.ContextVar("ortcapture_output_arena", default=None)
+
+
+def _index(value, what: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"outputs_into(): {what} must be an int, got {type(value).__name__}") from None
 
 
 class OutputArena:
@@ -28,33 +36,38 @@ class OutputArena:
     Args:
         buffer: a writable, C-contiguous buffer (``memoryview``, ``mmap``, ``SharedMemory.buf``, a numpy array):
             page-locked memory (``ortcapture.transfer.pin_host_memory``) for the DMA to run at full speed.
-        start, stop: the byte range handed out (``stop`` ``None``: the buffer's end).
+        start, stop: the byte range handed out (ints; ``stop`` ``None``: the buffer's end).
         align: every array starts at a multiple of ``align`` bytes past ``start`` (a power of two).
 
     Raises:
-        TypeError: ``buffer`` is not a writable C-contiguous buffer (or one Python cannot export, e.g. datetime64).
-        ValueError: the range is outside the buffer, or ``align`` is not a power of two.
+        TypeError: ``buffer`` has no buffer interface Python can export (an int; a numpy datetime64 array), or
+            ``start``, ``stop`` or ``align`` is not an int.
+        ValueError: ``buffer`` is read-only or not C-contiguous, the range is outside it, or ``align`` is not a
+            power of two.
 
-    Not thread-safe: :meth:`take` moves :attr:`offset` without a lock, so give each thread its own arena.
+    The arena holds an export of ``buffer`` until it is dropped (a ``SharedMemory`` cannot close while it lives; an
+    arena made by :func:`outputs_into` is dropped when its block ends), and every array it handed out holds one
+    while it lives. Not thread-safe: :meth:`take` moves :attr:`offset` without a lock, so give each thread its own.
     """
 
     def __init__(self, buffer, start: int = 0, stop: int | None = None, align: int = 4096):
+        start = _index(start, "start")
+        stop = None if stop is None else _index(stop, "stop")
+        align = _index(align, "align")
         try:
             view = memoryview(buffer)
-        except (TypeError, ValueError):
-            raise TypeError(f"outputs_into() needs a buffer (memoryview, mmap, numpy array), got "
-                            f"{type(buffer).__name__}") from None
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"outputs_into() needs a buffer (memoryview, mmap, SharedMemory.buf, numpy array); "
+                            f"{type(buffer).__name__} gives none ({exc})") from None
         if view.readonly or not view.c_contiguous:
-            raise TypeError("outputs_into() needs a writable, C-contiguous buffer")
+            raise ValueError("outputs_into() needs a writable, C-contiguous buffer")
         size = view.nbytes
-        stop = size if stop is None else int(stop)
-        start = int(start)
+        stop = size if stop is None else stop
         if not 0 <= start <= stop <= size:
             raise ValueError(f"outputs_into(): the range [{start}, {stop}) is outside the buffer of {size} bytes")
-        align = int(align)
         if align < 1 or align & (align - 1):
             raise ValueError(f"outputs_into(): align must be a power of two, got {align}")
-        self._bytes = np.frombuffer(view.cast("B"), np.uint8)
+        self._bytes: np.ndarray | None = np.frombuffer(view.cast("B"), np.uint8)
         self.start, self.stop, self.align = start, stop, align
         #: where the next array goes (bytes from the buffer's start)
         self.offset = start
@@ -63,7 +76,9 @@ class OutputArena:
 
     def take(self, shape, dtype) -> np.ndarray | None:
         """A C-contiguous array of ``shape`` and ``dtype`` at :attr:`offset` (which then moves past it, rounded up to
-        ``align``), or ``None`` when it does not fit what is left (nothing moves)."""
+        ``align``), or ``None`` when it does not fit what is left (nothing moves) or after :meth:`release`."""
+        if self._bytes is None:
+            return None
         dt = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if self.offset + n > self.stop:
@@ -74,37 +89,62 @@ class OutputArena:
         return a
 
 
+    def release(self) -> None:
+        """Let go of the buffer (this arena's export of it): :meth:`take` hands nothing out from now on; the arrays
+        handed out keep their own hold on it. :func:`outputs_into` does this when the block of an arena it made
+        ends."""
+        self._bytes = None
+
+
 def current() -> OutputArena | None:
-    """The arena of the innermost :func:`outputs_into` block of this thread, or ``None``."""
-    return _ARENA.get()
+    """The arena of the innermost :func:`outputs_into` block this thread and task entered, or ``None``."""
+    held = _ARENA.get()
+    if held is None or held[1] != threading.get_ident():  # a worker thread that copied the context: not its block
+        return None
+    return held[0]
 
 
-@contextlib.contextmanager
-def outputs_into(buffer, start: int = 0, stop: int | None = None, align: int = 4096) -> Iterator[OutputArena]:
-    """Place the host outputs read inside the block in ``buffer[start:stop]`` (see the module docstring), on a
-    page-locked (CUDA) staging: ``CapturedGraph.run`` with ``copy_outputs=True`` (no ``out=``), and a session's
-    bucket runs made on this thread (not those a ``replay_thread=True`` session hands to its replay thread, nor
-    ``run_many``'s, read on a helper thread). Each array starts ``align`` bytes (or a multiple) past ``start``; one
-    that does not fit what is left, and every output of a pageable staging (WebGPU, CPU), comes back as without the
-    block. Yields the :class:`OutputArena` (``offset``: where the next one would go; ``taken``: how many landed
-    there). Blocks nest (the innermost wins) and belong to the thread and the asyncio task that entered them.
+class _Block:
+    """What :func:`outputs_into` returns: a context manager over one :class:`OutputArena`."""
 
-    ``buffer`` may be an :class:`OutputArena` already (then ``start``, ``stop`` and ``align`` must be left out).
-    The arrays returned inside the block are views of ``buffer``: they change when it is written, and keep it
-    exported (a ``SharedMemory`` cannot close while one is alive).
+    def __init__(self, arena: OutputArena, own: bool):
+        self.arena, self._own, self._token = arena, own, None
 
-    Raises:
+    def __enter__(self) -> OutputArena:
+        if self._token is not None:
+            raise RuntimeError("outputs_into(): this block is entered already")
+        self._token = _ARENA.set((self.arena, threading.get_ident()))
+        return self.arena
+
+    def __exit__(self, *exc) -> None:
+        token, self._token = self._token, None
+        _ARENA.reset(token)
+        if self._own:  # its export of the buffer goes with it (the arrays handed out keep their own)
+            self.arena.release()
+
+
+def outputs_into(buffer, start: int | None = None, stop: int | None = None, align: int | None = None) -> _Block:
+    """A context manager: the host outputs read inside the ``with`` block go into ``buffer[start:stop]`` (see the
+    module docstring), on a page-locked (CUDA) staging: ``CapturedGraph.run`` with ``copy_outputs=True`` (no
+    ``out=``), and a session's bucket runs made on this thread (not those a ``replay_thread=True`` session hands to
+    its replay thread, nor ``run_many``'s, read on a helper thread). Each array starts ``align`` bytes (default
+    4096), or a multiple, past ``start`` (default 0); one that does not fit what is left, and every output of a
+    pageable staging (WebGPU, CPU: nothing goes into ``buffer`` there), comes back as without the block. ``with``
+    yields the :class:`OutputArena` (``offset``: where the next one would go; ``taken``: how many landed there).
+    Blocks nest (the innermost wins) and belong to the thread and the asyncio task that entered them (a worker
+    thread that copied the context, e.g. through ``asyncio.to_thread``, does not use it).
+
+    ``buffer`` may be an :class:`OutputArena` already (then ``start``, ``stop`` and ``align`` must be left out; the
+    arena stays usable after the block). The arrays returned inside the block are views of ``buffer``: they change
+    when it is written, and keep it exported while they live (a ``SharedMemory`` cannot close until they are gone).
+
+    Raises (here, before the block):
         TypeError, ValueError: what :class:`OutputArena` raises; ``ValueError`` for an :class:`OutputArena` given
             with ``start``, ``stop`` or ``align``.
     """
     if isinstance(buffer, OutputArena):
-        if (start, stop, align) != (0, None, 4096):
+        if start is not None or stop is not None or align is not None:
             raise ValueError("outputs_into(arena): start, stop and align belong to the OutputArena already")
-        arena = buffer
-    else:
-        arena = OutputArena(buffer, start, stop, align)
-    token = _ARENA.set(arena)
-    try:
-        yield arena
-    finally:
-        _ARENA.reset(token)
+        return _Block(buffer, own=False)
+    return _Block(OutputArena(buffer, 0 if start is None else start, stop, 4096 if align is None else align),
+                  own=True)
