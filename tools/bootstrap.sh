@@ -11,6 +11,9 @@
 #           tests/test_gpu_nocuda.py (the CUDA EP is listed by ORT and does not load)
 # stdout: two lines, the venv directory and the WebGPU env file to source (empty when WebGPU set-up failed).
 set -euo pipefail
+# pip's own output to stderr, without the "WARNING: Location 'file:///...' is ignored" lines a machine's pip
+# configuration can print for every package (149 lines on a fresh user's run); pip's exit status is kept
+quiet_pip() { "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; } >&2; }
 NEWEST_ORT=1.32.0
 WEBGPU_EP=0.4.0
 NOCUDA_ORT_GPU=1.31.1  # the newest onnxruntime-gpu (CUDA 13); its wheel is ~244 MiB, kept in pip's cache
@@ -44,8 +47,8 @@ if [ $nocuda = 1 ]; then
     log "creating $venv (onnxruntime-gpu $NOCUDA_ORT_GPU without CUDA libraries)"
     rm -rf "$venv"
     "$py" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "onnxruntime-gpu==$NOCUDA_ORT_GPU" \
-      "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root" >&2
+    quiet_pip "$venv/bin/python" -m pip install -q --disable-pip-version-check "onnxruntime-gpu==$NOCUDA_ORT_GPU" \
+      "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root"
     echo "$want" > "$stamp"
   else
     log "reusing $venv (onnxruntime-gpu $NOCUDA_ORT_GPU without CUDA libraries)"
@@ -63,7 +66,7 @@ want="ort=$ort_version webgpu=$WEBGPU_EP nudenet=$NUDENET $(sha256sum "$root/pyp
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "creating $venv (onnxruntime $ort_version)"
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
+  quiet_pip "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   # ortcapture depends on no ORT distribution (onnxruntime and onnxruntime-gpu are one package): name one here.
   # An onnxruntime-gpu already in the venv is kept (installing onnxruntime would overwrite its files).
   ort_req="onnxruntime==$ort_version"
@@ -75,12 +78,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # tools/test.sh builds the API reference there only; Ray Serve and tritonclient (the serving tests' server and
   # client) are large and serving does not depend on the ORT version: the older venvs skip the serving tests
   if [ "$venv" = "$root/.venv" ]; then extras=$extras,docs,serve-test; fi
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check $ort_req \
-    "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root[$extras]" >&2
+  quiet_pip "$venv/bin/python" -m pip install -q --disable-pip-version-check $ort_req \
+    "onnxruntime-ep-webgpu==$WEBGPU_EP; python_version >= '3.11'" -e "$root[$extras]"
   # a library that builds its own ORT sessions, for the patch_onnxruntime example; its onnxruntime requirement is
   # not installed (it would replace the ORT distribution chosen above)
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nudenet==$NUDENET" \
-    opencv-python-headless >&2
+  quiet_pip "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nudenet==$NUDENET" \
+    opencv-python-headless
   echo "$want" > "$stamp"
 else
   log "reusing $venv (onnxruntime $ort_version)"

@@ -13,8 +13,8 @@ status=0
 lint_done=0
 docs_done=0
 summary=()  # one line per step, printed together at the end
-logdir=$(mktemp -d)
-trap 'rm -rf "$logdir"' EXIT
+logdir=.cache/test-logs  # each ORT version's whole pytest output (git-ignored; replaced by the next run)
+rm -rf "$logdir" && mkdir -p "$logdir"
 color=no
 [ -t 1 ] && color=yes
 for v in $versions; do
@@ -49,8 +49,13 @@ for v in $versions; do
       export ORTCAPTURE_REQUIRE_SERVE=0
     fi
     echo "=== onnxruntime $v: pytest ==="
-    "$venv/bin/python" -m pytest -q -rfEs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt"
+    # every skip's reason goes to the log; the console gets their count (1,000 lines of "CUDA EP unavailable" buried
+    # the failures a fresh user looks for)
+    "$venv/bin/python" -m pytest -q -rfEs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt" \
+      | grep -v '^SKIPPED \['
   ) || status=1
+  skips=$(grep -c '^SKIPPED \[' "$logdir/pytest-$v.txt" 2>/dev/null || true)
+  [ "${skips:-0}" -gt 0 ] && echo "($skips skip reasons, one line per test location: $logdir/pytest-$v.txt)"
   # pytest's own last line: "N passed, M skipped ... in T s" (or why it stopped)
   last=$(grep -v '^[[:space:]]*$' "$logdir/pytest-$v.txt" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g; s/^=* *//; s/ *=*$//' || true)
   summary+=("onnxruntime $v: ${last:-no pytest summary}")
