@@ -446,6 +446,9 @@ def _device_replica(mem, healthy: bool = True, ipc=None):
     ms.core, ms._ipc = _device_core(healthy), ipc or _FakeIpc(mem)
     ms._merge_rows, ms._mergeable, ms.merged_runs = 8, True, 0
     ms._metrics = _Metrics()
+    from ortcapture.serving.slots import SlotReader
+
+    ms._slot_reader = SlotReader()  # as every session replica has (no batch slots in these calls)
     return ms
 
 

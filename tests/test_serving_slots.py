@@ -37,6 +37,7 @@ def test_a_batch_joined_into_a_slot_reads_back_equal_and_outputs_come_back():
         got = slot.outputs(where[0])
         np.testing.assert_array_equal(got["y"], y)
         assert not np.shares_memory(got["y"], y)  # written into the slot, not a reference
+        del feeds, got  # views of the slot hold its mapping: gone before it is closed
     finally:
         reader.close()
         pool.close()
@@ -340,3 +341,82 @@ def test_a_gone_tier_replicas_pool_is_unpinned_and_unmapped_by_the_session_repli
             gone.unlink()
         except FileNotFoundError:  # swept already: its creator's pid is gone
             pass
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    from ortcapture.serving import slots
+
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True, check=True).stdout)
+    if slots._alive(pid):
+        pytest.skip("the pid was reused at once")
+    return pid
+
+
+def test_a_pool_kept_once_is_dropped_later_and_a_failed_unpin_never_fails_the_runs(monkeypatch):
+    """A pool whose object is still linked when the sweep looks (its tier replica draining in a rolling update) is
+    looked at again: every DROP_EVERY_S, and at once while one waits. Unpinning that raises (a sticky CUDA error)
+    keeps the pool for later instead of failing the round of runs that called it."""
+    import secrets
+
+    from ortcapture.serving import slots
+
+    name = f"ortcapture-{_dead_pid()}-{secrets.token_hex(16)}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=8192)
+    reader = SlotReader()
+    fails = [RuntimeError("cudaHostUnregister: cudaErrorIllegalAddress")]
+
+    class _Pin:
+        def close(self):
+            if fails:
+                raise fails.pop()
+
+    try:
+        desc = {"pool": name, "size": 8192, "runs": [[("x", 0, (2, 4), "<f4")]], "out": (4096, 4096)}
+        reader.inputs(desc)
+        reader._pins[name] = _Pin()
+        assert reader.drop_due() and reader.drop_stale() == []  # still linked: kept
+        assert not reader.drop_due()
+        shm.unlink()  # now its object is gone too
+        monkeypatch.setattr(slots, "DROP_EVERY_S", 0.0)
+        reader._next_drop = 0.0
+        assert reader.drop_due()  # the time came
+        assert reader.drop_stale() == [] and "cudaErrorIllegalAddress" in reader.pin_error  # did not raise
+        assert reader.new_pools and name in reader._maps and name in reader._pins  # kept, tried again
+        assert reader.drop_stale() == [name] and not reader._pins and not reader._maps
+    finally:
+        reader.close()
+        shm.close()
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def test_views_of_a_slot_on_either_side_keep_its_mapping():
+    """Every numpy view of a slot holds an export of the mapping: closing the pool's SharedMemory while one lives
+    raises BufferError instead of unmapping the memory under it (reading it then would be a segfault)."""
+    pool, reader = _pool(count=1), SlotReader()
+    try:
+        slot = asyncio.run(pool.acquire())
+        assert slot.place([[("x", [np.arange(8, dtype=np.float32).reshape(2, 4)], 0)]])
+        desc = slot.descriptor()
+        (feeds,) = reader.inputs(desc)
+        where = reader.write_outputs(desc, [{"y": feeds["x"] * 2}])
+        got = slot.outputs(where[0])["y"]
+        with pytest.raises(BufferError):
+            pool._shm.close()
+        assert got.tolist() == [[0, 2, 4, 6], [8, 10, 12, 14]]
+        shm = reader._maps[desc["pool"]]
+        with pytest.raises(BufferError):
+            shm.close()
+        assert feeds["x"].sum() == 28.0
+        with pytest.raises(SlotMissing):  # half closed: a batch now goes by value
+            reader.inputs(desc)
+    finally:
+        del feeds, got
+        reader.close()
+        pool.close()

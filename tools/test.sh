@@ -17,6 +17,7 @@ logdir=.cache/test-logs  # each ORT version's whole pytest output (git-ignored; 
 rm -rf "$logdir" && mkdir -p "$logdir"
 color=no
 [ -t 1 ] && color=yes
+skip_line=$'^(\x1b\\[[0-9;]*m)*SKIPPED(\x1b\\[[0-9;]*m)* \\['  # pytest's "SKIPPED [n] file:line: why", coloured or not
 for v in $versions; do
   { read -r venv; read -r env_file; } < <(bash tools/bootstrap.sh --ort "$v")
   echo "=== onnxruntime $v ($venv) ==="
@@ -52,9 +53,9 @@ for v in $versions; do
     # every skip's reason goes to the log; the console gets their count (1,000 lines of "CUDA EP unavailable" buried
     # the failures a fresh user looks for)
     "$venv/bin/python" -m pytest -q -rfEs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt" \
-      | grep -v '^SKIPPED \['
+      | grep -Ev "$skip_line"
   ) || status=1
-  skips=$(grep -c '^SKIPPED \[' "$logdir/pytest-$v.txt" 2>/dev/null || true)
+  skips=$(grep -Ec "$skip_line" "$logdir/pytest-$v.txt" 2>/dev/null || true)
   [ "${skips:-0}" -gt 0 ] && echo "($skips skip reasons, one line per test location: $logdir/pytest-$v.txt)"
   # pytest's own last line: "N passed, M skipped ... in T s" (or why it stopped)
   last=$(grep -v '^[[:space:]]*$' "$logdir/pytest-$v.txt" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g; s/^=* *//; s/ *=*$//' || true)

@@ -203,7 +203,7 @@ class ModelSession:
         into its slot, and one given up on before its answer copies nothing there; a call given up on during its run
         may still have its outputs read into the slot (:meth:`_output_arena`), which is why the tier never hands a
         slot out again once its call was given up on (:meth:`ortcapture.serving.slots.SlotPool.retire`)."""
-        if self._slot_reader.new_pools:  # a tier replica started: one that is gone leaves its pool mapped and pinned
+        if self._slot_reader.drop_due():  # a tier replica that is gone leaves its pool mapped and pinned here
             self._slot_reader.drop_stale()
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
         merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable)
@@ -322,7 +322,10 @@ class ModelSession:
     def _into_slot(self, slot: dict, out: list[dict]) -> None:
         """A call's outputs into its batch slot, when they fit (else they go back by value through Ray)."""
         done = [a for a in out if "outputs" in a]
-        where = self._slot_reader.write_outputs(slot, [a["outputs"] for a in done]) if done else None
+        try:
+            where = self._slot_reader.write_outputs(slot, [a["outputs"] for a in done]) if done else None
+        except SlotMissing:  # its pool is being unmapped here (its tier replica is gone): by value
+            where = None
         if where is not None:
             for a, w in zip(done, where):
                 del a["outputs"]

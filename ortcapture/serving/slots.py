@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import threading
+import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Mapping, Sequence
 
@@ -36,6 +37,19 @@ import numpy as np
 ALIGN = 4096
 #: where POSIX shared memory objects live
 SHM_DIR = "/dev/shm"
+#: seconds between :meth:`SlotReader.drop_stale` runs when no new pool asks for one
+DROP_EVERY_S = 10.0
+
+
+def _gone_is_missing(fn, *args):
+    """``fn(*args)`` with a pool's memoryview among ``args``: a memoryview that :meth:`SlotReader.drop_stale` closed
+    meanwhile (``ValueError``/``TypeError``) is :class:`SlotMissing` (the batch goes by value)."""
+    try:
+        return fn(*args)
+    except (ValueError, TypeError) as exc:
+        if "released" in str(exc) or "NoneType" in str(exc):
+            raise SlotMissing(f"the pool was unmapped here meanwhile ({exc})") from None
+        raise
 
 
 def slot_dtype(dtype) -> bool:
@@ -51,6 +65,15 @@ class SlotMissing(LookupError):
 
 def _up(n: int) -> int:
     return -(-int(n) // ALIGN) * ALIGN
+
+
+def _view(buf, off: int, shape, dtype) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` at byte ``off`` of ``buf`` (a mapping's memoryview) that holds an export
+    of the mapping: closing the mapping while it lives raises ``BufferError``. (``np.ndarray(buffer=buf)`` holds
+    none: ``SharedMemory.close()`` then unmaps the memory under the array, and reading it is a segfault.)"""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    return np.frombuffer(buf[off:off + n], dt).reshape(tuple(shape))
 
 
 class Slot:
@@ -87,7 +110,7 @@ class Slot:
         for entries in plan:
             placed = []
             for name, pieces, axis, shape, dtype, off in entries:
-                view = np.ndarray(shape, dtype, buffer=buf, offset=self.offset + off)
+                view = _view(buf, self.offset + off, shape, dtype)
                 if axis is None or len(pieces) == 1:
                     np.copyto(view, pieces[0])
                 else:
@@ -112,7 +135,7 @@ class Slot:
             n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
             if not (lo <= int(off) and int(off) + n <= hi):
                 raise ValueError(f"slot output {name!r} at {off} (+{n} bytes) is outside the slot's output room")
-            out[name] = np.ndarray(tuple(shape), dt, buffer=self.pool.buf, offset=int(off))
+            out[name] = _view(self.pool.buf, int(off), shape, dt)
         return out
 
 
@@ -265,6 +288,7 @@ class SlotReader:
         self.new_pools = False
         #: pools unmapped by :meth:`drop_stale`
         self.dropped = 0
+        self._next_drop = time.monotonic() + DROP_EVERY_S
         self._pin = pin
         self._pins: dict[str, Any] = {}  # pool name -> PinnedHostMemory
         #: why the last pool could not be page-locked (``None``: every pool mapped is, or ``pin`` is off)
@@ -272,16 +296,19 @@ class SlotReader:
         #: outputs :meth:`write_outputs` found read into their place already (:meth:`output_arena`): not copied
         self.in_place = 0
 
-    def _pool(self, name: str, size: int) -> shared_memory.SharedMemory:
+    def _pool(self, name: str, size: int) -> tuple[shared_memory.SharedMemory, memoryview]:
+        """The pool ``name`` mapped (once) and its memoryview, read once: :meth:`drop_stale` on another thread may
+        close it meanwhile (then using the memoryview raises, :func:`_gone_is_missing`)."""
         shm = self._maps.get(name)
         if shm is None:
             with self._lock:
                 shm = self._map(name)
-        if shm.buf is None:  # being dropped (drop_stale: unmapped once its last view goes)
+        buf = shm.buf
+        if buf is None:  # being dropped (drop_stale: unmapped once its last view goes)
             raise SlotMissing(f"shared memory object {name!r} is being unmapped here")
         if shm.size < int(size):
             raise SlotMissing(f"shared memory object {name!r} is {shm.size} bytes, the descriptor says {size}")
-        return shm
+        return shm, buf
 
     def _map(self, name: str) -> shared_memory.SharedMemory:
         shm = self._maps.get(name)
@@ -308,39 +335,54 @@ class SlotReader:
             self.new_pools = True
         return shm
 
+    def drop_due(self) -> bool:
+        """Whether :meth:`drop_stale` should run now: a pool was mapped since it last ran, a pool it had to keep is
+        waiting, or :data:`DROP_EVERY_S` passed (a tier replica can go with no new pool after it: a scale-down)."""
+        return self.new_pools or time.monotonic() >= self._next_drop
+
     def drop_stale(self) -> list[str]:
         """Undo the page-locking of, and unmap, every pool whose tier replica is gone (its process, named in the
-        pool's name, no longer runs on this machine: a replica Ray restarted or killed; and its object unlinked, by
-        that replica or by :func:`sweep_stale_pools` when the next pool was made), so a long-lived session
-        replica does not keep each restarted tier's pool (YOLOv8n at 320, 4 slots of 8 rows: ~60 MB) page-locked
+        pool's name, no longer runs on this machine: a replica Ray restarted, killed or scaled down; and its object
+        unlinked, by that replica or by :func:`sweep_stale_pools` when the next pool was made), so a long-lived
+        session replica does not keep each gone tier's pool (YOLOv8n at 320, 4 slots of 8 rows: ~60 MB) page-locked
         and mapped for good. Call it where no run reads from a pool (the session replica's replay thread, between
-        runs): a batch of that pool still queued then goes through the staging's host copy. A pool a view still
-        uses stays mapped, unpinned, and is tried again next time (a batch of it arriving meanwhile goes by value:
-        :class:`SlotMissing`). Returns the names unmapped."""
-        gone = []
+        runs: :meth:`drop_due`): a batch of that pool still queued then goes through the staging's host copy. A
+        pool a view still uses stays mapped, unpinned, and is tried again next time (a batch of it arriving
+        meanwhile goes by value: :class:`SlotMissing`), as is one whose unpinning failed. Never raises. Returns the
+        names unmapped."""
+        gone, again = [], False
         with self._lock:
             self.new_pools = False
+            self._next_drop = time.monotonic() + DROP_EVERY_S
             for name in list(self._maps):
                 m = _POOL_NAME.search(name)
-                if m is None or _alive(int(m.group(1))) or os.path.exists(os.path.join(SHM_DIR, name)):
+                if m is None or m.group(1) == str(os.getpid()):
+                    continue
+                if _alive(int(m.group(1))) or os.path.exists(os.path.join(SHM_DIR, name)):
                     continue  # its tier replica runs, or its pool is not unlinked yet (sweep_stale_pools does that)
-                pin = self._pins.pop(name, None)
-                if pin is not None:
-                    pin.close()
                 try:
+                    pin = self._pins.get(name)
+                    if pin is not None:
+                        pin.close()
+                        del self._pins[name]
                     self._maps[name].close()
                 except BufferError:  # a view is alive (a batch still queued): unmapped next time
-                    self.new_pools = True
+                    again = True
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a driver error unpinning it: kept, tried again
+                    self.pin_error = f"dropping {name}: {type(exc).__name__}: {exc}"[:300]
+                    again = True
                     continue
                 del self._maps[name]
                 gone.append(name)
             self.dropped += len(gone)
+            self.new_pools = again
         return gone
 
     def inputs(self, desc: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """Per run, ``{input name: numpy view}`` (no copy). Raises :class:`SlotMissing` (send by value) or
         ``ValueError`` (a descriptor that does not fit its pool)."""
-        shm = self._pool(desc["pool"], desc["size"])
+        shm, buf = self._pool(desc["pool"], desc["size"])
         out = []
         for run in desc["runs"]:
             feeds = {}
@@ -349,10 +391,7 @@ class SlotReader:
                 n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
                 if int(off) < 0 or int(off) + n > shm.size:
                     raise ValueError(f"slot input {name!r} at {off} (+{n} bytes) is outside its pool")
-                # through a memoryview of its own: the view holds an export of the mapping, so unmapping it while
-                # the view lives raises BufferError (np.ndarray(buffer=shm.buf) holds none: close() would unmap it
-                # under the view, and reading it then is a segfault)
-                feeds[name] = np.frombuffer(shm.buf[int(off):int(off) + n], dt).reshape(tuple(shape))
+                feeds[name] = _gone_is_missing(_view, buf, int(off), shape, dt)
             out.append(feeds)
         return out
 
@@ -360,19 +399,19 @@ class SlotReader:
                       ) -> list[dict[str, tuple[int, tuple[int, ...], str]]] | None:
         """Write every run's outputs into the descriptor's output room; per run ``{name: (offset, shape, dtype)}``,
         or ``None`` when they do not fit (send them by value)."""
-        shm = self._pool(desc["pool"], desc["size"])
+        shm, buf = self._pool(desc["pool"], desc["size"])
         base, room = int(desc["out"][0]), int(desc["out"][1])
         if base < 0 or base + room > shm.size:
             raise ValueError("the descriptor's output room is outside its pool")
         need = sum(_up(np.asarray(o).nbytes) for outs in runs_outputs for o in outs.values())
         if need > room or not all(slot_dtype(np.asarray(o).dtype) for outs in runs_outputs for o in outs.values()):
             return None
-        room_view = np.frombuffer(shm.buf, np.uint8)[base:base + room]
+        room_view = _gone_is_missing(_view, buf, base, (room,), np.uint8)
         off, plan = base, []
         for outs in runs_outputs:
             for name, o in outs.items():
                 o = np.asarray(o)
-                dst = np.ndarray(o.shape, o.dtype, buffer=shm.buf, offset=off)
+                dst = _view(buf, off, o.shape, o.dtype)
                 if o.ctypes.data == dst.ctypes.data and o.flags.c_contiguous:
                     o = None  # read there already (ortcapture.transfer.outputs_into): no copy
                 elif np.may_share_memory(o, room_view):
@@ -402,14 +441,14 @@ class SlotReader:
         pageable memory gains nothing) or the room is outside the pool. Raises :class:`SlotMissing`."""
         from ortcapture.transfer import OutputArena
 
-        shm = self._pool(desc["pool"], desc["size"])
+        shm, buf = self._pool(desc["pool"], desc["size"])
         if desc["pool"] not in self._pins:
             return None
         base, room = int(desc["out"][0]), int(desc["out"][1])
         start = base if start is None else int(start)
         if base < 0 or base + room > shm.size or not base <= start <= base + room:
             return None
-        return OutputArena(shm.buf, start, base + room, ALIGN)
+        return _gone_is_missing(OutputArena, buf, start, base + room, ALIGN)
 
     @property
     def pinned(self) -> int:
@@ -426,12 +465,12 @@ class SlotReader:
         for pin in self._pins.values():
             pin.close()
         self._pins.clear()
-        for shm in self._maps.values():
+        for name, shm in list(self._maps.items()):
             try:
                 shm.close()
-            except BufferError:  # a view is still alive: the mapping goes with the process
-                pass
-        self._maps.clear()
+            except BufferError:  # a view is still alive: kept for a later close (its descriptor too)
+                continue
+            del self._maps[name]
 
 
 def batch_slots(spec, max_rows: int, count: int, enabled: bool) -> SlotPool | None:
