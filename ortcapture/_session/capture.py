@@ -15,12 +15,12 @@ from ortcapture._ort.providers import CaptureInfo
 from ortcapture._ort.sync import FORKED_DEVICES
 from ortcapture._session.setup import check_tensor_io
 from ortcapture._transfer import copy as tcopy
+from ortcapture._verify.compare import level_of
+from ortcapture.errors import CaptureError, CaptureUnsupportedError
 
 #: at most this many buffer sets per capture (``copies=``): run_many overlaps one request's copy with the replay
 #: before it, so 2-3 are the useful range, and each one is a whole graph with its own device buffers
 MAX_COPIES = 16
-from ortcapture._verify.compare import level_of
-from ortcapture.errors import CaptureError, CaptureUnsupportedError
 
 
 def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None, *,

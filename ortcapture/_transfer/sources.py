@@ -218,5 +218,4 @@ def _cast(src: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def _float_like(dtype: np.dtype) -> bool:
     """numpy's floats and complex, and ml_dtypes' (bfloat16, float8 ...: kind ``V``)."""
-    return dtype.kind in "fc" or (dtype.kind == "V" and type(dtype.type).__module__ != "numpy"
-                                  and getattr(dtype.type, "__module__", "").startswith("ml_dtypes"))
+    return dtype.kind in "fc" or (dtype.kind == "V" and dtype.type.__module__.startswith("ml_dtypes"))

@@ -41,14 +41,15 @@ SHM_DIR = "/dev/shm"
 DROP_EVERY_S = 10.0
 
 
-def _gone_is_missing(fn, *args):
-    """``fn(*args)`` with a pool's memoryview among ``args``: a memoryview that :meth:`SlotReader.drop_stale` closed
-    meanwhile (``ValueError``/``TypeError``) is :class:`SlotMissing` (the batch goes by value)."""
+def _gone_is_missing(shm, fn, *args):
+    """``fn(*args)`` with ``shm``'s memoryview among ``args``: where :meth:`SlotReader.drop_stale` closed ``shm``
+    meanwhile (its memoryview released: ``ValueError``/``TypeError``), :class:`SlotMissing` (the batch goes by
+    value)."""
     try:
         return fn(*args)
-    except (ValueError, TypeError) as exc:
-        if "released" in str(exc) or "NoneType" in str(exc):
-            raise SlotMissing(f"the pool was unmapped here meanwhile ({exc})") from None
+    except (ValueError, TypeError):
+        if shm.buf is None:
+            raise SlotMissing(f"shared memory object {shm.name!r} was unmapped here meanwhile") from None
         raise
 
 
@@ -391,7 +392,7 @@ class SlotReader:
                 n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
                 if int(off) < 0 or int(off) + n > shm.size:
                     raise ValueError(f"slot input {name!r} at {off} (+{n} bytes) is outside its pool")
-                feeds[name] = _gone_is_missing(_view, buf, int(off), shape, dt)
+                feeds[name] = _gone_is_missing(shm, _view, buf, int(off), shape, dt)
             out.append(feeds)
         return out
 
@@ -406,7 +407,7 @@ class SlotReader:
         need = sum(_up(np.asarray(o).nbytes) for outs in runs_outputs for o in outs.values())
         if need > room or not all(slot_dtype(np.asarray(o).dtype) for outs in runs_outputs for o in outs.values()):
             return None
-        room_view = _gone_is_missing(_view, buf, base, (room,), np.uint8)
+        room_view = _gone_is_missing(shm, _view, buf, base, (room,), np.uint8)
         off, plan = base, []
         for outs in runs_outputs:
             for name, o in outs.items():
@@ -448,7 +449,7 @@ class SlotReader:
         start = base if start is None else int(start)
         if base < 0 or base + room > shm.size or not base <= start <= base + room:
             return None
-        return _gone_is_missing(OutputArena, buf, start, base + room, ALIGN)
+        return _gone_is_missing(shm, OutputArena, buf, start, base + room, ALIGN)
 
     @property
     def pinned(self) -> int:
