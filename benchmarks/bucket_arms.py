@@ -37,7 +37,6 @@ REPO = os.path.dirname(HERE)
 def matmul_model(n: int = 64) -> bytes:
     """Y = X @ W, X [batch, n] float32, W [n, n] (seeded)."""
     import numpy as np
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     w = numpy_helper.from_array(np.random.default_rng(3).standard_normal((n, n)).astype(np.float32), "W")

@@ -721,7 +721,7 @@ def test_capture_release_cycles_do_not_accumulate_buffers(backend):
     assert sess.captured_graphs == {}
     # a graph dropped without release() is released on the session's next capture
     g = sess.capture({"state_in": np.zeros(4, np.float32)}, state={"state_out": "state_in"})
-    gid, refs = g.graph_id, [weakref.ref(v) for v in g.inputs.values()]
+    refs = [weakref.ref(v) for v in g.inputs.values()]
     del g
     gc.collect()
     g2 = sess.capture({"state_in": np.zeros(4, np.float32)})

@@ -493,7 +493,7 @@ def test_callers_compute_stream_is_used_and_reported(cuda, monkeypatch):
     pytest.importorskip("cuda.bindings", reason="cuda-python")
     import onnxruntime as ort
 
-    from ortcapture._ort import compute_stream, cudart
+    from ortcapture._ort import cudart
 
     stream = cudart.new_stream(0)
     try:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 import ortcapture

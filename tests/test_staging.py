@@ -413,7 +413,7 @@ def test_numpy_feeds_fed_again_are_page_locked_in_place(fake_pinned, monkeypatch
 
     def send(arr, name="x"):
         fake.calls.clear()
-        st.upload({name: arr})
+        st.upload({name: arr})  # noqa: F821 -- bound above; ruff misreads a later `del st`
         np.testing.assert_array_equal((x if name == "x" else small).numpy(), arr)
         return [c for c in fake.calls if c[0] in ("copy", "register")]
 
@@ -1003,7 +1003,7 @@ def test_output_pool_recycles_blocks_when_arrays_and_views_are_gone(monkeypatch)
     view = a[1:]
     del a
     assert pool.take("y") is None  # the view keeps the block
-    t = threading.Thread(target=lambda: view.__class__)  # a release from another thread: just the last ref going
+    t = threading.Thread(target=lambda: view.__class__)  # noqa: F821 -- `view` is bound above  # a release from another thread: just the last ref going
     t.start()
     t.join()
     del view

@@ -8,7 +8,7 @@ element type, ``numpy.array(list, dtype)``); other non-array objects (scalars, t
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -41,7 +41,6 @@ from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture.errors import CaptureAbortedError, CaptureError, GraphReleasedError
-from ortcapture._transfer.copy import update_inplace
 
 log = logging.getLogger("ortcapture")
 

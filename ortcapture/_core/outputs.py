@@ -37,7 +37,7 @@ class ReplayOutput(OrtValue):
     # ORT's own OrtValue fields, read through to the fixed buffer's (OrtValue.__init__ never runs on this class)
     _ortvalue, _session, _numpy_obj = compat.view_fields("fixed_buffer")
 
-    def __init__(self, value: OrtValue, graph: "CapturedGraph", generation: int):
+    def __init__(self, value: OrtValue, graph: "CapturedGraph", generation: int):  # noqa: F821 (graph.py imports us)
         # the replay hot path (CapturedGraph.run) writes these three fields itself, without this call
         self.fixed_buffer = value  # the registered buffer: its metadata (device kind before ORT 1.30) is known
         self.graph = graph

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 

@@ -362,7 +362,7 @@ def _run(args) -> int:
             if shapes.shape_signature(example_shapes(args.model, b + 1, args.shape)) == shapes.shape_signature(shp):
                 # no dynamic first dim (or --shape fixes it): no batch to report ("batch": null, "fixed shapes")
                 if args.batch != "1" and None not in seen.values():  # said once, where --batch was given
-                    print(f"ortcapture bench: --batch does not apply (the model has no dynamic first dim, or --shape "
+                    print("ortcapture bench: --batch does not apply (the model has no dynamic first dim, or --shape "
                           "fixes it): its shapes as they are, reported as fixed shapes", file=sys.stderr)
                 b = None
             sig = shapes.shape_signature(shp)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from ortcapture.serving.batch import BatchRunner
-from ortcapture.serving.requests import RequestError
+from ortcapture.serving.batch import BatchRunner as BatchRunner
+from ortcapture.serving.requests import RequestError as RequestError
 
 #: names imported on first use (PEP 562), so ``import ortcapture.serving`` never imports ray:
 #: ``{name: module}``

@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
-import numpy as np
 import ray
 from ray import serve as ray_serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
@@ -30,13 +28,12 @@ from ortcapture.serving.batcher import AdaptiveBatcher, Item
 from ortcapture.serving.bodies import BodyGate, read_body
 from ortcapture.serving.config import ServeOptions, model_layout
 from ortcapture.serving.grpc_service import GrpcIngress
-from ortcapture.serving.protocol import ProtocolError
 from ortcapture.serving.ray_common import (SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
                                            keep_replica_grpc_on_loopback, quick_gil_handoff)
 from ortcapture.serving.requests import (RequestCheck, RequestError, answers_of, group_key, join, on_device, pack,
                                          pieces)
 from ortcapture.serving.slots import batch_slots
-from ortcapture.serving.routes import RETRY_AFTER_S, STALE_S, Refusal, Router
+from ortcapture.serving.routes import RETRY_AFTER_S, STALE_S, Router
 from ortcapture.serving.shm import ShmError
 from ortcapture.serving.shm_store import ActorRegistry, ShmStore
 
