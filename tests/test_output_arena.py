@@ -268,3 +268,53 @@ def test_register_off_leaves_the_batch_slots_unpinned(monkeypatch):
     assert pinning_in_place() is False
     monkeypatch.setattr(sync, "REGISTER", True)
     assert pinning_in_place() is True
+
+
+def test_a_task_created_inside_a_block_does_not_use_it(fake_pinned):
+    """asyncio.create_task copies the context (and runs on the same thread): the child's outputs are its own."""
+    fake, st = _staging_with_output(fake_pinned)
+    ring = np.zeros(4 * 4096, np.uint8)
+
+    async def child():
+        return st.read_new(["z"])[0]
+
+    async def main():
+        with outputs_into(ring) as arena:
+            z = await asyncio.create_task(child())
+            y = st.read_new(["y"])[0]  # the block's own task still uses it
+        return arena.taken, z, y
+
+    taken, z, y = asyncio.run(main())
+    assert taken == 1 and not np.shares_memory(z, ring) and np.shares_memory(y, ring)
+
+
+def test_a_block_that_ends_out_of_order_is_never_current_again():
+    arena = OutputArena(bytearray(8192))  # the caller's: usable after its blocks
+
+    def gen():
+        with outputs_into(arena):
+            yield
+
+    g = gen()
+    next(g)  # block A entered
+    with outputs_into(bytearray(4096)) as inner:  # block B
+        assert current() is inner
+        g.close()  # A ends inside B
+    assert current() is None  # B's end would bring A back: it ended, so it is not used
+
+
+def test_an_async_generators_block_closed_by_the_event_loop_ends_quietly():
+    errors, arenas = [], []
+
+    async def agen():
+        with outputs_into(bytearray(4096)) as arena:
+            arenas.append(arena)
+            yield 1
+            yield 2
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx.get("exception")))
+        await agen().__anext__()  # left suspended in its block: asyncio.run's shutdown_asyncgens closes it
+
+    asyncio.run(main())
+    assert errors == [] and arenas[0].take((1,), np.uint8) is None  # ended, and its buffer let go

@@ -7,11 +7,13 @@ import asyncio
 import multiprocessing as mp
 from multiprocessing import shared_memory
 import os
+import secrets
 
 import numpy as np
 import pytest
 
 from ortcapture.serving.slots import SlotMissing, SlotPool, SlotReader
+from tests.test_staging import fake_pinned  # noqa: F401 - the fixture
 
 
 def _pool(count=2, in_bytes=1 << 16, out_bytes=1 << 16):
@@ -420,3 +422,65 @@ def test_views_of_a_slot_on_either_side_keep_its_mapping():
         del feeds, got
         reader.close()
         pool.close()
+
+
+def test_a_failed_unpin_really_is_tried_again_and_the_pool_stays_mapped_until_then(fake_pinned, monkeypatch):
+    """The real PinnedHostMemory (fake CUDA): an unregistration that raises leaves the pin open, so drop_stale's
+    next round calls cudaHostUnregister again, and the pool is unmapped only after it succeeded."""
+    from ortcapture._ort import cudart
+
+    unregistered, fails = [], [RuntimeError("cudaHostUnregister failed")]
+
+    def host_unregister(ptr):
+        unregistered.append(ptr)
+        if fails:
+            raise fails.pop()
+    monkeypatch.setattr(cudart, "host_unregister", host_unregister)
+    name = f"ortcapture-{_dead_pid()}-{secrets.token_hex(16)}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=8192)
+    reader = SlotReader(pin=True)
+    try:
+        reader.inputs({"pool": name, "size": 8192, "runs": [[("x", 0, (2, 4), "<f4")]], "out": (4096, 4096)})
+        assert name in reader._pins
+        shm.unlink()
+        assert reader.drop_stale() == [] and "Unregister failed" in reader.pin_error  # kept, mapped
+        assert reader.drop_stale() == [name] and len(unregistered) == 2  # tried again, then unmapped
+    finally:
+        reader.close()
+        shm.close()
+
+
+def test_one_part_failing_to_close_leaves_the_others_closed():
+    """SlotReader.close() goes on past a pin that fails to close (keeping it and its mapping), and the session
+    replica's shutdown closes its other parts (the CUDA IPC handles) before raising the first error."""
+    from ortcapture.serving.session_replica import ModelSession
+
+    closed = []
+
+    class _Pin:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def close(self):
+            if self.fail:
+                raise RuntimeError("cudaHostUnregister failed")
+            closed.append(self.name)
+
+    class _Ipc:
+        def close(self):
+            closed.append("ipc")
+
+    reader = SlotReader()
+    reader._pins = {"a": _Pin("a", fail=True), "b": _Pin("b")}
+    reader.close()
+    assert closed == ["b"] and list(reader._pins) == ["a"] and "a:" in reader.pin_error
+
+    class _Core:
+        def close(self):
+            raise RuntimeError("core failed")
+
+    ms = ModelSession.__new__(ModelSession)
+    ms.core, ms._slot_reader, ms._ipc = _Core(), SlotReader(), _Ipc()
+    with pytest.raises(RuntimeError, match="core failed"):
+        ms.__del__()
+    assert closed == ["b", "ipc"]

@@ -11,6 +11,7 @@ not fit what is left goes to the pool as before. Where it landed is the returned
 """
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import operator
 import threading
@@ -99,28 +100,39 @@ class OutputArena:
 def current() -> OutputArena | None:
     """The arena of the innermost :func:`outputs_into` block this thread and task entered, or ``None``."""
     held = _ARENA.get()
-    if held is None or held[1] != threading.get_ident():  # a worker thread that copied the context: not its block
+    if held is None or held[0].token is None or held[1] != threading.get_ident() or held[2] is not _task():
         return None
-    return held[0]
+    return held[0].arena
+
+
+def _task():
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
 
 
 class _Block:
     """What :func:`outputs_into` returns: a context manager over one :class:`OutputArena`."""
 
     def __init__(self, arena: OutputArena, own: bool):
-        self.arena, self._own, self._token = arena, own, None
+        self.arena, self._own, self.token = arena, own, None
 
     def __enter__(self) -> OutputArena:
-        if self._token is not None:
+        if self.token is not None:
             raise RuntimeError("outputs_into(): this block is entered already")
-        self._token = _ARENA.set((self.arena, threading.get_ident()))
+        self.token = _ARENA.set((self, threading.get_ident(), _task()))
         return self.arena
 
     def __exit__(self, *exc) -> None:
-        token, self._token = self._token, None
-        _ARENA.reset(token)
-        if self._own:  # its export of the buffer goes with it (the arrays handed out keep their own)
-            self.arena.release()
+        token, self.token = self.token, None
+        try:
+            _ARENA.reset(token)
+        except ValueError:  # ended in another context (a generator closed elsewhere): marked ended above
+            pass
+        finally:
+            if self._own:
+                self.arena.release()
 
 
 def outputs_into(buffer, start: int | None = None, stop: int | None = None, align: int | None = None) -> _Block:
@@ -132,7 +144,11 @@ def outputs_into(buffer, start: int | None = None, stop: int | None = None, alig
     pageable staging (WebGPU, CPU: nothing goes into ``buffer`` there), comes back as without the block. ``with``
     yields the :class:`OutputArena` (``offset``: where the next one would go; ``taken``: how many landed there).
     Blocks nest (the innermost wins) and belong to the thread and the asyncio task that entered them (a worker
-    thread that copied the context, e.g. through ``asyncio.to_thread``, does not use it).
+    thread that copied the context, e.g. through ``asyncio.to_thread``, and a task created inside the block do not
+    use it). Do not ``yield`` inside the block of a generator: while it is suspended there its block is still the
+    caller's (context variables are not per generator, PEP 568 was never adopted), so the caller's outputs would go
+    into ``buffer`` too. A block that ends out of order, or in another context (an async generator closed by the
+    event loop), counts as ended from then on.
 
     ``buffer`` may be an :class:`OutputArena` already (then ``start``, ``stop`` and ``align`` must be left out; the
     arena stays usable after the block). The arrays returned inside the block are views of ``buffer``: they change

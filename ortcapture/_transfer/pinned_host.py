@@ -63,8 +63,15 @@ class PinnedHostMemory:
             if self._pid == os.getpid():
                 with CUDA_GATE.shared:
                     cudart.host_unregister(self.ptr)
-        finally:
-            view.release()
+        except BaseException:  # not undone: still open (its range no longer fed from), so a later close() tries again
+            _LOCK.acquire()
+            try:
+                self._view = view
+                self._finalizer = weakref.finalize(self, _dropped, view, self.ptr, self.nbytes, self._pid)
+            finally:
+                _release()
+            raise
+        view.release()
 
     def __enter__(self) -> "PinnedHostMemory":
         return self

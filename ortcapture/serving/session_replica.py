@@ -231,8 +231,12 @@ class ModelSession:
                 queued = [t for i in members for t in flat[i][2]]
                 device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
                 arena = self._output_arena(calls, flat, members, alive)
-                with outputs_into(arena) if arena is not None else contextlib.nullcontext():
-                    answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
+                try:
+                    with outputs_into(arena) if arena is not None else contextlib.nullcontext():
+                        answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
+                finally:
+                    if arena is not None:  # its hold on the slot's mapping ends here (the outputs keep their own)
+                        arena.release()
                 self.merged_runs += len(members) - 1
                 parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
                 # each member's requests' outputs into the CUDA regions they name, from its own rows
@@ -384,15 +388,18 @@ class ModelSession:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
-        core = getattr(self, "core", None)
-        if core is not None:
-            core.close()
-        reader = getattr(self, "_slot_reader", None)
-        if reader is not None:
-            reader.close()
-        ipc = getattr(self, "_ipc", None)
-        if ipc is not None:
-            ipc.close()
+        # each part closed even when one before it raised (the first error is raised after the last part)
+        first = None
+        for part in ("core", "_slot_reader", "_ipc"):
+            obj = getattr(self, part, None)
+            if obj is None:
+                continue
+            try:
+                obj.close()
+            except Exception as exc:  # noqa: BLE001
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def _settle(future: asyncio.Future, result) -> None:

@@ -463,10 +463,16 @@ class SlotReader:
             self._close()
 
     def _close(self) -> None:
-        for pin in self._pins.values():
-            pin.close()
-        self._pins.clear()
+        for name, pin in list(self._pins.items()):
+            try:
+                pin.close()
+            except Exception as exc:  # noqa: BLE001 - kept (and its mapping): the others are still closed
+                self.pin_error = f"closing {name}: {type(exc).__name__}: {exc}"[:300]
+                continue
+            del self._pins[name]
         for name, shm in list(self._maps.items()):
+            if name in self._pins:  # still page-locked: never unmapped under the driver's registration
+                continue
             try:
                 shm.close()
             except BufferError:  # a view is still alive: kept for a later close (its descriptor too)
