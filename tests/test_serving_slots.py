@@ -484,3 +484,60 @@ def test_one_part_failing_to_close_leaves_the_others_closed():
     with pytest.raises(RuntimeError, match="core failed"):
         ms.__del__()
     assert closed == ["b", "ipc"]
+    ms.core = ms._ipc = None  # its own __del__ at collection: nothing left to close
+
+
+def test_an_idle_session_replica_drops_gone_pools_on_its_replay_thread():
+    """With no batch arriving (a tier replica scaled down), the once-a-second report still runs drop_stale when
+    it is due, on the replay thread (where no run reads from a pool)."""
+    import concurrent.futures
+    import threading
+
+    from ortcapture.serving.session_replica import ModelSession
+
+    replay = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="replay")
+    ran = []
+
+    class _Reader:
+        due = True
+
+        def drop_due(self):
+            return self.due
+
+        def drop_stale(self):
+            ran.append(threading.current_thread().name)
+            self.due = False
+            return []
+
+        def close(self):
+            pass
+
+    class _Stats:
+        class report:  # noqa: N801 - a handle's method
+            @staticmethod
+            async def remote(*args):
+                return None
+
+    class _Session:
+        def run_on_replay_thread(self, fn, *args):
+            return replay.submit(fn, *args)
+
+    class _Core:
+        session = _Session()
+
+        def close(self):
+            pass
+
+    class _Metrics:
+        def graphs(self, core):
+            pass
+
+    ms = ModelSession.__new__(ModelSession)
+    ms._stats, ms._metrics, ms.core, ms._ipc, ms._on_replay_thread = _Stats(), _Metrics(), _Core(), None, True
+    ms._slot_reader, ms._report, ms.replica_id = _Reader(), dict, "r0"
+    try:
+        asyncio.run(ms._push_report())
+        asyncio.run(ms._push_report())  # not due any more: not run again
+    finally:
+        replay.shutdown()
+    assert len(ran) == 1 and ran[0].startswith("replay")

@@ -371,6 +371,8 @@ class ModelSession:
             self._stats = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._app)
         await self._stats.report.remote(self.replica_id, self._report())
         self._metrics.graphs(self.core)
+        if self._on_replay_thread and self._slot_reader.drop_due():  # an idle replica drops gone tiers' pools too
+            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._slot_reader.drop_stale))
         if self._ipc is not None and self._ipc.names():  # close the handles of CUDA regions unregistered since
             from ortcapture.serving.shm_store import ActorRegistry
 
