@@ -142,6 +142,7 @@ def test_bench_failed_worker_exit_2(webgpu, tmp_path, capsys):
     (["--plot", "PLOT"], ".png"),
     (["--json", "TMPDIR"], "is a directory"),
     (["--plot", "TMPDIR"], "is a directory"),
+    (["--json", "/proc/ortcapture-bench.json"], "cannot be written"),  # os.access says yes to root here
 ])
 def test_bench_bad_arguments_exit_2(tmp_path, capsys, extra, message):
     model = tmp_path / "affine.onnx"
@@ -154,6 +155,7 @@ def test_bench_bad_arguments_exit_2(tmp_path, capsys, extra, message):
         return
     assert main(["bench", str(model), *extra]) == 2
     assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["affine.onnx"]  # the writability check left no file
 
 
 @pytest.mark.webgpu

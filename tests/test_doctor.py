@@ -141,6 +141,14 @@ def test_bad_shape_is_exit_2(tmp_path, capsys, shape, why):
     assert code == 2 and report["verdict"] == "error" and why in report["error"]
 
 
+@pytest.mark.parametrize("bucket", ["nope=1,2", "Y:0=1,2", "X:5=1,2"])
+def test_a_bucket_dim_the_model_lacks_is_exit_2_before_any_capture(tmp_path, capsys, bucket):
+    """Refused with the model read, not after the capture checks (a CPU-only provider would capture nothing)."""
+    code, report = doctor_json(capsys, _save(tmp_path, "dyn", tiny.dynamic_model()), "--provider", "none",
+                               "--buckets", bucket)
+    assert code == 2 and report["error"].startswith("--buckets: ") and not report["capture"]["attempted"]
+
+
 def test_shape_contradicting_a_fixed_dim_is_exit_2(tmp_path, capsys):
     code, report = doctor_json(capsys, _save(tmp_path, "add", tiny.add_model()), "--provider", "none",
                                "--shape", "A=3x4")

@@ -172,6 +172,13 @@ def diagnose(model_path: str, provider: str = "auto", shape_items: Sequence[str]
     bucket_spec = parse_bucket_items(bucket_items)
     findings = static_checks(model, given)
     dims = shapes.input_dims(model)
+    if bucket_spec:  # a dim the model does not have: refused now, not after the captures
+        from ortcapture._buckets.spec import parse_buckets
+
+        try:
+            parse_buckets(bucket_spec, dims)
+        except CaptureError as exc:
+            raise DoctorError(f"--buckets: {one_line(exc)}") from None
     try:
         example = {n: tuple(s) for n, s in example_shapes(model_path, 1, list(shape_items)).items()}
     except CaptureError as exc:  # a --shape with a 0 dim (the static checks caught the rest)
