@@ -366,8 +366,8 @@ def test_cuda_outputs_read_into_pinned_shared_memory_are_right(cuda, shm, rng): 
             with outputs_into(shm.buf) as arena:
                 got = dict(zip(names, bsess.run(None, {"X": xb})))
             want = answer(xb)
-            for k in names:
-                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+            for k in names:  # ORT's default use_tf32=1: MatMul rounds to ~1e-3 (another row would differ by ~1)
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-2, atol=1e-3)
             assert np.shares_memory(got["scores"], np.frombuffer(shm.buf, np.uint8)), n  # a prefix: read there
             assert arena.taken >= 2
             del got, arena

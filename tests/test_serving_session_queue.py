@@ -248,3 +248,25 @@ def test_outputs_of_a_lone_run_are_read_into_its_slot_and_never_copied_there_aga
     finally:
         ms._slot_reader._pins.clear()
         pool.close()
+
+
+def test_merged_runs_joined_into_the_scratch_answer_each_call_its_own_rows():
+    """With the merge scratch (reused buffers) every call still gets its own rows back: the scratch is written for
+    the next merged run only after the run before it returned."""
+    from ortcapture.serving.merge import MergeScratch
+
+    ms = _replica(0.01)
+    ms._scratch = MergeScratch(pin=False)
+
+    async def main():
+        async def call(k, n):
+            x = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 1000 * k  # values unique per call
+            got = await ms.run_batch([({"X": x}, [n])], [[0]])
+            np.testing.assert_array_equal(got[0]["outputs"]["y"], 2 * x)
+
+        for _ in range(3):
+            await asyncio.gather(*(call(k, n) for k, n in enumerate([1, 3, 4, 2, 6, 2, 1, 5, 3, 3])))
+
+    asyncio.run(main())
+    assert ms.merged_runs > 0 and ms._scratch.used > 0
+    ms.core.session.run_on_replay_thread(lambda: None).result(timeout=10)

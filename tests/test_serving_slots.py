@@ -541,3 +541,80 @@ def test_an_idle_session_replica_drops_gone_pools_on_its_replay_thread():
     finally:
         replay.shutdown()
     assert len(ran) == 1 and ran[0].startswith("replay")
+
+
+def test_merged_rows_are_joined_into_one_reused_buffer_per_input():
+    """MergeScratch: a merged run's host rows land in the scratch (equal to the concatenation), the next merged run
+    reuses the same memory (grown when larger), a run alone keeps its own feeds, and close() drops the buffers."""
+    from ortcapture.serving.merge import MergeScratch, iter_merged_runs
+
+    def merge_runs(runs, max_rows, into):
+        return list(iter_merged_runs(runs, max_rows, into=into))
+
+    rng = np.random.default_rng(2)
+    scratch = MergeScratch(pin=False)
+
+    def runs(sizes):
+        return [({"x": rng.standard_normal((n, 3)).astype(np.float32)}, [n]) for n in sizes]
+
+    first = runs([3, 4, 5])
+    merged = merge_runs(first, 8, into=scratch)  # [3, 4] merged, [5] alone
+    joined = merged[0][1]["x"]
+    np.testing.assert_array_equal(joined, np.concatenate([first[0][0]["x"], first[1][0]["x"]]))
+    assert merged[1][1]["x"] is first[2][0]["x"] and scratch.used == 1  # alone: its own feeds
+    address = joined.ctypes.data
+    second = runs([1, 1])
+    joined = merge_runs(second, 8, into=scratch)[0][1]["x"]
+    assert joined.ctypes.data == address and joined.shape == (2, 3)  # the same memory again
+    np.testing.assert_array_equal(joined, np.concatenate([r[0]["x"] for r in second]))
+    bigger = [({"x": rng.standard_normal((n, 5)).astype(np.float32)}, [n]) for n in (4, 4)]
+    np.testing.assert_array_equal(merge_runs(bigger, 8, into=scratch)[0][1]["x"],
+                                  np.concatenate([r[0]["x"] for r in bigger]))  # grown
+    scratch.close()
+    assert scratch.used == 3 and not scratch._bufs
+
+
+def test_merged_rows_in_a_pinned_scratch_go_to_the_graph_with_one_dma(fake_pinned):
+    """On CUDA the scratch is page-locked: the merged run's rows are one DMA from it into the graph's input buffer
+    (owner_dmas), not a threaded host copy into the staging first; a driver that refuses turns the scratch off."""
+    import onnxruntime as ort
+
+    from ortcapture._ort import cudart
+    from ortcapture._ort import sync as _sync
+    from ortcapture._transfer import staging as _staging
+    from ortcapture.serving.merge import MergeScratch, iter_merged_runs
+
+    def merge_runs(runs, max_rows, into):
+        return list(iter_merged_runs(runs, max_rows, into=into))
+
+    fake, as_cuda = fake_pinned
+    x = as_cuda(ort.OrtValue.ortvalue_from_numpy(np.zeros((8, 1000), np.float32)))
+    st = _staging.HostStaging({"x": x}, {}, pinned=True)
+    scratch = MergeScratch(pin=True)
+    rng = np.random.default_rng(3)
+    runs = [({"x": rng.standard_normal((n, 1000)).astype(np.float32)}, [n]) for n in (2, 3)]
+    try:
+        joined = merge_runs(runs, 8, into=scratch)[0][1]["x"]
+        assert scratch.error is None and _sync.owner_pinned(joined.ctypes.data, joined.nbytes)
+        fake.calls.clear()
+        st.upload_rows("x", joined, (0,), 0.0, 0, None)
+        assert [(c[2], c[3]) for c in fake.calls if c[0] == "copy"] == [(joined.ctypes.data, joined.nbytes)]
+        assert st.owner_dmas == 1
+        got = x.numpy()
+        np.testing.assert_array_equal(got[:5], np.concatenate([r[0]["x"] for r in runs]))
+        assert (got[5:] == 0).all()
+    finally:
+        scratch.close()
+    assert _sync.HOST_RANGES == []  # unpinned at close
+    refusing = MergeScratch(pin=True)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cudaHostRegister: cudaErrorHostMemoryAlreadyRegistered")
+    original = cudart.host_register
+    cudart.host_register = refuse
+    try:
+        joined = merge_runs(runs, 8, into=refusing)[0][1]["x"]
+    finally:
+        cudart.host_register = original
+    np.testing.assert_array_equal(joined, np.concatenate([r[0]["x"] for r in runs]))  # a new array, as before
+    assert "AlreadyRegistered" in refusing.error and refusing.used == 0 and merge_runs(runs, 8, into=refusing)

@@ -35,7 +35,7 @@ from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
 from ortcapture.transfer import outputs_into, pinning_in_place
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
-from ortcapture.serving.merge import merge_runs, mergeable, split_answer
+from ortcapture.serving.merge import MergeScratch, iter_merged_runs, mergeable, split_answer
 from ortcapture.serving.slots import SlotMissing, SlotReader
 from ortcapture.serving.cuda_ipc import IpcMemory
 from ortcapture.serving.cuda_shm import DeviceRows
@@ -74,7 +74,10 @@ class ModelSession:
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         # the tier replicas' batch slots (node-local shared memory), mapped once; page-locked on CUDA (one DMA per
         # input from the slot into the graph's buffer)
-        self._slot_reader = SlotReader(pin=provider == "cuda" and pinning_in_place())
+        pin = provider == "cuda" and pinning_in_place()
+        self._slot_reader = SlotReader(pin=pin)
+        # merged runs' host rows joined into reused buffers, page-locked where the slots are (one DMA to the graph)
+        self._scratch = MergeScratch(pin=pin) if self._on_replay_thread else None
         # the clients' CUDA regions this replica opened (ortcapture.serving.cuda_ipc; CUDA only)
         self._ipc = IpcMemory() if provider == "cuda" else None
         self._registry = None  # the shared memory registry (which of them are still registered), on first use
@@ -206,7 +209,9 @@ class ModelSession:
         if self._slot_reader.drop_due():  # a tier replica that is gone leaves its pool mapped and pinned here
             self._slot_reader.drop_stale()
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
-        merged = merge_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable)
+        # joined one at a time, each right before its run (the scratch holds one merged run's rows per input)
+        merged = iter_merged_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable,
+                                  into=getattr(self, "_scratch", None))
         answers: list[list] = [[] for _ in calls]
         failed: list = [None] * len(calls)
         left = [0] * len(calls)
@@ -348,12 +353,17 @@ class ModelSession:
         pools page-locked here (``slots_pinned``; ``slot_pin_error``: why one could not be, or ``None``), the
         outputs read straight into their batch slot (``slot_outputs_in_place``: not copied there,
         :meth:`_output_arena`), the pools of tier replicas that are gone, unmapped and unpinned here
-        (``slot_pools_dropped``, :meth:`ortcapture.serving.slots.SlotReader.drop_stale`), and where the batches'
+        (``slot_pools_dropped``, :meth:`ortcapture.serving.slots.SlotReader.drop_stale`), the merged inputs joined
+        into the reused (on CUDA page-locked) buffers of :class:`~ortcapture.serving.merge.MergeScratch`
+        (``merge_scratch_used``; ``merge_scratch_error``: why page-locking one failed, which turns them off), and
+        where the batches'
         time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival to answer,
         ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider: 0)."""
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
                 "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
                 "slot_outputs_in_place": self._slot_reader.in_place, "slot_pools_dropped": self._slot_reader.dropped,
+                "merge_scratch_used": self._scratch.used if self._scratch is not None else 0,
+                "merge_scratch_error": self._scratch.error if self._scratch is not None else None,
                 "serve_throughput_optimized": os.environ.get(THROUGHPUT_ENV) == "1",
                 "merged_runs": self.merged_runs, **self._timing}
 
@@ -392,7 +402,7 @@ class ModelSession:
             pool.shutdown(wait=True)
         # each part closed even when one before it raised (the first error is raised after the last part)
         first = None
-        for part in ("core", "_slot_reader", "_ipc"):
+        for part in ("core", "_slot_reader", "_scratch", "_ipc"):
             obj = getattr(self, part, None)
             if obj is None:
                 continue
