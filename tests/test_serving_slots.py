@@ -618,3 +618,24 @@ def test_merged_rows_in_a_pinned_scratch_go_to_the_graph_with_one_dma(fake_pinne
         cudart.host_register = original
     np.testing.assert_array_equal(joined, np.concatenate([r[0]["x"] for r in runs]))  # a new array, as before
     assert "AlreadyRegistered" in refusing.error and refusing.used == 0 and merge_runs(runs, 8, into=refusing)
+
+
+def test_host_copy_is_public_and_equal_to_copyto_for_every_size_and_layout():
+    """ortcapture.transfer.host_copy (the staging threads' split copy, used to join merged rows): equal to np.copyto
+    for small and split sizes, non-contiguous sources, and a destination of another dtype (cast in this thread);
+    a shape mismatch raises before any thread starts."""
+    from ortcapture.transfer import host_copy
+
+    rng = np.random.default_rng(5)
+    for shape in ((3,), (2, 700, 1000)):  # under and over the split size
+        src = rng.standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(host_copy(src), src)
+        dst = np.empty(shape, np.float32)
+        assert host_copy(src, dst) is dst
+        np.testing.assert_array_equal(dst, src)
+    big = rng.standard_normal((2, 700, 1000)).astype(np.float32)
+    np.testing.assert_array_equal(host_copy(big[:, ::2]), big[:, ::2])
+    as64 = np.empty(big.shape, np.float64)
+    np.testing.assert_array_equal(host_copy(big, as64), big.astype(np.float64))
+    with pytest.raises(ValueError):
+        host_copy(big, np.empty((3, 3), np.float32))

@@ -18,9 +18,15 @@ PARALLEL_MIN = 256 << 10
 
 def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | None = None,
               pin: bool | None = None) -> np.ndarray:
-    """``src`` (a host array) copied into ``dst`` (same shape and dtype; default a new array), split over the staging
-    threads (``threads``, default :data:`STAGING_THREADS`) where it is big and both are C-contiguous (numpy releases
-    the GIL for the copies; the calling thread copies the first part); returns ``dst``."""
+    """``src`` (a host numpy array) copied into ``dst`` (a writable host array of the same shape and dtype; default
+    a new array), split over the staging threads (``threads``, default ``ORTCAPTURE_STAGING_THREADS``) where it is
+    over 1 MiB and both are C-contiguous (numpy releases the GIL for the copies; the calling thread copies the first
+    part and any part no worker has started); done when it returns; returns ``dst``. Raises ``ValueError`` (shapes
+    that differ) or ``TypeError`` as ``np.copyto`` does, before any thread starts; a ``dtype`` that differs is cast by
+    ``np.copyto``, in this thread."""
+    if dst is not None and (dst.shape != src.shape or dst.dtype != src.dtype):
+        np.copyto(dst, src)
+        return dst
     if dst is None:
         dst = np.empty_like(src)
     n = src.nbytes

@@ -25,6 +25,7 @@ import numpy as np
 
 from ortcapture.serving.cuda_shm import DeviceRows
 from ortcapture.serving.requests import take
+from ortcapture.transfer import host_copy, pin_host_memory
 
 
 def mergeable(input_names: Sequence[str], batch_axes: Mapping[str, int]) -> bool:
@@ -92,8 +93,14 @@ def iter_merged_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], ma
                 parts = [runs[i][0][name] for i in members]
                 shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
                 dst = into(name, shape, np.result_type(*parts)) if into is not None else None
-                joined[name] = np.concatenate(parts, axis=0, out=dst) if dst is not None else np.concatenate(
-                    parts, axis=0)
+                if dst is None:
+                    joined[name] = np.concatenate(parts, axis=0)
+                    continue
+                at = 0
+                for part in parts:  # each over 1 MiB split over the staging threads (the replay thread's time)
+                    host_copy(part, dst[at:at + part.shape[0]])
+                    at += part.shape[0]
+                joined[name] = dst
         yield members, joined, [int(r) for i in members for r in runs[i][1]]
 
 
@@ -124,8 +131,6 @@ class MergeScratch:
             buf = np.empty(n, np.uint8)
             pin = None
             if self.pin:
-                from ortcapture._transfer.pinned_host import pin_host_memory
-
                 try:
                     pin = pin_host_memory(buf)
                 except (RuntimeError, ValueError) as exc:  # not lockable here: joined into new arrays from now on
