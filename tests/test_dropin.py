@@ -57,6 +57,28 @@ def test_patched_runs_beyond_max_graphs_run_uncaptured_with_one_warning(provider
     assert sess.stats == {"captured": 1, "replayed": 1, "uncaptured": 3}
 
 
+@pytest.mark.parametrize("bad", ["float64", "rank3"])
+def test_a_feed_ort_refuses_gets_orts_error_without_a_capture_or_a_warning(provider, rng, bad):
+    """A fresh user's report: a wrong-dtype feed warned 'inputs of shapes ... run uncaptured' (a capture tried on
+    it and its shape refused) before ORT raised anyway. Now ORT's own error comes first, alone, and the same shape
+    fed right afterwards is captured."""
+    model = tiny.dynamic_model()
+    x = rng.random((2, 4), np.float32)
+    feed = {"float64": x.astype(np.float64), "rank3": x[None]}[bad]
+    plain = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception) as want:
+        plain.run(None, {"X": feed})
+    with ortcapture.patched(provider):
+        sess = ort.InferenceSession(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(type(want.value)):
+                sess.run(None, {"X": feed})
+            np.testing.assert_allclose(sess.run(None, {"X": x})[0], plain.run(None, {"X": x})[0], rtol=1e-5,
+                                       atol=1e-6)
+    assert sess.stats == {"captured": 1, "replayed": 1, "uncaptured": 1}
+
+
 def test_host_read_inputs_are_part_of_the_graph_key(provider, rng):
     """A Reshape's shape input is read on the host: a graph captured with one value must not replay another."""
     vi = helper.make_tensor_value_info

@@ -107,16 +107,20 @@ class AutoCaptureSession(InferenceSession):
         as ORT converts them (to the input's element type); ``None`` for anything else (numpy scalars, Python
         numbers, OrtValues, strings, ``None``...), which then goes to ORT's own run, so ORT's own result or error
         comes back (measured, ORT 1.32: ``np.float32(0.5)`` for a 0-d input raises ``RuntimeError: Unable to handle
-        object of type <class 'numpy.float32'>``)."""
+        object of type <class 'numpy.float32'>``), and for arrays ORT's run refuses (another element type, rank or
+        fixed dim: :meth:`ortcapture.transfer.InputSpec.problem`)."""
         if not isinstance(input_feed, Mapping):
             return None
         out = {}
         for name, v in input_feed.items():
+            spec = self._oc_input_specs.get(name)
             if type(v) is not np.ndarray:
-                spec = self._oc_input_specs.get(name)
                 v = from_list(spec, v) if isinstance(v, list) and spec is not None else None
                 if v is None:
                     return None
+            elif spec is not None and spec.problem(v.shape, v.dtype) is not None:
+                return None  # a feed ORT's run refuses (another element type, rank or fixed dim): its error, no
+                # capture tried and no "runs uncaptured" warning before it
             out[name] = v
         return out
 
