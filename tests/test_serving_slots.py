@@ -639,3 +639,23 @@ def test_host_copy_is_public_and_equal_to_copyto_for_every_size_and_layout():
     np.testing.assert_array_equal(host_copy(big, as64), big.astype(np.float64))
     with pytest.raises(ValueError):
         host_copy(big, np.empty((3, 3), np.float32))
+
+
+def test_big_pieces_are_placed_by_the_staging_threads_equal_to_a_concatenation():
+    """Slot.place splits copies over 1 MiB over the staging threads (host_copy): along the batched axis 0, one
+    piece alone, and another axis (numpy's concatenate) all read back equal."""
+    pool, reader = _pool(count=1, in_bytes=40 << 20), SlotReader()
+    try:
+        rng = np.random.default_rng(4)
+        a, b = (rng.standard_normal((n, 700, 1000)).astype(np.float32) for n in (2, 1))  # 5.6 and 2.8 MB
+        c = rng.standard_normal((3, 700, 1000)).astype(np.float32)
+        slot = asyncio.run(pool.acquire())
+        assert slot.place([[("x", [a, b], 0)], [("x", [c], 0)], [("x", [a[:, :300], a[:, 300:]], 1)]])
+        feeds = reader.inputs(slot.descriptor())
+        np.testing.assert_array_equal(feeds[0]["x"], np.concatenate([a, b]))
+        np.testing.assert_array_equal(feeds[1]["x"], c)
+        np.testing.assert_array_equal(feeds[2]["x"], a)
+        del feeds
+    finally:
+        reader.close()
+        pool.close()
