@@ -253,3 +253,19 @@ def test_stats_paired_overhead():
     assert pa["ortcapture_minus_raw_per_process_us"] == pytest.approx([3.0, 3.0])
     assert pa["ortcapture_minus_raw_us"] == pytest.approx(3.0)
     assert pa["raw_p50_us"] == pytest.approx(float(np.median(raw)))
+
+
+def test_bench_writability_check_keeps_links_and_existing_files(tmp_path, capsys):
+    """The --json/--plot check before the run never follows a link to make a file, never removes a link, and leaves
+    an existing file as it was (a review's report)."""
+    model = tmp_path / "affine.onnx"
+    model.write_bytes(tiny.affine_model())
+    target = tmp_path / "results" / "run.json"
+    target.parent.mkdir()
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    for out in (link, kept):  # exit 2 at the --plot check, after the --json one
+        assert main(["bench", str(model), "--json", str(out), "--plot", str(tmp_path / "x.txt")]) == 2
+    assert link.is_symlink() and not target.exists() and kept.read_text() == "old"

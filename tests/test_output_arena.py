@@ -318,3 +318,19 @@ def test_an_async_generators_block_closed_by_the_event_loop_ends_quietly():
 
     asyncio.run(main())
     assert errors == [] and arenas[0].take((1,), np.uint8) is None  # ended, and its buffer let go
+
+
+def test_a_middle_block_ending_first_leaves_the_innermost_open_block_current():
+    """Blocks D > E > F with E ending first (generators): F stays current (not D, whose buffer its owner may
+    rewrite), then D once F ends, then nothing once D ends."""
+    d_arena = OutputArena(bytearray(8192))
+    d, e, f = outputs_into(d_arena), outputs_into(bytearray(4096)), outputs_into(bytearray(4096))
+    d.__enter__()
+    e.__enter__()
+    f_arena = f.__enter__()
+    e.__exit__(None, None, None)
+    assert current() is f_arena
+    f.__exit__(None, None, None)
+    assert current() is d_arena
+    d.__exit__(None, None, None)
+    assert current() is None

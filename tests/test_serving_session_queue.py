@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("ray")
 from ortcapture.serving import session_replica  # noqa: E402
 from ortcapture.serving.slots import SlotReader  # noqa: E402
+from tests.test_staging import fake_pinned  # noqa: E402, F401 - the fixture
 
 
 class _Session:
@@ -270,3 +271,60 @@ def test_merged_runs_joined_into_the_scratch_answer_each_call_its_own_rows():
     asyncio.run(main())
     assert ms.merged_runs > 0 and ms._scratch.used > 0
     ms.core.session.run_on_replay_thread(lambda: None).result(timeout=10)
+
+
+def test_shutdown_closes_the_scratch_after_the_round_in_progress_and_a_closed_scratch_hands_out_nothing(fake_pinned):
+    """__del__ (Serve's shutdown, maybe with a round still running on the replay thread) closes the batch slots and
+    the merge scratch on the replay thread, after that round: the run's feed stays page-locked while it runs; a
+    closed scratch pins nothing again."""
+    from ortcapture._ort import sync
+    from ortcapture.serving.merge import MergeScratch
+
+    fake, _ = fake_pinned
+    started, go, seen = threading.Event(), threading.Event(), {}
+
+    class Slow(_Core):
+        def run_joined(self, feeds, rows, queued=(), isolate=True, prepare=None):
+            x = feeds["X"]
+            started.set()
+            go.wait(5)
+            seen["pinned"] = sync.owner_pinned(x.ctypes.data, x.nbytes)
+            return {"outputs": {"y": x * 2}, "axes": {"y": 0}}
+
+    ms = _replica(0.0)
+    ms.core = Slow(0.0)
+    ms._scratch = MergeScratch(pin=True, max_rows=8)
+    calls = [([({"X": np.full((2, 300), k, np.float32)}, [2])], [()], None) for k in range(2)]  # merged: scratch
+    fut = ms.core.session.run_on_replay_thread(ms._run_calls, calls)
+    assert started.wait(5)
+    closing = threading.Thread(target=ms.__del__)
+    closing.start()
+    time.sleep(0.2)
+    go.set()
+    fut.result(5)
+    closing.join(10)
+    assert seen["pinned"] and ms._scratch.closed and not sync.HOST_RANGES
+    registered = sum(c[0] == "register" for c in fake.calls)
+    assert ms._scratch("X", (4, 300), np.float32) is None
+    assert sum(c[0] == "register" for c in fake.calls) == registered
+
+
+def test_a_merged_run_whose_join_fails_fails_its_calls_only():
+    """An error joining one merged run (here the scratch raising) goes to that run's calls; the round goes on."""
+    class Failing:
+        def __call__(self, name, shape, dtype):
+            if shape[0] == 5:
+                raise MemoryError("no room for the scratch")
+            return None
+
+        def close(self):
+            pass
+
+    ms = _replica(0.0)
+    ms._scratch = Failing()
+    xs = [np.full((n, 3), k, np.float32) for k, n in enumerate((2, 3, 4, 4))]  # [2, 3] and [4, 4] merge
+    calls = [([({"X": x}, [x.shape[0]])], [()], None) for x in xs]
+    got = ms.core.session.run_on_replay_thread(ms._run_calls, calls).result(10)
+    assert isinstance(got[0], MemoryError) and isinstance(got[1], MemoryError)
+    for x, answer in zip(xs[2:], got[2:]):
+        np.testing.assert_array_equal(answer[0]["outputs"]["y"], 2 * x)

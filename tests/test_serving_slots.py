@@ -563,6 +563,7 @@ def test_merged_rows_are_joined_into_one_reused_buffer_per_input():
     np.testing.assert_array_equal(joined, np.concatenate([first[0][0]["x"], first[1][0]["x"]]))
     assert merged[1][1]["x"] is first[2][0]["x"] and scratch.used == 1  # alone: its own feeds
     address = joined.ctypes.data
+    assert address % 4096 == 0  # its own mapping: no page shared with other memory (page-locking takes pages)
     second = runs([1, 1])
     joined = merge_runs(second, 8, into=scratch)[0][1]["x"]
     assert joined.ctypes.data == address and joined.shape == (2, 3)  # the same memory again
@@ -639,6 +640,12 @@ def test_host_copy_is_public_and_equal_to_copyto_for_every_size_and_layout():
     np.testing.assert_array_equal(host_copy(big, as64), big.astype(np.float64))
     with pytest.raises(ValueError):
         host_copy(big, np.empty((3, 3), np.float32))
+    with pytest.raises(ValueError):  # no broadcasting: one row into three is refused
+        host_copy(np.ones((1, 4), np.float32), np.zeros((3, 4), np.float32))
+    a = np.arange(4 << 20, dtype=np.float32)
+    want = a[:-(1 << 18)].copy()
+    host_copy(a[:-(1 << 18)], a[1 << 18:], threads=4)  # overlapping: as np.copyto, right
+    np.testing.assert_array_equal(a[1 << 18:], want)
 
 
 def test_big_pieces_are_placed_by_the_staging_threads_equal_to_a_concatenation():

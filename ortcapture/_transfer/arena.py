@@ -98,9 +98,12 @@ class OutputArena:
 
 
 def current() -> OutputArena | None:
-    """The arena of the innermost :func:`outputs_into` block this thread and task entered, or ``None``."""
+    """The arena of the innermost :func:`outputs_into` block this thread and task entered that has not ended, or
+    ``None``."""
     held = _ARENA.get()
-    if held is None or held[0].token is None or held[1] != threading.get_ident() or held[2] is not _task():
+    while held is not None and held[0].token is None:  # ended (out of order, or in another context): its parent
+        held = held[0].parent
+    if held is None or held[1] != threading.get_ident() or held[2] is not _task():
         return None
     return held[0].arena
 
@@ -116,19 +119,24 @@ class _Block:
     """What :func:`outputs_into` returns: a context manager over one :class:`OutputArena`."""
 
     def __init__(self, arena: OutputArena, own: bool):
-        self.arena, self._own, self.token = arena, own, None
+        self.arena, self._own, self.token, self.parent = arena, own, None, None
 
     def __enter__(self) -> OutputArena:
         if self.token is not None:
             raise RuntimeError("outputs_into(): this block is entered already")
+        self.parent = _ARENA.get()  # what current() falls back to once this block ended
         self.token = _ARENA.set((self, threading.get_ident(), _task()))
         return self.arena
 
     def __exit__(self, *exc) -> None:
         token, self.token = self.token, None
         try:
-            _ARENA.reset(token)
-        except ValueError:  # ended in another context (a generator closed elsewhere): marked ended above
+            held = _ARENA.get()
+            if held is not None and held[0] is self:  # the innermost block: the variable back as it was
+                _ARENA.reset(token)
+            # else a block entered inside this one is still open (a generator's block ended out of order, or this
+            # is another context): the variable keeps it, and current() passes over this ended block to its parent
+        except ValueError:  # the token belongs to another context (an async generator closed by the event loop)
             pass
         finally:
             if self._own:

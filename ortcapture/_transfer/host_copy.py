@@ -21,10 +21,13 @@ def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | 
     """``src`` (a host numpy array) copied into ``dst`` (a writable host array of the same shape and dtype; default
     a new array), split over the staging threads (``threads``, default ``ORTCAPTURE_STAGING_THREADS``) where it is
     over 1 MiB and both are C-contiguous (numpy releases the GIL for the copies; the calling thread copies the first
-    part and any part no worker has started); done when it returns; returns ``dst``. Raises ``ValueError`` (shapes
-    that differ) or ``TypeError`` as ``np.copyto`` does, before any thread starts; a ``dtype`` that differs is cast by
-    ``np.copyto``, in this thread."""
-    if dst is not None and (dst.shape != src.shape or dst.dtype != src.dtype):
+    part and any part no worker has started); done when it returns; returns ``dst``. Raises ``ValueError`` for
+    shapes that differ (no broadcasting) and what ``np.copyto`` raises (a read-only ``dst``), before any copy; a
+    ``dtype`` that differs is cast by ``np.copyto`` (``same_kind``), and overlapping ``src`` and ``dst`` are copied by
+    it too, in this thread."""
+    if dst is not None and dst.shape != src.shape:
+        raise ValueError(f"host_copy: src of shape {src.shape} into dst of shape {dst.shape}")
+    if dst is not None and (dst.dtype != src.dtype or np.may_share_memory(src, dst)):
         np.copyto(dst, src)
         return dst
     if dst is None:
@@ -50,7 +53,8 @@ def host_copy(src: np.ndarray, dst: np.ndarray | None = None, *, threads: int | 
 
 def _fill(flat: np.ndarray, arr: np.ndarray, threads: int | None = None, pin: bool | None = None) -> None:
     """Copy ``arr``'s bytes into ``flat``, in chunks spread over the staging threads where there are several."""
-    host_copy(arr.reshape(-1).view(np.uint8), flat, threads=threads, pin=pin)
+    src = arr.reshape(-1).view(np.uint8)
+    host_copy(src, flat[:src.size], threads=threads, pin=pin)
 
 
 def _fill_and_send(flat: np.ndarray, arr: np.ndarray, hptr: int, dptr: int, n: int, stream,

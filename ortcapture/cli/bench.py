@@ -225,13 +225,16 @@ def _check_args(args) -> tuple[list[int], int]:
         if os.path.isdir(path) or not os.access(folder, os.W_OK) or (os.path.exists(path)
                                                                      and not os.access(path, os.W_OK)):
             raise BenchError(f"{flag} {path} is a directory or cannot be written")
-        existed = os.path.exists(path)
-        try:  # really opened for writing (os.access says yes to root for /proc and read-only mounts)
-            open(path, "ab").close()
+        try:  # really writable (os.access says yes to root under /proc and on read-only mounts): a new file is made
+            # and removed (O_EXCL: never through a link); an existing regular file is opened to append, untouched; a
+            # link, FIFO or device is left to the final write
+            if not os.path.lexists(path):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                os.remove(path)
+            elif os.path.isfile(path) and not os.path.islink(path):
+                open(path, "ab").close()
         except OSError as exc:
             raise BenchError(f"{flag} {path} cannot be written: {exc.strerror}") from None
-        if not existed:
-            os.remove(path)
     if args.plot and not args.plot.lower().endswith(".png"):
         raise BenchError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}")
     if args.plot:

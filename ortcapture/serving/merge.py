@@ -19,6 +19,7 @@ second copy were a third of the replay thread's busy time).
 from __future__ import annotations
 
 import math
+import mmap
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -68,7 +69,8 @@ def iter_merged_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], ma
     ``name``'s joined host rows are written (an array of exactly that shape and dtype, e.g. a :class:`MergeScratch`
     view that the next merged run overwrites), or ``None`` for a new array — so finish with each merged run, the
     copies from its feeds included, before taking the next (the session replica does: one run at a time on its
-    replay thread, finished when its run returns)."""
+    replay thread, finished when its run returns). A merged run whose join raised comes as ``(members, exception,
+    rows)``: its calls get that exception, the next merged runs are still joined."""
     groups: list[list[int]] = []
     used, last = 0, None
     for i, (feeds, rows) in enumerate(runs):
@@ -85,50 +87,69 @@ def iter_merged_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], ma
             feeds, rows = runs[members[0]]
             yield members, dict(feeds), [int(r) for r in rows]
             continue
-        joined = {}
-        for name, v in runs[members[0]][0].items():
-            if isinstance(v, DeviceRows):
-                joined[name] = DeviceRows.of([p for i in members for p in runs[i][0][name].parts])
-            else:
-                parts = [runs[i][0][name] for i in members]
-                shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-                dst = into(name, shape, np.result_type(*parts)) if into is not None else None
-                if dst is None:
-                    joined[name] = np.concatenate(parts, axis=0)
-                    continue
-                at = 0
-                for part in parts:  # each over 1 MiB split over the staging threads (the replay thread's time)
-                    host_copy(part, dst[at:at + part.shape[0]])
-                    at += part.shape[0]
-                joined[name] = dst
-        yield members, joined, [int(r) for i in members for r in runs[i][1]]
+        rows = [int(r) for i in members for r in runs[i][1]]
+        try:
+            joined = _join(runs, members, into)
+        except Exception as exc:  # noqa: BLE001 - this merged run's calls get it, the round goes on
+            yield members, exc, rows
+            continue
+        yield members, joined, rows
+
+
+def _join(runs, members: list[int], into) -> dict[str, Any]:
+    """The feeds of the runs ``members`` joined along axis 0 (see :func:`iter_merged_runs`)."""
+    joined = {}
+    for name, v in runs[members[0]][0].items():
+        if isinstance(v, DeviceRows):
+            joined[name] = DeviceRows.of([p for i in members for p in runs[i][0][name].parts])
+            continue
+        parts = [runs[i][0][name] for i in members]
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        same = all(p.ndim == len(shape) and p.shape[1:] == shape[1:] for p in parts)
+        dst = into(name, shape, np.result_type(*parts)) if into is not None and same else None
+        if dst is None:  # numpy's own join (and its error for rows that do not agree)
+            joined[name] = np.concatenate(parts, axis=0)
+            continue
+        at = 0
+        for part in parts:  # each over 1 MiB split over the staging threads (the replay thread's time)
+            host_copy(part, dst[at:at + part.shape[0]])
+            at += part.shape[0]
+        joined[name] = dst
+    return joined
 
 
 class MergeScratch:
-    """The buffers :func:`iter_merged_runs` joins host rows into (its ``into``): one per input, grown to the largest
-    merged run seen and reused by every later one. With ``pin`` (the session replica on CUDA, where it page-locks the
-    batch slots too) each is page-locked (:func:`ortcapture.transfer.pin_host_memory`), so a merged run's rows reach
-    the graph's input buffer with one DMA; a buffer the driver will not lock is not used (``error`` says why, the
-    rows are joined into a new array as without a scratch). Only for one thread at a time (the replay thread); an
-    array it handed out is overwritten by the next merged run of its input. :meth:`close` unpins and drops them."""
+    """The buffers :func:`iter_merged_runs` joins host rows into (its ``into``): one per input, made for ``max_rows``
+    rows on first use (grown if a later run's other dims need more) and reused by every later merged run. Each is its
+    own anonymous memory mapping (page-aligned: no page shared with other memory). With ``pin`` (the session replica
+    on CUDA, where it page-locks the batch slots too) each is page-locked (:func:`ortcapture.transfer.
+    pin_host_memory`), so a merged run's rows reach the graph's input buffer with one DMA; when the driver will not
+    lock one, the scratch turns off (``error`` says why; rows are joined into new arrays as without it). For one
+    thread at a time (the replay thread): an array it handed out is overwritten by the next merged run of its input.
+    :meth:`close` (on that thread, between runs) unpins and drops them; after it, nothing is handed out."""
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, pin: bool, max_rows: int = 1) -> None:
         self.pin = pin
+        self.max_rows = max(1, int(max_rows))
         self._bufs: dict[str, tuple[np.ndarray, Any]] = {}
         #: why page-locking a buffer failed (the scratch is then off), or ``None``
         self.error: str | None = None
         #: merged inputs joined here
         self.used = 0
+        #: :meth:`close` ran
+        self.closed = False
 
     def __call__(self, name: str, shape: tuple, dtype) -> np.ndarray | None:
         dtype = np.dtype(dtype)
         n = math.prod(shape) * dtype.itemsize
-        if self.error is not None or n == 0:
+        if self.closed or self.error is not None or n == 0:
             return None
         held = self._bufs.get(name)
         if held is None or held[0].nbytes < n:
             self._drop(name)
-            buf = np.empty(n, np.uint8)
+            row = n // max(1, int(shape[0])) if shape else n
+            size = -(-max(n, row * self.max_rows) // mmap.PAGESIZE) * mmap.PAGESIZE
+            buf = np.frombuffer(mmap.mmap(-1, size), np.uint8)  # unmapped when the last array of it is gone
             pin = None
             if self.pin:
                 try:
@@ -147,7 +168,9 @@ class MergeScratch:
         self._bufs.pop(name, None)
 
     def close(self) -> None:
-        """Unpin and drop every buffer (each one whose unpinning fails is kept, and the first error raised)."""
+        """Unpin and drop every buffer; hand out nothing from now on (each buffer whose unpinning fails is kept, and
+        the first error raised). Call it where no run reads from them (the replay thread, between runs)."""
+        self.closed = True
         first = None
         for name in list(self._bufs):
             try:

@@ -42,6 +42,10 @@ from ortcapture.serving.cuda_shm import DeviceRows
 from ortcapture.serving.requests import take
 from ortcapture.serving.shm import ShmError
 
+#: seconds a shutting-down replica waits for its replay thread's round in progress before closing the host memory
+#: the round reads from (batch slots, the merge scratch)
+CLOSE_WAIT_S = 30.0
+
 
 class ModelSession:
     """The ``ModelSession`` deployment's class (see the module docstring).
@@ -76,8 +80,6 @@ class ModelSession:
         # input from the slot into the graph's buffer)
         pin = provider == "cuda" and pinning_in_place()
         self._slot_reader = SlotReader(pin=pin)
-        # merged runs' host rows joined into reused buffers, page-locked where the slots are (one DMA to the graph)
-        self._scratch = MergeScratch(pin=pin) if self._on_replay_thread else None
         # the clients' CUDA regions this replica opened (ortcapture.serving.cuda_ipc; CUDA only)
         self._ipc = IpcMemory() if provider == "cuda" else None
         self._registry = None  # the shared memory registry (which of them are still registered), on first use
@@ -95,6 +97,8 @@ class ModelSession:
         self._mergeable = mergeable([t.name for t in spec.inputs], spec.batch_axes)
         # merged runs stay within a captured bucket (a run past the largest one would run uncaptured)
         self._merge_rows = min(options.max_batch_size, max(options.buckets))
+        # merged runs' host rows joined into reused buffers, page-locked where the slots are (one DMA to the graph)
+        self._scratch = MergeScratch(pin=pin, max_rows=self._merge_rows) if self._on_replay_thread else None
         self._stats = None
         self._metrics = _Metrics(options.name)
         self._metrics.graphs(self.core)
@@ -233,6 +237,8 @@ class ModelSession:
                 finish(c)
         for members, feeds, rows in merged:
             try:
+                if isinstance(feeds, Exception):  # joining this merged run failed (iter_merged_runs)
+                    raise feeds
                 queued = [t for i in members for t in flat[i][2]]
                 device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
                 arena = self._output_arena(calls, flat, members, alive)
@@ -377,12 +383,12 @@ class ModelSession:
             await asyncio.get_running_loop().run_in_executor(None, self.core.check_health)
 
     async def _push_report(self) -> None:
+        if self._on_replay_thread and self._slot_reader.drop_due():  # an idle replica drops gone tiers' pools too
+            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._slot_reader.drop_stale))
         if self._stats is None:
             self._stats = ray_serve.get_deployment_handle(STATS_DEPLOYMENT, self._app)
         await self._stats.report.remote(self.replica_id, self._report())
         self._metrics.graphs(self.core)
-        if self._on_replay_thread and self._slot_reader.drop_due():  # an idle replica drops gone tiers' pools too
-            await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._slot_reader.drop_stale))
         if self._ipc is not None and self._ipc.names():  # close the handles of CUDA regions unregistered since
             from ortcapture.serving.shm_store import ActorRegistry
 
@@ -392,6 +398,13 @@ class ModelSession:
             # on the replay thread, which gathers from them: never closed under a copy in progress
             await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._ipc.forget, live))
 
+    def _close_host_memory(self) -> None:
+        """Close the batch slots' mappings and the merge scratch (on the replay thread, between runs)."""
+        for part in ("_slot_reader", "_scratch"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                obj.close()
+
     def __del__(self):
         """Graceful shutdown (Serve calls this after requests in flight finished): release the graphs."""
         reporter = getattr(self, "_reporter", None)
@@ -400,6 +413,15 @@ class ModelSession:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
+        # the host memory the replay thread reads from (batch slots, the merge scratch) closed on that thread, after
+        # the round in progress: never unpinned or unmapped under a run
+        core = getattr(self, "core", None)
+        session = getattr(core, "session", None)
+        if getattr(self, "_on_replay_thread", False) and session is not None:
+            try:
+                session.run_on_replay_thread(self._close_host_memory).result(timeout=CLOSE_WAIT_S)
+            except Exception:  # noqa: BLE001 - the replay thread is gone or stuck: closed below, here
+                pass
         # each part closed even when one before it raised (the first error is raised after the last part)
         first = None
         for part in ("core", "_slot_reader", "_scratch", "_ipc"):
