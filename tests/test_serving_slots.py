@@ -453,6 +453,7 @@ def test_a_failed_unpin_really_is_tried_again_and_the_pool_stays_mapped_until_th
 def test_one_part_failing_to_close_leaves_the_others_closed():
     """SlotReader.close() goes on past a pin that fails to close (keeping it and its mapping), and the session
     replica's shutdown closes its other parts (the CUDA IPC handles) before raising the first error."""
+    pytest.importorskip("ray", reason="the session replica imports Ray (ortcapture[serve])")
     from ortcapture.serving.session_replica import ModelSession
 
     closed = []
@@ -490,6 +491,7 @@ def test_one_part_failing_to_close_leaves_the_others_closed():
 def test_an_idle_session_replica_drops_gone_pools_on_its_replay_thread():
     """With no batch arriving (a tier replica scaled down), the once-a-second report still runs drop_stale when
     it is due, on the replay thread (where no run reads from a pool)."""
+    pytest.importorskip("ray", reason="the session replica imports Ray (ortcapture[serve])")
     import concurrent.futures
     import threading
 
