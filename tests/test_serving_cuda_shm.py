@@ -449,6 +449,7 @@ def _device_replica(mem, healthy: bool = True, ipc=None):
     from ortcapture.serving.slots import SlotReader
 
     ms._slot_reader = SlotReader()  # as every session replica has (no batch slots in these calls)
+    ms._scratch = None  # a session replica off its replay thread: merged rows joined into new arrays
     return ms
 
 

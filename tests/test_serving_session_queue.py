@@ -65,7 +65,7 @@ class _Options:
 def _replica(run_s: float):
     ms = session_replica.ModelSession.__new__(session_replica.ModelSession)
     ms.core, ms.options, ms._on_replay_thread, ms._pool = _Core(run_s), _Options(), True, None
-    ms._reporter, ms._metrics, ms._slot_reader = _Nothing(), _Nothing(), SlotReader()
+    ms._reporter, ms._metrics, ms._slot_reader, ms._scratch = _Nothing(), _Nothing(), SlotReader(), None
     ms._queue, ms._queue_lock, ms._draining = collections.deque(), threading.Lock(), False
     ms.merged_runs, ms._mergeable, ms._merge_rows, ms._loop = 0, True, 8, None
     ms._timing = {"calls": 0, "call_ns": 0, "wait_ns": 0}

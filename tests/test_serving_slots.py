@@ -644,6 +644,12 @@ def test_host_copy_is_public_and_equal_to_copyto_for_every_size_and_layout():
         host_copy(big, np.empty((3, 3), np.float32))
     with pytest.raises(ValueError):  # no broadcasting: one row into three is refused
         host_copy(np.ones((1, 4), np.float32), np.zeros((3, 4), np.float32))
+    from ortcapture.serving.requests import join_into
+
+    with pytest.raises(ValueError):  # joined rows that do not fill the destination
+        join_into([np.ones((1, 4), np.float32)] * 2, 0, np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError):  # or whose other dims differ from it
+        join_into([np.ones((1, 5), np.float32)] * 3, 0, np.zeros((3, 4), np.float32))
     a = np.arange(4 << 20, dtype=np.float32)
     want = a[:-(1 << 18)].copy()
     host_copy(a[:-(1 << 18)], a[1 << 18:], threads=4)  # overlapping: as np.copyto, right

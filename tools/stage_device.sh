@@ -15,11 +15,9 @@ py=${PYTHON:-.venv/bin/python}
 ORTCAPTURE_CACHE="$root/.models" "$py" -c "from ortcapture.cli import models; models.reference_model(); models.sequence_model()"
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 part=$(( (60 << 20) - tree ))  # room left in a 64 MiB call, 4 MiB spare
-rm -rf .gpu/z[0-9]* .gpu/ztmp && mkdir -p .gpu/ztmp
-tar -cf - .gpu/x[0-9]* .gpu/s[0-9]* .models | split -b "$part" -d -a 1 - .gpu/ztmp/all.tar.part
-n=0
-for f in .gpu/ztmp/all.tar.part*; do mkdir -p ".gpu/z$n" && mv "$f" ".gpu/z$n/"; n=$((n + 1)); done
-rmdir .gpu/ztmp
+source tools/split_parts.sh
+split_parts "$part" .gpu/z all.tar < <(tar -cf - .gpu/x[0-9]* .gpu/s[0-9]* .models)
+n=$PARTS
 git rev-parse --short HEAD > .gpu/commit.txt
 echo "staged in $n parts (.gpu/z0 .. .gpu/z$((n - 1))), $((part >> 20)) MiB each at most:"
 du -sh .gpu/z[0-9]* | sed 's/^/  /'

@@ -24,11 +24,9 @@ if [ ! -s "$tar" ]; then
   tar -C "$tmp/site" -cf - . | xz -9 -T0 > "$tar.tmp" && mv "$tar.tmp" "$tar"
   rm -rf "$tmp"
 fi
-rm -rf .gpu/x[0-9]* .gpu/xt && mkdir -p .gpu/xt
-split -b 58M -d "$tar" .gpu/xt/ort.tar.xz.part
-n=0
-for part in .gpu/xt/ort.tar.xz.part*; do mkdir -p ".gpu/x$n"; mv "$part" ".gpu/x$n/"; n=$((n + 1)); done
-rmdir .gpu/xt
+source tools/split_parts.sh
+split_parts 58M .gpu/x ort.tar.xz < "$tar"
+n=$PARTS
 echo "onnxruntime-gpu $ver as $n parts (.gpu/x0 .. .gpu/x$((n - 1))):"
 du -sh .gpu/x[0-9]* | sed 's/^/  /'
 for i in $(seq 0 $((n - 1))); do

@@ -107,20 +107,16 @@ class AutoCaptureSession(InferenceSession):
         as ORT converts them (to the input's element type); ``None`` for anything else (numpy scalars, Python
         numbers, OrtValues, strings, ``None``...), which then goes to ORT's own run, so ORT's own result or error
         comes back (measured, ORT 1.32: ``np.float32(0.5)`` for a 0-d input raises ``RuntimeError: Unable to handle
-        object of type <class 'numpy.float32'>``), and for arrays ORT's run refuses (another element type, rank or
-        fixed dim: :meth:`ortcapture.transfer.InputSpec.problem`)."""
+        object of type <class 'numpy.float32'>``)."""
         if not isinstance(input_feed, Mapping):
             return None
         out = {}
         for name, v in input_feed.items():
-            spec = self._oc_input_specs.get(name)
             if type(v) is not np.ndarray:
+                spec = self._oc_input_specs.get(name)
                 v = from_list(spec, v) if isinstance(v, list) and spec is not None else None
                 if v is None:
                     return None
-            elif spec is not None and spec.problem(v.shape, v.dtype) is not None:
-                return None  # a feed ORT's run refuses (another element type, rank or fixed dim): its error, no
-                # capture tried and no "runs uncaptured" warning before it
             out[name] = v
         return out
 
@@ -177,6 +173,10 @@ class AutoCaptureSession(InferenceSession):
             if known is not None:
                 return None if isinstance(known, Refused) else known
             graphs.prune(_released)  # released from outside: no place held under max_graphs
+            specs = self._oc_input_specs
+            if any(n in specs and specs[n].problem(feeds[n].shape, feeds[n].dtype) for n in names):
+                return None  # a feed ORT's run refuses (another element type, rank or fixed dim): ORT's own error,
+                # with no capture tried, no "runs uncaptured" warning before it and no refused key left behind
             if not graphs.admits():
                 self._oc_warn("max_graphs", f"more than max_graphs={self._oc_defaults['max_graphs']} distinct input "
                                             "shapes: the others run uncaptured")

@@ -11,10 +11,10 @@ Runs are merged only when every model input carries the batched dim on axis 0 (:
 checked runs agree on every other dim and can share a replay. A model with an input that is one value per run
 (no batched dim) keeps its runs apart. Rows in CUDA shared memory (:class:`~ortcapture.serving.cuda_shm.DeviceRows`)
 merge with rows in CUDA shared memory: their references are listed one after another (the session replica gathers
-them on the device), never copied here. Host rows are joined into a :class:`MergeScratch` when one is given (:func:`iter_merged_runs`): one
-buffer per input, reused run after run and, on CUDA, page-locked, so the joined rows go to the graph's input buffer
-with one DMA instead of a second host copy into the graph's staging (measured on an H100, 32 clients: joining and that
-second copy were a third of the replay thread's busy time).
+them on the device), never copied here. Host rows are joined into a :class:`MergeScratch` when one is given
+(:func:`iter_merged_runs`): one buffer per input, reused run after run and, on CUDA, page-locked, so the joined rows
+go to the graph's input buffer with one DMA instead of a second host copy into the graph's staging (measured on an
+H100, 32 clients: joining and that second copy were a third of the replay thread's busy time).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ortcapture.serving.cuda_shm import DeviceRows
-from ortcapture.serving.requests import take
-from ortcapture.transfer import host_copy, pin_host_memory
+from ortcapture.serving.requests import join_into, take
+from ortcapture.transfer import pin_host_memory
 
 
 def mergeable(input_names: Sequence[str], batch_axes: Mapping[str, int]) -> bool:
@@ -104,17 +104,10 @@ def _join(runs, members: list[int], into) -> dict[str, Any]:
             joined[name] = DeviceRows.of([p for i in members for p in runs[i][0][name].parts])
             continue
         parts = [runs[i][0][name] for i in members]
-        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-        same = all(p.ndim == len(shape) and p.shape[1:] == shape[1:] for p in parts)
-        dst = into(name, shape, np.result_type(*parts)) if into is not None and same else None
-        if dst is None:  # numpy's own join (and its error for rows that do not agree)
-            joined[name] = np.concatenate(parts, axis=0)
-            continue
-        at = 0
-        for part in parts:  # each over 1 MiB split over the staging threads (the replay thread's time)
-            host_copy(part, dst[at:at + part.shape[0]])
-            at += part.shape[0]
-        joined[name] = dst
+        dst = into(name, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), np.result_type(*parts)) \
+            if into is not None else None
+        # the staging threads' copies (the replay thread's time), or numpy's own join
+        joined[name] = join_into(parts, 0, dst) if dst is not None else np.concatenate(parts, axis=0)
     return joined
 
 

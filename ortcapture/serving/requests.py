@@ -21,7 +21,7 @@ import numpy as np
 
 from ortcapture.errors import TransferError
 from ortcapture.serving.cuda_shm import DeviceRows, DeviceTensor
-from ortcapture.transfer import check_feeds, input_specs
+from ortcapture.transfer import check_feeds, host_copy, input_specs
 
 
 class RequestError(ValueError):
@@ -177,6 +177,22 @@ def join(requests: Sequence[Mapping[str, np.ndarray]], chunk: Sequence[tuple[int
     return {name: DeviceRows.of(parts) if isinstance(parts[0], tuple) else
             parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
             for name, parts, axis in pieces(requests, chunk, names, input_axes)}
+
+
+def join_into(parts: Sequence[np.ndarray], axis: int, out: np.ndarray) -> np.ndarray:
+    """``np.concatenate(parts, axis, out=out)``; along axis 0 each part is one block of ``out``, copied with
+    :func:`ortcapture.transfer.host_copy` (big ones split over the staging threads: the batching tier's event loop
+    and the session replica's replay thread wait a third as long). Raises ``ValueError`` where the parts do not
+    fill ``out`` exactly (no broadcasting)."""
+    if axis != 0:
+        return np.concatenate(parts, axis=axis, out=out)
+    at = 0
+    for part in parts:
+        host_copy(part, out[at:at + part.shape[0]])
+        at += part.shape[0]
+    if at != out.shape[0]:
+        raise ValueError(f"join_into: {at} rows for {out.shape[0]}")
+    return out
 
 
 def on_device(request: Mapping[str, Any]) -> bool:

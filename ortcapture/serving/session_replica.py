@@ -215,7 +215,7 @@ class ModelSession:
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
         # joined one at a time, each right before its run (the scratch holds one merged run's rows per input)
         merged = iter_merged_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable,
-                                  into=getattr(self, "_scratch", None))
+                                  into=self._scratch)
         answers: list[list] = [[] for _ in calls]
         failed: list = [None] * len(calls)
         left = [0] * len(calls)
@@ -362,9 +362,9 @@ class ModelSession:
         (``slot_pools_dropped``, :meth:`ortcapture.serving.slots.SlotReader.drop_stale`), the merged inputs joined
         into the reused (on CUDA page-locked) buffers of :class:`~ortcapture.serving.merge.MergeScratch`
         (``merge_scratch_used``; ``merge_scratch_error``: why page-locking one failed, which turns them off), and
-        where the batches'
-        time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from arrival to answer,
-        ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU provider: 0)."""
+        where the batches' time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from
+        arrival to answer, ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU
+        provider: 0)."""
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
                 "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
                 "slot_outputs_in_place": self._slot_reader.in_place, "slot_pools_dropped": self._slot_reader.dropped,

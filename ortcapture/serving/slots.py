@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ortcapture.serving.requests import join_into
 from ortcapture.transfer import host_copy
 
 #: byte alignment of every array in a slot (page-locking and DMA prefer it)
@@ -114,17 +115,11 @@ class Slot:
             placed = []
             for name, pieces, axis, shape, dtype, off in entries:
                 view = _view(buf, self.offset + off, shape, dtype)
-                # big copies split over the staging threads (ortcapture.transfer.host_copy): the tier's event loop
-                # thread, which bounds a tier replica, waits a third as long
+                # big copies split over the staging threads: the tier's event loop, which bounds a tier replica
                 if axis is None or len(pieces) == 1:
                     host_copy(pieces[0], view)
-                elif axis == 0:
-                    at = 0
-                    for piece in pieces:
-                        host_copy(piece, view[at:at + piece.shape[0]])
-                        at += piece.shape[0]
                 else:
-                    np.concatenate(pieces, axis=axis, out=view)
+                    join_into(pieces, axis, view)
                 placed.append((name, self.offset + off, shape, dtype.str))
             self._placed.append(placed)
         return True

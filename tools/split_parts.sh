@@ -1,0 +1,11 @@
+# Sourced by the staging scripts (tools/stage_ort_xz.sh, tools/stage_device.sh): cut a stream into parts that each
+# fit one device call. split_parts SIZE PREFIX NAME < stream: PREFIX0, PREFIX1, ... each holding one NAME.partNN;
+# sets PARTS to their count.
+split_parts() {
+  local size=$1 prefix=$2 name=$3 tmp="${2}tmp" f
+  rm -rf "$prefix"[0-9]* "$tmp" && mkdir -p "$tmp"
+  split -b "$size" -d - "$tmp/$name.part"
+  PARTS=0
+  for f in "$tmp/$name".part*; do mkdir -p "$prefix$PARTS" && mv "$f" "$prefix$PARTS/"; PARTS=$((PARTS + 1)); done
+  rmdir "$tmp"
+}
