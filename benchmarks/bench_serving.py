@@ -3,7 +3,10 @@
 YOLOv8n (nudenet 320n), clients in separate processes sending one image per request.
 
 Arms (server side; one Ray Serve application each, deployed in turn on one local Ray cluster):
-  noop1..noop8   a hand-written no-op deployment (answers zeros, runs no model) with 1/2/4/8 replicas: Ray's ceiling
+  noop1..noop8   a hand-written no-op deployment (answers an empty "outputs", runs no model) with 1/2/4/8 replicas:
+                 Ray's ceiling for the request alone
+  noop4-out      the no-op with 4 replicas answering zeros of the model's outputs' shapes (the reference
+                 model: 185 KB a row): Ray's ceiling for a request AND its answer, which every deployment sends back
   hand-buckets   hand-written (~30 lines, below): @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002), the
                  requests concatenated, one ortcapture.InferenceSession(buckets=[1,2,4,8]), rows sliced back
   hand-padded    the same with a plain onnxruntime.InferenceSession, every batch padded to 8 rows
@@ -72,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_use  # noqa: E402 - benchmarks/cpu_use.py, beside this file
 
 ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
+        "noop4-out": {"hand": "noop-out", "replicas": 4},
         "hand-buckets": {"hand": "buckets"}, "hand-padded": {"hand": "padded"},
         "product": {}, "product-2rep": {"replicas": 2, "gpus_per_replica": 0.5},
         # Ray Serve's throughput-optimised settings, in the replicas' runtime_env only (issue 44, item 3)
@@ -87,6 +91,8 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product-gil5": {"switch_interval_ms": 0}, "product-gil01": {"switch_interval_ms": 0.1},
         "product-t1": {"max_concurrent_batches": 1},
         "product-i2": {"ingress_replicas": 2}, "product-i2t1": {"ingress_replicas": 2, "max_concurrent_batches": 1},
+        # more batching-tier replicas than the default's 4 (each used ~1 core at 32 clients on the H100, 2026-12-07)
+        "product-i6": {"ingress_replicas": 6}, "product-i8": {"ingress_replicas": 8},
         "product-noslots": {"batch_slots": False},
         # the session replica's host copies under load (issue 44, item 4: its batch-8 run 1.8x a plain process's):
         # one staging thread (the replay thread copies alone), or the staging threads pinned to CPUs
@@ -188,7 +194,24 @@ def _user_deployments():
         async def infer(self, request: dict) -> dict:
             return {"outputs": {}}
 
-    return {"buckets": UserBuckets, "padded": UserPadded, "noop": UserNoop}
+    class UserNoopOut:
+        def __init__(self, model, provider, dims, input_name):
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            for name, size in dims.items():
+                so.add_free_dimension_override_by_name(name, size)
+            cpu = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+            shape = [1, *(d if isinstance(d, int) else dims.get(d, 1) for d in cpu.get_inputs()[0].shape[1:])]
+            row = cpu.run(None, {input_name: np.zeros(shape, np.float32)})  # one row's outputs: their shapes
+            self.zeros = {o.name: np.zeros((8, *v.shape[1:]), v.dtype) for o, v in zip(cpu.get_outputs(), row)}
+            self.input = input_name
+
+        async def infer(self, request: dict) -> dict:
+            n = request[self.input].shape[0]
+            return {"outputs": {k: v[:n] for k, v in self.zeros.items()}}
+
+    return {"buckets": UserBuckets, "padded": UserPadded, "noop": UserNoop, "noop-out": UserNoopOut}
 
 
 def _images(shape, n=4):
@@ -602,7 +625,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             if hand:  # what a user writes instead: one deployment named Model, handle only
-                gpus = 1 if args.provider == "cuda" and hand != "noop" else 0
+                gpus = 1 if args.provider == "cuda" and not hand.startswith("noop") else 0
                 dep = deployment.ray_serve.deployment(user[hand], name="Model", num_replicas=spec.get("replicas", 1),
                                                       max_ongoing_requests=64,
                                                       ray_actor_options={"num_gpus": gpus, "num_cpus": 1})
@@ -634,7 +657,7 @@ def main() -> int:
                     for (p, conn), n in zip(clients, per):
                         target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm", "cudashm") else url
                         conn.send(("http" if path == "http-stalled" else path, app, target, n, args.seconds,
-                                   args.warm, hand != "noop"))
+                                   args.warm, not (hand or "").startswith("noop")))
                     time.sleep(args.warm)  # the clients' measured window starts: where the CPU time goes in it
                     cpu0 = cpu_use.sample(named)
                     spy = None
@@ -654,7 +677,7 @@ def main() -> int:
                        "requests": int(lat.size), "images_per_s": round(lat.size / args.seconds, 1),
                        "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3) if lat.size else None,
                        "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3) if lat.size else None,
-                       "wrong": sum(o["wrong"] for o in outs) if hand != "noop" else None, "errors": sum(o["n_errors"] for o in outs),
+                       "wrong": sum(o["wrong"] for o in outs) if not (hand or "").startswith("noop") else None, "errors": sum(o["n_errors"] for o in outs),
                        "error_sample": [e for o in outs for e in o["errors"]][:3],
                        "batch_histogram": _diff(_histogram(after), _histogram(before)),
                        "session": _where(after, before) if url else None,
