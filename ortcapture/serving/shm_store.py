@@ -132,11 +132,15 @@ class ActorRegistry:
 class ShmStore:
     """System shared memory for one ingress replica: the ``registry`` (:class:`LocalRegistry` or
     :class:`ActorRegistry`) and this process's mappings. ``allow_remote``: registration from a client that is not
-    on loopback is allowed too."""
+    on loopback is allowed too. ``peers_known``: whether a client's address is its own — not so behind Ray Serve's
+    HAProxy ingress on a server that listens beyond loopback (every request then comes from HAProxy's address, which
+    is 127.0.0.1 on a loopback cluster), so registration is refused there unless ``allow_remote``."""
 
-    def __init__(self, registry, *, allow_remote: bool = False, cuda_open=None, provider: str = "cuda"):
+    def __init__(self, registry, *, allow_remote: bool = False, cuda_open=None, provider: str = "cuda",
+                 peers_known: bool = True):
         self.registry = registry
         self.allow_remote = allow_remote
+        self.peers_known = peers_known
         self.maps = Maps()
         #: CUDA shared memory: ``async (Region) -> None`` that has a session replica open the region (raising
         #: :class:`ShmError` when it cannot), or ``None``: refused (the server does not run on CUDA: ``provider``)
@@ -144,12 +148,23 @@ class ShmStore:
         self.provider = provider
 
     # -- the extension's operations (HTTP and gRPC share them) --------------------------------------------------
+    def _check_peer(self, peer: str | None) -> None:
+        """Registration is for clients on this machine: :class:`ShmError` unless ``allow_remote``, for a ``peer``
+        not on loopback, or for any peer when :attr:`peers_known` is false."""
+        if self.allow_remote:
+            return
+        if not self.peers_known:
+            raise ShmError("shared memory registration is only for clients on this machine, and behind Ray Serve's "
+                           "HAProxy ingress on a server that listens beyond loopback a request carries HAProxy's "
+                           "address, not the client's (the server's --allow-remote-shared-memory lifts this)")
+        if not shm.is_loopback(peer):
+            raise ShmError(f"shared memory registration is only for clients on this machine (loopback); "
+                           f"{str(peer)[:60]} is not (the server's --allow-remote-shared-memory lifts this)")
+
     async def register(self, name, key, offset, byte_size, peer: str | None) -> Region:
         """Register region ``name`` for a client at ``peer``; :class:`ShmError` for a refusal (a remote client,
         a bad key/offset/size, an object smaller than offset + byte_size, a name registered already)."""
-        if not self.allow_remote and not shm.is_loopback(peer):
-            raise ShmError(f"shared memory registration is only for clients on this machine (loopback); "
-                           f"{str(peer)[:60]} is not (the server's --allow-remote-shared-memory lifts this)")
+        self._check_peer(peer)
         probe = Regions().register(name, key, offset, byte_size)  # the same checks, before the object is opened
         shm.check_object(probe)
         region = await self.registry.register(name, key, offset, byte_size)
@@ -164,9 +179,7 @@ class ShmStore:
         if self.cuda_open is None:
             raise ShmError(f"CUDA shared memory needs the CUDA provider; this server runs {self.provider} (use "
                            "system shared memory: /v2/systemsharedmemory)")
-        if not self.allow_remote and not shm.is_loopback(peer):
-            raise ShmError(f"shared memory registration is only for clients on this machine (loopback); "
-                           f"{str(peer)[:60]} is not (the server's --allow-remote-shared-memory lifts this)")
+        self._check_peer(peer)
         handle = cuda_shm.check_register(name, raw_handle, device_id, byte_size)
         region = await self.registry.register_cuda(name, handle, device_id, byte_size)
         try:  # the registration itself (its generation) is opened: a replica keeps that handle open

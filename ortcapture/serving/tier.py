@@ -26,7 +26,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from ortcapture.serving.batcher import AdaptiveBatcher, Item
 from ortcapture.serving.bodies import BodyGate, read_body
-from ortcapture.serving.config import ServeOptions, model_layout
+from ortcapture.serving.config import ServeOptions, client_address_known, model_layout
 from ortcapture.serving.grpc_service import GrpcIngress
 from ortcapture.serving.ray_common import (SESSION_DEPLOYMENT, STATS_DEPLOYMENT, Reporter,
                                            keep_replica_grpc_on_loopback, quick_gil_handoff)
@@ -107,7 +107,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._reporter = Reporter(self._push_report)  # this replica's counters to ModelStats, every second
         # system shared memory: its registry one named actor per application (ortcapture.serving.shm_store)
         self.shm = ShmStore(ActorRegistry(f"{options.app_name}-shm"), allow_remote=options.allow_remote_shared_memory,
-                            cuda_open=self._cuda_open if provider == "cuda" else None, provider=provider)
+                            cuda_open=self._cuda_open if provider == "cuda" else None, provider=provider,
+                            peers_known=client_address_known(options))
         self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
                              token=options.token, ingress_stats=self._ingress_stats, shm=self.shm)
 
