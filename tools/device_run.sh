@@ -4,7 +4,8 @@
 # the GPU work, step by step, each bounded in time, its output in $OUT/STEP.txt (and the tail here).
 # STEPS (default "tests serving served arms"): tests (the CUDA tests of the page-locked paths, buckets, CUDA),
 # serving (bench_serving's arms at 1/8/32 clients + py-spy at 32), served (the served CUDA shared-memory tests),
-# arms (bucket_arms, TF32 on), suite (every CUDA test), bench (ortcapture bench at batch 1 and 8).
+# arms (bucket_arms, TF32 on), suite (every CUDA test), bench (ortcapture bench at batch 1 and 8), haproxy
+# (tools/serve_smoke.sh --haproxy: ortcapture serve under Ray Serve's HAProxy ingress, answers checked, SIGINT).
 set -u
 t0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -42,6 +43,7 @@ suite) step cuda_suite "${SUITE_LIMIT:-300}" python3 -m pytest -q -p no:cachepro
          --continue-on-collection-errors tests/ --ignore=tests/test_patch.py ;;
 bench) step bench "${BENCH_LIMIT:-110}" python3 -m ortcapture bench --provider cuda --batch 1,8 --procs 3 --iters 200 \
          --json "$OUT/bench_cli.json" ;;
+haproxy) TAILN=30 step haproxy "${HAPROXY_LIMIT:-200}" bash tools/serve_smoke.sh --haproxy ;;
 *) echo "unknown step $s" ;;
 esac; done
 ls -la "$OUT"; echo "total $(( $(date +%s) - t0 )) s"
