@@ -69,6 +69,7 @@ def _replica(run_s: float):
     ms._queue, ms._queue_lock, ms._draining = collections.deque(), threading.Lock(), False
     ms.merged_runs, ms._mergeable, ms._merge_rows, ms._loop = 0, True, 8, None
     ms._timing = {"calls": 0, "call_ns": 0, "wait_ns": 0}
+    ms._prefetch = None
     return ms
 
 
@@ -251,13 +252,16 @@ def test_outputs_of_a_lone_run_are_read_into_its_slot_and_never_copied_there_aga
         pool.close()
 
 
-def test_merged_runs_joined_into_the_scratch_answer_each_call_its_own_rows():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_merged_runs_joined_into_the_scratch_answer_each_call_its_own_rows(prefetch):
     """With the merge scratch (reused buffers) every call still gets its own rows back: the scratch is written for
-    the next merged run only after the run before it returned."""
+    the next merged run only after the run before it returned — or, with the prefetch (the next merged run joined
+    on a thread of its own while this one runs), into the scratch's other set of buffers."""
     from ortcapture.serving.merge import MergeScratch
 
     ms = _replica(0.01)
-    ms._scratch = MergeScratch(pin=False)
+    ms._scratch = MergeScratch(pin=False, sets=2 if prefetch else 1)
+    ms._prefetch = ThreadPoolExecutor(1, "merge") if prefetch else None
 
     async def main():
         async def call(k, n):
@@ -271,6 +275,8 @@ def test_merged_runs_joined_into_the_scratch_answer_each_call_its_own_rows():
     asyncio.run(main())
     assert ms.merged_runs > 0 and ms._scratch.used > 0
     ms.core.session.run_on_replay_thread(lambda: None).result(timeout=10)
+    if prefetch:
+        ms._prefetch.shutdown()
 
 
 def test_shutdown_closes_the_scratch_after_the_round_in_progress_and_a_closed_scratch_hands_out_nothing(fake_pinned):

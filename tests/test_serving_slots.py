@@ -8,6 +8,8 @@ import multiprocessing as mp
 from multiprocessing import shared_memory
 import os
 import secrets
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -575,6 +577,74 @@ def test_merged_rows_are_joined_into_one_reused_buffer_per_input():
                                   np.concatenate([r[0]["x"] for r in bigger]))  # grown
     scratch.close()
     assert scratch.used == 3 and not scratch._bufs
+
+
+def test_prefetched_joins_the_next_merged_run_while_the_current_one_is_used_into_the_other_buffers():
+    """merge.prefetched over iter_merged_runs with MergeScratch(sets=2): the same merged runs in the same order; the
+    join of run k + 1 happens while the caller holds run k (on another thread), into the other set of buffers, so
+    run k's rows are intact until the caller asks for run k + 1; run k + 2 reuses run k's buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ortcapture.serving.merge import MergeScratch, iter_merged_runs, prefetched
+
+    rng = np.random.default_rng(4)
+    runs = [({"x": rng.standard_normal((2, 3)).astype(np.float32)}, [2]) for _ in range(8)]  # 4 merged pairs
+    plain = list(iter_merged_runs(runs, 4, into=None))
+    joined_by = {}
+
+    class Watching(MergeScratch):  # records which thread joined each merged run
+        def __call__(self, name, shape, dtype):
+            joined_by[len(joined_by)] = threading.current_thread().name
+            return super().__call__(name, shape, dtype)
+
+    scratch = Watching(pin=False, sets=2)
+    with ThreadPoolExecutor(1, "merge-test") as ex:
+        got, addresses = [], []
+        for k, (members, feeds, rows) in enumerate(prefetched(iter_merged_runs(runs, 4, into=scratch), ex)):
+            deadline = time.monotonic() + 5
+            while k + 1 < len(plain) and len(joined_by) < k + 2 and time.monotonic() < deadline:
+                time.sleep(0.001)  # the next one is joined while this one is held
+            assert len(joined_by) == min(k + 2, len(plain)), (k, joined_by)
+            np.testing.assert_array_equal(feeds["x"], plain[k][1]["x"])  # intact: the next went elsewhere
+            got.append((members, feeds["x"].copy(), rows))
+            addresses.append(feeds["x"].ctypes.data)
+    assert [(m, r) for m, _, r in got] == [(m, r) for m, _, r in plain]
+    assert set(joined_by.values()) == {"merge-test_0"}
+    assert addresses[0] != addresses[1] and addresses[0] == addresses[2] and addresses[1] == addresses[3]
+    scratch.close()
+    assert not scratch._bufs
+
+
+def test_prefetched_raises_at_its_item_and_closing_early_waits_for_the_one_being_taken():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ortcapture.serving.merge import prefetched
+
+    def items():
+        yield 1
+        yield 2
+        raise KeyError("the third")
+
+    with ThreadPoolExecutor(1) as ex:
+        it = prefetched(items(), ex)
+        assert next(it) == 1 and next(it) == 2
+        with pytest.raises(KeyError, match="the third"):
+            next(it)
+        taking, done = threading.Event(), []
+
+        def slow():
+            yield "a"
+            taking.set()
+            time.sleep(0.3)
+            done.append(True)
+            yield "b"
+
+        it = prefetched(slow(), ex)
+        assert next(it) == "a"
+        assert taking.wait(5)
+        it.close()  # returns only once "b" has been taken: nothing is joined after the caller goes on
+        assert done == [True]
+        assert list(prefetched(iter(()), ex)) == []
 
 
 def test_merged_rows_in_a_pinned_scratch_go_to_the_graph_with_one_dma(fake_pinned):

@@ -72,6 +72,9 @@ class ServeOptions:
         batch_slots: pass a batch from a tier replica to a session replica on the same machine through shared
             memory (``ortcapture.serving.slots``: one ``/dev/shm`` object per tier replica, a slot per batch in
             flight) instead of Ray's object store; a session replica on another machine gets it by value.
+        merge_prefetch: a capturing session replica joins the next merged run's host rows on a thread of its own
+            while the current run replays (``ortcapture.serving.merge.prefetched``), default on; off, they are
+            joined on the replay thread right before each run.
         switch_interval_ms: the replicas' GIL switch interval (``sys.setswitchinterval``, milliseconds; default
             0.5; 0 leaves Python's 5 ms): how long a thread back from a wait (ORT's run, the GPU, Ray's I/O) may
             wait for the GIL while another runs Python (``ortcapture.serving.ray_common.quick_gil_handoff``).
@@ -125,6 +128,7 @@ class ServeOptions:
     max_concurrent_batches: int = 2
     switch_interval_ms: float = 0.5
     batch_slots: bool = True
+    merge_prefetch: bool = True
     serve_throughput_optimized: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
@@ -326,7 +330,7 @@ def _check_grpc(o: "ServeOptions", opt) -> None:
         if o.address:
             raise CaptureError(f"{opt('grpc_port')} serves gRPC from a new local cluster only (a joined cluster's "
                                "Serve has its own gRPC options)")
-    for name in ("batch_slots", "serve_throughput_optimized"):
+    for name in ("batch_slots", "merge_prefetch", "serve_throughput_optimized"):
         if not isinstance(getattr(o, name), bool):
             raise CaptureError(f"{opt(name)} must be true or false, got {getattr(o, name)!r}")
     if not isinstance(o.allow_remote_shared_memory, bool):

@@ -35,7 +35,7 @@ from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
 from ortcapture.transfer import outputs_into, pinning_in_place
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
-from ortcapture.serving.merge import MergeScratch, iter_merged_runs, mergeable, split_answer
+from ortcapture.serving.merge import MergeScratch, iter_merged_runs, mergeable, prefetched, split_answer
 from ortcapture.serving.slots import SlotMissing, SlotReader
 from ortcapture.serving.cuda_ipc import IpcMemory
 from ortcapture.serving.cuda_shm import DeviceRows
@@ -98,7 +98,11 @@ class ModelSession:
         # merged runs stay within a captured bucket (a run past the largest one would run uncaptured)
         self._merge_rows = min(options.max_batch_size, max(options.buckets))
         # merged runs' host rows joined into reused buffers, page-locked where the slots are (one DMA to the graph)
-        self._scratch = MergeScratch(pin=pin, max_rows=self._merge_rows) if self._on_replay_thread else None
+        # and the next merged run joined on a thread of its own while the current one replays (two sets of buffers)
+        prefetch = self._on_replay_thread and self._mergeable and options.merge_prefetch
+        self._prefetch = ThreadPoolExecutor(1, "ortcapture-merge") if prefetch else None
+        self._scratch = MergeScratch(pin=pin, max_rows=self._merge_rows, sets=2 if prefetch else 1) \
+            if self._on_replay_thread else None
         self._stats = None
         self._metrics = _Metrics(options.name)
         self._metrics.graphs(self.core)
@@ -213,9 +217,12 @@ class ModelSession:
         if self._slot_reader.drop_due():  # a tier replica that is gone leaves its pool mapped and pinned here
             self._slot_reader.drop_stale()
         flat = [(c, run, q) for c, (runs, queued, _) in enumerate(calls) for run, q in zip(runs, queued)]
-        # joined one at a time, each right before its run (the scratch holds one merged run's rows per input)
+        # joined one at a time: each right before its run (the scratch holds one merged run's rows per input), or
+        # with the prefetch the next one while this one runs (two sets of buffers, each rejoined only after its run)
         merged = iter_merged_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable,
                                   into=self._scratch)
+        if self._prefetch is not None:
+            merged = prefetched(merged, self._prefetch)
         answers: list[list] = [[] for _ in calls]
         failed: list = [None] * len(calls)
         left = [0] * len(calls)
@@ -235,37 +242,43 @@ class ModelSession:
         for c, n in enumerate(left):
             if n == 0:
                 finish(c)
-        for members, feeds, rows in merged:
-            try:
-                if isinstance(feeds, Exception):  # joining this merged run failed (iter_merged_runs)
-                    raise feeds
-                queued = [t for i in members for t in flat[i][2]]
-                device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
-                arena = self._output_arena(calls, flat, members, alive)
-                try:
-                    with outputs_into(arena) if arena is not None else contextlib.nullcontext():
-                        answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
-                finally:
-                    if arena is not None:  # its hold on the slot's mapping ends here (the outputs keep their own)
-                        arena.release()
-                self.merged_runs += len(members) - 1
-                parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
-                # each member's requests' outputs into the CUDA regions they name, from its own rows
-                parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2]) if len(flat[i][1]) > 2 else p
-                         for i, p in zip(members, parts)]
-                self._metrics.batch(sum(rows), parts, len(rows))  # after the regions' own 400s
-            except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
-                parts = [exc] * len(members)
-            for i, part in zip(members, parts):
-                c = flat[i][0]
-                if isinstance(part, BaseException):
-                    failed[c] = part
-                else:
-                    answers[c].append(part)
-                left[c] -= 1
-                if left[c] == 0:
-                    finish(c)
+        with contextlib.closing(merged):  # leaving early waits for a run being joined (nothing writes after it)
+            for members, feeds, rows in merged:
+                self._run_merged(calls, flat, members, feeds, rows, alive, answers, failed, left, finish)
         return [f if f is not None else a for f, a in zip(failed, answers)]
+
+    def _run_merged(self, calls, flat, members, feeds, rows, alive, answers, failed, left, finish) -> None:
+        """One merged run of :meth:`_run_calls`: replayed, its answer split per member run (outputs into CUDA regions
+        where asked), each call finished once its last run is in."""
+        try:
+            if isinstance(feeds, Exception):  # joining this merged run failed (iter_merged_runs)
+                raise feeds
+            queued = [t for i in members for t in flat[i][2]]
+            device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
+            arena = self._output_arena(calls, flat, members, alive)
+            try:
+                with outputs_into(arena) if arena is not None else contextlib.nullcontext():
+                    answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
+            finally:
+                if arena is not None:  # its hold on the slot's mapping ends here (the outputs keep their own)
+                    arena.release()
+            self.merged_runs += len(members) - 1
+            parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
+            # each member's requests' outputs into the CUDA regions they name, from its own rows
+            parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2]) if len(flat[i][1]) > 2 else p
+                     for i, p in zip(members, parts)]
+            self._metrics.batch(sum(rows), parts, len(rows))  # after the regions' own 400s
+        except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
+            parts = [exc] * len(members)
+        for i, part in zip(members, parts):
+            c = flat[i][0]
+            if isinstance(part, BaseException):
+                failed[c] = part
+            else:
+                answers[c].append(part)
+            left[c] -= 1
+            if left[c] == 0:
+                finish(c)
 
     def _output_arena(self, calls: list, flat: list, members: list, alive):
         """Where this run's outputs are read (:func:`ortcapture.transfer.outputs_into`): its call's page-locked
@@ -361,13 +374,15 @@ class ModelSession:
         :meth:`_output_arena`), the pools of tier replicas that are gone, unmapped and unpinned here
         (``slot_pools_dropped``, :meth:`ortcapture.serving.slots.SlotReader.drop_stale`), the merged inputs joined
         into the reused (on CUDA page-locked) buffers of :class:`~ortcapture.serving.merge.MergeScratch`
-        (``merge_scratch_used``; ``merge_scratch_error``: why page-locking one failed, which turns them off), and
+        (``merge_scratch_used``; ``merge_scratch_error``: why page-locking one failed, which turns them off),
+        whether the next merged run is joined while the current one runs (``merge_prefetch``), and
         where the batches' time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from
         arrival to answer, ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU
         provider: 0)."""
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
                 "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
                 "slot_outputs_in_place": self._slot_reader.in_place, "slot_pools_dropped": self._slot_reader.dropped,
+                "merge_prefetch": self._prefetch is not None,
                 "merge_scratch_used": self._scratch.used if self._scratch is not None else 0,
                 "merge_scratch_error": self._scratch.error if self._scratch is not None else None,
                 "serve_throughput_optimized": os.environ.get(THROUGHPUT_ENV) == "1",
@@ -413,6 +428,9 @@ class ModelSession:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
+        prefetch = getattr(self, "_prefetch", None)
+        if prefetch is not None:  # idle between rounds: its thread ends
+            prefetch.shutdown(wait=False)
         # the host memory the replay thread reads from (batch slots, the merge scratch) closed on that thread, after
         # the round in progress: never unpinned or unmapped under a run
         core = getattr(self, "core", None)
