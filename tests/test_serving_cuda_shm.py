@@ -450,6 +450,7 @@ def _device_replica(mem, healthy: bool = True, ipc=None):
 
     ms._slot_reader = SlotReader()  # as every session replica has (no batch slots in these calls)
     ms._scratch = None  # a session replica off its replay thread: merged rows joined into new arrays
+    ms._prefetch = None  # ... and on its caller's thread
     return ms
 
 

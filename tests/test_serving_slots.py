@@ -645,6 +645,10 @@ def test_prefetched_raises_at_its_item_and_closing_early_waits_for_the_one_being
         it.close()  # returns only once "b" has been taken: nothing is joined after the caller goes on
         assert done == [True]
         assert list(prefetched(iter(()), ex)) == []
+        it = prefetched(iter(range(4)), ex)
+        assert next(it) == 0
+    ex.shutdown()  # a replica closing mid-round: the round goes on, the next items taken on the caller's thread
+    assert list(it) == [1, 2, 3]
 
 
 def test_merged_rows_in_a_pinned_scratch_go_to_the_graph_with_one_dma(fake_pinned):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -120,21 +120,35 @@ def _join(runs, members: list[int], into) -> dict[str, Any]:
 _END = object()
 
 
+def _ahead(items: Iterator, executor: Executor) -> Future:
+    """The next of ``items`` (or ``_END``) taken on ``executor`` — or here, at once, when the executor was shut down
+    (a replica closing mid-round): the round goes on, only without the overlap."""
+    try:
+        return executor.submit(next, items, _END)
+    except RuntimeError:  # "cannot schedule new futures after shutdown"
+        fut: Future = Future()
+        try:
+            fut.set_result(next(items, _END))
+        except Exception as exc:  # noqa: BLE001 - raised at its item, as from the executor
+            fut.set_exception(exc)
+        return fut
+
+
 def prefetched(items: Iterator, executor: Executor) -> Iterator:
     """``items`` in order, each next one taken on ``executor`` while the caller works on the current one — so
     :func:`iter_merged_runs` joins merged run k + 1 while run k replays. Taking item k + 1 starts only once the caller
     asks for item k, i.e. after it finished with item k − 1: with ``MergeScratch(sets=2)`` as ``into``, a run's
     buffers are never rejoined under it. An exception raised while taking an item is raised here at that item.
     Closing the generator (or leaving a ``for`` over it) waits for an item being taken, so nothing writes into the
-    scratch afterwards."""
-    pending = executor.submit(next, items, _END)
+    scratch afterwards. When ``executor`` has been shut down, the next items are taken on the caller's thread."""
+    pending = _ahead(items, executor)
     try:
         while True:
             item = pending.result()
             if item is _END:
                 pending = None
                 return
-            pending = executor.submit(next, items, _END)
+            pending = _ahead(items, executor)
             yield item
     finally:
         if pending is not None:

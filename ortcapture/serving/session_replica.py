@@ -414,7 +414,11 @@ class ModelSession:
             await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._ipc.forget, live))
 
     def _close_host_memory(self) -> None:
-        """Close the batch slots' mappings and the merge scratch (on the replay thread, between runs)."""
+        """Close the batch slots' mappings and the merge scratch (on the replay thread, between rounds: no merged run
+        is being joined), and end the prefetch thread (a round after this joins on the replay thread)."""
+        prefetch = getattr(self, "_prefetch", None)
+        if prefetch is not None:
+            prefetch.shutdown(wait=True)
         for part in ("_slot_reader", "_scratch"):
             obj = getattr(self, part, None)
             if obj is not None:
@@ -428,9 +432,6 @@ class ModelSession:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
-        prefetch = getattr(self, "_prefetch", None)
-        if prefetch is not None:  # idle between rounds: its thread ends
-            prefetch.shutdown(wait=False)
         # the host memory the replay thread reads from (batch slots, the merge scratch) closed on that thread, after
         # the round in progress: never unpinned or unmapped under a run
         core = getattr(self, "core", None)
@@ -440,6 +441,9 @@ class ModelSession:
                 session.run_on_replay_thread(self._close_host_memory).result(timeout=CLOSE_WAIT_S)
             except Exception:  # noqa: BLE001 - the replay thread is gone or stuck: closed below, here
                 pass
+        prefetch = getattr(self, "_prefetch", None)
+        if prefetch is not None:  # a merged run being joined finishes before the scratch is closed below
+            prefetch.shutdown(wait=True)
         # each part closed even when one before it raised (the first error is raised after the last part)
         first = None
         for part in ("core", "_slot_reader", "_scratch", "_ipc"):
