@@ -34,6 +34,6 @@ from ortcapture._transfer.targets import FeedTargets, copy_feeds
 
 __all__ = ["CPU", "GPU", "INT32_RANGE", "NONE_VENDOR", "ONNX_TO_NP", "STORAGE", "FeedTargets", "InputSpec",
            "OutputArena", "PinnedHostMemory", "ValueMeta", "can_copy", "check_feeds", "check_int64_inputs",
-           "check_source", "check_values", "host_copy", "input_specs", "commit", "copy", "copy_feeds", "meta", "np_dtype_of",
-           "outputs_into", "pin_host_memory", "pinning_in_place", "prepare", "restore", "source_spec", "to_numpy",
-           "update_inplace", "value_rules"]
+           "check_source", "check_values", "host_copy", "input_specs", "commit", "copy", "copy_feeds", "meta",
+           "np_dtype_of", "outputs_into", "pin_host_memory", "pinning_in_place", "prepare", "restore", "source_spec",
+           "to_numpy", "update_inplace", "value_rules"]

@@ -9,3 +9,12 @@ split_parts() {
   for f in "$tmp/$name".part*; do mkdir -p "$prefix$PARTS" && mv "$f" "$prefix$PARTS/"; PARTS=$((PARTS + 1)); done
   rmdir "$tmp"
 }
+
+# print_calls PREFIX FIRST LAST DEST: the device calls that carry PREFIX<FIRST> .. PREFIX<LAST> and copy each into
+# DEST on the device machine, numbered from FIRST + 1.
+print_calls() {
+  local prefix=$1 first=$2 last=$3 dest=$4 i
+  for i in $(seq "$first" "$last"); do
+    echo "call $((i + 1)): carry [\"$prefix$i\"]  command: mkdir -p $dest && cp $prefix$i/* $dest/"
+  done
+}

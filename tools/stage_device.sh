@@ -21,8 +21,6 @@ n=$PARTS
 git rev-parse --short HEAD > .gpu/commit.txt
 echo "staged in $n parts (.gpu/z0 .. .gpu/z$((n - 1))), $((part >> 20)) MiB each at most:"
 du -sh .gpu/z[0-9]* | sed 's/^/  /'
-for i in $(seq 0 $((n - 2))); do
-  echo "call $((i + 1)): carry [\".gpu/z$i\"]  command: mkdir -p /tmp/z && cp .gpu/z$i/* /tmp/z/"
-done
+print_calls .gpu/z 0 $((n - 2)) /tmp/z
 echo "call $n: carry [\".gpu/z$((n - 1))\", \".gpu/commit.txt\"]  command: mkdir -p /tmp/z && cp .gpu/z$((n - 1))/* /tmp/z/ && bash tools/device_run.sh"
 echo "(calls right after each other: the machine is given back 30 s after a call; later warm calls: STEPS=... bash tools/device_run.sh)"

@@ -29,7 +29,5 @@ split_parts 58M .gpu/x ort.tar.xz < "$tar"
 n=$PARTS
 echo "onnxruntime-gpu $ver as $n parts (.gpu/x0 .. .gpu/x$((n - 1))):"
 du -sh .gpu/x[0-9]* | sed 's/^/  /'
-for i in $(seq 0 $((n - 1))); do
-  echo "call $((i + 1)): carry [\".gpu/x$i\"]  command: mkdir -p /tmp/og && cp .gpu/x$i/* /tmp/og/"
-done
+print_calls .gpu/x 0 $((n - 1)) /tmp/og
 echo "then, in the last call or after it: mkdir -p /tmp/site && cat /tmp/og/ort.tar.xz.part* | tar -xJf - -C /tmp/site && export PYTHONPATH=/tmp/site:\$PWD"

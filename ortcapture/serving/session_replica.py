@@ -244,41 +244,38 @@ class ModelSession:
                 finish(c)
         with contextlib.closing(merged):  # leaving early waits for a run being joined (nothing writes after it)
             for members, feeds, rows in merged:
-                self._run_merged(calls, flat, members, feeds, rows, alive, answers, failed, left, finish)
+                try:
+                    if isinstance(feeds, Exception):  # joining this merged run failed (iter_merged_runs)
+                        raise feeds
+                    queued = [t for i in members for t in flat[i][2]]
+                    device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
+                    arena = self._output_arena(calls, flat, members, alive)
+                    try:
+                        with outputs_into(arena) if arena is not None else contextlib.nullcontext():
+                            answer = self.core.run_joined(feeds, rows, queued,
+                                                          prepare=self._gather if device else None)
+                    finally:
+                        if arena is not None:  # its hold on the slot's mapping ends here (outputs keep their own)
+                            arena.release()
+                    self.merged_runs += len(members) - 1
+                    parts = [answer] if len(members) == 1 else \
+                        split_answer(answer, [flat[i][1][1] for i in members])
+                    # each member's requests' outputs into the CUDA regions they name, from its own rows
+                    parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2]) if len(flat[i][1]) > 2 else p
+                             for i, p in zip(members, parts)]
+                    self._metrics.batch(sum(rows), parts, len(rows))  # after the regions' own 400s
+                except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
+                    parts = [exc] * len(members)
+                for i, part in zip(members, parts):
+                    c = flat[i][0]
+                    if isinstance(part, BaseException):
+                        failed[c] = part
+                    else:
+                        answers[c].append(part)
+                    left[c] -= 1
+                    if left[c] == 0:
+                        finish(c)
         return [f if f is not None else a for f, a in zip(failed, answers)]
-
-    def _run_merged(self, calls, flat, members, feeds, rows, alive, answers, failed, left, finish) -> None:
-        """One merged run of :meth:`_run_calls`: replayed, its answer split per member run (outputs into CUDA regions
-        where asked), each call finished once its last run is in."""
-        try:
-            if isinstance(feeds, Exception):  # joining this merged run failed (iter_merged_runs)
-                raise feeds
-            queued = [t for i in members for t in flat[i][2]]
-            device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
-            arena = self._output_arena(calls, flat, members, alive)
-            try:
-                with outputs_into(arena) if arena is not None else contextlib.nullcontext():
-                    answer = self.core.run_joined(feeds, rows, queued, prepare=self._gather if device else None)
-            finally:
-                if arena is not None:  # its hold on the slot's mapping ends here (the outputs keep their own)
-                    arena.release()
-            self.merged_runs += len(members) - 1
-            parts = [answer] if len(members) == 1 else split_answer(answer, [flat[i][1][1] for i in members])
-            # each member's requests' outputs into the CUDA regions they name, from its own rows
-            parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2]) if len(flat[i][1]) > 2 else p
-                     for i, p in zip(members, parts)]
-            self._metrics.batch(sum(rows), parts, len(rows))  # after the regions' own 400s
-        except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
-            parts = [exc] * len(members)
-        for i, part in zip(members, parts):
-            c = flat[i][0]
-            if isinstance(part, BaseException):
-                failed[c] = part
-            else:
-                answers[c].append(part)
-            left[c] -= 1
-            if left[c] == 0:
-                finish(c)
 
     def _output_arena(self, calls: list, flat: list, members: list, alive):
         """Where this run's outputs are read (:func:`ortcapture.transfer.outputs_into`): its call's page-locked
