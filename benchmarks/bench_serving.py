@@ -32,8 +32,10 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
                  copied into the graph's staging, then sent, and its outputs copied into the slot; the default since
                  2026-12-07 sends the rows with one DMA and reads the outputs into the slot with one DMA)
   product-inline the replicas' answers up to 4 MiB returned inline by Ray (RAY_max_direct_call_object_size)
-  product-noprefetch  merged runs joined on the replay thread right before each run (merge_prefetch=False; the
-                 default since 2026-12-07, later, joins the next one on a thread of its own while one runs)
+  product-prefetch / product-noprefetch  the next merged run joined on a thread of its own while one runs
+                 (merge_prefetch=True; the default from 2026-12-07 until the thirteenth session measured it slower),
+                 or right before each run on the replay thread (merge_prefetch=False: the default since then, so the
+                 same as "product")
   product-i6 / product-i8  6 or 8 batching-tier replicas instead of the default 4
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,
@@ -98,7 +100,7 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product-i6": {"ingress_replicas": 6}, "product-i8": {"ingress_replicas": 8},
         "product-noslots": {"batch_slots": False},
         # merged runs joined on the replay thread right before each run, as before 2026-12-07 (twelfth session)
-        "product-noprefetch": {"merge_prefetch": False},
+        "product-noprefetch": {"merge_prefetch": False}, "product-prefetch": {"merge_prefetch": True},
         # the session replica's host copies under load (issue 44, item 4: its batch-8 run 1.8x a plain process's):
         # one staging thread (the replay thread copies alone), or the staging threads pinned to CPUs
         "product-st1": {"env": {"ORTCAPTURE_STAGING_THREADS": "1"}},
