@@ -20,7 +20,7 @@ backend, set from ``$ORTCAPTURE_COPY_BACKEND`` at import) is :data:`ortcapture._
 from __future__ import annotations
 
 from ortcapture._ort.values import ONNX_TO_NP, STORAGE, ValueMeta, meta
-from ortcapture._transfer.arena import OutputArena, outputs_into
+from ortcapture._transfer.arena import OutputArena, outputs_into, tap_device_outputs
 from ortcapture._transfer.check import (
     CPU, GPU, INT32_RANGE, NONE_VENDOR, InputSpec, can_copy, check_feeds, check_values, input_specs, np_dtype_of,
     source_spec, value_rules,
@@ -36,4 +36,4 @@ __all__ = ["CPU", "GPU", "INT32_RANGE", "NONE_VENDOR", "ONNX_TO_NP", "STORAGE", 
            "OutputArena", "PinnedHostMemory", "ValueMeta", "can_copy", "check_feeds", "check_int64_inputs",
            "check_source", "check_values", "host_copy", "input_specs", "commit", "copy", "copy_feeds", "meta",
            "np_dtype_of", "outputs_into", "pin_host_memory", "pinning_in_place", "prepare", "restore", "source_spec",
-           "to_numpy", "update_inplace", "value_rules"]
+           "tap_device_outputs", "to_numpy", "update_inplace", "value_rules"]

@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 
 from ortcapture._transfer import staging as _staging
-from ortcapture.transfer import OutputArena, outputs_into
-from ortcapture._transfer.arena import current
+from ortcapture.transfer import OutputArena, outputs_into, tap_device_outputs
+from ortcapture._transfer.arena import current, current_tap
 from tests.test_staging import fake_pinned  # noqa: F401 - the fixture
 
 
@@ -334,3 +334,78 @@ def test_a_middle_block_ending_first_leaves_the_innermost_open_block_current():
     assert current() is d_arena
     d.__exit__(None, None, None)
     assert current() is None
+
+
+# -- tap_device_outputs: the graph's device buffers offered before each read ---------------------------------------
+
+def _device_bytes(ptr: int, shape, dtype) -> np.ndarray:
+    """What ``ptr`` holds (the fake staging's "device" buffers are CPU memory)."""
+    import ctypes
+
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape)) * dt.itemsize
+    return np.frombuffer(bytes((ctypes.c_char * n).from_address(ptr)), dt).reshape(shape)
+
+
+def test_the_tap_sees_each_read_output_s_device_buffer_and_the_rows_read_before_the_read(fake_pinned):
+    fake, st = _staging_with_output(fake_pinned)
+    seen = []
+
+    def copy(name, ptr, shape, dtype, stream):
+        seen.append((name, tuple(shape), np.dtype(dtype), stream is st._stream))
+        fake.calls.append(("tap", name))
+        np.testing.assert_array_equal(_device_bytes(ptr, shape, dtype), st.outputs[name].numpy()[:shape[0]])
+
+    with tap_device_outputs(copy) as got:
+        assert got is copy and current_tap() is copy
+        fake.calls.clear()
+        y3 = st.read_rows("y", 0, 3)
+        y, z = st.read_new(["y", "z"])
+    assert current_tap() is None
+    assert seen == [("y", (3, 6), np.dtype(np.float32), True), ("y", (8, 6), np.dtype(np.float32), True),
+                    ("z", (8, 2), np.dtype(np.int64), True)]
+    kinds = [c[0] for c in fake.calls]
+    assert kinds.index("tap") < kinds.index("copy")  # offered before the read's own copy is queued
+    np.testing.assert_array_equal(y3, np.arange(18, dtype=np.float32).reshape(3, 6))
+    np.testing.assert_array_equal(z, np.arange(16).reshape(8, 2) * -1)
+    seen.clear()
+    st.read_new(["y"])  # after the block: no tap
+    assert seen == []
+
+
+def test_a_tap_that_raises_fails_the_read_and_a_pageable_staging_never_calls_it(fake_pinned):
+    fake, st = _staging_with_output(fake_pinned)
+
+    def broken(*_):
+        raise RuntimeError("the caller's copy failed")
+
+    with tap_device_outputs(broken), pytest.raises(RuntimeError, match="caller's copy"):
+        st.read_new(["y"])
+    pageable = _staging.HostStaging({}, {"y": ort.OrtValue.ortvalue_from_numpy(np.ones((2, 3), np.float32))},
+                                    pinned=False)
+    with tap_device_outputs(broken):
+        np.testing.assert_array_equal(pageable.read_new(["y"])[0], np.ones((2, 3), np.float32))
+
+
+def test_taps_nest_belong_to_their_thread_and_need_a_callable():
+    def outer(*_):
+        pass
+
+    def inner(*_):
+        pass
+
+    seen = []
+    with tap_device_outputs(outer):
+        with tap_device_outputs(inner):
+            assert current_tap() is inner
+            t = threading.Thread(target=lambda: seen.append(current_tap()))
+            t.start()
+            t.join()
+        assert current_tap() is outer
+    assert current_tap() is None and seen == [None]
+    with pytest.raises(TypeError, match="callable"):
+        tap_device_outputs(3)
+    block = tap_device_outputs(outer)
+    with block:
+        with pytest.raises(RuntimeError, match="entered already"):
+            block.__enter__()

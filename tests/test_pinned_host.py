@@ -371,3 +371,49 @@ def test_cuda_outputs_read_into_pinned_shared_memory_are_right(cuda, shm, rng): 
             assert np.shares_memory(got["scores"], np.frombuffer(shm.buf, np.uint8)), n  # a prefix: read there
             assert arena.taken >= 2
             del got, arena
+
+
+@pytest.mark.cuda
+def test_cuda_tapped_outputs_are_copied_device_to_device_from_the_graph_s_buffers(cuda, rng):  # noqa: F811
+    """On the GPU: inside ``tap_device_outputs`` each output read is offered with the graph's own device buffer and
+    the rows read; a device-to-device copy queued on the read's stream from there holds the same values as the host
+    answer — ``CapturedGraph.run``'s whole outputs and a bucket request's rows (padding cut off)."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python")
+    from cuda.bindings import runtime as rt
+
+    from ortcapture.transfer import tap_device_outputs
+    from tests import tiny
+
+    copies = {}
+
+    def copy(name, ptr, shape, dtype, stream):
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        dst = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype).type, "cuda", 0)
+        (err,) = rt.cudaMemcpyAsync(dst.data_ptr(), ptr, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream)
+        assert int(err) == 0
+        copies[name] = dst
+
+    sess = cuda.session(tiny.affine_model(SHAPE))  # Y = 2 X + 1
+    x = rng.random(SHAPE, dtype=np.float32)
+    with sess.capture({"X": np.zeros(SHAPE, np.float32)}, verify=False) as g:
+        g.run({"X": x})  # the staging is made
+        with tap_device_outputs(copy):
+            (y,) = g.run({"X": x})
+        (name,) = copies
+        assert copies[name].device_name().lower() == "cuda"
+        np.testing.assert_array_equal(copies.pop(name).numpy(), y)
+        np.testing.assert_array_equal(y, x * 2 + 1)
+    answer = tiny.bucket_cpu_answer()
+    bsess = cuda.session(tiny.bucket_model(), buckets={"batch": [2, 4]})
+    names = [o.name for o in bsess.get_outputs()]
+    for n in (3, 4, 1):  # padded rows (read_rows), the whole bucket (read_new), padded again
+        xb = rng.standard_normal((n, 4)).astype(np.float32)
+        bsess.run(None, {"X": xb})  # captured outside the block
+        copies.clear()
+        with tap_device_outputs(copy):
+            got = dict(zip(names, bsess.run(None, {"X": xb})))
+        assert set(copies) == set(names), (n, list(copies))
+        for k in names:
+            assert copies[k].shape()[0] == n  # the request's rows, not the bucket's
+            np.testing.assert_array_equal(copies[k].numpy(), got[k])
+            np.testing.assert_allclose(got[k], answer(xb)[k], rtol=1e-2, atol=1e-3)

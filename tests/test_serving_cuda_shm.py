@@ -11,6 +11,7 @@ import base64
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -320,6 +321,16 @@ def test_cuda_shared_memory_in_and_out_over_http_and_grpc(cuda_server):
         t.join(120)
     assert not errors, errors[:2]
     assert not any(t.is_alive() for t in threads) and len(done) == 6 * 12, len(done)
+    # the "scores" outputs went into their regions device to device from the graphs' own buffers (issue 45: no host
+    # round trip), none from the host; the replicas report every second
+    deadline, writes = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        writes = [r.get("cuda_region_writes") for r in cuda_server.stats()["ortcapture"]["replicas"]]
+        if writes and sum(w["device_to_device"] for w in writes) >= 6 * 12:
+            break
+        time.sleep(0.5)
+    assert writes and sum(w["device_to_device"] for w in writes) >= 6 * 12, writes
+    assert sum(w["from_host"] for w in writes) == 0, writes
     status = {r["name"] for r in hc.get_cuda_shared_memory_status()}
     assert {f"in{k}" for k in range(6)} <= status
     # bad references and registrations: each a 400 naming the parameter, the server up afterwards
@@ -561,3 +572,91 @@ def test_a_failed_copy_into_one_output_region_is_that_requests_500_only():
     np.testing.assert_array_equal(ms._ipc.written[("ok", 0)], mem["b"][:4].reshape(1, 4) * 2)
     assert "outputs" in second[0] and ms._metrics.failed == 1
 
+
+
+class _TapIpc(_FakeIpc):
+    """:class:`_FakeIpc` that also takes device-to-device copies (``copy_from_device``: ``src`` a host address here,
+    as the fake staging's "device" buffers), counting both kinds as :class:`IpcMemory` does."""
+
+    def __init__(self, mem):
+        super().__init__(mem)
+        self.device_writes = self.host_writes = 0
+
+    def copy_from_device(self, ref, src, nbytes, stream, where):
+        import ctypes
+
+        if nbytes > ref.byte_size:
+            raise ShmError(f"{where}: {nbytes} bytes do not fit its shared_memory_byte_size of {ref.byte_size}")
+        raw = bytes((ctypes.c_char * nbytes).from_address(src))
+        self.written[(ref.region.name, ref.offset)] = np.frombuffer(raw, np.float32).reshape(-1, 4).copy()
+        self.device_writes += 1
+
+    def write(self, ref, a, where):
+        super().write(ref, a, where)
+        self.host_writes += 1
+
+
+def _tapping(ms):
+    """The replica's session reads its outputs as a page-locked CUDA staging does: each offered first to the open
+    :func:`ortcapture.transfer.tap_device_outputs` block, with its buffer's address and the rows read."""
+    from ortcapture._transfer.arena import current_tap
+
+    runner = ms.core.runner
+    inner = runner.session.run
+
+    def run(names, feeds, run_options=None):
+        outs = inner(names, feeds, run_options)
+        tap = current_tap()
+        if tap is not None:
+            for name, o in zip(runner._output_names, outs):
+                tap(name, o.ctypes.data, o.shape, o.dtype, "stream")
+        return outs
+
+    runner.session.run = run
+    return ms
+
+
+def test_output_regions_are_written_device_to_device_from_the_runs_own_buffers():
+    """Issue 45: a run's outputs reach the CUDA regions its requests name device to device, as the staging reads
+    them (:class:`ortcapture.serving.cuda_ipc.RegionTap`), each request's own rows of a merged run — no host
+    round trip; a region too small is still its own request's 400 (the host write after the run says so)."""
+    mem = {"a": np.arange(8, dtype=np.float32), "b": np.arange(100, 116, dtype=np.float32),
+           "c": np.arange(50, 54, dtype=np.float32)}
+    ms = _tapping(_device_replica(mem, ipc=_TapIpc(mem)))
+    ta, tb, tc = _dev(1, "a", 16), _dev(2, "b", 0), _dev(1, "c", 0)
+    out_a = shm.Ref(Regions().register_cuda("oa", HANDLE, 0, 64), 0, 16)
+    out_b = shm.Ref(Regions().register_cuda("ob", HANDLE, 0, 64), 8, 32)
+    out_c = shm.Ref(Regions().register_cuda("oc", HANDLE, 0, 64), 0, 16)
+    calls = [([({"X": DeviceRows.of([(ta, 0, 1), (tb, 0, 2)]), "Z": _z(3)}, [1, 2], [{"Y": out_a}, {"Y": out_b}])],
+              [[0, 0]], None),
+             ([({"X": DeviceRows.of([(tc, 0, 1)]), "Z": _z(1)}, [1], [{"Y": out_c}])], [[0]], None)]
+    answers = ms._run_calls(calls)
+    assert ms.core.runs == [4] and ms.merged_runs == 1
+    assert (ms._ipc.device_writes, ms._ipc.host_writes) == (3, 0)
+    np.testing.assert_array_equal(ms._ipc.written[("oa", 0)], mem["a"][4:8].reshape(1, 4) * 2)
+    np.testing.assert_array_equal(ms._ipc.written[("ob", 8)], mem["b"][:8].reshape(2, 4) * 2)
+    np.testing.assert_array_equal(ms._ipc.written[("oc", 0)], mem["c"].reshape(1, 4) * 2)
+    np.testing.assert_array_equal(answers[1][0]["outputs"]["Y"], mem["c"].reshape(1, 4) * 2)
+    # too small for its request's rows: not copied on the device; the host write answers its own 400
+    small = shm.Ref(Regions().register_cuda("os", HANDLE, 0, 64), 0, 8)
+    calls[0][0][0] = (calls[0][0][0][0], [1, 2], [{"Y": small}, {"Y": out_b}])
+    ms._ipc.written.clear()
+    answers = ms._run_calls(calls)
+    got = answers[0][0]["answers"]
+    assert got[0]["status"] == 400 and "do not fit" in got[0]["error"]
+    np.testing.assert_array_equal(got[1]["outputs"]["Y"], mem["b"][:8].reshape(2, 4) * 2)
+    assert ("os", 0) not in ms._ipc.written and ms._ipc.device_writes == 5  # ob and oc again, on the device
+
+
+def test_after_a_failed_batch_each_requests_region_is_written_from_its_own_run_alone():
+    """A batch that fails is run again one request at a time; those runs read fewer rows than the batch, so the tap
+    copies nothing and each request's region gets its own run's answer from the host."""
+    mem = {"a": np.arange(8, dtype=np.float32), "bad": -np.ones(8, np.float32), "c": np.ones(8, np.float32)}
+    ms = _tapping(_device_replica(mem, ipc=_TapIpc(mem)))
+    rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "bad"), 0, 1), (_dev(1, "c"), 0, 1)])
+    out = shm.Ref(Regions().register_cuda("o", HANDLE, 0, 64), 0, 16)
+    z = np.arange(3, dtype=np.float32).reshape(3, 1)
+    (got,), = ms._run_calls([([({"X": rows, "Z": z}, [1, 1, 1], [None, None, {"Y": out}])], [[0, 0, 0]], None)])
+    assert ms.core.runs == [3, 1, 1, 1] and got["answers"][1]["status"] == 400
+    assert (ms._ipc.device_writes, ms._ipc.host_writes) == (0, 1)
+    np.testing.assert_array_equal(ms._ipc.written[("o", 0)], np.full((1, 4), 2.0, np.float32))

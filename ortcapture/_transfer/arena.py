@@ -1,4 +1,10 @@
-"""Host outputs read straight into memory the caller chose: :func:`outputs_into` (one DMA per output, no host copy).
+"""Outputs into memory the caller chose, as the staging reads them: ``outputs_into`` (host) and ``tap_device_outputs``.
+
+:func:`tap_device_outputs` offers the graph's device output buffers to the caller's own device copies as the staging
+reads them (a CUDA IPC region written device to device, no host round trip); the rest of this docstring is
+:func:`outputs_into`'s.
+
+Host outputs read straight into memory the caller chose: :func:`outputs_into` (one DMA per output, no host copy).
 
 A page-locked staging (CUDA) reads each host output with one ``cudaMemcpyAsync`` into a block of its recycling pool
 (:meth:`ortcapture._transfer.staging.HostStaging.read_new` / ``read_rows``), and a caller that wants those outputs in
@@ -172,3 +178,59 @@ def outputs_into(buffer, start: int | None = None, stop: int | None = None, alig
         return _Block(buffer, own=False)
     return _Block(OutputArena(buffer, 0 if start is None else start, stop, 4096 if align is None else align),
                   own=True)
+
+
+# the device-output tap: (callable, thread id, task) of the innermost open tap_device_outputs block, as _ARENA
+_TAP: contextvars.ContextVar = contextvars.ContextVar("ortcapture_device_output_tap", default=None)
+
+
+class _Tap:
+    """What :func:`tap_device_outputs` returns: a context manager setting the tap for its thread and task."""
+
+    def __init__(self, copy):
+        self.copy, self._token = copy, None
+
+    def __enter__(self):
+        if self._token is not None:
+            raise RuntimeError("tap_device_outputs(): this block is entered already")
+        self._token = _TAP.set((self.copy, threading.get_ident(), _task()))
+        return self.copy
+
+    def __exit__(self, *exc) -> None:
+        token, self._token = self._token, None
+        try:
+            _TAP.reset(token)
+        except ValueError:  # the token belongs to another context: that context's variable ends with it
+            pass
+
+
+def tap_device_outputs(copy) -> _Tap:
+    """A context manager: inside the ``with`` block, every output that a page-locked (CUDA) staging reads to the host
+    on this thread and asyncio task — ``CapturedGraph.run`` with ``copy_outputs=True``, a session's bucket runs made
+    on this thread (as :func:`outputs_into`) — is first offered to ``copy(name, device_ptr, shape, dtype, stream)``:
+    ``device_ptr`` (int) is the graph's own fixed device buffer of output ``name`` and ``shape`` (tuple of ints,
+    C order, numpy ``dtype``) what is read from it — the whole output, or its first rows along the batched axis
+    (a bucket's padding cut off, nothing before that axis) — and ``stream`` the CUDA stream (cuda-python
+    ``cudaStream_t``) the read is queued on. What ``copy`` queues on ``stream`` (e.g. a device-to-device
+    ``cudaMemcpyAsync`` of some rows into memory of the caller's: a CUDA IPC region) runs after the replay and is
+    finished when the read returns; the buffer is the graph's, overwritten by its next replay, so copy from it only
+    there. Pageable stagings (WebGPU, CPU, a CUDA staging that could not page-lock), and outputs read otherwise
+    (cut along more than one axis), never call it: the caller checks what it got. What ``copy`` raises fails the
+    read (and the run) — catch a request's own faults inside it. Blocks nest (the innermost wins) and belong to the
+    thread and task that entered them, as :func:`outputs_into`'s.
+
+    Raises:
+        TypeError: ``copy`` is not callable (here, before the block).
+    """
+    if not callable(copy):
+        raise TypeError(f"tap_device_outputs() needs a callable, got {type(copy).__name__}")
+    return _Tap(copy)
+
+
+def current_tap():
+    """The callable of the innermost :func:`tap_device_outputs` block this thread and task entered that has not
+    ended, or ``None``."""
+    held = _TAP.get()
+    if held is None or held[1] != threading.get_ident() or held[2] is not _task():
+        return None
+    return held[0]

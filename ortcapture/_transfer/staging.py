@@ -22,6 +22,7 @@ from ortcapture._ort.compat import OrtValue
 from ortcapture._ort.sync import CUDA_GATE, UNSETTLED, settle
 from ortcapture._ort.values import STORAGE
 from ortcapture._transfer.arena import current as current_arena
+from ortcapture._transfer.arena import current_tap
 from ortcapture._transfer.check import _dst_meta
 from ortcapture._transfer.copy import copy, to_numpy, update_inplace
 from ortcapture._transfer.host_copy import _fill, _fill_and_send, host_copy
@@ -513,6 +514,9 @@ class HostStaging:
         if UNSETTLED:
             settle()
         nbytes = n * math.prod(full[axis + 1:]) * dtype.itemsize
+        tap = current_tap()
+        if tap is not None:  # ortcapture.transfer.tap_device_outputs: the caller's device copies first
+            tap(name, self._ptr[("out", name)][1], arr.shape, dtype, self._stream)
         if nbytes:
             cudart.copy_async(arr.ctypes.data, self._ptr[("out", name)][1], nbytes, self._stream)
         self.wait()
@@ -591,9 +595,11 @@ class HostStaging:
         stream = self._stream
         res: list = []
         spill = []
-        arena = current_arena()
+        arena, tap = current_arena(), current_tap()
         for i, n in enumerate(names):
             _hptr, dptr, nbytes = self._ptr[("out", n)]
+            if tap is not None:  # ortcapture.transfer.tap_device_outputs: the caller's device copies first
+                tap(n, dptr, *pool.specs[n], stream)
             arr = arena.take(*pool.specs[n]) if arena is not None else None
             if arr is None:
                 arr = pool.take(n)

@@ -6,7 +6,9 @@ with the CUDA context): it opens each region's handle once per registration (``c
 the region lies inside the allocation the handle names (``cuMemGetAddressRange``: a client that claims more bytes
 than it allocated gets a 400, never a read past its allocation), gathers a run's rows into one CUDA ``OrtValue``
 device to device (that value then goes through the feed path's device copy into the graph's input buffer, no host
-round trip), and writes outputs into regions. Handles are closed (``cudaIpcCloseMemHandle``) when a name is
+round trip), and writes outputs into regions — device to device from the graph's own output buffers as the run's
+outputs are read (:class:`RegionTap`, through :func:`ortcapture.transfer.tap_device_outputs`), from the host
+answer where that cannot be (:meth:`IpcMemory.write`: a pageable staging, an output batched on another axis). Handles are closed (``cudaIpcCloseMemHandle``) when a name is
 registered again, unregistered, or the replica stops.
 
 Uses cuda-python (``cuda.bindings``) and onnxruntime's ``OrtValue``; imported only where CUDA shared memory is used.
@@ -57,6 +59,8 @@ class IpcMemory:
         self._open: dict[tuple[str, int], int] = {}  # (name, generation) -> device pointer
         self._scratch: dict[tuple, Any] = {}  # (input, shape, dtype) -> CUDA OrtValue the rows are gathered into
         self._lock = threading.Lock()
+        #: outputs copied device to device into a region (:meth:`copy_from_device`), and from the host (:meth:`write`)
+        self.device_writes = self.host_writes = 0
 
     def open(self, region: Region) -> int:
         """The device pointer of ``region`` (opened on first use of each registration; a handle of an earlier
@@ -158,9 +162,65 @@ class IpcMemory:
         _check(err, f"{where}: cudaMemcpy")
         (err,) = rt.cudaStreamSynchronize(0)
         _check(err, "cudaStreamSynchronize")
+        with self._lock:
+            self.host_writes += 1
+
+    def copy_from_device(self, ref: Ref, src: int, nbytes: int, stream, where: str) -> None:
+        """Queue a device-to-device copy of ``nbytes`` bytes at device pointer ``src`` to where ``ref`` points, on
+        CUDA stream ``stream`` (finished when the caller synchronizes it). Raises :class:`ShmError` when they do not
+        fit ``ref.byte_size`` (nothing is copied) or the region does not open, :class:`DeviceCopyError` for a copy
+        that cannot be queued."""
+        if nbytes > ref.byte_size:
+            raise ShmError(f"{where}: {nbytes} bytes do not fit its shared_memory_byte_size of {ref.byte_size}")
+        dst = self.open(ref.region) + ref.offset
+        rt = _rt()
+        (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream)
+        _check(err, f"{where}: cudaMemcpyAsync")
+        with self._lock:
+            self.device_writes += 1
 
     def close(self) -> None:
         """Close every handle and drop the gather buffers."""
         self.forget()
         with self._lock:
             self._scratch.clear()
+
+
+class RegionTap:
+    """The ``copy`` of :func:`ortcapture.transfer.tap_device_outputs` for one session run: each request's rows of the
+    outputs it names into CUDA regions (``wants``: per request ``{output name: Ref}`` or ``None``; ``rows``: per
+    request, in the run's order), copied device to device from the graph's output buffer as the staging reads it —
+    no host round trip (issue 45). Only an output batched on axis 0 whose read holds the whole run's rows is copied
+    (a run alone per request after a failed batch reads fewer: left to :meth:`IpcMemory.write`); a request whose
+    copy raises (a region too small or gone, a copy that cannot be queued) is left out too, so the host write after
+    the run answers its error as before. ``done`` holds, per request, the set of output names copied here.
+
+    Args:
+        ipc: the replica's :class:`IpcMemory` (or anything with its ``copy_from_device``).
+        rows, wants: as above, one entry per request of the run.
+        axes: ``{output name: batched axis}`` of the session's outputs.
+    """
+
+    def __init__(self, ipc, rows, wants, axes):
+        self.ipc, self.rows, self.wants, self.axes = ipc, [int(r) for r in rows], list(wants), axes
+        self.total = sum(self.rows)
+        self.done: list[set] = [set() for _ in self.rows]
+
+    def __call__(self, name: str, dptr: int, shape, dtype, stream) -> None:
+        if self.axes.get(name) != 0 or not shape or shape[0] != self.total:
+            return
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+        at = 0
+        for k, n in enumerate(self.rows):
+            ref = (self.wants[k] or {}).get(name)
+            if ref is not None:
+                try:
+                    self.ipc.copy_from_device(ref, dptr + at, n * row_bytes, stream, f"output {name!r}")
+                    self.done[k].add(name)
+                except Exception:  # noqa: BLE001 - this request's own fault: IpcMemory.write after the run says it
+                    self.done[k].discard(name)
+            at += n * row_bytes
+
+    def member(self, start: int, stop: int) -> list[set]:
+        """``done`` of requests ``[start, stop)`` (one member of a merged run)."""
+        return self.done[start:stop]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -32,12 +33,12 @@ from typing import Sequence
 from ray import serve as ray_serve
 
 from ortcapture.serving.config import THROUGHPUT_ENV, ServeOptions
-from ortcapture.transfer import outputs_into, pinning_in_place
+from ortcapture.transfer import outputs_into, pinning_in_place, tap_device_outputs
 from ortcapture.serving.ray_common import STATS_DEPLOYMENT, Reporter, keep_replica_grpc_on_loopback, quick_gil_handoff
 from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.merge import MergeScratch, iter_merged_runs, mergeable, prefetched, split_answer
 from ortcapture.serving.slots import SlotMissing, SlotReader
-from ortcapture.serving.cuda_ipc import IpcMemory
+from ortcapture.serving.cuda_ipc import IpcMemory, RegionTap
 from ortcapture.serving.cuda_shm import DeviceRows
 from ortcapture.serving.requests import take
 from ortcapture.serving.shm import ShmError
@@ -250,8 +251,10 @@ class ModelSession:
                     queued = [t for i in members for t in flat[i][2]]
                     device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
                     arena = self._output_arena(calls, flat, members, alive)
+                    tap = self._region_tap(flat, members, rows)
                     try:
-                        with outputs_into(arena) if arena is not None else contextlib.nullcontext():
+                        with outputs_into(arena) if arena is not None else contextlib.nullcontext(), \
+                                tap_device_outputs(tap) if tap is not None else contextlib.nullcontext():
                             answer = self.core.run_joined(feeds, rows, queued,
                                                           prepare=self._gather if device else None)
                     finally:
@@ -260,9 +263,12 @@ class ModelSession:
                     self.merged_runs += len(members) - 1
                     parts = [answer] if len(members) == 1 else \
                         split_answer(answer, [flat[i][1][1] for i in members])
-                    # each member's requests' outputs into the CUDA regions they name, from its own rows
-                    parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2]) if len(flat[i][1]) > 2 else p
-                             for i, p in zip(members, parts)]
+                    # each member's requests' outputs into the CUDA regions they name, from its own rows: copied
+                    # there on the device as the run's outputs were read (tap), else written from the host answer
+                    firsts = itertools.accumulate((len(flat[i][1][1]) for i in members), initial=0)
+                    parts = [self._device_outputs(p, flat[i][1][1], flat[i][1][2],
+                                                  tap.member(a, a + len(flat[i][1][1])) if tap is not None else None)
+                             if len(flat[i][1]) > 2 else p for i, p, a in zip(members, parts, firsts)]
                     self._metrics.batch(sum(rows), parts, len(rows))  # after the regions' own 400s
                 except Exception as exc:  # noqa: BLE001 - the calls of this run get it, the others go on
                     parts = [exc] * len(members)
@@ -299,11 +305,23 @@ class ModelSession:
         :class:`~ortcapture.serving.cuda_ipc.DeviceCopyError` (a copy that fails: the health rule decides)."""
         return {n: self._ipc.gather(n, v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
 
-    def _device_outputs(self, answer: dict, rows, outs) -> dict:
+    def _region_tap(self, flat: list, members: list, rows) -> RegionTap | None:
+        """A :class:`~ortcapture.serving.cuda_ipc.RegionTap` for a run whose requests name CUDA output regions (on
+        CUDA), else ``None``."""
+        if not any(len(flat[i][1]) > 2 for i in members) or self._ipc is None:
+            return None
+        wants = [w for i in members for w in (flat[i][1][2] if len(flat[i][1]) > 2 else [None] * len(flat[i][1][1]))]
+        if not any(wants):
+            return None
+        return RegionTap(self._ipc, rows, wants, self.core.runner.output_axes)
+
+    def _device_outputs(self, answer: dict, rows, outs, copied=None) -> dict:
         """Each request's rows of the outputs it names into CUDA regions (``outs``: per request ``{output name:
-        Ref}`` or ``None``), written there; a request whose region is too small gets its own 400, one whose copy
-        fails on the device (:class:`~ortcapture.serving.cuda_ipc.DeviceCopyError`) its own 500 (the others their
-        outputs, and a merged run's other members theirs)."""
+        Ref}`` or ``None``), written there from the host answer unless ``copied`` (per request, the names a
+        :class:`~ortcapture.serving.cuda_ipc.RegionTap` copied device to device during the run) has them; a request
+        whose region is too small gets its own 400, one whose copy fails on the device
+        (:class:`~ortcapture.serving.cuda_ipc.DeviceCopyError`) its own 500 (the others their outputs, and a merged
+        run's other members theirs)."""
         if "outputs" in answer:
             axes, offset, own = answer["axes"], 0, []
             for n in rows:
@@ -313,12 +331,15 @@ class ModelSession:
         else:
             own = list(answer["answers"])
         bad = False
+        if "outputs" not in answer:  # run again one request at a time: what the tap copied is not these answers'
+            copied = None
         for k, want in enumerate(outs):
             if not want or "outputs" not in own[k]:
                 continue
             try:
                 for name, ref in want.items():
-                    self._ipc.write(ref, own[k]["outputs"][name], f"output {name!r}")
+                    if copied is None or name not in copied[k]:
+                        self._ipc.write(ref, own[k]["outputs"][name], f"output {name!r}")
             except ShmError as exc:
                 own[k] = {"error": str(exc), "status": 400}
                 bad = True
@@ -372,7 +393,9 @@ class ModelSession:
         (``slot_pools_dropped``, :meth:`ortcapture.serving.slots.SlotReader.drop_stale`), the merged inputs joined
         into the reused (on CUDA page-locked) buffers of :class:`~ortcapture.serving.merge.MergeScratch`
         (``merge_scratch_used``; ``merge_scratch_error``: why page-locking one failed, which turns them off),
-        whether the next merged run is joined while the current one runs (``merge_prefetch``), and
+        whether the next merged run is joined while the current one runs (``merge_prefetch``), the outputs written
+        into CUDA regions (``cuda_region_writes``: ``device_to_device`` from the graph's buffers,
+        :class:`~ortcapture.serving.cuda_ipc.RegionTap`, and ``from_host``; ``None`` off CUDA), and
         where the batches' time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from
         arrival to answer, ns) and ``wait_ns`` (from arrival to the start of their round on the replay thread; CPU
         provider: 0)."""
@@ -380,6 +403,8 @@ class ModelSession:
                 "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
                 "slot_outputs_in_place": self._slot_reader.in_place, "slot_pools_dropped": self._slot_reader.dropped,
                 "merge_prefetch": self._prefetch is not None,
+                "cuda_region_writes": None if self._ipc is None else
+                {"device_to_device": self._ipc.device_writes, "from_host": self._ipc.host_writes},
                 "merge_scratch_used": self._scratch.used if self._scratch is not None else 0,
                 "merge_scratch_error": self._scratch.error if self._scratch is not None else None,
                 "serve_throughput_optimized": os.environ.get(THROUGHPUT_ENV) == "1",
