@@ -13,7 +13,7 @@ import pytest
 
 from ortcapture._transfer import staging as _staging
 from ortcapture.transfer import OutputArena, outputs_into, tap_device_outputs
-from ortcapture._transfer.arena import current, current_tap
+from ortcapture._transfer.arena import current, current_tap, suspend_tap
 from tests.test_staging import fake_pinned  # noqa: F401 - the fixture
 
 
@@ -403,9 +403,47 @@ def test_taps_nest_belong_to_their_thread_and_need_a_callable():
             t.join()
         assert current_tap() is outer
     assert current_tap() is None and seen == [None]
+    with tap_device_outputs(outer):
+        with suspend_tap():  # the bucket runner's captures and verification reads
+            assert current_tap() is None
+        assert current_tap() is outer
     with pytest.raises(TypeError, match="callable"):
         tap_device_outputs(3)
     block = tap_device_outputs(outer)
     with block:
         with pytest.raises(RuntimeError, match="entered already"):
             block.__enter__()
+
+
+def test_a_tap_that_ends_out_of_order_is_never_current_again():
+    """As ``outputs_into``'s blocks: a generator's tap that ends inside the caller's, and a middle tap ending first,
+    never leave an ended tap current (it would copy into memory its owner may have freed)."""
+    def x(*_):
+        pass
+
+    def y(*_):
+        pass
+
+    def gen():
+        with tap_device_outputs(y):
+            yield
+
+    outer = tap_device_outputs(x)
+    outer.__enter__()
+    g = gen()
+    next(g)  # y entered inside x
+    assert current_tap() is y
+    outer.__exit__(None, None, None)  # x ends while y is still open
+    assert current_tap() is y
+    g.close()  # y ends: x ended before, so nothing is current
+    assert current_tap() is None
+    d, e, f = (tap_device_outputs(fn) for fn in (x, y, lambda *_: None))
+    d.__enter__()
+    e.__enter__()
+    f_fn = f.__enter__()
+    e.__exit__(None, None, None)
+    assert current_tap() is f_fn
+    f.__exit__(None, None, None)
+    assert current_tap() is x
+    d.__exit__(None, None, None)
+    assert current_tap() is None

@@ -660,3 +660,30 @@ def test_after_a_failed_batch_each_requests_region_is_written_from_its_own_run_a
     assert ms.core.runs == [3, 1, 1, 1] and got["answers"][1]["status"] == 400
     assert (ms._ipc.device_writes, ms._ipc.host_writes) == (0, 1)
     np.testing.assert_array_equal(ms._ipc.written[("o", 0)], np.full((1, 4), 2.0, np.float32))
+
+
+def test_a_batch_that_fails_after_its_outputs_were_copied_writes_each_region_from_the_requests_own_run():
+    """The batch's outputs were read (and copied into the regions) but the run failed after that: each request is
+    run alone and its region written from that answer on the host — never left with the failed batch's rows."""
+    from ortcapture._transfer.arena import current_tap
+
+    mem = {"a": np.arange(8, dtype=np.float32), "c": np.ones(8, np.float32)}
+    ms = _device_replica(mem, ipc=_TapIpc(mem))
+    runner = ms.core.runner
+    inner = runner.session.run
+    junk = np.full((2, 4), -7.0, np.float32)
+
+    def run(names, feeds, run_options=None):
+        outs = inner(names, feeds, run_options)
+        if feeds["X"].shape[0] == 2:  # the batch: its (junk) outputs offered to the tap, then the run fails
+            current_tap()("Y", junk.ctypes.data, junk.shape, junk.dtype, "stream")
+            raise RuntimeError("the batch failed after its outputs were read")
+        return outs
+
+    runner.session.run = run
+    out = shm.Ref(Regions().register_cuda("o", HANDLE, 0, 64), 0, 16)
+    rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "c"), 0, 1)])
+    (got,), = ms._run_calls([([({"X": rows, "Z": _z(2)}, [1, 1], [{"Y": out}, None])], [[0, 0]], None)])
+    assert ms.core.runs == [2, 1, 1] and "answers" in got
+    assert ms._ipc.device_writes == 1 and ms._ipc.host_writes == 1  # copied during the batch, then rewritten
+    np.testing.assert_array_equal(ms._ipc.written[("o", 0)], mem["a"][:4].reshape(1, 4) * 2)

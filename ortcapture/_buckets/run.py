@@ -31,6 +31,7 @@ from ortcapture._buckets import neutral as _neutral
 from ortcapture._buckets.feeds import requested_outputs
 from ortcapture._buckets.host import BucketHost
 from ortcapture._ort import compat
+from ortcapture._transfer.arena import suspend_tap
 from ortcapture._verify import compare as _verify
 from ortcapture._buckets.values import dtype_of, input_dtype, np_dtype, shape_of, wrap_outputs
 from ortcapture._buckets.spec import (BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets,
@@ -209,7 +210,8 @@ class BucketRunner:
             return self._plain(output_names, input_feed, run_options, ort_values)
         for _ in range(4):  # again when another thread evicted or released the graph between look-up and replay
             key = self._key(feeds, bucket)
-            entry = self._entry(feeds, sizes, bucket, key)
+            with suspend_tap():  # a capture's and its verification's reads are not this request's answer
+                entry = self._entry(feeds, sizes, bucket, key)
             if entry is None:
                 break
             outs = self._replay(entry, feeds, sizes, names, count=count)

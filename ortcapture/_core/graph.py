@@ -286,10 +286,9 @@ class CapturedGraph:
                             hit[1](value)
                         else:
                             ttargets.copy_feeds(self._targets, feeds)
-                    # a seqlock for ReplayOutput readers: odd while the outputs are being rewritten, even when done, so
-                    # a read that overlaps a replay from another thread is detected (ReplayOutput.numpy checks before
-                    # and after). Feeds were copied above, before it turned odd: this graph's own previous outputs may
-                    # be fed back.
+                    # a seqlock for ReplayOutput readers: odd while the outputs are rewritten, even when done, so a
+                    # read overlapping a replay from another thread is detected (ReplayOutput.numpy checks before and
+                    # after). Feeds were copied above, before it turned odd: its own previous outputs may be fed back.
                     self._generation += 1
                     try:
                         if copy_outputs is False:  # the wrappers made before ORT's call, not after its GPU wait
@@ -311,7 +310,8 @@ class CapturedGraph:
                             tcopy.copy(self._state_src, self._state_dst)
                         if copy_outputs is False:
                             return res
-                        if out is None and copy_outputs is True and self._numpy_out:
+                        if out is None and copy_outputs is True and self._numpy_out and not (
+                                self._pin_ok and _staging.current_tap()):  # a tap: read through the staging
                             return [tcopy.to_numpy(v) for v in self._output_list]
                         return self._host_outputs(copy_outputs, out)
                     finally:

@@ -28,6 +28,8 @@ import numpy as np
 # the outputs of another coroutine that runs on the same thread while it awaits); it holds the entering thread's id
 # as well, since asyncio.to_thread and loop.run_in_executor copy the context into worker threads
 _ARENA: contextvars.ContextVar = contextvars.ContextVar("ortcapture_output_arena", default=None)
+# the device-output tap: as _ARENA, (block, thread id, task) of the innermost tap_device_outputs block
+_TAP: contextvars.ContextVar = contextvars.ContextVar("ortcapture_device_output_tap", default=None)
 
 
 def _index(value, what: str) -> int:
@@ -106,12 +108,18 @@ class OutputArena:
 def current() -> OutputArena | None:
     """The arena of the innermost :func:`outputs_into` block this thread and task entered that has not ended, or
     ``None``."""
-    held = _ARENA.get()
+    block = _innermost(_ARENA)
+    return None if block is None else block.arena
+
+
+def _innermost(var: contextvars.ContextVar):
+    """The innermost block of ``var`` this thread and task entered that has not ended, or ``None``."""
+    held = var.get()
     while held is not None and held[0].token is None:  # ended (out of order, or in another context): its parent
         held = held[0].parent
     if held is None or held[1] != threading.get_ident() or held[2] is not _task():
         return None
-    return held[0].arena
+    return held[0]
 
 
 def _task():
@@ -122,24 +130,26 @@ def _task():
 
 
 class _Block:
-    """What :func:`outputs_into` returns: a context manager over one :class:`OutputArena`."""
+    """What :func:`outputs_into` returns: a context manager over one :class:`OutputArena` (``arena``); and, over
+    ``var`` ``_TAP``, what :func:`tap_device_outputs` returns (``arena`` its callable, never released)."""
 
-    def __init__(self, arena: OutputArena, own: bool):
+    def __init__(self, arena, own: bool, var: contextvars.ContextVar = _ARENA, what: str = "outputs_into()"):
         self.arena, self._own, self.token, self.parent = arena, own, None, None
+        self._var, self._what = var, what
 
-    def __enter__(self) -> OutputArena:
+    def __enter__(self):
         if self.token is not None:
-            raise RuntimeError("outputs_into(): this block is entered already")
-        self.parent = _ARENA.get()  # what current() falls back to once this block ended
-        self.token = _ARENA.set((self, threading.get_ident(), _task()))
+            raise RuntimeError(f"{self._what}: this block is entered already")
+        self.parent = self._var.get()  # what current() falls back to once this block ended
+        self.token = self._var.set((self, threading.get_ident(), _task()))
         return self.arena
 
     def __exit__(self, *exc) -> None:
         token, self.token = self.token, None
         try:
-            held = _ARENA.get()
+            held = self._var.get()
             if held is not None and held[0] is self:  # the innermost block: the variable back as it was
-                _ARENA.reset(token)
+                self._var.reset(token)
             # else a block entered inside this one is still open (a generator's block ended out of order, or this
             # is another context): the variable keeps it, and current() passes over this ended block to its parent
         except ValueError:  # the token belongs to another context (an async generator closed by the event loop)
@@ -180,34 +190,11 @@ def outputs_into(buffer, start: int | None = None, stop: int | None = None, alig
                   own=True)
 
 
-# the device-output tap: (callable, thread id, task) of the innermost open tap_device_outputs block, as _ARENA
-_TAP: contextvars.ContextVar = contextvars.ContextVar("ortcapture_device_output_tap", default=None)
-
-
-class _Tap:
-    """What :func:`tap_device_outputs` returns: a context manager setting the tap for its thread and task."""
-
-    def __init__(self, copy):
-        self.copy, self._token = copy, None
-
-    def __enter__(self):
-        if self._token is not None:
-            raise RuntimeError("tap_device_outputs(): this block is entered already")
-        self._token = _TAP.set((self.copy, threading.get_ident(), _task()))
-        return self.copy
-
-    def __exit__(self, *exc) -> None:
-        token, self._token = self._token, None
-        try:
-            _TAP.reset(token)
-        except ValueError:  # the token belongs to another context: that context's variable ends with it
-            pass
-
-
-def tap_device_outputs(copy) -> _Tap:
-    """A context manager: inside the ``with`` block, every output that a page-locked (CUDA) staging reads to the host
-    on this thread and asyncio task — ``CapturedGraph.run`` with ``copy_outputs=True``, a session's bucket runs made
-    on this thread (as :func:`outputs_into`) — is first offered to ``copy(name, device_ptr, shape, dtype, stream)``:
+def tap_device_outputs(copy) -> _Block:
+    """A context manager: inside the ``with`` block, each output that a page-locked (CUDA) staging reads into a new
+    host array on this thread and asyncio task — ``CapturedGraph.run`` with ``copy_outputs=True`` and no ``out=``, a
+    session's bucket runs made on this thread (their answer's read: a bucket's capture and verification reads are
+    not offered) — is first offered to ``copy(name, device_ptr, shape, dtype, stream)``:
     ``device_ptr`` (int) is the graph's own fixed device buffer of output ``name`` and ``shape`` (tuple of ints,
     C order, numpy ``dtype``) what is read from it — the whole output, or its first rows along the batched axis
     (a bucket's padding cut off, nothing before that axis) — and ``stream`` the CUDA stream (cuda-python
@@ -215,7 +202,8 @@ def tap_device_outputs(copy) -> _Tap:
     ``cudaMemcpyAsync`` of some rows into memory of the caller's: a CUDA IPC region) runs after the replay and is
     finished when the read returns; the buffer is the graph's, overwritten by its next replay, so copy from it only
     there. Pageable stagings (WebGPU, CPU, a CUDA staging that could not page-lock), and outputs read otherwise
-    (cut along more than one axis), never call it: the caller checks what it got. What ``copy`` raises fails the
+    (``out=``, ``copy_outputs="pinned"``, ``run_many``, cut along more than one axis), never call it: the caller
+    checks what it got. What ``copy`` raises fails the
     read (and the run) — catch a request's own faults inside it. Blocks nest (the innermost wins) and belong to the
     thread and task that entered them, as :func:`outputs_into`'s.
 
@@ -224,13 +212,17 @@ def tap_device_outputs(copy) -> _Tap:
     """
     if not callable(copy):
         raise TypeError(f"tap_device_outputs() needs a callable, got {type(copy).__name__}")
-    return _Tap(copy)
+    return _Block(copy, own=False, var=_TAP, what="tap_device_outputs()")
 
 
 def current_tap():
     """The callable of the innermost :func:`tap_device_outputs` block this thread and task entered that has not
     ended, or ``None``."""
-    held = _TAP.get()
-    if held is None or held[1] != threading.get_ident() or held[2] is not _task():
-        return None
-    return held[0]
+    block = _innermost(_TAP)
+    return None if block is None else block.arena
+
+
+def suspend_tap() -> _Block:
+    """A context manager in which no :func:`tap_device_outputs` block is current on this thread and task (the bucket
+    runner's captures and verification replays: their reads are not the answer's, so a tap must not copy them)."""
+    return _Block(None, own=False, var=_TAP, what="suspend_tap()")
