@@ -5,7 +5,8 @@
 # STEPS (default "tests serving served arms"): tests (the CUDA tests of the page-locked paths, buckets, CUDA),
 # serving (bench_serving's arms at 1/8/32 clients + py-spy at 32), served (the served CUDA shared-memory tests),
 # arms (bucket_arms, TF32 on), suite (every CUDA test), bench (ortcapture bench at batch 1 and 8), haproxy
-# (tools/serve_smoke.sh --haproxy: ortcapture serve under Ray Serve's HAProxy ingress, answers checked, SIGINT).
+# (tools/serve_smoke.sh --haproxy: ortcapture serve under Ray Serve's HAProxy ingress, answers checked, SIGINT),
+# protocols (bench_serving's product over PATHS, default http,grpc,shm,cudashm, at LEVELS, default 1,32).
 set -u
 t0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,6 +45,9 @@ suite) step cuda_suite "${SUITE_LIMIT:-300}" python3 -m pytest -q -p no:cachepro
 bench) step bench "${BENCH_LIMIT:-110}" python3 -m ortcapture bench --provider cuda --batch 1,8 --procs 3 --iters 200 \
          --json "$OUT/bench_cli.json" ;;
 haproxy) TAILN=30 step haproxy "${HAPROXY_LIMIT:-200}" bash tools/serve_smoke.sh --haproxy ;;
+protocols) TAILN=12 step protocols "${PROTOCOLS_LIMIT:-200}" python3 benchmarks/bench_serving.py --arms product \
+             --levels "${LEVELS:-1,32}" --paths "${PATHS:-http,grpc,shm,cudashm}" --repeats 1 --seconds 3 --warm 1 \
+             --plain-runs 50 --out "$OUT/protocols" ;;
 *) echo "unknown step $s" ;;
 esac; done
 ls -la "$OUT"; echo "total $(( $(date +%s) - t0 )) s"
