@@ -204,8 +204,9 @@ def tap_device_outputs(copy) -> _Block:
     there. Pageable stagings (WebGPU, CPU, a CUDA staging that could not page-lock), and outputs read otherwise
     (``out=``, ``copy_outputs="pinned"``, ``run_many``, cut along more than one axis), never call it: the caller
     checks what it got. What ``copy`` raises fails the
-    read (and the run) — catch a request's own faults inside it. Blocks nest (the innermost wins) and belong to the
-    thread and task that entered them, as :func:`outputs_into`'s.
+    read (and the run) — catch a request's own faults inside it. ``with`` gives ``copy`` back. Blocks nest (the
+    innermost wins) and belong to the thread and task that entered them, as :func:`outputs_into`'s: a
+    ``replay_thread=True`` session reads on its replay thread, so enter the block there (``run_on_replay_thread``).
 
     Raises:
         TypeError: ``copy`` is not callable (here, before the block).
