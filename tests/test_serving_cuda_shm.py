@@ -574,6 +574,11 @@ def test_a_failed_copy_into_one_output_region_is_that_requests_500_only():
 
 
 
+def _own(name: str):
+    """A CUDA region of 64 bytes with an IPC handle of its own (``_dev``'s inputs share ``HANDLE``: one allocation)."""
+    return Regions().register_cuda(name, name.encode().ljust(64, b"\0"), 0, 64)
+
+
 class _TapIpc(_FakeIpc):
     """:class:`_FakeIpc` that also takes device-to-device copies (``copy_from_device``: ``src`` a host address here,
     as the fake staging's "device" buffers), counting both kinds as :class:`IpcMemory` does."""
@@ -624,9 +629,9 @@ def test_output_regions_are_written_device_to_device_from_the_runs_own_buffers()
            "c": np.arange(50, 54, dtype=np.float32)}
     ms = _tapping(_device_replica(mem, ipc=_TapIpc(mem)))
     ta, tb, tc = _dev(1, "a", 16), _dev(2, "b", 0), _dev(1, "c", 0)
-    out_a = shm.Ref(Regions().register_cuda("oa", HANDLE, 0, 64), 0, 16)
-    out_b = shm.Ref(Regions().register_cuda("ob", HANDLE, 0, 64), 8, 32)
-    out_c = shm.Ref(Regions().register_cuda("oc", HANDLE, 0, 64), 0, 16)
+    out_a = shm.Ref(_own("oa"), 0, 16)
+    out_b = shm.Ref(_own("ob"), 8, 32)
+    out_c = shm.Ref(_own("oc"), 0, 16)
     calls = [([({"X": DeviceRows.of([(ta, 0, 1), (tb, 0, 2)]), "Z": _z(3)}, [1, 2], [{"Y": out_a}, {"Y": out_b}])],
               [[0, 0]], None),
              ([({"X": DeviceRows.of([(tc, 0, 1)]), "Z": _z(1)}, [1], [{"Y": out_c}])], [[0]], None)]
@@ -638,7 +643,7 @@ def test_output_regions_are_written_device_to_device_from_the_runs_own_buffers()
     np.testing.assert_array_equal(ms._ipc.written[("oc", 0)], mem["c"].reshape(1, 4) * 2)
     np.testing.assert_array_equal(answers[1][0]["outputs"]["Y"], mem["c"].reshape(1, 4) * 2)
     # too small for its request's rows: not copied on the device; the host write answers its own 400
-    small = shm.Ref(Regions().register_cuda("os", HANDLE, 0, 64), 0, 8)
+    small = shm.Ref(_own("os"), 0, 8)
     calls[0][0][0] = (calls[0][0][0][0], [1, 2], [{"Y": small}, {"Y": out_b}])
     ms._ipc.written.clear()
     answers = ms._run_calls(calls)
@@ -654,7 +659,7 @@ def test_after_a_failed_batch_each_requests_region_is_written_from_its_own_run_a
     mem = {"a": np.arange(8, dtype=np.float32), "bad": -np.ones(8, np.float32), "c": np.ones(8, np.float32)}
     ms = _tapping(_device_replica(mem, ipc=_TapIpc(mem)))
     rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "bad"), 0, 1), (_dev(1, "c"), 0, 1)])
-    out = shm.Ref(Regions().register_cuda("o", HANDLE, 0, 64), 0, 16)
+    out = shm.Ref(_own("o"), 0, 16)
     z = np.arange(3, dtype=np.float32).reshape(3, 1)
     (got,), = ms._run_calls([([({"X": rows, "Z": z}, [1, 1, 1], [None, None, {"Y": out}])], [[0, 0, 0]], None)])
     assert ms.core.runs == [3, 1, 1, 1] and got["answers"][1]["status"] == 400
@@ -681,9 +686,26 @@ def test_a_batch_that_fails_after_its_outputs_were_copied_writes_each_region_fro
         return outs
 
     runner.session.run = run
-    out = shm.Ref(Regions().register_cuda("o", HANDLE, 0, 64), 0, 16)
+    out = shm.Ref(_own("o"), 0, 16)
     rows = DeviceRows.of([(_dev(1, "a"), 0, 1), (_dev(1, "c"), 0, 1)])
     (got,), = ms._run_calls([([({"X": rows, "Z": _z(2)}, [1, 1], [{"Y": out}, None])], [[0, 0]], None)])
     assert ms.core.runs == [2, 1, 1] and "answers" in got
     assert ms._ipc.device_writes == 1 and ms._ipc.host_writes == 1  # copied during the batch, then rewritten
     np.testing.assert_array_equal(ms._ipc.written[("o", 0)], mem["a"][:4].reshape(1, 4) * 2)
+
+
+def test_an_output_region_overlapping_the_runs_inputs_is_written_from_the_host_after_the_run():
+    """A request whose output region overlaps the bytes its run's inputs were gathered from: not copied during the
+    read (a failed batch would gather its requests' inputs again from there), written from the host answer after;
+    the other request's region still device to device."""
+    mem = {"a": np.arange(8, dtype=np.float32), "b": np.arange(100, 108, dtype=np.float32)}
+    ms = _tapping(_device_replica(mem, ipc=_TapIpc(mem)))
+    ta, tb = _dev(1, "a", 16), _dev(1, "b", 0)
+    onto_a = shm.Ref(ta.ref.region, 16, 16)  # the very bytes request 0's input came from
+    other = shm.Ref(_own("o"), 0, 16)
+    calls = [([({"X": DeviceRows.of([(ta, 0, 1), (tb, 0, 1)]), "Z": _z(2)}, [1, 1], [{"Y": onto_a}, {"Y": other}])],
+              [[0, 0]], None)]
+    (got,), = ms._run_calls(calls)
+    assert (ms._ipc.device_writes, ms._ipc.host_writes) == (1, 1)
+    np.testing.assert_array_equal(ms._ipc.written[("a", 16)], mem["a"][4:8].reshape(1, 4) * 2)
+    np.testing.assert_array_equal(ms._ipc.written[("o", 0)], mem["b"][:4].reshape(1, 4) * 2)

@@ -210,8 +210,7 @@ class BucketRunner:
             return self._plain(output_names, input_feed, run_options, ort_values)
         for _ in range(4):  # again when another thread evicted or released the graph between look-up and replay
             key = self._key(feeds, bucket)
-            with suspend_tap():  # a capture's and its verification's reads are not this request's answer
-                entry = self._entry(feeds, sizes, bucket, key)
+            entry = self._entry(feeds, sizes, bucket, key)
             if entry is None:
                 break
             outs = self._replay(entry, feeds, sizes, names, count=count)
@@ -352,7 +351,7 @@ class BucketRunner:
     # -- graphs -----------------------------------------------------------------------------------------------
     def _entry(self, feeds: dict, sizes: dict, bucket: dict, key: tuple | None = None) -> _Entry | None:
         key = self._key(feeds, bucket) if key is None else key
-        with self._lock:
+        with self._lock, suspend_tap():  # a capture's, its probes' and its verification's reads are no answer
             entry = self._graphs.get(key)
             if isinstance(entry, Refused):
                 raise entry.error

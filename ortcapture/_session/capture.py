@@ -15,6 +15,7 @@ from ortcapture._ort.providers import CaptureInfo
 from ortcapture._ort.sync import FORKED_DEVICES
 from ortcapture._session.setup import check_tensor_io
 from ortcapture._transfer import copy as tcopy
+from ortcapture._transfer.arena import suspend_tap
 from ortcapture._verify.compare import level_of
 from ortcapture.errors import CaptureError, CaptureUnsupportedError
 
@@ -107,12 +108,13 @@ def capture(self, example_feeds: Mapping[str, Any], graph_id: int | None = None,
         level = self._oc_verify if verify is None else level_of(verify)
         if host:
             graph.freeze_inputs({n: tcopy.to_numpy(graph.inputs[n]) for n in host})
-        if level != "off":
-            reference, rtol = reference_runner(target, self._oc_args[0], self._oc_ref_cache)
-            graph.verification = verify_graph(graph, level, reference, rtol, keep=host,
-                                              model_source=self._oc_args[0])
-        if level == "full":  # the EP against ORT's CPU EP: reported once, never a refusal
-            check_ep_accuracy(target, graph, self._oc_args[0], self._oc_ref_cache)
+        with suspend_tap():  # verification's reads are not the caller's answer (ortcapture.transfer.tap_device_outputs)
+            if level != "off":
+                reference, rtol = reference_runner(target, self._oc_args[0], self._oc_ref_cache)
+                graph.verification = verify_graph(graph, level, reference, rtol, keep=host,
+                                                  model_source=self._oc_args[0])
+            if level == "full":  # the EP against ORT's CPU EP: reported once, never a refusal
+                check_ep_accuracy(target, graph, self._oc_args[0], self._oc_ref_cache)
     except BaseException:
         if graph is not None:
             graph.release()

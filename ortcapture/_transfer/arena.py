@@ -18,6 +18,7 @@ not fit what is left goes to the pool as before. Where it landed is the returned
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import operator
 import threading
@@ -203,7 +204,8 @@ def tap_device_outputs(copy) -> _Block:
     finished when the read returns; the buffer is the graph's, overwritten by its next replay, so copy from it only
     there. Pageable stagings (WebGPU, CPU, a CUDA staging that could not page-lock), and outputs read otherwise
     (``out=``, ``copy_outputs="pinned"``, ``run_many``, cut along more than one axis), never call it: the caller
-    checks what it got. What ``copy`` raises fails the
+    checks what it got. A small CUDA graph (one that reads its outputs with ORT's own copy) makes its page-locked
+    staging on its first run inside a block, and keeps it. What ``copy`` raises fails the
     read (and the run) — catch a request's own faults inside it. ``with`` gives ``copy`` back. Blocks nest (the
     innermost wins) and belong to the thread and task that entered them, as :func:`outputs_into`'s: a
     ``replay_thread=True`` session reads on its replay thread, so enter the block there (``run_on_replay_thread``).
@@ -223,7 +225,11 @@ def current_tap():
     return None if block is None else block.arena
 
 
-def suspend_tap() -> _Block:
-    """A context manager in which no :func:`tap_device_outputs` block is current on this thread and task (the bucket
-    runner's captures and verification replays: their reads are not the answer's, so a tap must not copy them)."""
-    return _Block(None, own=False, var=_TAP, what="suspend_tap()")
+def suspend_tap():
+    """A context manager in which no :func:`tap_device_outputs` block is current on this thread and task (captures,
+    their verification replays and a bucket runner's probes: their reads are not the answer's, so a tap must not copy
+    them). With no tap open (``_TAP`` unset: every caller that never tapped) a shared no-op context, ~12 ns."""
+    return _NO_OP if _TAP.get() is None else _Block(None, own=False, var=_TAP, what="suspend_tap()")
+
+
+_NO_OP = contextlib.nullcontext()

@@ -8,8 +8,9 @@ than it allocated gets a 400, never a read past its allocation), gathers a run's
 device to device (that value then goes through the feed path's device copy into the graph's input buffer, no host
 round trip), and writes outputs into regions — device to device from the graph's own output buffers as the run's
 outputs are read (:class:`RegionTap`, through :func:`ortcapture.transfer.tap_device_outputs`), from the host
-answer where that cannot be (:meth:`IpcMemory.write`: a pageable staging, an output batched on another axis). Handles are closed (``cudaIpcCloseMemHandle``) when a name is
-registered again, unregistered, or the replica stops.
+answer where that cannot be (:meth:`IpcMemory.write`: a pageable staging, an output batched on another axis or cut
+along two, an uncaptured run, an oversize split, a request run alone after its batch failed). Handles are closed
+(``cudaIpcCloseMemHandle``) when a name is registered again, unregistered, or the replica stops.
 
 Uses cuda-python (``cuda.bindings``) and onnxruntime's ``OrtValue``; imported only where CUDA shared memory is used.
 """
@@ -199,10 +200,17 @@ class RegionTap:
         ipc: the replica's :class:`IpcMemory` (or anything with its ``copy_from_device``).
         rows, wants: as above, one entry per request of the run.
         axes: ``{output name: batched axis}`` of the session's outputs.
+        inputs: the :class:`~ortcapture.serving.shm.Ref` s the run's inputs were gathered from: an output region
+            overlapping one (the same IPC handle, or region name, and bytes) is left to the host write — copied
+            during the read it would change the inputs that the run's requests are gathered from again, one at a
+            time, should the run fail after it.
     """
 
-    def __init__(self, ipc, rows, wants, axes):
-        self.ipc, self.rows, self.wants, self.axes = ipc, [int(r) for r in rows], list(wants), axes
+    def __init__(self, ipc, rows, wants, axes, inputs=()):
+        spans = [_span(r) for r in inputs]
+        wants = [None if not w else {n: r for n, r in w.items() if not any(_overlap(_span(r), x) for x in spans)}
+                 for w in wants]
+        self.ipc, self.rows, self.wants, self.axes = ipc, [int(r) for r in rows], wants, axes
         self.total = sum(self.rows)
         self.done: list[set] = [set() for _ in self.rows]
 
@@ -228,3 +236,13 @@ class RegionTap:
     def member(self, start: int, stop: int) -> list[set]:
         """``done`` of requests ``[start, stop)`` (one member of a merged run)."""
         return self.done[start:stop]
+
+
+def _span(ref: Ref) -> tuple:
+    """Where ``ref``'s bytes are: (the allocation's IPC handle, else the region's name; first byte; end)."""
+    start = ref.region.offset + ref.offset
+    return ref.region.raw_handle or ref.region.name, start, start + ref.byte_size
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]

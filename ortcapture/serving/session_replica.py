@@ -251,7 +251,7 @@ class ModelSession:
                     queued = [t for i in members for t in flat[i][2]]
                     device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
                     arena = self._output_arena(calls, flat, members, alive)
-                    tap = self._region_tap(flat, members, rows)
+                    tap = self._region_tap(flat, members, rows, feeds)
                     try:
                         with outputs_into(arena) if arena is not None else contextlib.nullcontext(), \
                                 tap_device_outputs(tap) if tap is not None else contextlib.nullcontext():
@@ -305,15 +305,16 @@ class ModelSession:
         :class:`~ortcapture.serving.cuda_ipc.DeviceCopyError` (a copy that fails: the health rule decides)."""
         return {n: self._ipc.gather(n, v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
 
-    def _region_tap(self, flat: list, members: list, rows) -> RegionTap | None:
+    def _region_tap(self, flat: list, members: list, rows, feeds: dict) -> RegionTap | None:
         """A :class:`~ortcapture.serving.cuda_ipc.RegionTap` for a run whose requests name CUDA output regions (on
-        CUDA), else ``None``."""
+        CUDA), else ``None``; ``feeds``' rows in CUDA regions are its ``inputs``."""
         if not any(len(flat[i][1]) > 2 for i in members) or self._ipc is None:
             return None
         wants = [w for i in members for w in (flat[i][1][2] if len(flat[i][1]) > 2 else [None] * len(flat[i][1][1]))]
         if not any(wants):
             return None
-        return RegionTap(self._ipc, rows, wants, self.core.runner.output_axes)
+        inputs = [t.ref for v in feeds.values() if isinstance(v, DeviceRows) for t, _, _ in v.parts]
+        return RegionTap(self._ipc, rows, wants, self.core.runner.output_axes, inputs)
 
     def _device_outputs(self, answer: dict, rows, outs, copied=None) -> dict:
         """Each request's rows of the outputs it names into CUDA regions (``outs``: per request ``{output name:
