@@ -415,9 +415,9 @@ def test_cuda_tapped_outputs_are_copied_device_to_device_from_the_graph_s_buffer
         calls.clear()
         with tap_device_outputs(copy):
             got = dict(zip(names, bsess.run(None, {"X": xb})))
-        assert sorted(calls) == sorted(names), (n, first, calls)  # each output once: the answer's read only
-        assert set(copies) == set(names), (n, list(copies))
-        for k in names:
-            assert copies[k].shape()[0] == n  # the request's rows, not the bucket's
-            np.testing.assert_array_equal(copies[k].numpy(), got[k])
+        # each output once (the answer's read only: no capture or verification read); a whole bucket's outputs are
+        # all read whole, a padded request's rows only where they are a prefix ("feat", batched on axis 1, is not)
+        assert sorted(calls) == (sorted(names) if n == 4 else ["probs", "scores"]), (n, first, calls)
+        for k in calls:
+            np.testing.assert_array_equal(copies[k].numpy(), got[k])  # the request's rows, not the bucket's
             np.testing.assert_allclose(got[k], answer(xb)[k], rtol=1e-2, atol=1e-3)
