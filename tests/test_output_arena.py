@@ -320,20 +320,25 @@ def test_an_async_generators_block_closed_by_the_event_loop_ends_quietly():
     assert errors == [] and arenas[0].take((1,), np.uint8) is None  # ended, and its buffer let go
 
 
-def test_a_middle_block_ending_first_leaves_the_innermost_open_block_current():
+@pytest.mark.parametrize("kind", ["outputs_into", "tap_device_outputs"])
+def test_a_middle_block_ending_first_leaves_the_innermost_open_block_current(kind):
     """Blocks D > E > F with E ending first (generators): F stays current (not D, whose buffer its owner may
-    rewrite), then D once F ends, then nothing once D ends."""
-    d_arena = OutputArena(bytearray(8192))
-    d, e, f = outputs_into(d_arena), outputs_into(bytearray(4096)), outputs_into(bytearray(4096))
-    d.__enter__()
+    rewrite, or whose tap would copy into memory its owner may have freed), then D once F ends, then nothing once D
+    ends — for ``outputs_into``'s blocks and ``tap_device_outputs``' alike."""
+    if kind == "outputs_into":
+        block, now, values = outputs_into, current, [OutputArena(bytearray(8192)), bytearray(4096), bytearray(4096)]
+    else:
+        block, now, values = tap_device_outputs, current_tap, [lambda *_: None, lambda *_: None, lambda *_: None]
+    d, e, f = (block(v) for v in values)
+    d_value = d.__enter__()
     e.__enter__()
-    f_arena = f.__enter__()
+    f_value = f.__enter__()
     e.__exit__(None, None, None)
-    assert current() is f_arena
+    assert now() is f_value
     f.__exit__(None, None, None)
-    assert current() is d_arena
+    assert now() is d_value
     d.__exit__(None, None, None)
-    assert current() is None
+    assert now() is None
 
 
 # -- tap_device_outputs: the graph's device buffers offered before each read ---------------------------------------
@@ -416,8 +421,9 @@ def test_taps_nest_belong_to_their_thread_and_need_a_callable():
 
 
 def test_a_tap_that_ends_out_of_order_is_never_current_again():
-    """As ``outputs_into``'s blocks: a generator's tap that ends inside the caller's, and a middle tap ending first,
-    never leave an ended tap current (it would copy into memory its owner may have freed)."""
+    """As ``outputs_into``'s blocks: a generator's tap that ends inside the caller's never leaves an ended tap
+    current (it would copy into memory its owner may have freed); a middle tap ending first: see
+    test_a_middle_block_ending_first_leaves_the_innermost_open_block_current."""
     def x(*_):
         pass
 
@@ -436,14 +442,4 @@ def test_a_tap_that_ends_out_of_order_is_never_current_again():
     outer.__exit__(None, None, None)  # x ends while y is still open
     assert current_tap() is y
     g.close()  # y ends: x ended before, so nothing is current
-    assert current_tap() is None
-    d, e, f = (tap_device_outputs(fn) for fn in (x, y, lambda *_: None))
-    d.__enter__()
-    e.__enter__()
-    f_fn = f.__enter__()
-    e.__exit__(None, None, None)
-    assert current_tap() is f_fn
-    f.__exit__(None, None, None)
-    assert current_tap() is x
-    d.__exit__(None, None, None)
     assert current_tap() is None
