@@ -248,12 +248,9 @@ def cuda_server(tmp_path_factory):
         pytest.skip("a CUDA server: ORTCAPTURE_SERVE_TEST_PROVIDER=cuda on the GPU machine")
     pytest.importorskip("ray")
     pytest.importorskip("cuda.bindings")
-    from tests.test_serving_server import Server, _free_port
+    from tests.test_serving_server import Server
 
-    grpc_port = _free_port()
-    srv = Server(tmp_path_factory.mktemp("cudashm"), provider="cuda", replicas=1,
-                 extra=("--grpc-port", str(grpc_port)))
-    srv.grpc_url = f"127.0.0.1:{grpc_port}"
+    srv = Server(tmp_path_factory.mktemp("cudashm"), provider="cuda", replicas=1, grpc=True)
     try:
         srv.wait_ready()
         yield srv

@@ -35,21 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.isdir("/dev/shm")
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     before = _listening_beyond_loopback()
-    grpc_port = _free_port()
-    srv = Server(tmp_path_factory.mktemp("grpc"), provider="cpu", replicas=1, extra=("--grpc-port", str(grpc_port)))
-    srv.grpc_url = f"127.0.0.1:{grpc_port}"
-    srv.grpc_port = grpc_port
+    srv = Server(tmp_path_factory.mktemp("grpc"), provider="cpu", replicas=1, grpc=True)
     try:
         srv.wait_ready()
         srv.beyond_loopback = _listening_beyond_loopback() - before

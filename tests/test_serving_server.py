@@ -43,10 +43,21 @@ STARTUP_S = 150  # a fresh Ray cluster, the ingress, two replicas' warm-up on a 
 RTOL = 1e-4 if PROVIDER == "webgpu" else 3e-3  # CUDA: TF32 matmuls
 
 
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports: every socket is held until all are bound, so two calls in a row can
+    never hand out the same port (a server's HTTP and gRPC ports once collided that way on the H100)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
 
 
 def _context(url: str):
@@ -79,10 +90,13 @@ def _post(url: str, body: bytes, headers: dict | None = None, timeout: float = 3
 
 class Server:
     def __init__(self, tmp: Path, provider: str = PROVIDER, replicas: int = 2, extra: tuple = (),
-                 scheme: str = "http", new_session: bool = False):
+                 scheme: str = "http", new_session: bool = False, grpc: bool = False):
         self.model = tmp / f"{MODEL}.onnx"
         self.model.write_bytes(tiny.bucket_model())
-        self.port = _free_port()
+        self.port, self.grpc_port = _free_ports(2) if grpc else (_free_port(), None)
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}" if grpc else None
+        if grpc:
+            extra = (*extra, "--grpc-port", str(self.grpc_port))
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = tmp / "serve.log"
         cmd = [sys.executable, "-m", "ortcapture", "serve", str(self.model), "--provider", provider,
