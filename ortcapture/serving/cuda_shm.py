@@ -127,9 +127,30 @@ def device_tensor(ref: Ref, t: dict, specs: dict, where: str) -> DeviceTensor:
     return DeviceTensor(ref, shape, dtype)
 
 
+@dataclass(frozen=True)
+class InRegion:
+    """An output the session replica wrote into the request's CUDA region: its shape and dtype, no data. It stands
+    in the request's answer where the array would be, so the rows travel back to the tier only on the device (a
+    YOLOv8n image's output is 705 KB: Ray would pickle and copy it once more for nothing); the response entry needs
+    only ``shape`` and ``nbytes`` (:func:`region_entries`)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, a) -> InRegion:
+        """The stand-in of ``a`` (a numpy array, or an :class:`InRegion` already)."""
+        return cls(tuple(int(d) for d in a.shape), np.dtype(a.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 def region_entries(outputs, device_outputs: dict[str, Any]) -> list[dict]:
-    """Triton's response entries of the outputs written into CUDA regions: ``outputs`` the request's (host) answer
-    arrays, ``device_outputs`` ``{output name: (Ref, datatype)}``."""
+    """Triton's response entries of the outputs written into CUDA regions: ``outputs`` the request's answer (numpy
+    arrays, or :class:`InRegion` for those the session replica wrote on the device), ``device_outputs`` ``{output
+    name: (Ref, datatype)}``."""
     entries = []
     for name, (ref, datatype) in device_outputs.items():
         a = outputs[name]

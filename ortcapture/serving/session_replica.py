@@ -39,7 +39,7 @@ from ortcapture.serving.replica import ReplicaCore
 from ortcapture.serving.merge import MergeScratch, iter_merged_runs, mergeable, prefetched, split_answer
 from ortcapture.serving.slots import SlotMissing, SlotReader
 from ortcapture.serving.cuda_ipc import IpcMemory, RegionTap
-from ortcapture.serving.cuda_shm import DeviceRows
+from ortcapture.serving.cuda_shm import DeviceRows, InRegion
 from ortcapture.serving.requests import take
 from ortcapture.serving.shm import ShmError
 
@@ -322,7 +322,9 @@ class ModelSession:
         :class:`~ortcapture.serving.cuda_ipc.RegionTap` copied device to device during the run) has them; a request
         whose region is too small gets its own 400, one whose copy fails on the device
         (:class:`~ortcapture.serving.cuda_ipc.DeviceCopyError`) its own 500 (the others their outputs, and a merged
-        run's other members theirs)."""
+        run's other members theirs). A request's outputs written into its regions stay out of its answer
+        (:class:`~ortcapture.serving.cuda_shm.InRegion`: shape and dtype only), which is then per request: their rows
+        never travel back to the tier through Ray."""
         if "outputs" in answer:
             axes, offset, own = answer["axes"], 0, []
             for n in rows:
@@ -331,7 +333,7 @@ class ModelSession:
                 offset += n
         else:
             own = list(answer["answers"])
-        bad = False
+        bad = placed = False
         if "outputs" not in answer:  # run again one request at a time: what the tap copied is not these answers'
             copied = None
         for k, want in enumerate(outs):
@@ -341,6 +343,9 @@ class ModelSession:
                 for name, ref in want.items():
                     if copied is None or name not in copied[k]:
                         self._ipc.write(ref, own[k]["outputs"][name], f"output {name!r}")
+                # written: the answer keeps their shapes only, not the rows (they are in the regions)
+                own[k] = {"outputs": {n: InRegion.of(a) if n in want else a for n, a in own[k]["outputs"].items()}}
+                placed = True
             except ShmError as exc:
                 own[k] = {"error": str(exc), "status": 400}
                 bad = True
@@ -348,7 +353,7 @@ class ModelSession:
                 own[k] = {"error": f"the server could not write the outputs into the CUDA region "
                                    f"({type(exc).__name__}: {exc})"[:300], "status": 500}
                 bad = True
-        return {"answers": own} if bad or "answers" in answer else answer
+        return {"answers": own} if bad or placed or "answers" in answer else answer
 
     async def open_cuda_region(self, region) -> str | None:
         """Open a client's CUDA region (:class:`~ortcapture.serving.shm.Region` of kind ``"cuda"``) and keep it
