@@ -527,8 +527,10 @@ def main() -> int:
                     help="batch-8 runs timed in this process before Ray starts (the session replica's run8_ms is "
                     "compared with them: issue 44, item 4); 0 skips them")
     ap.add_argument("--py-spy-level", type=int, default=None,
-                    help="at this client level (first repeat, handle path, product arms): py-spy records the session "
-                         "replicas and one tier replica during the measurement (raw collapsed stacks in --out)")
+                    help="at this client level (first repeat, --py-spy-paths, product arms): py-spy records the "
+                         "session replicas and one tier replica during the measurement (raw collapsed stacks in --out)")
+    ap.add_argument("--py-spy-paths", default="handle",
+                    help="the paths --py-spy-level records, comma-separated (default handle)")
     ap.add_argument("--py-spy-bin", default="py-spy", help="the py-spy executable")
     ap.add_argument("--smoke", action="store_true", help="only start Ray, one noop replica, one request; say where "
                     "Ray's object store and session live")
@@ -668,11 +670,12 @@ def main() -> int:
                     time.sleep(args.warm)  # the clients' measured window starts: where the CPU time goes in it
                     cpu0 = cpu_use.sample(named)
                     spy = None
-                    if level == args.py_spy_level and rep == 0 and not hand and path == "handle":
+                    if level == args.py_spy_level and rep == 0 and not hand and path in args.py_spy_paths.split(","):
                         tiers = cpu_use.pids_of(":Model")
                         targets = {f"session{k}": pid for k, pid in enumerate(cpu_use.pids_of(":ModelSession"))}
                         targets.update({"tier0": tiers[0]} if tiers else {})
-                        spy = cpu_use.PySpy(args.py_spy_bin, targets, args.seconds - 0.3, args.out, f"{arm}-{level}")
+                        tag = f"{arm}-{level}" + ("" if path == "handle" else f"-{path}")
+                        spy = cpu_use.PySpy(args.py_spy_bin, targets, args.seconds - 0.3, args.out, tag)
                     outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
                     cpu = cpu_use.use(cpu0, cpu_use.sample(named))
                     spied = spy.wait() if spy is not None else None
