@@ -338,9 +338,39 @@ def stop(options: ServeOptions, deployed: bool = True, watch_cluster: bool = Fal
         thread.start()
         watch = (done, thread)
     # Ray's driver prints the raylet's "Task ServeController... killed by ray.kill" lines of a shutdown to stdout,
-    # which carries only the URL: they go to stderr with the rest of the log
-    with contextlib.redirect_stdout(sys.stderr):
-        _stop(options, watch)
+    # which carries only the URL: they go to stderr with the rest of the log, less those lines (Serve's controller
+    # stopped while its own tasks were pending: noise that reads as a failure)
+    out = _ShutdownNoiseFilter(sys.stderr)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            _stop(options, watch)
+        finally:
+            out.flush()
+
+
+class _ShutdownNoiseFilter:
+    """A text stream that passes whole lines to ``target`` except Ray's harmless shutdown notices: a raylet line
+    about a ``ServeController`` task that failed because ``ray.kill`` stopped the controller."""
+
+    def __init__(self, target) -> None:
+        self.target, self._part = target, ""
+
+    @staticmethod
+    def noise(line: str) -> bool:
+        return "ServeController." in line and "killed by `ray.kill`" in line
+
+    def write(self, text: str) -> int:
+        *lines, self._part = (self._part + text).split("\n")
+        for line in lines:
+            if not self.noise(line):
+                self.target.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._part and not self.noise(self._part):
+            self.target.write(self._part)
+        self._part = ""
+        self.target.flush()
 
 
 def _cluster_gone(address: str) -> bool:
@@ -487,7 +517,7 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
         while not stop_event.wait(0.5):
             pass
         if on_status:
-            on_status("stopping: requests in flight finish, graphs are released")
+            on_status("stopping: requests in flight finish" + (", graphs are released" if provider != "cpu" else ""))
         return 0
     finally:
         try:
