@@ -157,6 +157,34 @@ def test_pointer_bindings_are_refused_under_webgpu_capture():
     assert sess.captured_graphs == {}
 
 
+def test_webgpu_pointer_bindings_need_the_owner_they_came_from():
+    """A WebGPU buffer_ptr is a WGPUBuffer handle: an int that is no live buffer's crashed ORT's uncaptured run (a
+    segfault, ORT 1.32; a break-it session's finding). Refused at the bind unless ``owner`` is the WebGPU OrtValue
+    whose handle it is, of its element type and no more elements; with its owner it runs, uncaptured."""
+    from tests.conftest import webgpu_available
+
+    webgpu_available()
+    sess = Backend("webgpu").session(tiny.affine_model())
+    X, Y = sess.allocate(SHAPE, np.float32), sess.allocate(SHAPE, np.float32)
+    host = np.zeros(SHAPE, np.float32)
+    io = sess.io_binding()
+    for ptr, owner, dtype, shape in ((12345, None, np.float32, SHAPE), (X.data_ptr(), None, np.float32, SHAPE),
+                                     (12345, X, np.float32, SHAPE), (X.data_ptr(), host, np.float32, SHAPE),
+                                     (X.data_ptr(), X, np.int32, SHAPE), (X.data_ptr(), X, np.float32, (4, 4))):
+        with pytest.raises(BindingError, match="WebGPU"):
+            io.bind_input("X", "webgpu", 0, dtype, list(shape), ptr, owner=owner)
+        with pytest.raises(BindingError, match="WebGPU"):
+            io.bind_output("Y", "webgpu", 0, dtype, list(shape), ptr, owner=owner)
+    assert io.bound_inputs == {} and io.bound_outputs == {}
+    x = np.arange(8, dtype=np.float32).reshape(SHAPE)
+    ortcapture.update_inplace(X, x)
+    io.bind_input("X", "webgpu", 0, np.float32, list(SHAPE), X.data_ptr(), owner=X)
+    io.bind_output("Y", "webgpu", 0, np.float32, list(SHAPE), Y.data_ptr(), owner=Y)
+    sess.run_with_iobinding(io, run_options_for(-1))  # not captured: ORT runs on the handles
+    (want,) = _cpu_reference(tiny.affine_model(), {"X": x})
+    np.testing.assert_allclose(Y.numpy(), want, rtol=1e-5)
+
+
 @pytest.mark.cuda
 def test_cuda_pointer_binding_owner_outlives_the_graph_and_warns_without_owner(cuda):
     sess = cuda.session(tiny.affine_model())

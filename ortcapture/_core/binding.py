@@ -7,6 +7,7 @@ clearing while a captured ``gpu_graph_id`` pins it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,10 +184,15 @@ class IOBinding(OrtIOBinding):
         Raises:
             BindingError: a captured ``gpu_graph_id`` pins this binding; or ``buffer_ptr`` is not an int above 0 (0
                 only for a tensor of no elements), or ``shape`` has a negative dim (ORT dereferences the pointer in the
-                bind itself: a segfault on WebGPU for 0, ORT 1.32), before ORT is called.
+                bind itself: a segfault on WebGPU for 0, ORT 1.32); or, with ``device_type`` ``"webgpu"``, ``owner``
+                is not the WebGPU OrtValue whose ``data_ptr()`` is ``buffer_ptr`` (of ``element_type``, with at least
+                ``shape``'s elements): a WebGPU ``buffer_ptr`` is a WGPUBuffer handle, and an int that is no live
+                buffer's handle crashes ORT's run (a segfault, ORT 1.32, uncaptured runs too) — all before ORT is
+                called.
         """
         self._oc_reject_if_pinned("rebind inputs")
         _check_pointer(buffer_ptr, shape, f"bind_input({name!r})")
+        _check_webgpu_handle(device_type, buffer_ptr, element_type, shape, owner, f"bind_input({name!r})")
         super().bind_input(name, device_type, device_id, element_type, shape, buffer_ptr)
         self._oc_inputs[name] = Bound(
             "pointer", str(device_type).lower(), int(device_id), tuple(shape), onnx_type_of(element_type),
@@ -212,6 +218,8 @@ class IOBinding(OrtIOBinding):
         self._oc_reject_if_pinned("rebind outputs")
         if buffer_ptr is not None:
             _check_pointer(buffer_ptr, () if shape is None else shape, f"bind_output({name!r})")
+            _check_webgpu_handle(device_type, buffer_ptr, element_type, () if shape is None else shape, owner,
+                                 f"bind_output({name!r})")
         super().bind_output(name, device_type, device_id, element_type, shape, buffer_ptr)
         if buffer_ptr is None:
             rec = Bound("allocate", str(device_type).lower(), int(device_id), None, None, None, None)
@@ -270,6 +278,32 @@ class IOBinding(OrtIOBinding):
         if FORKED_DEVICES:
             self._oc_origin.check("IOBinding.synchronize_outputs()")
         return super().synchronize_outputs()
+
+
+def _check_webgpu_handle(device_type, buffer_ptr, element_type, shape, owner, what: str) -> None:
+    """Refuse a WebGPU pointer binding unless ``owner`` is the WebGPU ``OrtValue`` whose handle ``buffer_ptr`` is, of
+    ``element_type`` with at least ``shape``'s elements. On WebGPU ``data_ptr()`` is a WGPUBuffer handle, not an
+    address: ORT takes any int and its run dereferences it (a segfault for one that is no live buffer's handle,
+    measured on ORT 1.32 with plugin EP 0.4.0, captured or not), and only the owner can vouch for it."""
+    if str(device_type).lower() != "webgpu":
+        return
+    try:
+        m = meta(owner) if isinstance(owner, OrtValue) else None
+    except Exception:  # noqa: BLE001 - not a tensor OrtValue: no owner that can vouch
+        m = None
+    if m is None or m.kind != "webgpu" or owner.data_ptr() != int(buffer_ptr):
+        raise BindingError(
+            f"{what}: a WebGPU buffer_ptr is a WGPUBuffer handle, not an address, and one that is not a live buffer's "
+            "crashes ORT's run; pass owner= the WebGPU OrtValue it came from (sess.allocate), whose data_ptr() it "
+            "is, or bind that OrtValue with bind_ortvalue_input/bind_ortvalue_output")
+    try:
+        same_type = onnx_type_of(element_type) == m.element_type
+    except TypeError:
+        same_type = False
+    if not same_type or math.prod(int(d) for d in shape) > math.prod(m.shape):
+        raise BindingError(
+            f"{what}: binds {list(shape)} of {element_type!r} over its owner's {list(m.shape)} of {m.element_type}: "
+            "a WebGPU handle binding takes the owner's element type and at most its elements")
 
 
 def _check_pointer(buffer_ptr, shape, what: str) -> None:
