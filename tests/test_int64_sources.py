@@ -101,3 +101,36 @@ def test_input_rules_never_apply_to_outputs(webgpu):
     sess.compact()  # outputs restored from their snapshot after the re-capture
     np.testing.assert_array_equal(ortcapture.to_numpy(g.outputs["Y"]), want)
     np.testing.assert_array_equal(g.run()[0], want)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "cpu OrtValue", "cpu DLPack"])
+@pytest.mark.parametrize("buckets", [{"batch": [1, 2, 4]}, {"batch": [1, 2], "seq": [4, 8]}])
+def test_a_bad_value_first_in_a_bucket_is_its_own_error_not_the_buckets(webgpu, kind, buckets):
+    """The first request of a bucket holding an int64 outside int32: its own TransferError, and the bucket is not
+    refused for it — the next request of that bucket is captured and answered (a break-it session found every later
+    request of the bucket refused with the first caller's value, sequence buckets too)."""
+    dims = ("batch", "seq") if "seq" in buckets else ("batch", 3)
+    sess = webgpu.session(ids_model(dims), buckets=buckets)
+    bad = np.array([[1, 2**33 + 5, 3]], np.int64)
+    with pytest.raises(TransferError, match="outside the int32 range"):
+        sess.run(None, {"I": host_sources(bad)[kind]})
+    good = np.array([[4, -5, 2**31 - 1]], np.int64)
+    np.testing.assert_array_equal(sess.run(None, {"I": host_sources(good)[kind]})[0], good.astype(np.float32))
+    stats = sess.bucket_stats()
+    assert stats["refused"] == 0 and stats["captured"] == 1 and stats["replayed"] == 1
+
+
+def test_the_drop_in_refuses_a_bad_value_per_call_and_still_captures_its_shapes():
+    """Under ``patched("webgpu")`` a call with an int64 outside int32 gets the plain run's TransferError, and its
+    shapes are captured by the next good call (not run uncaptured for the rest of the session)."""
+    import onnxruntime as ort
+
+    webgpu_available()
+    with ortcapture.patched("webgpu"):
+        sess = ort.InferenceSession(ids_model())
+    with pytest.raises(TransferError, match="outside the int32 range"):
+        sess.run(None, {"I": BIG})
+    good = np.array([4, -5, 2**31 - 1], np.int64)
+    for _ in range(2):
+        np.testing.assert_array_equal(sess.run(None, {"I": good})[0], good.astype(np.float32))
+    assert sess.stats == {"replayed": 2, "captured": 1, "uncaptured": 0}

@@ -41,7 +41,7 @@ from ortcapture._core.rows import to_host
 from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
-from ortcapture.errors import CaptureAbortedError, CaptureError, GraphReleasedError
+from ortcapture.errors import CaptureAbortedError, CaptureError, GraphReleasedError, TransferError
 
 log = logging.getLogger("ortcapture")
 
@@ -364,7 +364,8 @@ class BucketRunner:
                 try:
                     self._rel = self._decide_relations(feeds, bucket)
                 except CaptureError as exc:  # remembered for this key: the same request does not probe again
-                    self._graphs.refuse(key, exc)
+                    if not isinstance(exc, TransferError):  # a feed's own fault (e.g. its values): not the key's
+                        self._graphs.refuse(key, exc)
                     raise
             # at max_graphs: WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
             # (sess.compact_threshold) rebuilds the C session
@@ -381,6 +382,8 @@ class BucketRunner:
                     raise
                 if _passing(exc, state, mark):
                     return None  # this request uncaptured; the next one captures the bucket again
+                if isinstance(exc, TransferError):  # this request's own feed (a value its copy refuses): raised,
+                    raise  # never remembered as the bucket's refusal (every later request of it would get it)
                 err = _messages.padding_failed(exc, label, self._host_read) if _from_ort(exc) else exc
                 self._graphs.refuse(key, err)
                 if err is exc:
@@ -395,7 +398,7 @@ class BucketRunner:
                 graph.release()
                 if passing:
                     return None
-                if isinstance(exc, CaptureError):
+                if isinstance(exc, CaptureError) and not isinstance(exc, TransferError):
                     self._graphs.refuse(key, exc)
                 raise
             self._graphs.add(key, entry)

@@ -18,7 +18,7 @@ from ortcapture._core.run import replay_cannot_honour
 from ortcapture._ort.specialize import host_read_inputs
 from ortcapture._core.run import explicit_graph_id as _explicit_graph_id
 from ortcapture._core.run import uncaptured as _uncaptured
-from ortcapture.errors import CaptureError, GraphReleasedError
+from ortcapture.errors import CaptureError, GraphReleasedError, TransferError
 from ortcapture._session.session import InferenceSession
 
 class AutoCaptureSession(InferenceSession):
@@ -192,6 +192,8 @@ class AutoCaptureSession(InferenceSession):
                     graph.release()
                 if passing:  # a graph released by another thread meanwhile: this run uncaptured, the next captures
                     return None
+                if isinstance(exc, TransferError):  # this call's own feed (a value the copy refuses, as the plain
+                    raise  # run refuses it): raised, never a refused key (its shapes would run uncaptured from then on)
                 self._oc_warn(f"capture:{type(exc).__name__}", f"inputs of shapes "
                               f"{ {n: s for n, s, _, _ in key} } run uncaptured: {exc}")
                 graphs.refuse(key, exc)
