@@ -126,6 +126,9 @@ def test_copy_checks_every_pair_before_copying():
         ortcapture.copy([a, c], [b, b])
     with pytest.raises(TransferError, match="as many sources"):
         ortcapture.copy([a, c], [b])
+    for src, dst in ((a, b), ([a], b), (a, [b]), (None, [b]), ("ab", [b])):  # single values: not sequences
+        with pytest.raises(TransferError, match="sequences of OrtValues"):
+            ortcapture.copy(src, dst)
     c2 = ov(np.full(4, 5.0, np.float32))
     with pytest.raises(TransferError, match="dtype mismatch"):
         ortcapture.copy([a, ov(np.zeros(4, np.int32))], [c2, b])

@@ -215,6 +215,10 @@ def copy(src: Sequence[OrtValue], dst: Sequence[OrtValue]) -> None:
     """
     if UNSETTLED:
         settle()
+    for what, seq in (("src", src), ("dst", dst)):
+        if isinstance(seq, (OrtValue, str, bytes)) or not hasattr(seq, "__iter__"):
+            raise TransferError(f"copy takes sequences of OrtValues ({what}=[value], as onnxruntime.copy_tensors), "
+                                f"got {type(seq).__name__}")
     src, dst = list(src), list(dst)
     if len(src) != len(dst):
         raise TransferError(f"copy needs as many sources as destinations ({len(src)} != {len(dst)})")
