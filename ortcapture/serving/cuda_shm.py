@@ -144,6 +144,7 @@ class InRegion:
 
     @property
     def nbytes(self) -> int:
+        """The output's bytes in its region (as ``numpy.ndarray.nbytes``)."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
