@@ -134,3 +134,17 @@ def test_the_drop_in_refuses_a_bad_value_per_call_and_still_captures_its_shapes(
     for _ in range(2):
         np.testing.assert_array_equal(sess.run(None, {"I": good})[0], good.astype(np.float32))
     assert sess.stats == {"replayed": 2, "captured": 1, "uncaptured": 0}
+
+
+def test_a_feed_of_another_type_gets_orts_type_error_not_the_int32_rule(webgpu):
+    """A float32 input fed int64 values beyond int32 on a capturing WebGPU session: ORT's own type error (the feed's
+    type is what is wrong), not "keep int64 within int32"; a big-endian int64 feed of an int64 input is still checked."""
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+    floats = _model([helper.make_node("Add", ["X", "zero"], ["Y"])], [vi("X", [3])], [vi("Y", [3])], [zero])
+    sess = webgpu.session(floats)
+    with pytest.raises(Exception, match=r"(?i)type") as err:
+        sess.run(None, {"X": BIG}, ortcapture.run_options_for(-1))
+    assert "int32" not in str(err.value)
+    ids = webgpu.session(ids_model())
+    with pytest.raises(TransferError, match="outside the int32 range"):
+        ids.run(None, {"I": BIG.astype(">i8")}, ortcapture.run_options_for(-1))

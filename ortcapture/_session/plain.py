@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from ortcapture._buckets.feeds import from_list
 from ortcapture._buckets.feeds import specs as input_specs
 from ortcapture._ort import compat
@@ -43,4 +45,8 @@ def oc_plain_feeds(self, input_feed: Any) -> Any:
                 arr = from_list(spec, v) if type(v) is list and spec is not None else None
                 converted[name] = v if arr is None else arr
             input_feed = converted
+        # a feed of another element type than its input's is ORT's own type error, not a value to check: an int64
+        # feed for a float input must not be told to keep within int32
+        host_read = host_read | {n for n, v in input_feed.items() if type(v) is np.ndarray and n in specs
+                                 and specs[n].dtype is not None and v.dtype.newbyteorder("=") != specs[n].dtype}
     return check_plain_feeds(input_feed, device, host_read)
