@@ -180,7 +180,12 @@ def test_webgpu_pointer_bindings_need_the_owner_they_came_from():
     ortcapture.update_inplace(X, x)
     io.bind_input("X", "webgpu", 0, np.float32, list(SHAPE), X.data_ptr(), owner=X)
     io.bind_output("Y", "webgpu", 0, np.float32, list(SHAPE), Y.data_ptr(), owner=Y)
-    sess.run_with_iobinding(io, run_options_for(-1))  # not captured: ORT runs on the handles
+    try:
+        sess.run_with_iobinding(io, run_options_for(-1))  # not captured: ORT runs on the handles
+    except RuntimeError as exc:  # ORT 1.27's WebGPU EP takes no pointer binding at all: its own error, no crash
+        assert tuple(int(p) for p in ort.__version__.split(".")[:2]) < (1, 32), exc
+        assert "must be tensors on WebGPU buffers" in str(exc)
+        return
     (want,) = _cpu_reference(tiny.affine_model(), {"X": x})
     np.testing.assert_allclose(Y.numpy(), want, rtol=1e-5)
 
