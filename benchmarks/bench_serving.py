@@ -670,7 +670,8 @@ def main() -> int:
                     time.sleep(args.warm)  # the clients' measured window starts: where the CPU time goes in it
                     cpu0 = cpu_use.sample(named)
                     spy = None
-                    if level == args.py_spy_level and rep == 0 and not hand and path in args.py_spy_paths.split(","):
+                    spied_paths = [p.strip() for p in args.py_spy_paths.split(",")]
+                    if level == args.py_spy_level and rep == 0 and not hand and path in spied_paths:
                         tiers = cpu_use.pids_of(":Model")
                         targets = {f"session{k}": pid for k, pid in enumerate(cpu_use.pids_of(":ModelSession"))}
                         targets.update({"tier0": tiers[0]} if tiers else {})

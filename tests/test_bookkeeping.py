@@ -175,6 +175,8 @@ def test_webgpu_pointer_bindings_need_the_owner_they_came_from():
             io.bind_input("X", "webgpu", 0, dtype, list(shape), ptr, owner=owner)
         with pytest.raises(BindingError, match="WebGPU"):
             io.bind_output("Y", "webgpu", 0, dtype, list(shape), ptr, owner=owner)
+        with pytest.raises(BindingError, match="WebGPU"):  # ORT's "gpu" (vendor 0) is the WebGPU device too
+            io.bind_input("X", "gpu", 0, dtype, list(shape), ptr, owner=owner)
     assert io.bound_inputs == {} and io.bound_outputs == {}
     x = np.arange(8, dtype=np.float32).reshape(SHAPE)
     ortcapture.update_inplace(X, x)

@@ -120,6 +120,20 @@ def test_a_bad_value_first_in_a_bucket_is_its_own_error_not_the_buckets(webgpu, 
     assert stats["refused"] == 0 and stats["captured"] == 1 and stats["replayed"] == 1
 
 
+def test_bad_values_for_an_uncaptured_bucket_evict_and_capture_nothing(webgpu):
+    """Under max_graphs=1, a request of a bucket not captured yet whose values the copy refuses is refused before
+    any eviction, padding or capture: the captured bucket keeps replaying (a review found each such request evicting
+    a live graph)."""
+    sess = webgpu.session(ids_model(("batch", 3)), buckets={"batch": [1, 2]}, max_graphs=1)
+    good = np.array([[4, -5, 6]], np.int64)
+    for _ in range(3):
+        np.testing.assert_array_equal(sess.run(None, {"I": good})[0], good.astype(np.float32))
+        with pytest.raises(TransferError, match="outside the int32 range"):
+            sess.run(None, {"I": np.repeat(BIG[None], 2, axis=0)})
+    stats = sess.bucket_stats()
+    assert (stats["captured"], stats["evicted"], stats["refused"], stats["replayed"]) == (1, 0, 0, 3)
+
+
 def test_the_drop_in_refuses_a_bad_value_per_call_and_still_captures_its_shapes():
     """Under ``patched("webgpu")`` a call with an int64 outside int32 gets the plain run's TransferError, and its
     shapes are captured by the next good call (not run uncaptured for the rest of the session)."""

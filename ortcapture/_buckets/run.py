@@ -32,6 +32,7 @@ from ortcapture._buckets.feeds import requested_outputs
 from ortcapture._buckets.host import BucketHost
 from ortcapture._ort import compat
 from ortcapture._transfer.arena import suspend_tap
+from ortcapture._transfer.check import check_feed_values
 from ortcapture._verify import compare as _verify
 from ortcapture._buckets.values import dtype_of, input_dtype, np_dtype, shape_of, wrap_outputs
 from ortcapture._buckets.spec import (BucketDim, check_output_axes, check_pad_values, output_relations, parse_buckets,
@@ -41,7 +42,7 @@ from ortcapture._core.rows import to_host
 from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import SKIP_GRAPH_ID, explicit_graph_id, graph_id_of, replay_cannot_honour, uncaptured
 from ortcapture._ort.specialize import host_read_inputs
-from ortcapture.errors import CaptureAbortedError, CaptureError, GraphReleasedError, TransferError
+from ortcapture.errors import CaptureAbortedError, CaptureError, GraphReleasedError
 
 log = logging.getLogger("ortcapture")
 
@@ -360,12 +361,12 @@ class BucketRunner:
             if entry is not None:  # released from outside (release_captured_graph): captured again below
                 self._retire(entry)
                 self._graphs.discard(key, entry)
+            check_feed_values(self.device_type, feeds, self._host_read)  # this request's own values: not the key's
             if self._rel is None:
                 try:
                     self._rel = self._decide_relations(feeds, bucket)
                 except CaptureError as exc:  # remembered for this key: the same request does not probe again
-                    if not isinstance(exc, TransferError):  # a feed's own fault (e.g. its values): not the key's
-                        self._graphs.refuse(key, exc)
+                    self._graphs.refuse(key, exc)
                     raise
             # at max_graphs: WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
             # (sess.compact_threshold) rebuilds the C session
@@ -382,8 +383,6 @@ class BucketRunner:
                     raise
                 if _passing(exc, state, mark):
                     return None  # this request uncaptured; the next one captures the bucket again
-                if isinstance(exc, TransferError):  # this request's own feed (a value its copy refuses): raised,
-                    raise  # never remembered as the bucket's refusal (every later request of it would get it)
                 err = _messages.padding_failed(exc, label, self._host_read) if _from_ort(exc) else exc
                 self._graphs.refuse(key, err)
                 if err is exc:
@@ -398,7 +397,7 @@ class BucketRunner:
                 graph.release()
                 if passing:
                     return None
-                if isinstance(exc, CaptureError) and not isinstance(exc, TransferError):
+                if isinstance(exc, CaptureError):
                     self._graphs.refuse(key, exc)
                 raise
             self._graphs.add(key, entry)

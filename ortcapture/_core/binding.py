@@ -99,6 +99,8 @@ class IOBinding(OrtIOBinding):
         # the C session this binding was made for: ORT's SessionIOBinding points into it (ORT < 1.30: a raw pointer,
         # so holding it keeps a binding used after compact()/set_providers from reaching a destroyed session)
         self._oc_c_session = c_session(session)
+        #: a WebGPU session: its device pointers are WGPUBuffer handles whatever device_type names them ("gpu" too)
+        self._oc_webgpu = "WebGpuExecutionProvider" in session.get_providers()
         self._oc_inputs: dict[str, Bound] = {}
         self._oc_outputs: dict[str, Bound] = {}
         self._oc_pins: set[int] = set()
@@ -184,20 +186,27 @@ class IOBinding(OrtIOBinding):
         Raises:
             BindingError: a captured ``gpu_graph_id`` pins this binding; or ``buffer_ptr`` is not an int above 0 (0
                 only for a tensor of no elements), or ``shape`` has a negative dim (ORT dereferences the pointer in the
-                bind itself: a segfault on WebGPU for 0, ORT 1.32); or, with ``device_type`` ``"webgpu"``, ``owner``
-                is not the WebGPU OrtValue whose ``data_ptr()`` is ``buffer_ptr`` (of ``element_type``, with at least
-                ``shape``'s elements): a WebGPU ``buffer_ptr`` is a WGPUBuffer handle, and an int that is no live
-                buffer's handle crashes ORT's run (a segfault, ORT 1.32, uncaptured runs too) — all before ORT is
-                called.
+                bind itself: a segfault on WebGPU for 0, ORT 1.32); or, with ``device_type`` ``"webgpu"`` (or any
+                but ``"cpu"`` on a WebGPU session), ``owner`` is not the WebGPU OrtValue whose ``data_ptr()`` is
+                ``buffer_ptr`` (of ``element_type``, with at least ``shape``'s elements): a WebGPU ``buffer_ptr`` is a
+                WGPUBuffer handle, and an int that is no live buffer's handle crashes ORT's run (a segfault, ORT
+                1.32, uncaptured runs too) — all before ORT is called.
         """
         self._oc_reject_if_pinned("rebind inputs")
         _check_pointer(buffer_ptr, shape, f"bind_input({name!r})")
-        _check_webgpu_handle(device_type, buffer_ptr, element_type, shape, owner, f"bind_input({name!r})")
+        self._oc_check_handle(device_type, buffer_ptr, element_type, shape, owner, f"bind_input({name!r})")
         super().bind_input(name, device_type, device_id, element_type, shape, buffer_ptr)
         self._oc_inputs[name] = Bound(
             "pointer", str(device_type).lower(), int(device_id), tuple(shape), onnx_type_of(element_type),
             int(buffer_ptr), None, owner,
         )
+
+    def _oc_check_handle(self, device_type, buffer_ptr, element_type, shape, owner, what: str) -> None:
+        """:func:`_check_webgpu_handle` for a pointer that names WebGPU memory: ``device_type`` ``"webgpu"``, or any
+        device but the CPU on a WebGPU session (ORT's ``"gpu"`` with vendor 0 is the WebGPU device)."""
+        kind = str(device_type).lower()
+        if kind == "webgpu" or (self._oc_webgpu and kind != "cpu"):
+            _check_webgpu_handle(buffer_ptr, element_type, shape, owner, what)
 
     def bind_ortvalue_input(self, name, ortvalue):
         """ORT's ``bind_ortvalue_input``: bind a fixed tensor ``OrtValue`` (e.g. ``sess.allocate(shape, dtype)``)
@@ -218,8 +227,8 @@ class IOBinding(OrtIOBinding):
         self._oc_reject_if_pinned("rebind outputs")
         if buffer_ptr is not None:
             _check_pointer(buffer_ptr, () if shape is None else shape, f"bind_output({name!r})")
-            _check_webgpu_handle(device_type, buffer_ptr, element_type, () if shape is None else shape, owner,
-                                 f"bind_output({name!r})")
+            self._oc_check_handle(device_type, buffer_ptr, element_type, () if shape is None else shape, owner,
+                                  f"bind_output({name!r})")
         super().bind_output(name, device_type, device_id, element_type, shape, buffer_ptr)
         if buffer_ptr is None:
             rec = Bound("allocate", str(device_type).lower(), int(device_id), None, None, None, None)
@@ -280,13 +289,11 @@ class IOBinding(OrtIOBinding):
         return super().synchronize_outputs()
 
 
-def _check_webgpu_handle(device_type, buffer_ptr, element_type, shape, owner, what: str) -> None:
+def _check_webgpu_handle(buffer_ptr, element_type, shape, owner, what: str) -> None:
     """Refuse a WebGPU pointer binding unless ``owner`` is the WebGPU ``OrtValue`` whose handle ``buffer_ptr`` is, of
     ``element_type`` with at least ``shape``'s elements. On WebGPU ``data_ptr()`` is a WGPUBuffer handle, not an
     address: ORT takes any int and its run dereferences it (a segfault for one that is no live buffer's handle,
     measured on ORT 1.32 with plugin EP 0.4.0, captured or not), and only the owner can vouch for it."""
-    if str(device_type).lower() != "webgpu":
-        return
     try:
         m = meta(owner) if isinstance(owner, OrtValue) else None
     except Exception:  # noqa: BLE001 - not a tensor OrtValue: no owner that can vouch

@@ -16,9 +16,10 @@ from ortcapture._buckets.feeds import specs as input_specs
 from ortcapture._core.dispatch import GraphDispatcher, Refused
 from ortcapture._core.run import replay_cannot_honour
 from ortcapture._ort.specialize import host_read_inputs
+from ortcapture._transfer.check import check_feed_values
 from ortcapture._core.run import explicit_graph_id as _explicit_graph_id
 from ortcapture._core.run import uncaptured as _uncaptured
-from ortcapture.errors import CaptureError, GraphReleasedError, TransferError
+from ortcapture.errors import CaptureError, GraphReleasedError
 from ortcapture._session.session import InferenceSession
 
 class AutoCaptureSession(InferenceSession):
@@ -177,6 +178,9 @@ class AutoCaptureSession(InferenceSession):
             if any(n in specs and specs[n].problem(feeds[n].shape, feeds[n].dtype) for n in names):
                 return None  # a feed ORT's run refuses (another element type, rank or fixed dim): ORT's own error,
                 # with no capture tried, no "runs uncaptured" warning before it and no refused key left behind
+            device = self._oc_state.device  # a value the copy refuses: this call's TransferError, as the plain run
+            # raises it, not a refused key (its shapes would run uncaptured from then on)
+            check_feed_values(device.device_type if device is not None else None, feeds, self._oc_host_inputs)
             if not graphs.admits():
                 self._oc_warn("max_graphs", f"more than max_graphs={self._oc_defaults['max_graphs']} distinct input "
                                             "shapes: the others run uncaptured")
@@ -192,8 +196,6 @@ class AutoCaptureSession(InferenceSession):
                     graph.release()
                 if passing:  # a graph released by another thread meanwhile: this run uncaptured, the next captures
                     return None
-                if isinstance(exc, TransferError):  # this call's own feed (a value the copy refuses, as the plain
-                    raise  # run refuses it): raised, never a refused key (its shapes would run uncaptured from then on)
                 self._oc_warn(f"capture:{type(exc).__name__}", f"inputs of shapes "
                               f"{ {n: s for n, s, _, _ in key} } run uncaptured: {exc}")
                 graphs.refuse(key, exc)

@@ -47,6 +47,6 @@ def oc_plain_feeds(self, input_feed: Any) -> Any:
             input_feed = converted
         # a feed of another element type than its input's is ORT's own type error, not a value to check: an int64
         # feed for a float input must not be told to keep within int32
-        host_read = host_read | {n for n, v in input_feed.items() if type(v) is np.ndarray and n in specs
+        host_read = host_read | {n for n, v in input_feed.items() if isinstance(v, np.ndarray) and n in specs
                                  and specs[n].dtype is not None and v.dtype.newbyteorder("=") != specs[n].dtype}
     return check_plain_feeds(input_feed, device, host_read)

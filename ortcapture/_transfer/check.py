@@ -271,6 +271,21 @@ def check_values(rules: Mapping[np.dtype, Any], feeds: Mapping[str, Any]) -> Non
                 raise
 
 
+def check_feed_values(device_type: str | None, feeds: Mapping[str, Any], host_read=frozenset()) -> None:
+    """:func:`value_rules` of ``device_type`` applied to ``feeds``' numpy arrays, except the inputs ORT reads on the
+    host (``host_read``: a Slice end of INT64_MAX is right there). Called on a request's own feeds before a bucket's
+    or a shape's first capture, so that a value the copy would refuse is that request's :class:`TransferError` and
+    never a refusal remembered for every later request of its key (a break-it session's finding). No device, no
+    native call.
+
+    Raises:
+        TransferError: naming the first input whose values a rule refuses.
+    """
+    rules = value_rules(device_type) if device_type else {}
+    if rules:
+        check_values(rules, {n: v for n, v in feeds.items() if n not in host_read})
+
+
 class InputSpec:
     """One model input as ORT's plain ``run`` takes it: ``name``, ``dtype`` (numpy; ``None`` for element types numpy
     cannot name: strings, sequences, maps) and ``dims`` (an int where the model fixes the dim, else ``None``). Built

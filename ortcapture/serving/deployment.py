@@ -20,6 +20,7 @@ inherit the driver's environment. This module imports Ray; ``import ortcapture.s
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -327,7 +328,6 @@ def stop(options: ServeOptions, deployed: bool = True, watch_cluster: bool = Fal
         return
     import contextlib
     import sys
-    import threading
 
     watch = None
     if watch_cluster and _RAY_STARTED_HERE[0] and not options.address:  # the local cluster started here: SIGTERM
@@ -350,27 +350,40 @@ def stop(options: ServeOptions, deployed: bool = True, watch_cluster: bool = Fal
 
 class _ShutdownNoiseFilter:
     """A text stream that passes whole lines to ``target`` except Ray's harmless shutdown notices: a raylet line
-    about a ``ServeController`` task that failed because ``ray.kill`` stopped the controller."""
+    about a ``ServeController`` task that failed because ``ray.kill`` stopped the controller. Thread-safe (Ray's log
+    thread, the cluster watch and the main thread write through it); bytes and every other stream attribute
+    (``isatty``, ``fileno``, ``encoding``, ...) go to ``target`` as they are."""
 
     def __init__(self, target) -> None:
-        self.target, self._part = target, ""
+        self.target, self._part, self._lock = target, "", threading.Lock()
 
     @staticmethod
     def noise(line: str) -> bool:
         return "ServeController." in line and "killed by `ray.kill`" in line
 
-    def write(self, text: str) -> int:
-        *lines, self._part = (self._part + text).split("\n")
-        for line in lines:
-            if not self.noise(line):
-                self.target.write(line + "\n")
+    def write(self, text) -> int:
+        if not isinstance(text, str):  # bytes: not lines of Ray's log
+            return getattr(self.target, "buffer", self.target).write(text)
+        with self._lock:
+            *lines, self._part = (self._part + text).split("\n")
+            kept = "".join(line + "\n" for line in lines if not self.noise(line))
+            if kept:
+                self.target.write(kept)
         return len(text)
 
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
     def flush(self) -> None:
-        if self._part and not self.noise(self._part):
-            self.target.write(self._part)
-        self._part = ""
+        with self._lock:
+            if self._part and not self.noise(self._part):
+                self.target.write(self._part)
+            self._part = ""
         self.target.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
 
 
 def _cluster_gone(address: str) -> bool:
@@ -480,7 +493,6 @@ def serve(model: str | None = None, *, options: ServeOptions | None = None, stop
         ServeFailed: the model replicas could not start (e.g. the model does not capture), or not in time.
     """
     import signal
-    import threading
 
     import ortcapture
 

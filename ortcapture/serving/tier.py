@@ -120,7 +120,9 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         those outputs into (:mod:`ortcapture.serving.cuda_shm`).
 
         Returns:
-            ``{"outputs": {output name: numpy array}}`` (this request's rows only), or ``{"error": message,
+            ``{"outputs": {output name: numpy array}}`` (this request's rows only; an output named in
+            ``device_outputs`` is a :class:`~ortcapture.serving.cuda_shm.InRegion` instead: its rows are in the
+            region), or ``{"error": message,
             "status": code}``: 400 for the request's own fault (checked here before it joins a batch, or its own
             run refused it while the session replica is healthy), 500 when the model failed on a healthy-looking
             request and the replica is not healthy, 503 (with ``"retry_after"``) when ``max_queued`` requests wait
