@@ -130,9 +130,9 @@ def device_tensor(ref: Ref, t: dict, specs: dict, where: str) -> DeviceTensor:
 @dataclass(frozen=True)
 class InRegion:
     """An output the session replica wrote into the request's CUDA region: its shape and dtype, no data. It stands
-    in the request's answer where the array would be, so the rows travel back to the tier only on the device (a
-    YOLOv8n image's output is 705 KB: Ray would pickle and copy it once more for nothing); the response entry needs
-    only ``shape`` and ``nbytes`` (:func:`region_entries`)."""
+    in the request's answer where the array would be, so the rows stay on the device (the reference YOLOv8n's
+    output is 185 KB an image, which Ray would pickle and copy back to the tier for nothing); the response entry
+    needs only ``shape`` and ``nbytes`` (:func:`region_entries`)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
