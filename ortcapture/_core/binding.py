@@ -100,7 +100,10 @@ class IOBinding(OrtIOBinding):
         # so holding it keeps a binding used after compact()/set_providers from reaching a destroyed session)
         self._oc_c_session = c_session(session)
         #: a WebGPU session: its device pointers are WGPUBuffer handles whatever device_type names them ("gpu" too)
-        self._oc_webgpu = "WebGpuExecutionProvider" in session.get_providers()
+        try:
+            self._oc_webgpu = "WebGpuExecutionProvider" in (session.get_providers() or ())
+        except Exception:  # noqa: BLE001 - a C session being rebuilt: "webgpu" pointers are still checked
+            self._oc_webgpu = False
         self._oc_inputs: dict[str, Bound] = {}
         self._oc_outputs: dict[str, Bound] = {}
         self._oc_pins: set[int] = set()
