@@ -352,7 +352,7 @@ class BucketRunner:
     # -- graphs -----------------------------------------------------------------------------------------------
     def _entry(self, feeds: dict, sizes: dict, bucket: dict, key: tuple | None = None) -> _Entry | None:
         key = self._key(feeds, bucket) if key is None else key
-        with self._lock, suspend_tap():  # a capture's, its probes' and its verification's reads are no answer
+        with self._lock:
             entry = self._graphs.get(key)
             if isinstance(entry, Refused):
                 raise entry.error
@@ -361,50 +361,51 @@ class BucketRunner:
             if entry is not None:  # released from outside (release_captured_graph): captured again below
                 self._retire(entry)
                 self._graphs.discard(key, entry)
-            check_feed_values(self.device_type, feeds, self._host_read)  # this request's own values: not the key's
-            if self._rel is None:
+            with suspend_tap():  # a capture's, its probes' and its verification's reads are no answer
+                check_feed_values(self.device_type, feeds, self._host_read)  # this request's own values: not the key's
+                if self._rel is None:
+                    try:
+                        self._rel = self._decide_relations(feeds, bucket)
+                    except CaptureError as exc:  # remembered for this key: the same request does not probe again
+                        self._graphs.refuse(key, exc)
+                        raise
+                # at max_graphs: WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
+                # (sess.compact_threshold) rebuilds the C session
+                self._evict()
+                label = ", ".join(f"{k}={v}" for k, v in bucket.items())
+                t0 = time.perf_counter()
+                padded = self._resized(feeds, bucket)
+                state = self.host.state
+                mark = state.release_mark()  # another thread releasing graphs from here on: see _passing
                 try:
-                    self._rel = self._decide_relations(feeds, bucket)
-                except CaptureError as exc:  # remembered for this key: the same request does not probe again
-                    self._graphs.refuse(key, exc)
+                    graph = self.host.capture(padded)  # checked below, padded against unpadded
+                except Exception as exc:  # noqa: BLE001 - ORT's own types too: valid feeds, padding that is not
+                    if not (isinstance(exc, CaptureError) or _from_ort(exc)):
+                        raise
+                    if _passing(exc, state, mark):
+                        return None  # this request uncaptured; the next one captures the bucket again
+                    err = _messages.padding_failed(exc, label, self._host_read) if _from_ort(exc) else exc
+                    self._graphs.refuse(key, err)
+                    if err is exc:
+                        raise
+                    raise err from exc
+                entry = _Entry(graph, dict(bucket), label)  # captured on the padded feeds: every row written
+                entry.threads.add(threading.get_ident())
+                try:
+                    self._verify(entry, feeds, sizes)
+                except BaseException as exc:  # an interrupt too: no graph is left behind, and only a refusal is kept
+                    passing = _passing(exc, state, mark)
+                    graph.release()
+                    if passing:
+                        return None
+                    if isinstance(exc, CaptureError):
+                        self._graphs.refuse(key, exc)
                     raise
-            # at max_graphs: WebGPU frees a released graph; CUDA keeps it until the session's automatic compaction
-            # (sess.compact_threshold) rebuilds the C session
-            self._evict()
-            label = ", ".join(f"{k}={v}" for k, v in bucket.items())
-            t0 = time.perf_counter()
-            padded = self._resized(feeds, bucket)
-            state = self.host.state
-            mark = state.release_mark()  # another thread releasing graphs from here on: see _passing
-            try:
-                graph = self.host.capture(padded)  # checked below, padded against unpadded
-            except Exception as exc:  # noqa: BLE001 - ORT's own types too: the feeds were valid, their padding is not
-                if not (isinstance(exc, CaptureError) or _from_ort(exc)):
-                    raise
-                if _passing(exc, state, mark):
-                    return None  # this request uncaptured; the next one captures the bucket again
-                err = _messages.padding_failed(exc, label, self._host_read) if _from_ort(exc) else exc
-                self._graphs.refuse(key, err)
-                if err is exc:
-                    raise
-                raise err from exc
-            entry = _Entry(graph, dict(bucket), label)  # captured on the padded feeds: every row written
-            entry.threads.add(threading.get_ident())
-            try:
-                self._verify(entry, feeds, sizes)
-            except BaseException as exc:  # an interrupt too: no graph is left behind, and only a refusal is kept
-                passing = _passing(exc, state, mark)
-                graph.release()
-                if passing:
-                    return None
-                if isinstance(exc, CaptureError):
-                    self._graphs.refuse(key, exc)
-                raise
-            self._graphs.add(key, entry)
-            self._counts["captured"] += 1
-            log.info("ortcapture: captured bucket %s (gpu_graph_id=%d) for thread %s in %.3f s", label,
-                     graph.graph_id, threading.current_thread().name, time.perf_counter() - t0)
-            return entry
+                self._graphs.add(key, entry)
+                self._counts["captured"] += 1
+                log.info("ortcapture: captured bucket %s (gpu_graph_id=%d) for thread %s in %.3f s", label,
+                         graph.graph_id, threading.current_thread().name, time.perf_counter() - t0)
+                return entry
 
     def _evict(self) -> None:
         """Room for one more graph under ``max_graphs``: the least recently used released (the lock held)."""
