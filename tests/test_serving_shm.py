@@ -586,6 +586,34 @@ def test_a_region_unregistered_through_another_replica_is_closed_here(obj):
     b.close()
 
 
+def test_a_registry_made_again_never_reuses_a_name_and_generation_another_replica_holds_open(obj, tmp_path):
+    """The registry actor dies with the ingress replica that made it and another replica makes a new, empty one.
+    Its generations counted from 1 again, so a client registering name "r" again (another key) got the very
+    (name, generation) a replica still held open for the old registry's "r": that replica read the old object and
+    wrote outputs into it (a session replica's CUDA handles are keyed alike). Each registry now starts at a random
+    generation: the replica opens the new key."""
+    key_a, path_a = obj
+    key_b = f"/ortc-test-{uuid.uuid4().hex[:12]}"
+    path_b = os.path.join(shm.SHM_DIR, key_b[1:])
+    with open(path_a, "r+b") as f:
+        f.write(b"A" * 16)
+    with open(path_b, "wb") as f:
+        f.write(b"B" * 16 + b"\0" * 4080)
+    try:
+        store = ShmStore(LocalRegistry())
+        run(store.register("r", key_a, 0, 64, "127.0.0.1"))
+        assert store.maps.read(shm.Ref(run(store.regions(["r"]))["r"], 0, 4)) == b"AAAA"
+        store.registry = LocalRegistry()  # the old registry is gone; this replica's descriptor of "r" is not
+        run(store.registry.register("r", key_b, 0, 64))  # a client registers "r" again, through another replica
+        region = run(store.regions(["r"]))["r"]
+        assert region.key == key_b
+        assert store.maps.read(shm.Ref(region, 0, 4)) == b"BBBB"
+        assert len({Regions().register("r", key_a, 0, 1).generation for _ in range(50)}) == 50
+        store.close()
+    finally:
+        os.unlink(path_b)
+
+
 def test_an_input_named_twice_is_refused_before_its_region_is_read_again(obj, monkeypatch):
     """A 14 KB request naming one 16 MiB region 100 times as input 'X' made the ingress read 1.6 GB (4.8 GB peak)
     before the protocol refused the duplicate (a tester), over REST and gRPC alike: now the second name is refused

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import secrets
 import stat
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -46,7 +47,7 @@ class ShmError(ProtocolError):
 @dataclass(frozen=True)
 class Region:
     """One registered region: ``byte_size`` bytes of shared memory object ``key`` from ``offset``; ``generation``
-    tells two registrations of one name apart."""
+    tells two registrations of one name apart — of one registry, or of two (:class:`Regions`)."""
 
     name: str
     key: str
@@ -114,7 +115,11 @@ class Regions:
 
     def __init__(self):
         self._regions: dict[str, Region] = {}
-        self._generation = 0
+        # generations count up from a random 62-bit start, not from 0: a registry made again after its actor died
+        # (shm_store.ActorRegistry) must never hand out a (name, generation) that an ingress replica's Maps or a
+        # session replica's CUDA handles (cuda_ipc) still hold open for the old registry's region of that name —
+        # they would read, and write outputs into, the old object or allocation
+        self._generation = secrets.randbits(62)
 
     def register(self, name, key, offset, byte_size) -> Region:
         """Register region ``name``. Raises :class:`ShmError`: an empty or non-string name, a name registered
