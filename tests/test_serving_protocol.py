@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import zlib
 
 import numpy as np
@@ -61,6 +62,28 @@ def test_parse_json_and_binary_inputs(binary):
         got = req.inputs[n]
         assert got.dtype == a.dtype and got.shape == a.shape and np.array_equal(got, a)
     assert req.outputs == [("Y", False), ("M", False)]
+
+
+@pytest.mark.parametrize("binary", [("X",), ("X", "T"), ("T",)])
+def test_binary_tensors_as_separate_pieces_parse_as_one_joined_body(binary):
+    """gRPC's raw_input_contents reach the parser as pieces (no joined copy of the tensors): the same arrays, views
+    of the pieces themselves, and the same refusals as one joined body."""
+    f = feeds()
+    body, hl = body_of(f, binary, rid="r1")
+    head = body[:int(hl)]
+    pieces = [f[n].tobytes() for n in f if n in binary]
+    req = protocol.parse_infer_request(head, len(head), SPEC, (), pieces)
+    joined = protocol.parse_infer_request(body, hl, SPEC)
+    assert req.id == joined.id == "r1" and req.outputs == joined.outputs
+    for n, a in f.items():
+        assert req.inputs[n].dtype == a.dtype and np.array_equal(req.inputs[n], a)
+    first = [n for n in f if n in binary][0]
+    assert np.shares_memory(req.inputs[first], np.frombuffer(pieces[0], np.uint8))  # not copied
+    for bad, words in ((pieces[:-1], "binary bytes declared, 0 sent"),
+                       ([p[:-1] for p in pieces], "binary bytes declared"),
+                       (pieces + [b"\0" * 4], "binary tensor(s) that no input declares")):
+        with pytest.raises(ProtocolError, match=re.escape(words)):
+            protocol.parse_infer_request(head, len(head), SPEC, (), bad)
 
 
 def test_tritonclient_request_round_trip():

@@ -202,7 +202,7 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
         if asked:
             req["outputs"] = asked
         head = json.dumps(req).encode()
-        request = protocol.parse_infer_request(head + b"".join(pieces), len(head), spec, plan.device_inputs)
+        request = protocol.parse_infer_request(head, len(head), spec, plan.device_inputs, pieces)
         if plan:
             plan.take_outputs(request)
     except BaseException:

@@ -348,8 +348,8 @@ def _check_shape(tensor: Mapping, spec: TensorSpec, model: ModelSpec) -> tuple[i
     return tuple(shape)
 
 
-def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: Collection[str] = ()
-                        ) -> InferRequest:
+def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: Collection[str] = (),
+                        pieces: Sequence | None = None) -> InferRequest:
     """Parse and check an ``/infer`` body against ``model``.
 
     Args:
@@ -358,10 +358,14 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
         model: the served model.
         external: inputs the body leaves out because they are given elsewhere (in CUDA shared memory regions,
             :mod:`ortcapture.serving.cuda_shm`; checked there and by the request check).
+        pieces: the binary tensors as separate bytes-like objects, one per input with ``binary_data_size``, in
+            input order (gRPC's ``raw_input_contents``, or bytes read from shared memory): ``body`` is then the JSON
+            header alone and ``header_length`` its length — the same checks as one joined body, without copying
+            the tensors into it.
 
     Returns:
         :class:`InferRequest` whose arrays have exactly the model's dtypes and the declared shapes (read-only
-        views of ``body`` for binary inputs).
+        views of ``body``, or of ``pieces``, for binary inputs).
 
     Raises:
         ProtocolError: (400) not JSON (``NaN``, ``Infinity`` and ``-Infinity`` are not: RFC 8259 §6) / not an
@@ -376,6 +380,7 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
     n_header = _header_length(header_length, len(body))
     raw_json = body if n_header is None else body[:n_header]
     binary = memoryview(body)[n_header:] if n_header is not None else memoryview(b"")
+    chunks = None if pieces is None else [memoryview(p).cast("B") for p in pieces]
     try:
         req = _load_json(raw_json)
     except ProtocolError as exc:
@@ -408,7 +413,7 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
     if missing:
         raise ProtocolError(f"input(s) {missing} missing: model {model.name!r} takes {list(specs)}")
     arrays: dict[str, np.ndarray] = {}
-    offset = 0
+    offset = used = 0
     for t in inputs:  # binary data is consumed in the order the inputs are listed
         spec = specs[t["name"]]
         if t.get("datatype") != spec.datatype:
@@ -435,12 +440,20 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
             if size != nbytes:
                 raise ProtocolError(f"input {spec.name!r}: binary_data_size {str(size)[:20]}; shape {list(shape)} "
                                     f"of {spec.datatype} is {nbytes} bytes")
-            if offset + nbytes > len(binary):
-                raise ProtocolError(f"input {spec.name!r}: {nbytes} binary bytes declared, {len(binary) - offset} "
-                                    "sent")
+            if chunks is None:
+                if offset + nbytes > len(binary):
+                    raise ProtocolError(f"input {spec.name!r}: {nbytes} binary bytes declared, "
+                                        f"{len(binary) - offset} sent")
+                raw = binary[offset:offset + nbytes]
+            else:
+                if used >= len(chunks) or chunks[used].nbytes != nbytes:
+                    sent = chunks[used].nbytes if used < len(chunks) else 0
+                    raise ProtocolError(f"input {spec.name!r}: {nbytes} binary bytes declared, {sent} sent")
+                raw = chunks[used]
+                used += 1
             if spec.datatype == "BOOL":
-                _check_bool_bytes(binary[offset:offset + nbytes], spec.name)
-            arr = np.frombuffer(binary[offset:offset + nbytes], dtype=wire).reshape(shape)
+                _check_bool_bytes(raw, spec.name)
+            arr = np.frombuffer(raw, dtype=wire).reshape(shape)
             if not arr.flags.aligned:  # an odd offset in the body: ORT reads aligned buffers
                 arr = arr.copy()
             offset += nbytes
@@ -453,7 +466,9 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
         if arr.dtype != spec.dtype:  # a big-endian host, or the wire's explicit endianness
             arr = arr.astype(spec.dtype)
         arrays[spec.name] = arr
-    if offset != len(binary):
+    if chunks is not None and used != len(chunks):
+        raise ProtocolError(f"{len(chunks) - used} binary tensor(s) that no input declares")
+    if chunks is None and offset != len(binary):
         raise ProtocolError(f"{len(binary) - offset} bytes after the tensors that no input declares")
     return InferRequest(rid, arrays, _requested_outputs(req, params, model))
 
