@@ -41,6 +41,10 @@ _log = logging.getLogger("ortcapture.serving")
 
 #: batches in a row that found no session replica on this machine before a tier replica stops using batch slots
 SLOT_MISSES = 8
+#: how long a "ready" from Serve's controller is trusted (s). Asking costs the tier replica ~40 ms of CPU
+#: (``serve.status()`` pickles every deployment's router config), which at 0.5 s was 5-9 % of a busy replica's CPU
+#: (py-spy, 32 clients, H100); a batch refused for want of a session replica asks again at the next request.
+READY_TRUST_S = 5.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -195,6 +199,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             # or is overloaded. It raised (it writes no more), or Serve's router refused before sending: slot free
             answered = answered or isinstance(exc, (ray.exceptions.RayTaskError, BackPressureError,
                                                     DeploymentUnavailableError))
+            self._ready_at = float("-inf")  # the next request asks the controller again (a yes is otherwise trusted 5 s)
             return [{"error": f"no model replica could run the request: {_first_line(exc)}",
                      "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
         except Exception as exc:  # noqa: BLE001 - the call itself failed (e.g. a transport limit): each request
@@ -288,11 +293,12 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def ready(self) -> bool:
         """Whether a ``ModelSession`` replica is running (warm), asked of the Serve controller: a yes is trusted for
-        0.5 s, a no is asked again (at most every 50 ms)."""
+        :data:`READY_TRUST_S` unless a batch found no session replica since (then the next call asks again), a no
+        is asked again (at most every 50 ms)."""
         if self._draining:
             return False
         asked = self._ready_at
-        if self._ready and time.monotonic() - asked < 0.5:
+        if self._ready and time.monotonic() - asked < READY_TRUST_S:
             return True
         if self._ready_lock is None:
             self._ready_lock = asyncio.Lock()
