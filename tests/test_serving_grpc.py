@@ -12,6 +12,7 @@ import base64
 
 import json
 import os
+import time
 import uuid
 
 import numpy as np
@@ -38,6 +39,7 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     before = _listening_beyond_loopback()
+    registries = _registry_files()
     srv = Server(tmp_path_factory.mktemp("grpc"), provider="cpu", replicas=1, grpc=True)
     try:
         srv.wait_ready()
@@ -45,6 +47,12 @@ def server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+    # the shared memory registry's count of changes (ortcapture.serving.shm_version): unlinked at the stop
+    assert not _registry_files() - registries
+
+
+def _registry_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ortcapture-registry-")}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +167,14 @@ def test_grpc_errors_carry_the_rest_messages(server, client):
     assert client.is_server_live()
 
 
+def _ingress(server) -> dict:
+    """``/stats``' tier counters, after the replicas' next push (about once a second)."""
+    time.sleep(1.5)
+    code, raw = _get(f"{server.url}/v2/models/{MODEL}/stats")
+    assert code == 200, raw
+    return json.loads(raw)["model_stats"][0]["ortcapture"]["ingress"]
+
+
 def test_grpc_system_shared_memory(server, client, regions, reference):
     x = _x(3, 5)
     in_key, hin = regions("gin", 256)
@@ -181,6 +197,19 @@ def test_grpc_system_shared_memory(server, client, regions, reference):
     assert list(out.shape) == [3, 3] and out.parameters["shared_memory_region"].string_param == "gout"
     got = shm.get_contents_as_numpy(hout, np.float32, [3, 3], offset=8)
     np.testing.assert_allclose(got, want["scores"], rtol=1e-5, atol=1e-6)
+    # the same regions again: the tier replicas answer the lookups themselves (the registry's count of changes, in
+    # /dev/shm, has not moved), at most one registry call per tier replica for names new to it
+    before = _ingress(server)
+    for k in range(6):
+        xk = _x(3, 10 + k)
+        shm.set_shared_memory_region(hin, [xk], offset=64)
+        res = client.infer(MODEL, [inp], outputs=[o_scores, o_probs])
+        np.testing.assert_allclose(res.as_numpy("probs"), reference(xk)["probs"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(shm.get_contents_as_numpy(hout, np.float32, [3, 3], offset=8),
+                                   reference(xk)["scores"], rtol=1e-5, atol=1e-6)
+    after = _ingress(server)
+    assert after["shm_lookups"] - before["shm_lookups"] >= 6, (before, after)
+    assert after["shm_registry_calls"] - before["shm_registry_calls"] <= after["replicas"], (before, after)
     # bad references and registrations: each INVALID_ARGUMENT, the server stays up
     bad = grpcclient.InferInput("X", [3, 4], "FP32")
     bad.set_shared_memory("nope", x.nbytes)

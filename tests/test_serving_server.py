@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -149,7 +150,7 @@ class Server:
 def _slot_pools() -> set[str]:
     """The batch-slot pools in /dev/shm (``ortcapture.serving.slots``: ``ortcapture-<pid>-<hex>``)."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("ortcapture-")}
+        return {n for n in os.listdir("/dev/shm") if re.fullmatch(r"ortcapture-\d+-[0-9a-f]{32}", n)}
     except OSError:
         return set()
 

@@ -6,11 +6,14 @@ The pure rules are :mod:`ortcapture.serving.shm`.
 process on another node and never touches client memory). The registry — names to (key, offset, byte_size) — is one
 per server, so that a region registered through one ingress replica is known to every other: a named Ray actor of the
 application (:class:`RegistryActor`, created by the first ingress replica that needs it, ``get_if_exists``). Each
-ingress replica asks it for the regions a request names (one small actor call per request that names any) and maps
-them lazily, once per registration (:class:`ortcapture.serving.shm.Maps`; a name registered again, or unregistered
-through another replica, is seen on the next request). Registration checks the object's size where it is mapped.
-The actor dies with the ingress that made it (a server that stops forgets its regions); a replica that finds it gone
-makes a new, empty one (clients register again: their requests name unknown regions, a 400).
+ingress replica looks up the regions a request names and maps them lazily, once per registration
+(:class:`ortcapture.serving.shm.Maps`; a name registered again, or unregistered through another replica, is seen on
+the next request). A lookup calls the actor only when the registry's count of changes — a file on the actor's node,
+:mod:`ortcapture.serving.shm_version` — moved since this replica last asked, or a name is new to it; a replica on
+another node, or one that finds the actor's process gone, calls it (the call that finds it gone makes a new one).
+Registration checks the object's size where it is mapped. The actor dies with the ingress that made it (a server
+that stops forgets its regions); a replica that finds it gone makes a new, empty one (clients register again: their
+requests name unknown regions, a 400; its generations never repeat the old registry's).
 
 Registration is refused unless the client is on loopback (:func:`ortcapture.serving.shm.is_loopback`; a remote client
 could otherwise name any ``/dev/shm`` key of the server's machine) — ``allow_remote`` lifts it.
@@ -26,6 +29,7 @@ from typing import Any, Mapping
 
 from ortcapture.serving import cuda_shm, protocol, shm
 from ortcapture.serving.shm import Maps, Ref, Region, Regions, ShmError
+from ortcapture.serving.shm_version import VersionFile, VersionReader
 
 
 class LocalRegistry:
@@ -57,36 +61,95 @@ class LocalRegistry:
 
 class RegistryActor:
     """The registry as a Ray actor (one per application, named ``<app>-shm``): :class:`Regions` behind actor calls;
-    a refusal comes back as ``{"error": message}`` (a :class:`ShmError` does not cross Ray as itself)."""
+    a refusal comes back as ``{"error": message}`` (a :class:`ShmError` does not cross Ray as itself). Its count of
+    changes is in a node-local file (:class:`ortcapture.serving.shm_version.VersionFile`) that ingress replicas on its
+    node read instead of calling :meth:`call` ``("lookup", ...)`` for every request."""
 
     def __init__(self):
         self.regions = Regions()
+        try:
+            self.version: VersionFile | None = VersionFile()
+        except OSError:  # no /dev/shm room: every lookup is a call
+            self.version = None
+        self.node = node_id()
 
     def call(self, method: str, *args):
-        """``Regions.<method>(*args)``, or ``{"error": message}`` for what it refuses."""
+        """``Regions.<method>(*args)`` as ``{"ok": result}`` — a lookup's reply also says where the count of changes
+        is (``"where"``: ``(path, pid, node id)``) and its value (``"version"``: ``(path, count)``) — or
+        ``{"error": message}`` for what it refuses. A registration or unregistration is counted before this
+        returns."""
         try:
-            return {"ok": getattr(self.regions, method)(*args)}
+            out = {"ok": getattr(self.regions, method)(*args)}
         except ShmError as exc:
             return {"error": str(exc)}
+        if self.version is not None:
+            if method in CHANGES:
+                self.version.bump()
+            if method == "lookup":
+                out["version"] = (self.version.path, self.version.version)
+                out["where"] = (self.version.path, os.getpid(), self.node)
+        return out
+
+    def close(self) -> None:
+        """Unlink the count's file (the server stops; the actor is killed next)."""
+        if getattr(self, "version", None) is not None:
+            self.version.close()
+
+    def __del__(self):
+        self.close()
+
+
+def node_id() -> str | None:
+    """This process's Ray node (``None`` outside a Ray worker)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not in a worker
+        return None
+
+
+#: the :class:`Regions` methods that change the registry (counted by :class:`RegistryActor`)
+CHANGES = frozenset({"register", "register_cuda", "unregister"})
+#: the most lookups an ingress replica remembers for one count of changes (names asked for that are not registered
+#: are remembered too: a client naming ever new ones must not grow it without bound)
+MAX_KNOWN = 4096
 
 
 class ActorRegistry:
-    """The client side of :class:`RegistryActor` in an ingress replica: the actor ``name`` in Ray namespace
-    ``namespace``, made on first use if no replica made it yet (and again if it died)."""
+    """The client side of :class:`RegistryActor` in an ingress (or session) replica: the actor ``name`` in Ray
+    namespace ``namespace``, made on first use if no replica made it yet (and again if it died).
+
+    :meth:`lookup` on the actor's node calls the actor only when its count of changes moved since the last call
+    (read from its :class:`~ortcapture.serving.shm_version.VersionFile` through a
+    :class:`~ortcapture.serving.shm_version.VersionReader`) or a name was not asked for since; elsewhere, or once
+    the actor's process is gone, every lookup is a call (the call finds the actor dead and makes a new, empty one)."""
 
     def __init__(self, name: str, namespace: str = "ortcapture"):
         self.name, self.namespace = name, namespace
         self._actor = None
+        self._reader: VersionReader | None = None  # the actor's count of changes, when it is on this node
+        self._known: dict[str, Region | None] = {}  # names looked up at count _known_version
+        self._known_version: tuple[str, int] | None = None
+        self.lookups = 0  # lookups asked of this object
+        self.calls = 0  # lookups that called the actor (the others were answered here)
 
     def _handle(self, fresh: bool = False):
         import ray
 
         if self._actor is None or fresh:
+            self._forget()
             cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
             self._actor = cls.options(name=self.name, namespace=self.namespace, get_if_exists=True).remote()
         return self._actor
 
-    async def _call(self, method: str, *args):
+    def _forget(self) -> None:
+        """Drop what was looked up and the view of the count (another actor, or this one's process is gone)."""
+        if self._reader is not None:
+            self._reader.close()
+        self._reader, self._known, self._known_version = None, {}, None
+
+    async def _reply(self, method: str, *args) -> dict:
         import ray
 
         try:
@@ -95,7 +158,10 @@ class ActorRegistry:
             out = await self._handle(fresh=True).call.remote(method, *args)
         if "error" in out:
             raise ShmError(out["error"])
-        return out["ok"]
+        return out
+
+    async def _call(self, method: str, *args):
+        return (await self._reply(method, *args))["ok"]
 
     async def register(self, name, key, offset, byte_size) -> Region:
         """:meth:`Regions.register` in the actor."""
@@ -114,19 +180,80 @@ class ActorRegistry:
         return await self._call("status", name, kind)
 
     async def lookup(self, names) -> dict[str, Region]:
-        """:meth:`Regions.lookup` in the actor."""
-        return await self._call("lookup", list(names))
+        """:meth:`Regions.lookup`: answered here when the actor's count of changes has not moved since these names
+        were looked up (on its node), else by the actor."""
+        names = list(names)
+        self.lookups += 1
+        known = self._known_here(names)
+        if known is not None:
+            return known
+        self.calls += 1
+        out = await self._reply("lookup", names)
+        self._remember(out, names)
+        return out["ok"]
 
-    def kill(self) -> None:
-        """End the actor (this server's regions are forgotten)."""
+    def _known_here(self, names: list) -> dict[str, Region] | None:
+        reader = self._reader
+        if reader is None or self._known_version is None:
+            return None
+        count = reader.read()
+        if count is None:  # the actor's process is gone: the next call makes a new registry
+            self._forget()
+            return None
+        if (reader.path, count) != self._known_version or any(n not in self._known for n in names):
+            return None
+        return {n: r for n in names if (r := self._known[n]) is not None}
+
+    def _remember(self, out: dict, names: list) -> None:
+        """Keep a lookup's reply, labelled with the count it was made at (a reply without one is not kept)."""
+        version, where = out.get("version"), out.get("where")
+        if version is None or where is None:
+            return
+        version = tuple(version)
+        if self._reader is None or self._reader.path != where[0]:
+            self._open_reader(where)
+        if self._reader is None or self._reader.path != version[0]:
+            return
+        if version != self._known_version or len(self._known) >= MAX_KNOWN:
+            self._known, self._known_version = {}, version
+        for n in names:
+            self._known[n] = out["ok"].get(n)
+
+    def _open_reader(self, where) -> None:
+        path, pid, node = where
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if node is None or node != node_id():  # another node: its /dev/shm is not this one's
+            return
+        try:
+            self._reader = VersionReader(path, pid)
+        except (OSError, ValueError):  # no /proc (not Linux), or the file is gone already: calls, as before
+            self._reader = None
+
+    async def shutdown(self) -> None:
+        """Server shutdown: every region unregistered, the actor's count file unlinked (by the actor: on its node)
+        and the actor ended — the one that runs, if any: a replica that never used the registry makes none now,
+        and a second shutdown finds none (best effort)."""
         import ray
 
-        if self._actor is not None:
+        try:
+            actor = ray.get_actor(self.name, namespace=self.namespace)
+        except Exception:  # noqa: BLE001 - none was made, or it ended already (ValueError)
+            actor = None
+        if actor is not None:
             try:
-                ray.kill(self._actor)
+                for kind in ("system", "cuda"):
+                    await actor.call.remote("unregister", None, kind)
+                await actor.close.remote()
+            except Exception:  # noqa: BLE001 - it died meanwhile
+                pass
+            try:
+                ray.kill(actor)
             except Exception:  # noqa: BLE001 - gone already
                 pass
-            self._actor = None
+        self._actor = None
+        self._forget()
 
 
 class ShmStore:
@@ -223,15 +350,16 @@ class ShmStore:
 
     async def shutdown(self) -> None:
         """Server shutdown: unregister every region, unmap them, end the registry actor (best effort)."""
+        stop = getattr(self.registry, "shutdown", None)  # the actor's (ActorRegistry.shutdown)
         try:
-            await self.registry.unregister(None)
-            await self.registry.unregister(None, "cuda")
+            if stop is not None:
+                await stop()
+            else:
+                await self.registry.unregister(None)
+                await self.registry.unregister(None, "cuda")
         except Exception:  # noqa: BLE001 - the registry is gone already
             pass
         self.close()
-        kill = getattr(self.registry, "kill", None)
-        if kill is not None:
-            kill()
 
     # -- HTTP ----------------------------------------------------------------------------------------------------
     async def route(self, method: str, rest: list[str], peer: str | None, read_body, kind: str = "system"):

@@ -326,6 +326,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         return {"pending_bodies": self._bodies.held, "waiting_bodies": self._bodies.waiting,
                 "max_pending_bodies": o.max_pending_bodies,
                 "queued": self._queued, "max_queued": o.max_queued, "refused": dict(self._refused), **self._sent,
+                "shm_lookups": self.shm.registry.lookups, "shm_registry_calls": self.shm.registry.calls,
                 "http_errors": {str(k): v for k, v in self.router.http_errors.items()}}
 
     def _ingress_stats(self) -> dict:
@@ -339,7 +340,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                 continue
             n += 1
             for key in ("pending_bodies", "waiting_bodies", "queued", "session_calls", "requests_sent", "session_call_ns",
-                        "slot_batches", "slot_misses"):
+                        "slot_batches", "slot_misses", "shm_lookups", "shm_registry_calls"):
                 total[key] += other.get(key, 0)
             for part in ("refused", "http_errors"):
                 for k, v in (other.get(part) or {}).items():
