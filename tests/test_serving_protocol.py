@@ -86,6 +86,23 @@ def test_binary_tensors_as_separate_pieces_parse_as_one_joined_body(binary):
             protocol.parse_infer_request(head, len(head), SPEC, (), bad)
 
 
+def test_an_unaligned_binary_input_is_copied_unless_the_caller_copies_it_anyway():
+    """The JSON header's length decides where the binary tensors start: an odd one leaves a float32 input
+    unaligned. It is copied to aligned memory by default (ORT reads aligned buffers); ``align=False`` (the batching
+    tier's router: it copies each request's rows into its batch) keeps the view — no copy of a 1.2 MB image."""
+    f = feeds()
+    body, hl = body_of(f, ("X",))
+    head = body[:int(hl)]
+    head += b" " * ((1 - len(head)) % 4)  # JSON may end in spaces: the tensor now starts at an odd offset
+    body = head + f["X"].tobytes()
+    copied = protocol.parse_infer_request(body, len(head), SPEC)
+    kept = protocol.parse_infer_request(body, len(head), SPEC, align=False)
+    base = np.frombuffer(body, np.uint8)
+    assert copied.inputs["X"].flags.aligned and not np.shares_memory(copied.inputs["X"], base)
+    assert not kept.inputs["X"].flags.aligned and np.shares_memory(kept.inputs["X"], base)
+    assert np.array_equal(copied.inputs["X"], f["X"]) and np.array_equal(kept.inputs["X"], f["X"])
+
+
 def test_tritonclient_request_round_trip():
     """tritonclient's own request builder (binary and JSON inputs, binary and JSON outputs) parses back exactly, and
     its InferResult reads our response."""

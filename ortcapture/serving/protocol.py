@@ -349,7 +349,7 @@ def _check_shape(tensor: Mapping, spec: TensorSpec, model: ModelSpec) -> tuple[i
 
 
 def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: Collection[str] = (),
-                        pieces: Sequence | None = None) -> InferRequest:
+                        pieces: Sequence | None = None, *, align: bool = True) -> InferRequest:
     """Parse and check an ``/infer`` body against ``model``.
 
     Args:
@@ -362,6 +362,9 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
             input order (gRPC's ``raw_input_contents``, or bytes read from shared memory): ``body`` is then the JSON
             header alone and ``header_length`` its length — the same checks as one joined body, without copying
             the tensors into it.
+        align: binary inputs at an address that is not a multiple of their item size (the JSON header's length
+            decides it) are copied to aligned memory (ORT reads aligned buffers); ``False`` leaves them unaligned
+            views, for a caller that copies them anyway.
 
     Returns:
         :class:`InferRequest` whose arrays have exactly the model's dtypes and the declared shapes (read-only
@@ -454,7 +457,7 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
             if spec.datatype == "BOOL":
                 _check_bool_bytes(raw, spec.name)
             arr = np.frombuffer(raw, dtype=wire).reshape(shape)
-            if not arr.flags.aligned:  # an odd offset in the body: ORT reads aligned buffers
+            if align and not arr.flags.aligned:  # an odd offset in the body: ORT reads aligned buffers
                 arr = arr.copy()
             offset += nbytes
         elif has_data:

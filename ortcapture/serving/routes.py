@@ -85,13 +85,19 @@ class Router:
         ingress_stats: ``() -> dict`` shown under ``/stats``' ``ortcapture.ingress`` (queue, bodies in flight).
         shm: system shared memory (``ortcapture.serving.shm_store.ShmStore``): ``/v2/systemsharedmemory/...``
             and infer requests that name regions; ``None``: neither.
+        align_inputs: ``False``: binary inputs reach ``infer`` as views of the body even where the JSON header's
+            length leaves them unaligned (:func:`~ortcapture.serving.protocol.parse_infer_request`'s ``align``) —
+            for a backend that copies every request's rows anyway (the batching tier: into its batch, or through
+            Ray, which hands them over aligned). Saves a copy of each request's tensors (~8 % of a busy tier
+            replica's CPU at 32 HTTP clients, 1.2 MB images, py-spy on an H100).
     """
 
     def __init__(self, spec: ModelSpec, ready: Callable[[], Awaitable[bool]],
                  infer: Callable[[dict], Awaitable[Mapping]], *, server_name: str = "ortcapture",
                  server_version: str = "", token: str | None = None,
-                 ingress_stats: Callable[[], Mapping] | None = None, shm=None):
+                 ingress_stats: Callable[[], Mapping] | None = None, shm=None, align_inputs: bool = True):
         self.spec = spec
+        self._align = align_inputs
         self._token = None if token is None else token.encode()
         self._ingress_stats = ingress_stats
         self._ready = ready
@@ -231,7 +237,7 @@ class Router:
             body, header_length, plan = await self._shm.prepare_http(body, header_length, self.spec)
         try:
             request = protocol.parse_infer_request(body, header_length, self.spec,
-                                                   plan.device_inputs if plan is not None else ())
+                                                   plan.device_inputs if plan is not None else (), align=self._align)
             if plan is not None:
                 plan.take_outputs(request)
             result = await self._infer(request.inputs, **(plan.infer_kwargs() if plan is not None else {}))

@@ -114,7 +114,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                             cuda_open=self._cuda_open if provider == "cuda" else None, provider=provider,
                             peers_known=client_address_known(options))
         self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
-                             token=options.token, ingress_stats=self._ingress_stats, shm=self.shm)
+                             token=options.token, ingress_stats=self._ingress_stats, shm=self.shm,
+                             align_inputs=False)  # each request's rows are copied into its batch (or sent by Ray)
 
     # -- the handle method and the router's backend -------------------------------------------------------------
     async def infer(self, feeds: dict, device_outputs: dict | None = None) -> dict:
