@@ -20,6 +20,7 @@ from ortcapture.serving import shm, shm_store, shm_version
 from ortcapture.serving.shm import ShmError
 from ortcapture.serving.shm_store import ActorRegistry, RegistryActor, ShmStore
 
+pytest.importorskip("ray")  # ActorRegistry's calls catch Ray's errors (the serve extra; not in the older-ORT venvs)
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.isdir("/dev/shm"),
                                 reason="/dev/shm and /proc (Linux)")
 
