@@ -92,6 +92,17 @@ def test_lookups_call_the_actor_only_when_its_count_moved_or_a_name_is_new(actor
     assert run(a.lookup(["r"]))["r"] == again and a.calls == 4
 
 
+def test_without_reading_the_count_every_lookup_calls_the_actor(actor, obj):
+    """``read_count=False`` is the behaviour before the count (benchmarks/ingress_costs.py times both)."""
+    handle = _Handle(actor)
+    before = ActorRegistry("test-shm", read_count=False)
+    before._actor = handle
+    run(before.register("r", obj, 0, 64))
+    for _ in range(3):
+        assert set(run(before.lookup(["r"]))) == {"r"}
+    assert before.calls == before.lookups == 3 and before._reader is None
+
+
 def test_a_count_is_read_on_the_actors_node_only(actor, obj, monkeypatch):
     """A replica on another node cannot see the actor's /dev/shm: every lookup is a call, as before."""
     handle = _Handle(actor)

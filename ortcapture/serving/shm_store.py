@@ -123,10 +123,11 @@ class ActorRegistry:
     :meth:`lookup` on the actor's node calls the actor only when its count of changes moved since the last call
     (read from its :class:`~ortcapture.serving.shm_version.VersionFile` through a
     :class:`~ortcapture.serving.shm_version.VersionReader`) or a name was not asked for since; elsewhere, or once
-    the actor's process is gone, every lookup is a call (the call finds the actor dead and makes a new, empty one)."""
+    the actor's process is gone, every lookup is a call (the call finds the actor dead and makes a new, empty one).
+    ``read_count=False``: every lookup is a call (as before the count; ``benchmarks/ingress_costs.py`` times both)."""
 
-    def __init__(self, name: str, namespace: str = "ortcapture"):
-        self.name, self.namespace = name, namespace
+    def __init__(self, name: str, namespace: str = "ortcapture", read_count: bool = True):
+        self.name, self.namespace, self.read_count = name, namespace, read_count
         self._actor = None
         self._reader: VersionReader | None = None  # the actor's count of changes, when it is on this node
         self._known: dict[str, Region | None] = {}  # names looked up at count _known_version
@@ -207,7 +208,7 @@ class ActorRegistry:
     def _remember(self, out: dict, names: list) -> None:
         """Keep a lookup's reply, labelled with the count it was made at (a reply without one is not kept)."""
         version, where = out.get("version"), out.get("where")
-        if version is None or where is None:
+        if version is None or where is None or not self.read_count:
             return
         version = tuple(version)
         if self._reader is None or self._reader.path != where[0]:
