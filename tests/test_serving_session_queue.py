@@ -196,12 +196,15 @@ def test_a_ready_is_trusted_until_a_batch_finds_no_session_replica(monkeypatch):
     from ortcapture.serving.batcher import Item
     from ortcapture.serving.config import ServeOptions
 
-    asked, running = [], [True]
+    import ray
+    from ray.serve.exceptions import BackPressureError
+
+    asked, running, raised = [], [True], [ray.exceptions.RayActorError()]
     monkeypatch.setattr(tier_mod, "session_running", lambda app: asked.append(app) or running[0])
 
     class _Gone:
         async def _fail(self, *args):
-            raise RuntimeError("no replica of ModelSession is running")
+            raise raised[0]
 
         run_batch = SimpleNamespace(remote=lambda *a: _Gone()._fail(*a))
 
@@ -210,17 +213,72 @@ def test_a_ready_is_trusted_until_a_batch_finds_no_session_replica(monkeypatch):
     t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
     t.session, t._slots, t._sent = _Gone(), None, collections.Counter()
     t._draining, t._ready, t._ready_at, t._ready_lock, t._session_app = False, False, 0.0, None, "app"
+    t._ready_resets, t._distrusted_at = 0, float("-inf")
+    batch = [Item(1, ({"X": np.zeros((1, 4), np.float32)}, None))]
 
     async def main():
         got = [await t.ready() for _ in range(20)]
         assert got == [True] * 20 and len(asked) == 1  # asked once, then trusted
         running[0] = False
-        answers = await t._run_batch([Item(1, ({"X": np.zeros((1, 4), np.float32)}, None))])
+        answers = await t._run_batch(batch)
         assert answers[0]["status"] == 503
         assert await t.ready() is False and len(asked) == 2  # asked again at once, and the no is the answer
         running[0] = True
         await asyncio.sleep(0.06)  # a no is asked again after 50 ms
         assert await t.ready() is True and len(asked) == 3
+        # an overloaded replica is not a missing one: no new asks (each costs the controller's ~40 ms of CPU)
+        raised[0] = BackPressureError(num_queued_requests=1, max_queued_requests=1)
+        for _ in range(5):
+            assert (await t._run_batch(batch))[0]["status"] == 503
+        assert await t.ready() is True and len(asked) == 3
+
+    asyncio.run(main())
+
+
+def test_a_ready_asked_before_a_batch_found_no_session_replica_is_not_trusted(monkeypatch):
+    """A review's race: the controller's yes, asked while a batch failed for want of a session replica, came back
+    after the failure and was trusted for 5 s. Now it is asked again; and repeated failures ask at most once a
+    second."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from ortcapture.serving import tier as tier_mod
+    from ortcapture.serving.batcher import Item
+    from ortcapture.serving.config import ServeOptions
+
+    asked = []
+
+    def slow_yes(app):
+        asked.append(app)
+        time.sleep(0.2)  # the controller answers while the batch below fails
+        return True
+
+    monkeypatch.setattr(tier_mod, "session_running", slow_yes)
+
+    class _Gone:
+        async def _fail(self, *args):
+            raise ray.exceptions.RayActorError()
+
+        run_batch = SimpleNamespace(remote=lambda *a: _Gone()._fail(*a))
+
+    t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)
+    t.options = ServeOptions("m.onnx", max_batch_size=8)
+    t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
+    t.session, t._slots, t._sent = _Gone(), None, collections.Counter()
+    t._draining, t._ready, t._ready_at, t._ready_lock, t._session_app = False, False, 0.0, None, "app"
+    t._ready_resets, t._distrusted_at = 0, float("-inf")
+    batch = [Item(1, ({"X": np.zeros((1, 4), np.float32)}, None))]
+
+    async def main():
+        asking = asyncio.ensure_future(t.ready())
+        await asyncio.sleep(0.05)
+        await t._run_batch(batch)  # fails while the yes is being asked
+        assert await asking is True
+        assert await t.ready() is True and len(asked) == 2  # the earlier yes was not trusted: asked again
+        for _ in range(5):  # failing again within the second: no more asks
+            await t._run_batch(batch)
+        assert await t.ready() is True and len(asked) == 2
 
     asyncio.run(main())
 

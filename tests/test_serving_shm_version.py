@@ -78,18 +78,64 @@ def test_lookups_call_the_actor_only_when_its_count_moved_or_a_name_is_new(actor
     run(a.register("r", obj, 0, 64))
     first = run(a.lookup(["r", "nope"]))
     assert set(first) == {"r"} and a.calls == 1
-    for _ in range(5):  # the same names, nothing changed: answered here
-        assert run(a.lookup(["r"])) == first and run(a.lookup(["nope", "r"])) == first
+    for _ in range(5):  # the same registered names, nothing changed: answered here
+        assert run(a.lookup(["r"])) == first
     assert a.calls == 1
-    assert run(a.lookup(["other"])) == {} and a.calls == 2  # a new name: asked once
+    # a name that is not registered is asked every time (only registered regions are remembered: names from
+    # clients' requests never grow the replica's memory)
+    assert run(a.lookup(["nope", "r"])) == first and run(a.lookup(["other"])) == {} and a.calls == 3
     run(b.unregister("r"))  # through another replica
-    assert run(a.lookup(["r"])) == {} and a.calls == 3
+    assert run(a.lookup(["r"])) == {} and a.calls == 4
     again = run(b.register("r", obj, 8, 32))
     got = run(a.lookup(["r"]))["r"]
-    assert got == again and got.offset == 8 and got.generation != first["r"].generation and a.calls == 4
+    assert got == again and got.offset == 8 and got.generation != first["r"].generation and a.calls == 5
     with pytest.raises(ShmError, match="registered already"):  # a refused change counts nothing and says so
         run(b.register("r", obj, 0, 4))
-    assert run(a.lookup(["r"]))["r"] == again and a.calls == 4
+    assert run(a.lookup(["r"]))["r"] == again and a.calls == 5
+
+
+def test_names_from_requests_never_grow_a_replicas_memory(actor, obj):
+    """A review: every name asked for was remembered, registered or not, until the count moved — 200 requests
+    naming 1 MB region names held 210 MB in a replica (the body cap allowed ~256 GiB). Only registered regions are
+    remembered now, at most MAX_KNOWN of them."""
+    a = _replica(_Handle(actor))
+    run(a.register("r", obj, 0, 64))
+    for i in range(50):
+        assert run(a.lookup([f"{i}-" + "a" * 100_000, "r"])).keys() == {"r"}
+    assert run(a.lookup([f"x{i}" for i in range(20_000)])) == {}
+    assert list(a._known) == ["r"]
+
+
+def test_a_late_reply_from_a_replaced_actor_is_not_remembered(actor, obj, monkeypatch):
+    """A review: a reply of the old actor arriving after this replica moved to a new one (its call had failed) made
+    the replica read the old actor's count again and answer from the old registry. Replies are now remembered only
+    from the handle this replica uses."""
+    a = _replica(_Handle(actor))
+    run(a.register("r", obj, 0, 64))
+    old_reply = actor.call("lookup", ["r"])
+    fresh = RegistryActor()
+    try:
+        a._forget()
+        a._actor, a._made = _Handle(fresh), a._made + 1  # what _handle(fresh=True) does after a RayActorError
+        fresh.call("register", "r", obj, 16, 16)
+        assert run(a.lookup(["r"]))["r"].offset == 16
+        a._remember({**old_reply, "handle": a._made - 1}, ["r"])  # the old actor's late reply
+        assert a._reader.path == fresh.version.path
+        assert run(a.lookup(["r"]))["r"].offset == 16
+    finally:
+        fresh.version.close()
+
+
+def test_a_session_replica_never_makes_the_registry(monkeypatch):
+    """``create=False`` (the session replica's CUDA region sweep): with no registry running, a lookup answers
+    "nothing is registered" instead of making one — a server that stopped must not get a registry back."""
+    import ray
+
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **k: (_ for _ in ()).throw(ValueError("none")))
+    reg = ActorRegistry("test-shm", create=False)
+    assert run(reg.lookup(["r"])) == {} and reg._actor is None
+    with pytest.raises(ShmError, match="registry is gone"):
+        run(reg.register("r", "/k", 0, 1))
 
 
 def test_without_reading_the_count_every_lookup_calls_the_actor(actor, obj):

@@ -422,12 +422,14 @@ def _exit_when_cluster_gone(done, since: float = 0.0, period_s: float = 0.25) ->
             # the tier replicas die with it, their batch-slot pools left in /dev/shm (32 MiB each, found by a
             # tester): unlinked once their processes are gone (pools made since this server started; 3 s at most: a
             # replica that outlives its raylet longer leaves its pool to the next server's start, which sweeps it)
+            from ortcapture.serving.shm_version import PREFIX as REGISTRY_PREFIX
             from ortcapture.serving.slots import pool_owners, sweep_stale_pools
 
             deadline = time.monotonic() + 3.0
             while pool_owners(since) and time.monotonic() < deadline:
                 time.sleep(0.1)
             sweep_stale_pools()
+            sweep_stale_pools(REGISTRY_PREFIX)  # the shared memory registry's count of changes (shm_version)
             sys.stdout.flush()
             os._exit(0)  # Ray's own exit hooks would wait for the GCS too
 

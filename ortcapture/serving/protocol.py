@@ -358,10 +358,12 @@ def parse_infer_request(body: bytes, header_length, model: ModelSpec, external: 
         model: the served model.
         external: inputs the body leaves out because they are given elsewhere (in CUDA shared memory regions,
             :mod:`ortcapture.serving.cuda_shm`; checked there and by the request check).
-        pieces: the binary tensors as separate bytes-like objects, one per input with ``binary_data_size``, in
-            input order (gRPC's ``raw_input_contents``, or bytes read from shared memory): ``body`` is then the JSON
-            header alone and ``header_length`` its length — the same checks as one joined body, without copying
-            the tensors into it.
+        pieces: the binary tensors as separate bytes-like objects, exactly one per input with
+            ``binary_data_size``, in input order, each exactly that input's bytes (gRPC's ``raw_input_contents``):
+            ``body`` is then the JSON header alone and ``header_length`` its length — the checks of one joined body
+            (stricter: a joined body may split its bytes anywhere; here a piece that is not one input's whole
+            tensor is refused), without copying the tensors into it. Arrays are read-only when the pieces are
+            (``bytes``).
         align: binary inputs at an address that is not a multiple of their item size (the JSON header's length
             decides it) are copied to aligned memory (ORT reads aligned buffers); ``False`` leaves them unaligned
             views, for a caller that copies them anyway.

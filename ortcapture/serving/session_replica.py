@@ -436,7 +436,7 @@ class ModelSession:
             from ortcapture.serving.shm_store import ActorRegistry
 
             if self._registry is None:
-                self._registry = ActorRegistry(f"{self.options.app_name}-shm")
+                self._registry = ActorRegistry(f"{self.options.app_name}-shm", create=False)  # never made here
             live = await self._registry.lookup(self._ipc.names())
             # on the replay thread, which gathers from them: never closed under a copy in progress
             await asyncio.wrap_future(self.core.session.run_on_replay_thread(self._ipc.forget, live))

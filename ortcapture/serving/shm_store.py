@@ -9,7 +9,8 @@ application (:class:`RegistryActor`, created by the first ingress replica that n
 ingress replica looks up the regions a request names and maps them lazily, once per registration
 (:class:`ortcapture.serving.shm.Maps`; a name registered again, or unregistered through another replica, is seen on
 the next request). A lookup calls the actor only when the registry's count of changes — a file on the actor's node,
-:mod:`ortcapture.serving.shm_version` — moved since this replica last asked, or a name is new to it; a replica on
+:mod:`ortcapture.serving.shm_version` — moved since this replica last asked, or a name is not among the registered
+regions it remembers; a replica on
 another node, or one that finds the actor's process gone, calls it (the call that finds it gone makes a new one).
 Registration checks the object's size where it is mapped. The actor dies with the ingress that made it (a server
 that stops forgets its regions); a replica that finds it gone makes a new, empty one (clients register again: their
@@ -111,8 +112,8 @@ def node_id() -> str | None:
 
 #: the :class:`Regions` methods that change the registry (counted by :class:`RegistryActor`)
 CHANGES = frozenset({"register", "register_cuda", "unregister"})
-#: the most lookups an ingress replica remembers for one count of changes (names asked for that are not registered
-#: are remembered too: a client naming ever new ones must not grow it without bound)
+#: the most registered regions an ingress replica remembers for one count of changes (only registered ones: a name
+#: that is not is asked of the actor every time, so names from clients' requests never grow it)
 MAX_KNOWN = 4096
 
 
@@ -122,15 +123,20 @@ class ActorRegistry:
 
     :meth:`lookup` on the actor's node calls the actor only when its count of changes moved since the last call
     (read from its :class:`~ortcapture.serving.shm_version.VersionFile` through a
-    :class:`~ortcapture.serving.shm_version.VersionReader`) or a name was not asked for since; elsewhere, or once
+    :class:`~ortcapture.serving.shm_version.VersionReader`) or a name is not a registered region it remembers
+    (only those are kept, at most :data:`MAX_KNOWN`); elsewhere, or once
     the actor's process is gone, every lookup is a call (the call finds the actor dead and makes a new, empty one).
-    ``read_count=False``: every lookup is a call (as before the count; ``benchmarks/ingress_costs.py`` times both)."""
+    ``read_count=False``: every lookup is a call (as before the count; ``benchmarks/ingress_costs.py`` times both).
+    ``create=False`` (a session replica, which only asks which of its CUDA regions are still registered): the actor is
+    never made here — none running answers "nothing is registered" (a server that stops ends it; a replica's
+    per-second lookup must not make it again)."""
 
-    def __init__(self, name: str, namespace: str = "ortcapture", read_count: bool = True):
-        self.name, self.namespace, self.read_count = name, namespace, read_count
+    def __init__(self, name: str, namespace: str = "ortcapture", read_count: bool = True, create: bool = True):
+        self.name, self.namespace, self.read_count, self.create = name, namespace, read_count, create
         self._actor = None
+        self._made = 0  # handles made: a reply from an earlier one is not remembered
         self._reader: VersionReader | None = None  # the actor's count of changes, when it is on this node
-        self._known: dict[str, Region | None] = {}  # names looked up at count _known_version
+        self._known: dict[str, Region] = {}  # registered regions looked up at count _known_version
         self._known_version: tuple[str, int] | None = None
         self.lookups = 0  # lookups asked of this object
         self.calls = 0  # lookups that called the actor (the others were answered here)
@@ -140,8 +146,15 @@ class ActorRegistry:
 
         if self._actor is None or fresh:
             self._forget()
-            cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
-            self._actor = cls.options(name=self.name, namespace=self.namespace, get_if_exists=True).remote()
+            self._made += 1
+            if self.create:
+                cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
+                self._actor = cls.options(name=self.name, namespace=self.namespace, get_if_exists=True).remote()
+            else:
+                try:
+                    self._actor = ray.get_actor(self.name, namespace=self.namespace)
+                except ValueError:  # none runs
+                    self._actor = None
         return self._actor
 
     def _forget(self) -> None:
@@ -151,14 +164,27 @@ class ActorRegistry:
         self._reader, self._known, self._known_version = None, {}, None
 
     async def _reply(self, method: str, *args) -> dict:
+        """The actor's reply, with ``"handle"``: which of this object's handles answered (:meth:`_remember` keeps
+        only the current one's). Without ``create``, no running actor replies ``{"ok": {}}`` to a lookup."""
         import ray
 
         try:
-            out = await self._handle().call.remote(method, *args)
+            handle = self._handle()
+            made = self._made
+            if handle is None:
+                raise ray.exceptions.RayActorError()
+            out = await handle.call.remote(method, *args)
         except ray.exceptions.RayActorError:  # its owner went away: a new, empty registry
-            out = await self._handle(fresh=True).call.remote(method, *args)
+            handle = self._handle(fresh=True)
+            made = self._made
+            if handle is None:
+                if method != "lookup":
+                    raise ShmError("the shared memory registry is gone (the server is stopping)") from None
+                return {"ok": {}, "handle": made}
+            out = await handle.call.remote(method, *args)
         if "error" in out:
             raise ShmError(out["error"])
+        out["handle"] = made
         return out
 
     async def _call(self, method: str, *args):
@@ -203,22 +229,22 @@ class ActorRegistry:
             return None
         if (reader.path, count) != self._known_version or any(n not in self._known for n in names):
             return None
-        return {n: r for n in names if (r := self._known[n]) is not None}
+        return {n: self._known[n] for n in names}
 
     def _remember(self, out: dict, names: list) -> None:
         """Keep a lookup's reply, labelled with the count it was made at (a reply without one is not kept)."""
         version, where = out.get("version"), out.get("where")
-        if version is None or where is None or not self.read_count:
-            return
+        if version is None or where is None or not self.read_count or out.get("handle") != self._made:
+            return  # no count, or a reply from an actor this replica has replaced since it asked
         version = tuple(version)
         if self._reader is None or self._reader.path != where[0]:
             self._open_reader(where)
         if self._reader is None or self._reader.path != version[0]:
             return
-        if version != self._known_version or len(self._known) >= MAX_KNOWN:
+        if version != self._known_version or len(self._known) + len(out["ok"]) > MAX_KNOWN:
             self._known, self._known_version = {}, version
-        for n in names:
-            self._known[n] = out["ok"].get(n)
+        if len(out["ok"]) <= MAX_KNOWN:
+            self._known.update(out["ok"])  # registered regions only (bounded by what clients registered)
 
     def _open_reader(self, where) -> None:
         path, pid, node = where
@@ -236,12 +262,17 @@ class ActorRegistry:
         """Server shutdown: every region unregistered, the actor's count file unlinked (by the actor: on its node)
         and the actor ended — the one that runs, if any: a replica that never used the registry makes none now,
         and a second shutdown finds none (best effort)."""
+        import asyncio
+
         import ray
 
-        try:
-            actor = ray.get_actor(self.name, namespace=self.namespace)
-        except Exception:  # noqa: BLE001 - none was made, or it ended already (ValueError)
-            actor = None
+        def running():
+            """The registry actor that runs, or ``None``."""
+            try:
+                return ray.get_actor(self.name, namespace=self.namespace)
+            except Exception:  # noqa: BLE001 - none was made, or it ended already (ValueError)
+                return None
+        actor = await asyncio.get_running_loop().run_in_executor(None, running)  # a GCS call: off the event loop
         if actor is not None:
             try:
                 for kind in ("system", "cuda"):

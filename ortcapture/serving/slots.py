@@ -253,8 +253,8 @@ def pool_owners(created_after: float, prefix: str = "ortcapture") -> list[int]:
     out = []
     for name in names:
         m = _POOL_NAME.search(name)
-        if m is None or not name.startswith(prefix + "-"):
-            continue
+        if m is None or not name.startswith(prefix + "-") or len(name) != len(prefix) + len(m.group(0)):
+            continue  # not a pool of this prefix (another prefix that starts with it: ortcapture-registry-...)
         try:
             if os.lstat(os.path.join(SHM_DIR, name)).st_ctime >= created_after and _alive(int(m.group(1))):
                 out.append(int(m.group(1)))

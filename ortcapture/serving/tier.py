@@ -98,6 +98,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._ready_at = 0.0
         self._ready = False
         self._ready_lock: asyncio.Lock | None = None
+        self._ready_resets, self._distrusted_at = 0, float("-inf")  # batches that found no session replica
         self._draining = False  # set by drain(): new requests get a 503, the ones in flight finish
         self._in_flight = 0  # HTTP requests being answered
         self._infers = 0  # infer() calls being answered (HTTP and handle)
@@ -200,7 +201,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             # or is overloaded. It raised (it writes no more), or Serve's router refused before sending: slot free
             answered = answered or isinstance(exc, (ray.exceptions.RayTaskError, BackPressureError,
                                                     DeploymentUnavailableError))
-            self._ready_at = float("-inf")  # the next request asks the controller again (a yes is otherwise trusted 5 s)
+            if isinstance(exc, (ray.exceptions.RayActorError, DeploymentUnavailableError)):  # no session replica
+                self._distrust_ready()
             return [{"error": f"no model replica could run the request: {_first_line(exc)}",
                      "status": 503, "retry_after": RETRY_AFTER_S}] * len(items)
         except Exception as exc:  # noqa: BLE001 - the call itself failed (e.g. a transport limit): each request
@@ -294,8 +296,8 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def ready(self) -> bool:
         """Whether a ``ModelSession`` replica is running (warm), asked of the Serve controller: a yes is trusted for
-        :data:`READY_TRUST_S` unless a batch found no session replica since (then the next call asks again), a no
-        is asked again (at most every 50 ms)."""
+        :data:`READY_TRUST_S` unless a batch found no session replica since (:meth:`_distrust_ready`: then the next
+        call asks again), a no is asked again (at most every 50 ms)."""
         if self._draining:
             return False
         asked = self._ready_at
@@ -305,13 +307,25 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
             self._ready_lock = asyncio.Lock()
         async with self._ready_lock:
             if self._ready_at == asked or time.monotonic() - self._ready_at > 0.05:
+                resets = self._ready_resets
                 try:
                     self._ready = await asyncio.get_running_loop().run_in_executor(None, session_running,
                                                                                    self._session_app)
                 except Exception:  # noqa: BLE001 - the controller is busy: keep the last answer
                     pass
-                self._ready_at = time.monotonic()
+                # an answer asked before a batch found no session replica is not trusted: asked again next time
+                self._ready_at = time.monotonic() if self._ready_resets == resets else float("-inf")
         return self._ready
+
+    def _distrust_ready(self) -> None:
+        """A batch found no session replica (it died, or none is available): the next request asks the controller
+        again — at most once a second (an overloaded replica, ``BackPressureError``, is not this) — and an answer
+        being asked meanwhile is not trusted."""
+        now = time.monotonic()
+        if now - self._distrusted_at >= 1.0:
+            self._distrusted_at = now
+            self._ready_resets += 1
+            self._ready_at = float("-inf")
 
     async def check_health(self) -> None:
         """Serve's periodic health check: starts this replica's report loop (nothing to check: no session)."""
