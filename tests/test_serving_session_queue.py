@@ -163,38 +163,40 @@ def test_a_failed_call_to_the_session_replica_is_each_requests_500():
     """A call from the tier to the session replica that fails with something Ray does not wrap (a transport limit:
     the 4 MiB gRPC message cap raised ``AioRpcError`` through ``DeploymentResponse``) gives each request of the
     batch a 500 that names it, instead of the exception escaping to every caller of the batch."""
-    from types import SimpleNamespace
-
-    from ortcapture.serving import tier as tier_mod
     from ortcapture.serving.batcher import Item
-    from ortcapture.serving.config import ServeOptions
 
-    class _Failing:
-        async def _fail(self, *args):
-            raise ValueError("Received message larger than max (5242880 vs. 4194304)")
-
-        run_batch = SimpleNamespace(remote=lambda *a: _Failing()._fail(*a))
-
-    t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)
-    t.options = ServeOptions("m.onnx", max_batch_size=8)
-    t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
-    t.session, t._slots = _Failing(), None
-    t._sent = collections.Counter()
+    t = _tier_whose_batches_raise([ValueError("Received message larger than max (5242880 vs. 4194304)")])
     items = [Item(1, ({"X": np.full((1, 4), k, np.float32)}, None)) for k in range(3)]
     got = asyncio.run(t._run_batch(items))
     assert [a["status"] for a in got] == [500] * 3, got
     assert all("ValueError" in a["error"] and "larger than max" in a["error"] for a in got)
 
 
+def _tier_whose_batches_raise(raised: list):
+    """A batching-tier replica (no Ray Serve context) whose calls to the session replica raise ``raised[0]``."""
+    from types import SimpleNamespace
+
+    from ortcapture.serving import tier as tier_mod
+    from ortcapture.serving.config import ServeOptions
+
+    async def fail(*args):
+        raise raised[0]
+
+    t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)
+    t.options = ServeOptions("m.onnx", max_batch_size=8)
+    t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
+    t.session, t._slots, t._sent = SimpleNamespace(run_batch=SimpleNamespace(remote=fail)), None, collections.Counter()
+    t._draining, t._ready, t._ready_at, t._ready_lock, t._session_app = False, False, 0.0, None, "app"
+    t._ready_resets, t._distrusted_at = 0, float("-inf")
+    return t
+
+
 def test_a_ready_is_trusted_until_a_batch_finds_no_session_replica(monkeypatch):
     """Asking Serve's controller whether a session replica runs costs a tier replica ~40 ms of CPU (5-9 % of a busy
     one's when asked every 0.5 s): a yes is trusted for READY_TRUST_S, and a batch that no session replica could run
     makes the next request ask again (a 503 then says "not ready" until one runs)."""
-    from types import SimpleNamespace
-
     from ortcapture.serving import tier as tier_mod
     from ortcapture.serving.batcher import Item
-    from ortcapture.serving.config import ServeOptions
 
     import ray
     from ray.serve.exceptions import BackPressureError
@@ -202,18 +204,7 @@ def test_a_ready_is_trusted_until_a_batch_finds_no_session_replica(monkeypatch):
     asked, running, raised = [], [True], [ray.exceptions.RayActorError()]
     monkeypatch.setattr(tier_mod, "session_running", lambda app: asked.append(app) or running[0])
 
-    class _Gone:
-        async def _fail(self, *args):
-            raise raised[0]
-
-        run_batch = SimpleNamespace(remote=lambda *a: _Gone()._fail(*a))
-
-    t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)
-    t.options = ServeOptions("m.onnx", max_batch_size=8)
-    t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
-    t.session, t._slots, t._sent = _Gone(), None, collections.Counter()
-    t._draining, t._ready, t._ready_at, t._ready_lock, t._session_app = False, False, 0.0, None, "app"
-    t._ready_resets, t._distrusted_at = 0, float("-inf")
+    t = _tier_whose_batches_raise(raised)
     batch = [Item(1, ({"X": np.zeros((1, 4), np.float32)}, None))]
 
     async def main():
@@ -239,13 +230,11 @@ def test_a_ready_asked_before_a_batch_found_no_session_replica_is_not_trusted(mo
     """A review's race: the controller's yes, asked while a batch failed for want of a session replica, came back
     after the failure and was trusted for 5 s. Now it is asked again; and repeated failures ask at most once a
     second."""
-    from types import SimpleNamespace
 
     import ray
 
     from ortcapture.serving import tier as tier_mod
     from ortcapture.serving.batcher import Item
-    from ortcapture.serving.config import ServeOptions
 
     asked = []
 
@@ -256,18 +245,7 @@ def test_a_ready_asked_before_a_batch_found_no_session_replica_is_not_trusted(mo
 
     monkeypatch.setattr(tier_mod, "session_running", slow_yes)
 
-    class _Gone:
-        async def _fail(self, *args):
-            raise ray.exceptions.RayActorError()
-
-        run_batch = SimpleNamespace(remote=lambda *a: _Gone()._fail(*a))
-
-    t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)
-    t.options = ServeOptions("m.onnx", max_batch_size=8)
-    t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
-    t.session, t._slots, t._sent = _Gone(), None, collections.Counter()
-    t._draining, t._ready, t._ready_at, t._ready_lock, t._session_app = False, False, 0.0, None, "app"
-    t._ready_resets, t._distrusted_at = 0, float("-inf")
+    t = _tier_whose_batches_raise([ray.exceptions.RayActorError()])
     batch = [Item(1, ({"X": np.zeros((1, 4), np.float32)}, None))]
 
     async def main():

@@ -76,7 +76,7 @@ class RegistryActor:
 
     def call(self, method: str, *args):
         """``Regions.<method>(*args)`` as ``{"ok": result}`` — a lookup's reply also says where the count of changes
-        is (``"where"``: ``(path, pid, node id)``) and its value (``"version"``: ``(path, count)``) — or
+        is (``"where"``: ``(path, pid, node id)``) and its value (``"count"``) — or
         ``{"error": message}`` for what it refuses. A registration or unregistration is counted before this
         returns."""
         try:
@@ -87,8 +87,7 @@ class RegistryActor:
             if method in CHANGES:
                 self.version.bump()
             if method == "lookup":
-                out["version"] = (self.version.path, self.version.version)
-                out["where"] = (self.version.path, os.getpid(), self.node)
+                out["count"], out["where"] = self.version.version, (self.version.path, os.getpid(), self.node)
         return out
 
     def close(self) -> None:
@@ -233,14 +232,14 @@ class ActorRegistry:
 
     def _remember(self, out: dict, names: list) -> None:
         """Keep a lookup's reply, labelled with the count it was made at (a reply without one is not kept)."""
-        version, where = out.get("version"), out.get("where")
-        if version is None or where is None or not self.read_count or out.get("handle") != self._made:
+        where = out.get("where")
+        if where is None or not self.read_count or out.get("handle") != self._made:
             return  # no count, or a reply from an actor this replica has replaced since it asked
-        version = tuple(version)
         if self._reader is None or self._reader.path != where[0]:
             self._open_reader(where)
-        if self._reader is None or self._reader.path != version[0]:
+        if self._reader is None:  # another node, or no /proc
             return
+        version = (where[0], out["count"])
         if version != self._known_version or len(self._known) + len(out["ok"]) > MAX_KNOWN:
             self._known, self._known_version = {}, version
         if len(out["ok"]) <= MAX_KNOWN:
