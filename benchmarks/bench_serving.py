@@ -49,7 +49,8 @@ tensors to the Open Inference Protocol; ``grpc``: ``tritonclient.grpc`` raw tens
 ``shm``: ``tritonclient.grpc`` with the image and the answer in system shared memory regions registered once per
 client, ``tritonclient.utils.shared_memory``; ``cudashm``: the same with CUDA regions on device 0
 (``tritonclient.utils.cuda_shared_memory``: the image copied host to device by the client per request, as a client
-whose data starts on the host does); ``http-stalled``: ``http`` measured while ``--stalled`` (1,100)
+whose data starts on the host does); ``http-shm`` and ``http-cudashm``: the same two through ``tritonclient.http``
+(the request's body then only names the regions); ``http-stalled``: ``http`` measured while ``--stalled`` (1,100)
 other connections send an infer request's headers and stall; the last three with ``--paths
 handle,http,grpc,shm,http-stalled``): images/s, p50/p99
 latency (ms),
@@ -111,6 +112,8 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product-inline": {"env": {"RAY_max_direct_call_object_size": str(4 << 20)}},
         "product-stpin": {"env": {"ORTCAPTURE_STAGING_PIN": "1"}}}
 TOL = 1e-2
+GRPC_PATHS = ("grpc", "shm", "cudashm")  # the paths that speak gRPC (tritonclient.grpc)
+PREPARED_PATHS = GRPC_PATHS + ("http-shm", "http-cudashm")  # a client per thread, regions registered once
 
 
 # -- what a user writes instead (handle only; ~30 lines each) -------------------------------------------------------
@@ -242,10 +245,11 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
         path, app, url, threads, seconds, warm, check = msg
         lat, wrong, errors = [], [0], []
         lock = threading.Lock()
-        # the gRPC clients (and the shm path's regions, registered once per client) are set up before the clock
+        # the gRPC clients (and the shm paths' regions, registered once per client) are set up before the clock;
+        # tritonclient.http's (geventhttpclient: a client works only in the thread that made it) in its thread
         prepared = {k: _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
                                   refs[0].nbytes, refs[0].shape) for k in range(threads)} \
-            if path in ("grpc", "shm", "cudashm") else {}
+            if path in GRPC_PATHS else {}
         t_end = time.perf_counter() + warm + seconds
         t_meas = time.perf_counter() + warm
 
@@ -259,8 +263,11 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                     if "error" in r:
                         raise RuntimeError(r["error"])
                     return r["outputs"].get(output_name) if check else None
-            elif path in ("grpc", "shm", "cudashm"):
+            elif path in GRPC_PATHS:
                 call, cleanup = prepared[k]
+            elif path in PREPARED_PATHS:  # in the warm-up window
+                call, cleanup = _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
+                                           refs[0].nbytes, refs[0].shape)
             else:
                 import tritonclient.http as http
 
@@ -309,8 +316,16 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
 
 
 def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
-    """One client thread's call for the ``grpc`` path (raw tensors) or the ``shm`` path (the image written to this
-    client's input region, the answer read from its output region: both registered once, here)."""
+    """One client thread's call for the ``grpc`` path (raw tensors) or a shared memory path (the image written to
+    this client's input region, the answer read from its output region: both registered once, here): ``shm`` and
+    ``cudashm`` through ``tritonclient.grpc``, ``http-shm`` and ``http-cudashm`` through ``tritonclient.http`` (the
+    request then carries only the regions' names: its JSON body is ~300 bytes)."""
+    if path.startswith("http-"):
+        import tritonclient.http as http
+
+        client = http.InferenceServerClient(url.replace("http://", ""), network_timeout=60, connection_timeout=60)
+        return _shm_call(client, http, path.endswith("cudashm"), k, input_name, output_name, model_name, in_bytes,
+                         out_bytes, out_shape)
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -321,17 +336,16 @@ def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_
             return client.infer(model_name, [inp], outputs=[grpcclient.InferRequestedOutput(output_name)],
                                 client_timeout=60).as_numpy(output_name)
         return call, client.close
-    return _shm_call(client, path == "cudashm", k, input_name, output_name, model_name, in_bytes, out_bytes,
-                     out_shape)
+    return _shm_call(client, grpcclient, path == "cudashm", k, input_name, output_name, model_name, in_bytes,
+                     out_bytes, out_shape)
 
 
-def _shm_call(client, cuda, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
-    """The ``shm`` path (``cuda`` false: system shared memory, ``tritonclient.utils.shared_memory``) or the
-    ``cudashm`` path (CUDA regions on device 0, ``tritonclient.utils.cuda_shared_memory``; the client copies the image
-    host to device per request): the image written to this client's input region, the answer read from its output
-    region, both registered once, here."""
-    import tritonclient.grpc as grpcclient
-
+def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
+    """A shared memory path through ``client`` (of ``lib_client``: ``tritonclient.grpc`` or ``tritonclient.http``,
+    which share these calls): system shared memory (``cuda`` false, ``tritonclient.utils.shared_memory``) or CUDA
+    regions on device 0 (``tritonclient.utils.cuda_shared_memory``; the client copies the image host to device per
+    request): the image written to this client's input region, the answer read from its output region, both
+    registered once, here."""
     if cuda:
         import tritonclient.utils.cuda_shared_memory as lib
 
@@ -354,14 +368,15 @@ def _shm_call(client, cuda, k, input_name, output_name, model_name, in_bytes, ou
             client.register_system_shared_memory(f"{tag}-{io}", f"/{tag}-{io}", n)
         unregister = client.unregister_system_shared_memory
     hin, hout = regions
-    out = grpcclient.InferRequestedOutput(output_name)
+    out = lib_client.InferRequestedOutput(output_name)
     out.set_shared_memory(f"{tag}-out", out_bytes)
+    timeout = {"client_timeout": 60} if lib_client.__name__.endswith("grpc") else {}  # http: network_timeout
 
     def call(x):
         lib.set_shared_memory_region(hin, [x])
-        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
+        inp = lib_client.InferInput(input_name, list(x.shape), "FP32")
         inp.set_shared_memory(f"{tag}-in", in_bytes)
-        client.infer(model_name, [inp], outputs=[out], client_timeout=60)
+        client.infer(model_name, [inp], outputs=[out], **timeout)
         return np.array(lib.get_contents_as_numpy(hout, np.float32, list(out_shape)))
 
     def cleanup():
@@ -554,13 +569,13 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown arm(s) {unknown}: from {list(ARMS)}")
     paths = [p for p in args.paths.split(",") if p]
-    known = {"handle", "http", "grpc", "shm", "cudashm", "http-stalled"}
+    known = {"handle", "http", "http-stalled"} | set(PREPARED_PATHS)
     if set(paths) - known:
         ap.error(f"unknown path(s) {sorted(set(paths) - known)}")
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
 
-    grpc_port = args.grpc_port if {"grpc", "shm", "cudashm"} & set(paths) else None
+    grpc_port = args.grpc_port if set(GRPC_PATHS) & set(paths) else None
     base = ServeOptions(model, name="yolo", buckets=args.buckets, provider=args.provider, port=args.port,
                         grpc_port=grpc_port,
                         batch_wait_ms=args.batch_wait_ms, dims=dims,
@@ -664,7 +679,7 @@ def main() -> int:
                     if stalled.n and args.stalled_settle:  # past the burst: measured beside those still held
                         time.sleep(args.stalled_settle)
                     for (p, conn), n in zip(clients, per):
-                        target = f"{base.host}:{grpc_port}" if path in ("grpc", "shm", "cudashm") else url
+                        target = f"{base.host}:{grpc_port}" if path in GRPC_PATHS else url
                         conn.send(("http" if path == "http-stalled" else path, app, target, n, args.seconds,
                                    args.warm, not (hand or "").startswith("noop")))
                     time.sleep(args.warm)  # the clients' measured window starts: where the CPU time goes in it

@@ -6,7 +6,7 @@
 # serving (bench_serving's arms at 1/8/32 clients + py-spy at 32), served (the served CUDA shared-memory tests),
 # arms (bucket_arms, TF32 on), suite (every CUDA test), bench (ortcapture bench at batch 1 and 8), haproxy
 # (tools/serve_smoke.sh --haproxy: ortcapture serve under Ray Serve's HAProxy ingress, answers checked, SIGINT),
-# protocols (bench_serving's PROTO_ARMS, default product, over PATHS, default http,grpc,shm,cudashm, at LEVELS, default
+# protocols (bench_serving's PROTO_ARMS, default product, over PATHS, default http,grpc,shm,cudashm,http-shm,http-cudashm, at LEVELS, default
 # 1,32; SPY=1: py-spy records the tier and session replicas at 32 clients on every path).
 set -u
 t0=$(date +%s)
@@ -46,9 +46,9 @@ suite) step cuda_suite "${SUITE_LIMIT:-300}" python3 -m pytest -q -p no:cachepro
 bench) step bench "${BENCH_LIMIT:-110}" python3 -m ortcapture bench --provider cuda --batch 1,8 --procs 3 --iters 200 \
          --json "$OUT/bench_cli.json" ;;
 haproxy) TAILN=30 step haproxy "${HAPROXY_LIMIT:-200}" bash tools/serve_smoke.sh --haproxy ;;
-protocols) TAILN=12 step protocols "${PROTOCOLS_LIMIT:-200}" python3 benchmarks/bench_serving.py --arms "${PROTO_ARMS:-product}" \
-             --levels "${LEVELS:-1,32}" --paths "${PATHS:-http,grpc,shm,cudashm}" --repeats 1 --seconds 3 --warm 1 \
-             --plain-runs 50 ${SPY:+--py-spy-level 32 --py-spy-paths "${PATHS:-http,grpc,shm,cudashm}"} \
+protocols) TAILN=12 step protocols "${PROTOCOLS_LIMIT:-320}" python3 benchmarks/bench_serving.py --arms "${PROTO_ARMS:-product}" \
+             --levels "${LEVELS:-1,32}" --paths "${PATHS:-http,grpc,shm,cudashm,http-shm,http-cudashm}" --repeats 1 --seconds 3 --warm 1 \
+             --plain-runs 50 ${SPY:+--py-spy-level 32 --py-spy-paths "${PATHS:-http,grpc,shm,cudashm,http-shm,http-cudashm}"} \
              --py-spy-bin "$(command -v py-spy)" --out "$OUT/protocols"
            tar -C "$OUT" -cJf "$OUT/protocols.tar.xz" protocols && rm -rf "$OUT/protocols" ;;
 *) echo "unknown step $s" ;;
