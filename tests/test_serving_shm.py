@@ -263,6 +263,41 @@ def test_rest_infer_with_input_and_output_in_regions(obj):
     assert [o["name"] for o in json.loads(res.body)["outputs"]] == ["S"]
 
 
+def test_rest_infer_whose_inputs_all_come_from_regions_reaches_the_parser_as_pieces(obj, monkeypatch):
+    """A REST request whose binary inputs are all in regions (what ``tritonclient.http`` with shared memory sends: a
+    JSON body, no binary bytes) is parsed from the region's bytes as they were read (``pieces=``), not from a body
+    joined around them (a 1.2 MB copy per request); a body that also carries bytes of its own is joined as before,
+    and its stray bytes are refused as before."""
+    key, path = obj
+    router, store, seen = _router()
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with open(path, "r+b") as f:
+        f.write(x.tobytes())
+    assert _register(router, "in", key, 0, 64).status == 200
+    calls = []
+    real = protocol.parse_infer_request
+
+    def spy(body, header_length, model, external=(), pieces=None, **kw):
+        calls.append((bytes(body), pieces))
+        return real(body, header_length, model, external, pieces, **kw)
+    monkeypatch.setattr(protocol, "parse_infer_request", spy)
+    inputs = [{"name": "X", "datatype": "FP32", "shape": [2, 4],
+               "parameters": {shm.REGION: "in", shm.BYTE_SIZE: 32}}]
+    for header_length in (True, False):  # with and without Inference-Header-Content-Length
+        body, headers = _infer_body(inputs)
+        res = _call(router, "POST", "/v2/models/m/infer", body, headers if header_length else {})
+        assert res.status == 200, res.body
+        np.testing.assert_array_equal(seen[-1]["X"], x)
+        sent, pieces = calls[-1]
+        assert [bytes(p) for p in pieces] == [x.tobytes()]
+        assert json.loads(sent)["inputs"][0]["parameters"] == {"binary_data_size": 32}  # the header alone
+    body, headers = _infer_body(inputs, binary=b"\0" * 8)  # 8 bytes that no input declares
+    res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+    assert res.status == 400 and b"8 bytes after the tensors that no input declares" in res.body, res.body
+    assert calls[-1][1] is None  # joined: the body's own bytes kept where they were
+    store.close()
+
+
 def test_rest_infer_bad_references_are_400_before_any_run(obj):
     key, _ = obj
     router, store, seen = _router()

@@ -237,7 +237,8 @@ class Router:
             body, header_length, plan = await self._shm.prepare_http(body, header_length, self.spec)
         try:
             request = protocol.parse_infer_request(body, header_length, self.spec,
-                                                   plan.device_inputs if plan is not None else (), align=self._align)
+                                                   plan.device_inputs if plan is not None else (),
+                                                   plan.pieces if plan is not None else None, align=self._align)
             if plan is not None:
                 plan.take_outputs(request)
             result = await self._infer(request.inputs, **(plan.infer_kwargs() if plan is not None else {}))

@@ -440,7 +440,8 @@ class ShmStore:
     async def prepare_http(self, body: bytes, header_length, spec: protocol.ModelSpec):
         """An ``/infer`` body with the bytes of every input that names a region put in its place (as binary data),
         the regions of requested outputs checked; returns ``(body, header_length, plan)`` — the same body and
-        ``None`` when no tensor names a region. What the protocol refuses anyway is left for
+        ``None`` when no tensor names a region; when the body carried no binary bytes of its own, the JSON header
+        alone with the inputs' bytes in ``plan.pieces`` (for ``parse_infer_request(..., pieces=plan.pieces)``). What the protocol refuses anyway is left for
         :func:`ortcapture.serving.protocol.parse_infer_request` to say."""
         head_end = len(body) if header_length is None else None
         if head_end is None:
@@ -467,6 +468,7 @@ class ShmStore:
         plan = ShmPlan()
         specs = {s.name: s for s in spec.inputs}
         read: dict = {}
+        from_body = False  # an input declares binary bytes of the body
         for t in list(req["inputs"]):
             params = t.get("parameters") if isinstance(t, dict) else None
             if isinstance(params, dict) and shm.uses_shm(params):
@@ -485,6 +487,7 @@ class ShmStore:
                 size = max(0, params["binary_data_size"])
                 pieces.append(binary[pos:pos + size])
                 pos += size
+                from_body = True
         pieces.append(binary[pos:])  # bytes no input declares: the protocol says so
         try:
             for o in req.get("outputs") or []:
@@ -497,6 +500,9 @@ class ShmStore:
             plan.close()  # the output regions opened before the one refused
             raise
         head = json.dumps(req).encode()
+        if not len(binary) and not from_body:  # every binary input from a region: its pieces, no joined copy
+            plan.pieces = pieces[:-1]
+            return head, str(len(head)), plan
         return head + b"".join(bytes(p) for p in pieces), str(len(head)), plan
 
     def write_outputs(self, plan: "ShmPlan", outputs: Mapping[str, Any], spec: protocol.ModelSpec) -> list[dict]:
@@ -552,6 +558,10 @@ class ShmPlan:
     #: ``{output name: descriptor}`` of the system regions' objects, opened when the request was checked
     #: (:meth:`ShmStore.add_output`); :meth:`close` closes them
     fds: dict[str, int] = field(default_factory=dict)
+    #: the binary inputs as pieces, one per input in input order, when every one came from a system region (the
+    #: body carried no binary bytes): :meth:`ShmStore.prepare_http` then returns the JSON header alone, for
+    #: :func:`~ortcapture.serving.protocol.parse_infer_request`'s ``pieces=`` (no joined copy of the tensors)
+    pieces: list | None = None
 
     def close(self) -> None:
         """Close the descriptors the plan holds (idempotent; also when the plan is collected)."""
