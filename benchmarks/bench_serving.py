@@ -37,6 +37,8 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
                  or right before each run on the replay thread (merge_prefetch=False: the default since then, so the
                  same as "product")
   product-i6 / product-i8  6 or 8 batching-tier replicas instead of the default 4
+  product-joined a merged run's rows in page-locked batch slots joined on the host first (merge_listed=False, as
+                 before the sixteenth session) instead of copied to the device one DMA per part
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,
 and arrival to the start of their round on the replay thread) and the session replicas' own time per batch run
@@ -102,6 +104,9 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product-noslots": {"batch_slots": False},
         # merged runs joined on the replay thread right before each run, as before 2026-12-07 (twelfth session)
         "product-noprefetch": {"merge_prefetch": False}, "product-prefetch": {"merge_prefetch": True},
+        # merged runs' rows in page-locked slots joined on the host first (into the merge scratch, one DMA), as before
+        # 2026-12-07 (sixteenth session), instead of one DMA per part (merge_listed)
+        "product-joined": {"merge_listed": False},
         # the session replica's host copies under load (issue 44, item 4: its batch-8 run 1.8x a plain process's):
         # one staging thread (the replay thread copies alone), or the staging threads pinned to CPUs
         "product-st1": {"env": {"ORTCAPTURE_STAGING_THREADS": "1"}},
@@ -710,6 +715,9 @@ def main() -> int:
                        **({"stalled": {"opened": stalled.opened, "held_at_end": held,
                                        "settle_s": args.stalled_settle}} if stalled.n else {}),
                        "merged_runs": _sum(after, "merged_runs") - _sum(before, "merged_runs") if url else None,
+                       # merged inputs copied to the device part by part from page-locked slots (merge_listed)
+                       "listed_gathers": _sum(after, "merge_listed_gathers") - _sum(before, "merge_listed_gathers")
+                       if url else None,
                        "cpu": cpu, **({"py_spy": spied} if spied else {}),
                        "replicas": [{k: r.get(k) for k in ("replica", "device", "cuda_visible_devices",
                                                            "graphs_per_bucket", "uncaptured", "padding_waste")}
@@ -717,7 +725,8 @@ def main() -> int:
                 results["runs"].append(run)
                 log(f"{arm:6} {level:3} clients {path:6}: {run['images_per_s']:8.1f} img/s  p50 {run['p50_ms']} ms  "
                     f"p99 {run['p99_ms']} ms  wrong {run['wrong']} errors {run['errors']}  "
-                    f"batches {run['batch_histogram']}  session {run['session']} merged {run['merged_runs']}")
+                    f"batches {run['batch_histogram']}  session {run['session']} merged {run['merged_runs']} "
+                    f"listed {run['listed_gathers']}")
                 log(f"    cpu: machine {cpu['machine_busy_cores']}/{cpu['cpus']} cores busy; " + ", ".join(
                     f"{g} {v['cores']} ({v['procs']}, max {v['max_proc_cores']})"
                     for g, v in list(cpu["groups"].items())[:8]))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ortcapture.serving import cuda_shm, protocol, shm
+from ortcapture.serving.requests import HostRows
 from ortcapture.serving.cuda_shm import DeviceRows, DeviceTensor, check_register
 from ortcapture.serving.merge import merge_runs
 from ortcapture.serving.protocol import ModelSpec, TensorSpec
@@ -361,9 +362,12 @@ class _FakeIpc:
     """:class:`ortcapture.serving.cuda_ipc.IpcMemory` with host arrays for device memory: ``mem[region]`` float32."""
 
     def __init__(self, mem):
-        self.mem, self.gathers, self.written = mem, 0, {}
+        self.mem, self.gathers, self.written, self.host_gathers = mem, 0, {}, []
 
     def gather(self, name, rows: DeviceRows):
+        if isinstance(rows, HostRows):  # host parts (listed merged rows): one copy each, as IpcMemory's DMAs
+            self.host_gathers.append((name, [p.__array_interface__["data"][0] for p in rows.parts]))
+            return np.concatenate(rows.parts)
         self.gathers += 1
         parts = []
         for t, start, stop in rows.parts:
@@ -459,6 +463,7 @@ def _device_replica(mem, healthy: bool = True, ipc=None):
     ms._slot_reader = SlotReader()  # as every session replica has (no batch slots in these calls)
     ms._scratch = None  # a session replica off its replay thread: merged rows joined into new arrays
     ms._prefetch = None  # ... and on its caller's thread
+    ms._listed = None  # ... and never listed (merge_listed: a CUDA replica's page-locked slots)
     return ms
 
 
@@ -719,3 +724,113 @@ def test_an_output_region_overlapping_the_runs_inputs_is_written_from_the_host_a
     assert (ms._ipc.device_writes, ms._ipc.host_writes) == (1, 1)
     np.testing.assert_array_equal(ms._ipc.written[("a", 16)], mem["a"][4:8].reshape(1, 4) * 2)
     np.testing.assert_array_equal(ms._ipc.written[("o", 0)], mem["b"][:4].reshape(1, 4) * 2)
+
+
+def test_merged_host_rows_in_page_locked_slots_are_listed_and_copied_part_by_part():
+    """merge_listed (a CUDA session replica): a merged run whose host rows all lie in page-locked slots is not joined
+    on the host; each input reaches the gather as :class:`HostRows` whose parts are the runs' own arrays (no copy),
+    one run for all; a part that is not in such memory (``listed`` says no) joins that input as before. A merged run
+    that fails runs each request alone from its own rows."""
+    mem = {}
+    ms = _device_replica(mem)
+    xs = [np.arange(8, dtype=np.float32).reshape(2, 4), np.arange(100, 104, dtype=np.float32).reshape(1, 4),
+          np.arange(50, 62, dtype=np.float32).reshape(3, 4)]
+    zs = [_z(2), _z(1), _z(3)]
+    in_slot = {id(a) for a in xs + zs}
+    ms._listed = lambda part: id(part) in in_slot
+    calls = [([({"X": x, "Z": z}, [n])], [[0]], None) for x, z, n in zip(xs, zs, (2, 1, 3))]
+    answers = ms._run_calls(calls)
+    assert ms.core.runs == [6] and ms.merged_runs == 2
+    assert [(n, ptrs) for n, ptrs in ms._ipc.host_gathers] == [
+        ("X", [x.__array_interface__["data"][0] for x in xs]), ("Z", [z.__array_interface__["data"][0] for z in zs])]
+    for (got,), x in zip(answers, xs):
+        np.testing.assert_array_equal(got["outputs"]["Y"], x * 2)
+    # Z of the second run not in a slot: Z joined on the host, X still listed
+    in_slot.discard(id(zs[1]))
+    ms._ipc.host_gathers.clear()
+    answers = ms._run_calls(calls)
+    assert [n for n, _ in ms._ipc.host_gathers] == ["X"] and ms.core.runs[-1] == 6
+    for (got,), x in zip(answers, xs):
+        np.testing.assert_array_equal(got["outputs"]["Y"], x * 2)
+    # a bad value in the second run: the merged run fails, each request runs alone from its own rows
+    bad = -np.ones((1, 4), np.float32)
+    in_slot.add(id(bad))
+    in_slot.add(id(zs[1]))
+    calls[1] = ([({"X": bad, "Z": zs[1]}, [1])], [[0]], None)
+    answers = ms._run_calls(calls)
+    assert ms.core.runs[-4:] == [6, 2, 1, 3]
+    np.testing.assert_array_equal(answers[0][0]["answers"][0]["outputs"]["Y"], xs[0] * 2)
+    assert answers[1][0]["answers"][0]["status"] == 400
+    np.testing.assert_array_equal(answers[2][0]["answers"][0]["outputs"]["Y"], xs[2] * 2)
+
+
+def test_host_rows_take_and_split_across_parts():
+    from ortcapture.serving.requests import split_feeds
+
+    a, b = np.arange(8, dtype=np.float32).reshape(2, 4), np.arange(8, 20, dtype=np.float32).reshape(3, 4)
+    rows = HostRows.of([a, b])
+    assert rows.shape == (5, 4) and rows.dtype == np.float32
+    joined = np.concatenate([a, b])
+    for start, stop in [(0, 2), (1, 4), (2, 5), (0, 5), (4, 5), (3, 3)]:
+        np.testing.assert_array_equal(rows.take(start, stop), joined[start:stop])
+    assert np.shares_memory(rows.take(2, 4), b)  # within one part: a view
+    parts = split_feeds({"X": rows}, [1, 3, 1], {"X": 0})
+    for got, want in zip(parts, (joined[0:1], joined[1:4], joined[4:5])):
+        np.testing.assert_array_equal(got["X"], want)
+    with pytest.raises(ValueError, match="cannot follow"):
+        HostRows.of([a, b.astype(np.float64)])
+    with pytest.raises(ValueError, match="cannot follow"):
+        HostRows.of([a, np.ones((4, 2), np.float32).T])  # (2, 4), not C-contiguous
+
+
+def test_a_slot_reader_says_which_arrays_lie_in_its_page_locked_pools():
+    from ortcapture.serving.slots import SlotReader
+
+    buf = np.zeros(1024, np.uint8)
+
+    class _Pin:
+        def __init__(self, ptr, nbytes, closed=False):
+            self.ptr, self.nbytes, self.closed = ptr, nbytes, closed
+
+    reader = SlotReader()
+    base = buf.__array_interface__["data"][0]
+    reader._pins = {"p": _Pin(base + 256, 512)}
+    assert reader.in_pinned_pool(buf[256:768]) and reader.in_pinned_pool(buf[300:400])
+    assert not reader.in_pinned_pool(buf[200:300]) and not reader.in_pinned_pool(buf[700:800])
+    assert not reader.in_pinned_pool(buf[:100])
+    reader._pins = {"p": _Pin(base + 256, 512, closed=True)}  # unpinned since: no
+    assert not reader.in_pinned_pool(buf[300:400])
+    reader._pins = {}
+
+
+@pytest.mark.cuda
+def test_ipc_memory_gathers_host_parts_in_page_locked_memory_onto_the_device():
+    """IpcMemory.gather of :class:`HostRows` (merge_listed, on the GPU): each part copied host to device into one CUDA
+    OrtValue, equal to the parts joined; the value is reused for the next gather of that input and shape."""
+    from tests.conftest import cuda_available
+
+    if not cuda_available():
+        pytest.skip("CUDA EP unavailable (onnxruntime-gpu on an NVIDIA GPU)")
+    pytest.importorskip("cuda.bindings")
+    from ortcapture.serving.cuda_ipc import IpcMemory
+    from ortcapture.transfer import pin_host_memory
+
+    pool = np.zeros(4096, np.uint8)  # a batch slot pool's stand-in, page-locked as a CUDA session replica's are
+    pin = pin_host_memory(memoryview(pool))
+    try:
+        rng = np.random.default_rng(5)
+        views = [pool[0:96].view(np.float32).reshape(2, 3, 4), pool[512:560].view(np.float32).reshape(1, 3, 4),
+                 pool[1024:1168].view(np.float32).reshape(3, 3, 4)]
+        for v in views:
+            v[...] = rng.standard_normal(v.shape, dtype=np.float32)
+        ipc = IpcMemory()
+        got = ipc.gather("X", HostRows.of(views))
+        assert got.device_name() == "cuda" and got.shape() == [6, 3, 4]
+        np.testing.assert_array_equal(got.numpy(), np.concatenate(views))
+        views[1][...] = 7.0
+        again = ipc.gather("X", HostRows.of(views))
+        assert again.data_ptr() == got.data_ptr() and ipc.host_gathers == 2
+        np.testing.assert_array_equal(again.numpy(), np.concatenate(views))
+        ipc.close()
+    finally:
+        pin.close()

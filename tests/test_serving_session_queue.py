@@ -69,7 +69,7 @@ def _replica(run_s: float):
     ms._queue, ms._queue_lock, ms._draining = collections.deque(), threading.Lock(), False
     ms.merged_runs, ms._mergeable, ms._merge_rows, ms._loop = 0, True, 8, None
     ms._timing = {"calls": 0, "call_ns": 0, "wait_ns": 0}
-    ms._prefetch = None
+    ms._prefetch = ms._listed = None
     return ms
 
 

@@ -13,7 +13,7 @@ made it::
 The arguments are :class:`~ortcapture.serving.config.ServeOptions` fields, as strings or their types: ``model``
 (required), ``name``, ``buckets`` (``"1,2,4,8"``), ``provider`` (``auto``, ``cuda``, ``webgpu``, ``cpu``),
 ``replicas``, ``ingress_replicas``, ``gpus_per_replica``, ``max_batch_size``, ``batch_wait_ms``,
-``max_concurrent_batches``, ``switch_interval_ms``, ``batch_slots``, ``merge_prefetch`` and
+``max_concurrent_batches``, ``switch_interval_ms``, ``batch_slots``, ``merge_prefetch``, ``merge_listed`` and
 ``serve_throughput_optimized`` (``true``/``false``), ``dims``
 (``"height=320,width=320"``), ``max_body_mib``, ``graceful_shutdown_s``, ``request_timeout_s``, ``max_queued``,
 ``body_timeout_s``, ``max_pending_bodies``, ``token_file``. Where HTTP listens (and TLS) is Serve's own
@@ -35,7 +35,7 @@ _INT = ("replicas", "ingress_replicas", "max_batch_size", "max_concurrent_batche
 _FLOAT = ("gpus_per_replica", "batch_wait_ms", "switch_interval_ms", "graceful_shutdown_s", "request_timeout_s",
           "body_timeout_s")
 _STR = ("model", "name", "buckets", "provider", "token_file")
-_BOOL = ("batch_slots", "merge_prefetch", "serve_throughput_optimized")
+_BOOL = ("batch_slots", "merge_prefetch", "merge_listed", "serve_throughput_optimized")
 
 
 def options_from_args(args: Mapping[str, Any]):

@@ -76,6 +76,10 @@ class ServeOptions:
             while the current run replays (``ortcapture.serving.merge.prefetched``); default off (measured on an
             H100, 2026-12-07, YOLOv8n: 934 against 963 images/s without it at 32 clients, slower at 1, 8 and 64
             too): they are joined on the replay thread right before each run.
+        merge_listed: a CUDA session replica does not join a merged run's host rows that all lie in its
+            page-locked batch slots: it copies each run's rows to the device with a DMA of its own
+            (``ortcapture.serving.requests.HostRows``); default on. Off: they are joined on the host first (into
+            the merge scratch, then one DMA), as before 2026-12-07.
         switch_interval_ms: the replicas' GIL switch interval (``sys.setswitchinterval``, milliseconds; default
             0.5; 0 leaves Python's 5 ms): how long a thread back from a wait (ORT's run, the GPU, Ray's I/O) may
             wait for the GIL while another runs Python (``ortcapture.serving.ray_common.quick_gil_handoff``).
@@ -130,6 +134,7 @@ class ServeOptions:
     switch_interval_ms: float = 0.5
     batch_slots: bool = True
     merge_prefetch: bool = False
+    merge_listed: bool = True
     serve_throughput_optimized: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
@@ -331,7 +336,7 @@ def _check_grpc(o: "ServeOptions", opt) -> None:
         if o.address:
             raise CaptureError(f"{opt('grpc_port')} serves gRPC from a new local cluster only (a joined cluster's "
                                "Serve has its own gRPC options)")
-    for name in ("batch_slots", "merge_prefetch", "serve_throughput_optimized"):
+    for name in ("batch_slots", "merge_prefetch", "merge_listed", "serve_throughput_optimized"):
         if not isinstance(getattr(o, name), bool):
             raise CaptureError(f"{opt(name)} must be true or false, got {getattr(o, name)!r}")
     if not isinstance(o.allow_remote_shared_memory, bool):

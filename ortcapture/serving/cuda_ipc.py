@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ortcapture.serving.cuda_shm import DeviceRows
+from ortcapture.serving.requests import HostRows
 from ortcapture.serving.shm import Ref, Region, ShmError
 
 
@@ -62,6 +63,8 @@ class IpcMemory:
         self._lock = threading.Lock()
         #: outputs copied device to device into a region (:meth:`copy_from_device`), and from the host (:meth:`write`)
         self.device_writes = self.host_writes = 0
+        #: inputs gathered from host parts (:class:`~ortcapture.serving.requests.HostRows`, :meth:`gather`)
+        self.host_gathers = 0
 
     def open(self, region: Region) -> int:
         """The device pointer of ``region`` (opened on first use of each registration; a handle of an earlier
@@ -122,14 +125,20 @@ class IpcMemory:
                     del self._open[(name, gen)]
                     rt.cudaIpcCloseMemHandle(ptr)
 
-    def gather(self, name: str, rows: DeviceRows):
-        """Input ``name``'s ``rows`` joined into one CUDA ``OrtValue`` of ``rows.shape`` (device to device, ordered
-        on the legacy default stream and finished before it returns). The value is reused for the next run of that
-        input and shape: feed it before gathering again. Raises :class:`ShmError` for a region that does not open
-        (:meth:`open`), :class:`DeviceCopyError` for a copy that fails."""
+    def gather(self, name: str, rows: DeviceRows | HostRows):
+        """Input ``name``'s ``rows`` joined into one CUDA ``OrtValue`` of ``rows.shape``: device to device from CUDA
+        regions (:class:`~ortcapture.serving.cuda_shm.DeviceRows`), host to device from host parts
+        (:class:`~ortcapture.serving.requests.HostRows`: one DMA each where they are page-locked, as a batch slot is
+        in a CUDA session replica); ordered on the legacy default stream and finished before it returns. The value
+        is reused for the next run of that input and shape: feed it before gathering again. Raises
+        :class:`ShmError` for a region that does not open (:meth:`open`), :class:`DeviceCopyError` for a copy that
+        fails."""
         import onnxruntime as ort
 
         rt = _rt()
+        if isinstance(rows, HostRows):
+            (err,) = rt.cudaSetDevice(self.device)  # the calling thread's device (the replay thread's already)
+            _check(err, "cudaSetDevice")
         key = (name, rows.shape, rows.dtype.str)
         with self._lock:
             dst = self._scratch.get(key)
@@ -138,6 +147,18 @@ class IpcMemory:
             with self._lock:
                 self._scratch[key] = dst
         base = dst.data_ptr()
+        if isinstance(rows, HostRows):
+            at = 0
+            for part in rows.parts:  # C-contiguous (HostRows.of)
+                (err,) = rt.cudaMemcpyAsync(base + at, part.__array_interface__["data"][0], part.nbytes,
+                                            rt.cudaMemcpyKind.cudaMemcpyHostToDevice, 0)
+                _check(err, f"input {name!r}: cudaMemcpyAsync host to device")
+                at += part.nbytes
+            (err,) = rt.cudaStreamSynchronize(0)
+            _check(err, "cudaStreamSynchronize")
+            with self._lock:
+                self.host_gathers += 1
+            return dst
         row_bytes = int(np.prod(rows.shape[1:], dtype=np.int64)) * rows.dtype.itemsize
         at = 0
         for t, start, stop in rows.parts:

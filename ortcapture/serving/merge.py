@@ -14,7 +14,10 @@ merge with rows in CUDA shared memory: their references are listed one after ano
 them on the device), never copied here. Host rows are joined into a :class:`MergeScratch` when one is given
 (:func:`iter_merged_runs`): one buffer per input, reused run after run and, on CUDA, page-locked, so the joined rows
 go to the graph's input buffer with one DMA instead of a second host copy into the graph's staging (measured on an
-H100, 32 clients: joining and that second copy were a third of the replay thread's busy time). With
+H100, 32 clients: joining and that second copy were a third of the replay thread's busy time). Where every part
+already lies in page-locked memory (the CUDA session replica's batch slots; ``listed``), the parts are not joined
+at all but listed (:class:`~ortcapture.serving.requests.HostRows`) and copied to the device one DMA each: joining
+into the scratch was still 28 % of the replay thread's samples at 32 clients (py-spy, H100, 2026-12-07). With
 :func:`prefetched` the next merged run is joined on another thread while the current one runs, into the scratch's
 other set of buffers (``MergeScratch(sets=2)``; measured on an H100 before it, 32 clients: joining was still 21 % of
 the replay thread's busy time).
@@ -29,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ortcapture.serving.cuda_shm import DeviceRows
-from ortcapture.serving.requests import join_into, take
+from ortcapture.serving.requests import HostRows, join_into, take
 from ortcapture.transfer import pin_host_memory
 
 
@@ -67,14 +70,18 @@ def merge_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], max_rows
 
 
 def iter_merged_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], max_rows: int, merge: bool = True,
-                     into: Callable[[str, tuple, np.dtype], np.ndarray | None] | None = None
+                     into: Callable[[str, tuple, np.dtype], np.ndarray | None] | None = None,
+                     listed: Callable[[np.ndarray], bool] | None = None
                      ) -> Iterator[tuple[list[int], dict[str, Any], list[int]]]:
     """:func:`merge_runs`, each merged run joined only when it is taken. ``into(name, shape, dtype)``: where input
     ``name``'s joined host rows are written (an array of exactly that shape and dtype, e.g. a :class:`MergeScratch`
     view that the next merged run overwrites), or ``None`` for a new array — so finish with each merged run, the
     copies from its feeds included, before taking the next (the session replica does: one run at a time on its
-    replay thread, finished when its run returns). A merged run whose join raised comes as ``(members, exception,
-    rows)``: its calls get that exception, the next merged runs are still joined."""
+    replay thread, finished when its run returns). ``listed(part)``: an input whose every part it says yes to (and
+    is C-contiguous) is not joined but listed, as :class:`~ortcapture.serving.requests.HostRows` (the CUDA session
+    replica's parts in page-locked batch slots: it copies each to the device, no host copy). A merged run whose join
+    raised comes as ``(members, exception, rows)``: its calls get that exception, the next merged runs are still
+    joined."""
     groups: list[list[int]] = []
     used, last = 0, None
     for i, (feeds, rows) in enumerate(runs):
@@ -95,14 +102,14 @@ def iter_merged_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], ma
         if isinstance(into, MergeScratch):  # each joined run in the scratch's next set of buffers
             into.begin()
         try:
-            joined = _join(runs, members, into)
+            joined = _join(runs, members, into, listed)
         except Exception as exc:  # noqa: BLE001 - this merged run's calls get it, the round goes on
             yield members, exc, rows
             continue
         yield members, joined, rows
 
 
-def _join(runs, members: list[int], into) -> dict[str, Any]:
+def _join(runs, members: list[int], into, listed=None) -> dict[str, Any]:
     """The feeds of the runs ``members`` joined along axis 0 (see :func:`iter_merged_runs`)."""
     joined = {}
     for name, v in runs[members[0]][0].items():
@@ -110,6 +117,10 @@ def _join(runs, members: list[int], into) -> dict[str, Any]:
             joined[name] = DeviceRows.of([p for i in members for p in runs[i][0][name].parts])
             continue
         parts = [runs[i][0][name] for i in members]
+        if listed is not None and all(p.flags.c_contiguous and listed(p) for p in parts) \
+                and len({p.dtype for p in parts}) == 1:
+            joined[name] = HostRows.of(parts)  # each part copied to the device on its own
+            continue
         dst = into(name, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), np.result_type(*parts)) \
             if into is not None else None
         # the staging threads' copies (the replay thread's time), or numpy's own join

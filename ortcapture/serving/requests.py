@@ -9,12 +9,14 @@ What the batching tier (``ortcapture.serving.tier``, no device, no session) and 
 * :func:`group_key` — requests that may share a run (same non-batched dims, equal values of the inputs that do not
   carry the batched dim);
 * :func:`pack` — a group cut into runs of at most ``max_rows`` rows, whole requests, first-fit decreasing;
-* :func:`join` / :func:`take` — a run's feeds concatenated along the batched dim, and a run's output rows sliced back.
+* :func:`join` / :func:`take` — a run's feeds concatenated along the batched dim, and a run's output rows sliced back;
+* :class:`HostRows` — a merged run's host rows listed, not joined (the session replica copies them to the device).
 
 Uses only numpy and ortcapture's public API.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -200,9 +202,47 @@ def on_device(request: Mapping[str, Any]) -> bool:
     return any(isinstance(v, DeviceTensor) for v in request.values())
 
 
+@dataclass(frozen=True)
+class HostRows:
+    """A merged run's rows of one input in host memory, listed instead of joined: ``parts`` C-contiguous numpy
+    arrays (each a run's rows, in order, all of one dtype and one shape past axis 0), ``shape`` and ``dtype`` of the
+    joined tensor. A CUDA session replica copies each part to the device on its own
+    (:meth:`ortcapture.serving.cuda_ipc.IpcMemory.gather`: the parts lie in page-locked batch slots, so each is one
+    DMA) instead of joining them on the host first."""
+
+    parts: tuple[np.ndarray, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, parts: Sequence[np.ndarray]) -> "HostRows":
+        """``parts`` (at least one) joined along axis 0. Raises ``ValueError`` for parts of other dtypes or other
+        shapes past axis 0, or one that is not C-contiguous."""
+        first = parts[0]
+        for p in parts:
+            if p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or not p.flags.c_contiguous:
+                raise ValueError(f"HostRows: a part of {p.dtype} {list(p.shape)} (C-contiguous "
+                                 f"{p.flags.c_contiguous}) cannot follow {first.dtype} {list(first.shape)}")
+        return cls(tuple(parts), (sum(int(p.shape[0]) for p in parts), *first.shape[1:]), first.dtype)
+
+    def take(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of the joined tensor: a view when they lie in one part, else a new array."""
+        out, at = [], 0
+        for p in self.parts:
+            n = int(p.shape[0])
+            a, b = max(start, at), min(stop, at + n)
+            if a < b:
+                out.append(p[a - at:b - at])
+            at += n
+        if not out:
+            return np.empty((0, *self.shape[1:]), self.dtype)
+        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+
 def split_feeds(feeds: Mapping[str, Any], rows: Sequence[int], input_axes: Mapping[str, int]) -> list[dict]:
     """The inverse of :func:`join`: the joined ``feeds`` cut back into one feeds dict per request of ``rows`` rows
-    (views; inputs without the batched dim shared; :class:`DeviceRows` cut into each request's own part). Raises
+    (views; inputs without the batched dim shared; :class:`DeviceRows` cut into each request's own part,
+    :class:`HostRows` into each request's rows). Raises
     ValueError for :class:`DeviceRows` whose parts are not one per request of those rows."""
     out, offset = [], 0
     for k, n in enumerate(rows):
@@ -215,6 +255,8 @@ def split_feeds(feeds: Mapping[str, Any], rows: Sequence[int], input_axes: Mappi
                     raise ValueError(f"input {name!r}: {len(v.parts)} CUDA region parts cannot be cut into the rows "
                                      f"{list(rows)} of a run's requests")
                 own[name] = DeviceRows.of([v.parts[k]])
+            elif isinstance(v, HostRows):  # batched on axis 0 (merged runs only)
+                own[name] = v.take(offset, offset + n)
             else:
                 own[name] = take(v, input_axes[name], offset, offset + n)
         out.append(own)

@@ -40,7 +40,7 @@ from ortcapture.serving.merge import MergeScratch, iter_merged_runs, mergeable, 
 from ortcapture.serving.slots import SlotMissing, SlotReader
 from ortcapture.serving.cuda_ipc import IpcMemory, RegionTap
 from ortcapture.serving.cuda_shm import DeviceRows, InRegion
-from ortcapture.serving.requests import take
+from ortcapture.serving.requests import HostRows, take
 from ortcapture.serving.shm import ShmError
 
 #: seconds a shutting-down replica waits for its replay thread's round in progress before closing the host memory
@@ -104,6 +104,10 @@ class ModelSession:
         self._prefetch = ThreadPoolExecutor(1, "ortcapture-merge") if prefetch else None
         self._scratch = MergeScratch(pin=pin, max_rows=self._merge_rows, sets=2 if prefetch else 1) \
             if self._on_replay_thread else None
+        # merged runs whose rows all lie in page-locked slots: listed, not joined, each part one DMA to the device
+        # (merge.iter_merged_runs' listed; the scratch's host copy was 28 % of the replay thread at 32 clients)
+        listed = pin and self._ipc is not None and self._on_replay_thread and options.merge_listed
+        self._listed = self._slot_reader.in_pinned_pool if listed else None
         self._stats = None
         self._metrics = _Metrics(options.name)
         self._metrics.graphs(self.core)
@@ -221,7 +225,7 @@ class ModelSession:
         # joined one at a time: each right before its run (the scratch holds one merged run's rows per input), or
         # with the prefetch the next one while this one runs (two sets of buffers, each rejoined only after its run)
         merged = iter_merged_runs([run[:2] for _, run, _ in flat], self._merge_rows, self._mergeable,
-                                  into=self._scratch)
+                                  into=self._scratch, listed=self._listed)
         if self._prefetch is not None:
             merged = prefetched(merged, self._prefetch)
         answers: list[list] = [[] for _ in calls]
@@ -249,7 +253,8 @@ class ModelSession:
                     if isinstance(feeds, Exception):  # joining this merged run failed (iter_merged_runs)
                         raise feeds
                     queued = [t for i in members for t in flat[i][2]]
-                    device = any(isinstance(v, DeviceRows) for v in feeds.values())  # rows in CUDA regions
+                    # rows in CUDA regions, or host rows listed in page-locked slots: gathered on the device
+                    device = any(isinstance(v, (DeviceRows, HostRows)) for v in feeds.values())
                     arena = self._output_arena(calls, flat, members, alive)
                     tap = self._region_tap(flat, members, rows, feeds)
                     try:
@@ -303,7 +308,7 @@ class ModelSession:
         :meth:`ReplicaCore.run_joined`, so a batch that fails is gathered and run again one request at a time there.
         Raises ShmError (a region that cannot be read: its request's 400) or
         :class:`~ortcapture.serving.cuda_ipc.DeviceCopyError` (a copy that fails: the health rule decides)."""
-        return {n: self._ipc.gather(n, v) if isinstance(v, DeviceRows) else v for n, v in feeds.items()}
+        return {n: self._ipc.gather(n, v) if isinstance(v, (DeviceRows, HostRows)) else v for n, v in feeds.items()}
 
     def _region_tap(self, flat: list, members: list, rows, feeds: dict) -> RegionTap | None:
         """A :class:`~ortcapture.serving.cuda_ipc.RegionTap` for a run whose requests name CUDA output regions (on
@@ -399,7 +404,9 @@ class ModelSession:
         (``slot_pools_dropped``, :meth:`ortcapture.serving.slots.SlotReader.drop_stale`), the merged inputs joined
         into the reused (on CUDA page-locked) buffers of :class:`~ortcapture.serving.merge.MergeScratch`
         (``merge_scratch_used``; ``merge_scratch_error``: why page-locking one failed, which turns them off),
-        whether the next merged run is joined while the current one runs (``merge_prefetch``), the outputs written
+        whether the next merged run is joined while the current one runs (``merge_prefetch``), whether a merged
+        run's rows that all lie in page-locked slots are copied to the device part by part instead of joined
+        (``merge_listed``; ``merge_listed_gathers``: inputs so gathered), the outputs written
         into CUDA regions (``cuda_region_writes``: ``device_to_device`` from the graph's buffers,
         :class:`~ortcapture.serving.cuda_ipc.RegionTap`, and ``from_host``; ``None`` off CUDA), and
         where the batches' time went in this replica: ``calls`` (``run_batch`` calls), ``call_ns`` (their time from
@@ -408,7 +415,8 @@ class ModelSession:
         return {**self.core.report(), "node": self.node_id, "switch_interval_s": self.switch_interval_s,
                 "slots_pinned": self._slot_reader.pinned, "slot_pin_error": self._slot_reader.pin_error,
                 "slot_outputs_in_place": self._slot_reader.in_place, "slot_pools_dropped": self._slot_reader.dropped,
-                "merge_prefetch": self._prefetch is not None,
+                "merge_prefetch": self._prefetch is not None, "merge_listed": self._listed is not None,
+                "merge_listed_gathers": self._ipc.host_gathers if self._ipc is not None else 0,
                 "cuda_region_writes": None if self._ipc is None else
                 {"device_to_device": self._ipc.device_writes, "from_host": self._ipc.host_writes},
                 "merge_scratch_used": self._scratch.used if self._scratch is not None else 0,

@@ -460,6 +460,16 @@ class SlotReader:
         """Pools page-locked now."""
         return len(self._pins)
 
+    def in_pinned_pool(self, a: np.ndarray) -> bool:
+        """Whether all of host array ``a``'s bytes lie in a pool page-locked here (a slot's rows: a DMA reads them
+        straight from there)."""
+        start = a.__array_interface__["data"][0]
+        end = start + a.nbytes
+        for pin in list(self._pins.values()):
+            if not pin.closed and pin.ptr <= start and end <= pin.ptr + pin.nbytes:
+                return True
+        return False
+
     def close(self) -> None:
         """Undo the page-locking and unmap every pool (only when no view of them is left; call it when no run reads
         from them)."""
