@@ -37,8 +37,8 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
                  or right before each run on the replay thread (merge_prefetch=False: the default since then, so the
                  same as "product")
   product-i6 / product-i8  6 or 8 batching-tier replicas instead of the default 4
-  product-joined a merged run's rows in page-locked batch slots joined on the host first (merge_listed=False, as
-                 before the sixteenth session) instead of copied to the device one DMA per part
+  product-listed a merged run's rows in page-locked batch slots copied to the device one DMA per part
+                 (merge_listed=True) instead of joined on the host first (the default)
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,
 and arrival to the start of their round on the replay thread) and the session replicas' own time per batch run
@@ -104,9 +104,9 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         "product-noslots": {"batch_slots": False},
         # merged runs joined on the replay thread right before each run, as before 2026-12-07 (twelfth session)
         "product-noprefetch": {"merge_prefetch": False}, "product-prefetch": {"merge_prefetch": True},
-        # merged runs' rows in page-locked slots joined on the host first (into the merge scratch, one DMA), as before
-        # 2026-12-07 (sixteenth session), instead of one DMA per part (merge_listed)
-        "product-joined": {"merge_listed": False},
+        # merged runs' rows in page-locked slots copied to the device one DMA per part (merge_listed), instead of
+        # joined on the host first (into the merge scratch, one DMA): the default until measured on a GPU
+        "product-listed": {"merge_listed": True},
         # the session replica's host copies under load (issue 44, item 4: its batch-8 run 1.8x a plain process's):
         # one staging thread (the replay thread copies alone), or the staging threads pinned to CPUs
         "product-st1": {"env": {"ORTCAPTURE_STAGING_THREADS": "1"}},

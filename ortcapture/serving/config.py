@@ -78,8 +78,9 @@ class ServeOptions:
             too): they are joined on the replay thread right before each run.
         merge_listed: a CUDA session replica does not join a merged run's host rows that all lie in its
             page-locked batch slots: it copies each run's rows to the device with a DMA of its own
-            (``ortcapture.serving.requests.HostRows``); default on. Off: they are joined on the host first (into
-            the merge scratch, then one DMA), as before 2026-12-07.
+            (``ortcapture.serving.requests.HostRows``); default off until it has run on a GPU (built in the
+            sixteenth session, 2026-12-07, when no GPU machine started): they are joined on the host first (into
+            the merge scratch, then one DMA).
         switch_interval_ms: the replicas' GIL switch interval (``sys.setswitchinterval``, milliseconds; default
             0.5; 0 leaves Python's 5 ms): how long a thread back from a wait (ORT's run, the GPU, Ray's I/O) may
             wait for the GIL while another runs Python (``ortcapture.serving.ray_common.quick_gil_handoff``).
@@ -134,7 +135,7 @@ class ServeOptions:
     switch_interval_ms: float = 0.5
     batch_slots: bool = True
     merge_prefetch: bool = False
-    merge_listed: bool = True
+    merge_listed: bool = False
     serve_throughput_optimized: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
