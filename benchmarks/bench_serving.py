@@ -250,11 +250,11 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
         path, app, url, threads, seconds, warm, check = msg
         lat, wrong, errors = [], [0], []
         lock = threading.Lock()
-        # the gRPC clients (and the shm paths' regions, registered once per client) are set up before the clock;
-        # tritonclient.http's (geventhttpclient: a client works only in the thread that made it) in its thread
+        # the gRPC clients (and the shm paths' regions, registered once per client) are set up before the clock, here
+        # (tritonclient's CUDA regions make its one CUDA stream on first use: not from several threads at once)
         prepared = {k: _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
                                   refs[0].nbytes, refs[0].shape) for k in range(threads)} \
-            if path in GRPC_PATHS else {}
+            if path in PREPARED_PATHS else {}
         t_end = time.perf_counter() + warm + seconds
         t_meas = time.perf_counter() + warm
 
@@ -268,11 +268,8 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                     if "error" in r:
                         raise RuntimeError(r["error"])
                     return r["outputs"].get(output_name) if check else None
-            elif path in GRPC_PATHS:
+            elif path in PREPARED_PATHS:
                 call, cleanup = prepared[k]
-            elif path in PREPARED_PATHS:  # in the warm-up window
-                call, cleanup = _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
-                                           refs[0].nbytes, refs[0].shape)
             else:
                 import tritonclient.http as http
 
@@ -328,7 +325,8 @@ def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_
     if path.startswith("http-"):
         import tritonclient.http as http
 
-        client = http.InferenceServerClient(url.replace("http://", ""), network_timeout=60, connection_timeout=60)
+        client = _PerThread(lambda: http.InferenceServerClient(url.replace("http://", ""), network_timeout=60,
+                                                               connection_timeout=60))
         return _shm_call(client, http, path.endswith("cudashm"), k, input_name, output_name, model_name, in_bytes,
                          out_bytes, out_shape)
     import tritonclient.grpc as grpcclient
@@ -343,6 +341,20 @@ def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_
         return call, client.close
     return _shm_call(client, grpcclient, path == "cudashm", k, input_name, output_name, model_name, in_bytes,
                      out_bytes, out_shape)
+
+
+class _PerThread:
+    """A ``tritonclient.http`` client per thread behind one object (geventhttpclient's clients work only in the
+    thread that made them): regions registered from the process's main thread, requests sent from a client thread."""
+
+    def __init__(self, make):
+        self._make, self._local = make, threading.local()
+
+    def __getattr__(self, name):
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._make()
+        return getattr(client, name)
 
 
 def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):

@@ -202,7 +202,7 @@ def on_device(request: Mapping[str, Any]) -> bool:
     return any(isinstance(v, DeviceTensor) for v in request.values())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HostRows:
     """A merged run's rows of one input in host memory, listed instead of joined: ``parts`` C-contiguous numpy
     arrays (each a run's rows, in order, all of one dtype and one shape past axis 0), ``shape`` and ``dtype`` of the

@@ -441,8 +441,9 @@ class ShmStore:
         """An ``/infer`` body with the bytes of every input that names a region put in its place (as binary data),
         the regions of requested outputs checked; returns ``(body, header_length, plan)`` — the same body and
         ``None`` when no tensor names a region; when the body carried no binary bytes of its own, the JSON header
-        alone with the inputs' bytes in ``plan.pieces`` (for ``parse_infer_request(..., pieces=plan.pieces)``). What the protocol refuses anyway is left for
-        :func:`ortcapture.serving.protocol.parse_infer_request` to say."""
+        alone with the inputs' bytes in ``plan.pieces`` (for ``parse_infer_request(..., pieces=plan.pieces)``).
+        What the protocol refuses anyway is left for :func:`ortcapture.serving.protocol.parse_infer_request` to
+        say."""
         head_end = len(body) if header_length is None else None
         if head_end is None:
             try:

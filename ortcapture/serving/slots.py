@@ -465,7 +465,9 @@ class SlotReader:
         straight from there)."""
         start = a.__array_interface__["data"][0]
         end = start + a.nbytes
-        for pin in list(self._pins.values()):
+        with self._lock:
+            pins = list(self._pins.values())
+        for pin in pins:
             if not pin.closed and pin.ptr <= start and end <= pin.ptr + pin.nbytes:
                 return True
         return False
