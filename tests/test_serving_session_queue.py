@@ -187,7 +187,7 @@ def _tier_whose_batches_raise(raised: list):
     t.check = SimpleNamespace(names=["X"], input_axes={"X": 0})
     t.session, t._slots, t._sent = SimpleNamespace(run_batch=SimpleNamespace(remote=fail)), None, collections.Counter()
     t._draining, t._ready, t._ready_at, t._ready_lock, t._session_app = False, False, 0.0, None, "app"
-    t._ready_resets, t._distrusted_at = 0, float("-inf")
+    t._ready_resets, t._distrusted_at, t._refresh = 0, float("-inf"), None
     return t
 
 
@@ -257,6 +257,39 @@ def test_a_ready_asked_before_a_batch_found_no_session_replica_is_not_trusted(mo
         for _ in range(5):  # failing again within the second: no more asks
             await t._run_batch(batch)
         assert await t.ready() is True and len(asked) == 2
+
+    asyncio.run(main())
+
+
+def test_a_stale_yes_is_answered_while_it_is_asked_again_in_the_background(monkeypatch):
+    """When the trust in a yes ran out, every request of a tier replica waited for the controller's answer (a
+    ``serve.status()``, ~40 ms of CPU on an H100 host, longer under load) — every READY_TRUST_S, on every tier
+    replica: a stall that lands in the p99. Now the stale yes is answered at once and asked again in the background,
+    one ask at a time; a no that comes back is the next request's answer."""
+    from ortcapture.serving import tier as tier_mod
+
+    asked, running = [], [True]
+
+    def slow(app):
+        asked.append(app)
+        time.sleep(0.3)
+        return running[0]
+
+    monkeypatch.setattr(tier_mod, "session_running", slow)
+    monkeypatch.setattr(tier_mod, "READY_TRUST_S", 0.5)
+    t = _tier_whose_batches_raise([RuntimeError("unused")])
+
+    async def main():
+        assert await t.ready() is True and len(asked) == 1  # the first answer is waited for
+        await asyncio.sleep(0.6)  # the yes is stale now
+        running[0] = False
+        t0 = time.monotonic()
+        got = [await t.ready() for _ in range(10)]
+        assert got == [True] * 10 and time.monotonic() - t0 < 0.1  # nobody waited for the controller
+        await asyncio.sleep(0.05)
+        assert len(asked) == 2  # one ask in the background for all ten
+        await asyncio.sleep(0.4)  # its answer came back: no
+        assert await t.ready() is False
 
     asyncio.run(main())
 

@@ -98,6 +98,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._ready_at = 0.0
         self._ready = False
         self._ready_lock: asyncio.Lock | None = None
+        self._refresh: asyncio.Future | None = None  # a stale yes being asked again in the background (ready())
         self._ready_resets, self._distrusted_at = 0, float("-inf")  # batches that found no session replica
         self._draining = False  # set by drain(): new requests get a 503, the ones in flight finish
         self._in_flight = 0  # HTTP requests being answered
@@ -296,13 +297,25 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     async def ready(self) -> bool:
         """Whether a ``ModelSession`` replica is running (warm), asked of the Serve controller: a yes is trusted for
-        :data:`READY_TRUST_S` unless a batch found no session replica since (:meth:`_distrust_ready`: then the next
-        call asks again), a no is asked again (at most every 50 ms)."""
+        :data:`READY_TRUST_S`, then still answered while it is asked again in the background (no request waits for
+        the controller: a ``serve.status()`` takes ~40 ms of CPU, and every request behind it waited that long each
+        time the trust ran out); a no, or a yes from before a batch found no session replica
+        (:meth:`_distrust_ready`), is asked again before answering (at most every 50 ms)."""
         if self._draining:
             return False
         asked = self._ready_at
         if self._ready and time.monotonic() - asked < READY_TRUST_S:
             return True
+        if self._ready and asked != float("-inf"):  # a yes gone stale, not distrusted: asked again meanwhile
+            if self._refresh is None or self._refresh.done():
+                self._refresh = asyncio.ensure_future(self._ask_ready(asked))
+            return True
+        await self._ask_ready(asked)
+        return self._ready
+
+    async def _ask_ready(self, asked: float) -> None:
+        """Ask the controller (one ask at a time; a caller that waited for another's ask takes its answer unless it
+        is 50 ms old)."""
         if self._ready_lock is None:
             self._ready_lock = asyncio.Lock()
         async with self._ready_lock:
@@ -315,7 +328,6 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
                     pass
                 # an answer asked before a batch found no session replica is not trusted: asked again next time
                 self._ready_at = time.monotonic() if self._ready_resets == resets else float("-inf")
-        return self._ready
 
     def _distrust_ready(self) -> None:
         """A batch found no session replica (it died, or none is available): the next request asks the controller
