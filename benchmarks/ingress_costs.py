@@ -10,6 +10,9 @@ Arms (median µs per request over ``--iters`` pairs, and the median per-pair rat
 * ``grpc_decode``: :func:`ortcapture.serving.grpc_service.decode_infer` of a ``ModelInferRequest`` with the image in
   ``raw_input_contents``, against the old path emulated in the same run (the REST body joined, then parsed with the
   alignment copy);
+* ``rest_shm`` (sixteenth session): a REST request whose image is in a system shared memory region (what
+  ``tritonclient.http`` with shared memory sends: a JSON body only), ``ShmStore.prepare_http`` then
+  ``parse_infer_request``: the region's bytes joined into a body (the old path) against passed as pieces;
 * ``shm_lookup`` (needs Ray: a local cluster of 1 CPU): ``ActorRegistry.lookup`` of a registered region through the
   registry actor every time (the old path) against the lookup answered in the replica while the registry's count of
   changes has not moved.
@@ -91,6 +94,43 @@ def grpc_decode(iters: int) -> dict:
     return _pairs(old, new, iters)
 
 
+def _done(coro):
+    """Drive a coroutine that never waits (a LocalRegistry's lookups), without an event loop's cost."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("the coroutine waited")
+
+
+def rest_shm(iters: int) -> dict:
+    from ortcapture.serving.shm_store import LocalRegistry, ShmStore
+
+    x = np.random.default_rng(0).random((1, 3, 320, 320), dtype=np.float32)
+    key = f"/ortc-bench-rest-{os.getpid()}"
+    path = os.path.join("/dev/shm", key[1:])
+    with open(path, "wb") as f:
+        f.write(x.tobytes())
+    store = ShmStore(LocalRegistry())
+    try:
+        _done(store.register("in", key, 0, x.nbytes, "127.0.0.1"))
+        body = json.dumps({"inputs": [{"name": "images", "datatype": "FP32", "shape": list(x.shape), "parameters": {
+            "shared_memory_region": "in", "shared_memory_byte_size": x.nbytes}}]}).encode()
+
+        def new():
+            head, n, plan = _done(store.prepare_http(body, None, SPEC))
+            protocol.parse_infer_request(head, n, SPEC, plan.device_inputs, plan.pieces, align=False)
+
+        def old():  # the region's bytes joined after the header, then parsed (prepare_http before)
+            head, n, plan = _done(store.prepare_http(body, None, SPEC))
+            protocol.parse_infer_request(head + b"".join(plan.pieces), n, SPEC, plan.device_inputs, align=False)
+
+        return _pairs(old, new, iters)
+    finally:
+        store.close()
+        os.unlink(path)
+
+
 def shm_lookup(iters: int) -> dict | None:
     try:
         import ray
@@ -152,7 +192,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res = {"machine": f"{os.cpu_count()} CPUs", "iters": args.iters, "http_parse": http_parse(args.iters),
-           "grpc_decode": grpc_decode(args.iters), "shm_lookup": shm_lookup(args.iters)}
+           "grpc_decode": grpc_decode(args.iters), "rest_shm": rest_shm(args.iters),
+           "shm_lookup": shm_lookup(args.iters)}
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:
