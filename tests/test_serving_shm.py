@@ -441,6 +441,38 @@ def test_grpc_decode_with_regions(obj):
         run(grpc_service.decode_infer(msg, SPEC, None))
 
 
+def test_an_input_in_a_region_that_also_carries_its_bytes_another_way_is_refused_by_name(obj, monkeypatch):
+    """A new user's finding: a REST input naming a region and also carrying ``data`` was refused with "both 'data'
+    and binary_data_size" (which it never sent: the region's bytes had been put in its place), one also declaring
+    ``binary_data_size`` with "... bytes after the tensors that no input declares"; a gRPC input with a region and
+    typed ``contents`` ran with the contents silently ignored. Each is now a 400 naming both, before the region is
+    read."""
+    from ortcapture.serving import grpc_service
+
+    key, path = obj
+    router, store, seen = _router()
+    assert _register(router, "in", key, 0, 64).status == 200
+    monkeypatch.setattr(store.maps, "read", lambda ref: pytest.fail("the region was read"))
+    region = {shm.REGION: "in", shm.BYTE_SIZE: 32}
+    for extra, binary, named in [({"data": [0] * 8}, b"", "'data'"),
+                                 ({"parameters": {**region, "binary_data_size": 32}}, b"\0" * 32, "binary_data_size")]:
+        t = {"name": "X", "datatype": "FP32", "shape": [2, 4], "parameters": dict(region), **extra}
+        body, headers = _infer_body([t], binary=binary)
+        res = _call(router, "POST", "/v2/models/m/infer", body, headers)
+        want = f"input 'X': shared_memory_region and {named} in one input"
+        assert res.status == 400 and want in json.loads(res.body)["error"], res.body
+    assert seen == []
+    msg = _grpc_request(np.zeros((2, 4), np.float32), raw=False)
+    for k, v in region.items():
+        if isinstance(v, str):
+            msg.inputs[0].parameters[k].string_param = v
+        else:
+            msg.inputs[0].parameters[k].int64_param = v
+    with pytest.raises(ShmError, match="input 'X': shared_memory_region and contents in one input"):
+        run(grpc_service.decode_infer(msg, SPEC, store))
+    store.close()
+
+
 # -- faults a tester found: a shrinking object, a FIFO, a region unregistered in flight, unknown sizes ------------
 def test_a_shrinking_object_is_a_400_never_a_sigbus(obj):
     """A client truncating its object while the ingress read it killed the ingress with SIGBUS through its mmap (and

@@ -149,6 +149,7 @@ async def decode_infer(msg, spec: ModelSpec, store=None):
         filled = _filled_fields(t.contents) if t.HasField("contents") else []
         expected = _expected_bytes(t, spec)
         if shm.uses_shm(params):
+            shm.region_only(where, "contents" if filled else None)
             ref = shm.reference(params, where, regions)
             if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
                 plan.add_input(t.name, cuda_shm.device_tensor(ref, entry, specs, where))

@@ -215,6 +215,14 @@ def uses_shm(params: Mapping | None) -> bool:
     return bool(params) and REGION in params
 
 
+def region_only(where: str, other: str | None) -> None:
+    """Raise :class:`ShmError` (a 400) when an input that names a region also carries its bytes another way
+    (``other`` names how: REST's ``'data'`` or ``binary_data_size``, gRPC's ``contents``); ``None``: it does not.
+    Checked before the region is read: the other bytes were ignored or misnamed in the refusal."""
+    if other:
+        raise ShmError(f"{where}: {REGION} and {other} in one input (give its bytes one way)")
+
+
 def reference(params: Mapping[str, Any], where: str, regions: Mapping[str, Region]) -> Ref:
     """Check the reference of one tensor (``where``: ``"input 'x'"``, ``"output 'y'"``) against ``regions`` (the
     registered ones by name) before any byte is read or written.

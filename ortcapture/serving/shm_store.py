@@ -474,6 +474,8 @@ class ShmStore:
             params = t.get("parameters") if isinstance(t, dict) else None
             if isinstance(params, dict) and shm.uses_shm(params):
                 where = f"input {str(t.get('name'))[:100]!r}"
+                shm.region_only(where, "'data'" if "data" in t else "binary_data_size" if "binary_data_size" in params
+                                else None)
                 ref = shm.reference(params, where, regions)
                 if ref.region.kind == "cuda":  # stays on the device: the session replica gathers it
                     plan.add_input(str(t.get("name")), cuda_shm.device_tensor(ref, t, specs, where))
