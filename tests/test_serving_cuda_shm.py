@@ -834,3 +834,16 @@ def test_ipc_memory_gathers_host_parts_in_page_locked_memory_onto_the_device():
         ipc.close()
     finally:
         pin.close()
+
+
+def test_listed_parts_that_host_rows_cannot_take_are_joined():
+    """merge_listed: parts HostRows refuses (not C-contiguous) are joined as before, not a failed merged run."""
+    from ortcapture.serving.merge import iter_merged_runs
+
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.asfortranarray(np.arange(8, 16, dtype=np.float32).reshape(2, 4))
+    (members, feeds, rows), = iter_merged_runs([({"X": a}, [2]), ({"X": b}, [2])], 8, listed=lambda p: True)
+    assert members == [0, 1] and rows == [2, 2] and isinstance(feeds["X"], np.ndarray)
+    np.testing.assert_array_equal(feeds["X"], np.concatenate([a, b]))
+    (_, feeds, _), = iter_merged_runs([({"X": a}, [2]), ({"X": a[::-1].copy()}, [2])], 8, listed=lambda p: True)
+    assert isinstance(feeds["X"], HostRows) and feeds["X"].parts[0] is a

@@ -77,11 +77,11 @@ def iter_merged_runs(runs: Sequence[tuple[Mapping[str, Any], Sequence[int]]], ma
     ``name``'s joined host rows are written (an array of exactly that shape and dtype, e.g. a :class:`MergeScratch`
     view that the next merged run overwrites), or ``None`` for a new array — so finish with each merged run, the
     copies from its feeds included, before taking the next (the session replica does: one run at a time on its
-    replay thread, finished when its run returns). ``listed(part)``: an input whose every part it says yes to (and
-    is C-contiguous) is not joined but listed, as :class:`~ortcapture.serving.requests.HostRows` (the CUDA session
-    replica's parts in page-locked batch slots: it copies each to the device, no host copy). A merged run whose join
-    raised comes as ``(members, exception, rows)``: its calls get that exception, the next merged runs are still
-    joined."""
+    replay thread, finished when its run returns). ``listed(part)``: an input whose every part it says yes to is not
+    joined but listed as :class:`~ortcapture.serving.requests.HostRows` where ``HostRows.of`` takes them (the CUDA
+    session replica's parts in page-locked batch slots: it copies each to the device, no host copy). A merged run
+    whose join raised comes as ``(members, exception, rows)``: its calls get that exception, the next merged runs
+    are still joined."""
     groups: list[list[int]] = []
     used, last = 0, None
     for i, (feeds, rows) in enumerate(runs):
@@ -117,10 +117,12 @@ def _join(runs, members: list[int], into, listed=None) -> dict[str, Any]:
             joined[name] = DeviceRows.of([p for i in members for p in runs[i][0][name].parts])
             continue
         parts = [runs[i][0][name] for i in members]
-        if listed is not None and all(p.flags.c_contiguous and listed(p) for p in parts) \
-                and len({p.dtype for p in parts}) == 1:
-            joined[name] = HostRows.of(parts)  # each part copied to the device on its own
-            continue
+        if listed is not None and all(listed(p) for p in parts):
+            try:
+                joined[name] = HostRows.of(parts)  # each part copied to the device on its own
+                continue
+            except ValueError:  # parts HostRows cannot list (other dtypes, not C-contiguous): joined below
+                pass
         dst = into(name, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), np.result_type(*parts)) \
             if into is not None else None
         # the staging threads' copies (the replay thread's time), or numpy's own join
