@@ -39,6 +39,7 @@ Arms (server side; one Ray Serve application each, deployed in turn on one local
   product-i6 / product-i8  6 or 8 batching-tier replicas instead of the default 4
   product-listed a merged run's rows in page-locked batch slots copied to the device one DMA per part
                  (merge_listed=True) instead of joined on the host first (the default)
+  product-2rep-listed  product-2rep with merge_listed=True
 Each product run also records where a batch's time went (``session``): the tier's Ray calls to the session
 replicas (count, mean round trip ms), the time those calls spent inside the session replicas (arrival to answer,
 and arrival to the start of their round on the replay thread) and the session replicas' own time per batch run
@@ -107,6 +108,8 @@ ARMS = {**{f"noop{n}": {"hand": "noop", "replicas": n} for n in (1, 2, 4, 8)},
         # merged runs' rows in page-locked slots copied to the device one DMA per part (merge_listed), instead of
         # joined on the host first (into the merge scratch, one DMA): the default until measured on a GPU
         "product-listed": {"merge_listed": True},
+        # two session replicas on the one GPU (each its own process, GIL and graphs), with merge_listed
+        "product-2rep-listed": {"replicas": 2, "gpus_per_replica": 0.5, "merge_listed": True},
         # the session replica's host copies under load (issue 44, item 4: its batch-8 run 1.8x a plain process's):
         # one staging thread (the replay thread copies alone), or the staging threads pinned to CPUs
         "product-st1": {"env": {"ORTCAPTURE_STAGING_THREADS": "1"}},
