@@ -96,7 +96,10 @@ class PySpy:
         for label, pid in targets.items():
             path = os.path.join(out, f"pyspy-{tag}-{label}.txt")
             cmd = [exe or "py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(round(seconds)))),
-                   "--rate", str(rate), "--format", "raw", "--nonblocking", "--threads", "--output", path]
+                   "--rate", str(rate), "--format", "raw", "--threads", "--output", path]
+            # PY_SPY_NATIVE=1: native frames too (C extensions: protobuf, gRPC's core, Ray's core worker); py-spy
+            # pauses the process for each sample then (it cannot unwind native stacks without stopping it)
+            cmd.insert(-2, "--native" if os.environ.get("PY_SPY_NATIVE") == "1" else "--nonblocking")
             try:  # stderr to a file: a pipe nobody reads until the end could fill and block py-spy
                 err = open(path + ".err", "wb")
                 self.runs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err), path, None))

@@ -7,7 +7,8 @@
 # arms (bucket_arms, TF32 on), suite (every CUDA test), bench (ortcapture bench at batch 1 and 8), haproxy
 # (tools/serve_smoke.sh --haproxy: ortcapture serve under Ray Serve's HAProxy ingress, answers checked, SIGINT),
 # protocols (bench_serving's PROTO_ARMS, default product, over PATHS, default http,grpc,shm,cudashm,http-shm,http-cudashm, at LEVELS, default
-# 1,32; SPY=1: py-spy records the tier and session replicas at 32 clients on every path; PLAIN_RUNS, default 50),
+# 1,32; SPY=1: py-spy records the tier and session replicas at 32 clients on every path, or on SPY_PATHS; with
+# PY_SPY_NATIVE=1 native frames too; PLAIN_RUNS, default 50),
 # pytest (python3 -m pytest $PYTEST_ARGS).
 set -u
 t0=$(date +%s)
@@ -49,7 +50,7 @@ bench) step bench "${BENCH_LIMIT:-110}" python3 -m ortcapture bench --provider c
 haproxy) TAILN=30 step haproxy "${HAPROXY_LIMIT:-200}" bash tools/serve_smoke.sh --haproxy ;;
 protocols) TAILN=12 step protocols "${PROTOCOLS_LIMIT:-320}" python3 benchmarks/bench_serving.py --arms "${PROTO_ARMS:-product}" \
              --levels "${LEVELS:-1,32}" --paths "${PATHS:-http,grpc,shm,cudashm,http-shm,http-cudashm}" --repeats 1 --seconds 3 --warm 1 \
-             --plain-runs "${PLAIN_RUNS:-50}" ${SPY:+--py-spy-level 32 --py-spy-paths "${PATHS:-http,grpc,shm,cudashm,http-shm,http-cudashm}"} \
+             --plain-runs "${PLAIN_RUNS:-50}" ${SPY:+--py-spy-level 32 --py-spy-paths "${SPY_PATHS:-${PATHS:-http,grpc,shm,cudashm,http-shm,http-cudashm}}"} \
              --py-spy-bin "$(command -v py-spy)" --out "$OUT/protocols"
            tar -C "$OUT" -cJf "$OUT/protocols.tar.xz" protocols && rm -rf "$OUT/protocols" ;;
 pytest) step pytest "${PYTEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-tests} ;;
