@@ -377,7 +377,9 @@ def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, 
         lib.set_shared_memory_region(regions[0], [np.zeros(in_bytes, np.uint8)])
         for (io, n), h in zip((("in", in_bytes), ("out", out_bytes)), regions):
             client.register_cuda_shared_memory(f"{tag}-{io}", lib.get_raw_handle(h), 0, n)
-        unregister = client.unregister_cuda_shared_memory
+
+        def unregister(name):  # looked up in the thread that calls it: a _PerThread's client is that thread's own
+            client.unregister_cuda_shared_memory(name)
     else:
         import tritonclient.utils.shared_memory as lib
 
@@ -386,7 +388,9 @@ def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, 
                    (("in", in_bytes), ("out", out_bytes))]
         for io, n in (("in", in_bytes), ("out", out_bytes)):
             client.register_system_shared_memory(f"{tag}-{io}", f"/{tag}-{io}", n)
-        unregister = client.unregister_system_shared_memory
+
+        def unregister(name):  # (as above)
+            client.unregister_system_shared_memory(name)
     hin, hout = regions
     out = lib_client.InferRequestedOutput(output_name)
     out.set_shared_memory(f"{tag}-out", out_bytes)
