@@ -256,6 +256,11 @@ class GrpcIngress:
     ``shm`` (:class:`ortcapture.serving.shm_store.ShmStore` or ``None``) and ``async ready()`` / ``async
     infer(feeds)`` — the ones the REST routes call."""
 
+    #: requests being answered (the host class counts its HTTP ones in the same attribute: a shutdown waits for both)
+    _in_flight: int = 0
+    #: set by the host class when it shuts down: new calls are refused
+    _draining: bool = False
+
     # -- plumbing ------------------------------------------------------------------------------------------------
     def _refuse(self, ctx, status: int, message: str, response):
         import grpc
@@ -373,7 +378,7 @@ class GrpcIngress:
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
         """``ModelInfer``: the REST path's checks and batching (the ingress's ``infer``); outputs as
         ``raw_output_contents``, or written to the shared memory regions they name."""
-        if getattr(self, "_draining", False):
+        if self._draining:
             return self._refuse(grpc_context, 503, "the server is shutting down", pb2().ModelInferResponse())
 
         async def _work(msg):
@@ -390,7 +395,7 @@ class GrpcIngress:
             finally:
                 if plan is not None:  # the output regions' descriptors it holds
                     plan.close()
-        self._in_flight = getattr(self, "_in_flight", 0) + 1
+        self._in_flight += 1
         try:
             return await self._serve(grpc_context, request, ("ModelInferRequest", "ModelInferResponse"), _work,
                                      model=("model_name", "model_version"))
