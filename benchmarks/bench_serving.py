@@ -306,10 +306,14 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
                 if t0 >= t_meas:
                     mine.append(t1 - t0)
                 i += 1
-            if cleanup is not None:
-                cleanup()
-            with lock:
+            with lock:  # kept whatever the clean-up does
                 lat.extend(mine)
+            if cleanup is not None:
+                try:
+                    cleanup()
+                except Exception as exc:  # noqa: BLE001 - counted and reported, the thread's latencies kept
+                    with lock:
+                        errors.append(f"clean-up: {exc!r}"[:200])
 
         ts = [threading.Thread(target=run_thread, args=(k,)) for k in range(threads)]
         for t in ts:
@@ -404,12 +408,31 @@ def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, 
         return np.array(lib.get_contents_as_numpy(hout, np.float32, list(out_shape)))
 
     def cleanup():
-        for name in (f"{tag}-in", f"{tag}-out"):
-            unregister(name)
-        for h in regions:
-            lib.destroy_shared_memory_region(h)
-        client.close()
+        try:
+            for name in (f"{tag}-in", f"{tag}-out"):
+                unregister(name)
+        finally:
+            for h in regions:
+                lib.destroy_shared_memory_region(h)
+            client.close()
     return call, cleanup
+
+
+def _commit() -> str | None:
+    """The code's commit: ``git rev-parse --short HEAD``, else ``.gpu/commit.txt`` (what tools/device_run.sh
+    carries to a device machine, whose copy of the tree may have no ``.git``), else ``None``."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open(os.path.join(ROOT, ".gpu", "commit.txt")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _stats(url, model_name):
@@ -637,7 +660,8 @@ def main() -> int:
     log(f"Ray up: {where}")
     results = {"model": model, "provider": args.provider, "dims": dims, "buckets": list(base.buckets),
                "batch_wait_ms": args.batch_wait_ms, "seconds": args.seconds, "ray": where, "runs": [],
-               "onnxruntime": ort.__version__, "ray_version": ray.__version__, "run8_plain": plain}
+               "onnxruntime": ort.__version__, "ray_version": ray.__version__, "run8_plain": plain,
+               "commit": _commit()}
     if args.smoke:
         opts = ServeOptions(**{**base.__dict__, "app_name": "smoke"}).checked()
         url = deployment.start(opts, args.provider, on_status=log)
@@ -727,7 +751,9 @@ def main() -> int:
                        "requests": int(lat.size), "images_per_s": round(lat.size / args.seconds, 1),
                        "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3) if lat.size else None,
                        "p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3) if lat.size else None,
-                       "wrong": sum(o["wrong"] for o in outs) if not (hand or "").startswith("noop") else None, "errors": sum(o["n_errors"] for o in outs),
+                       "wrong": sum(o["wrong"] for o in outs) if not (hand or "").startswith("noop") else None,
+                       # a cell that measured no request at all is an error of its own (its clients' threads died)
+                       "errors": sum(o["n_errors"] for o in outs) + (0 if lat.size else 1),
                        "error_sample": [e for o in outs for e in o["errors"]][:3],
                        "batch_histogram": _diff(_histogram(after), _histogram(before)),
                        "session": _where(after, before) if url else None,

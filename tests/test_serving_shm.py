@@ -719,3 +719,57 @@ def test_an_input_named_twice_is_refused_before_its_region_is_read_again(obj, mo
         run(store.prepare_http(*_infer_body(both)[0:1], None, two))
     assert len(reads) == 1
     store.close()
+
+
+def test_every_grpc_rpc_is_unavailable_while_the_tier_drains(obj):
+    """A draining tier answers every RPC ``UNAVAILABLE`` before touching anything, as HTTP answers 503: a shared
+    memory registration arriving after the drain unregistered every region must not register (nor make the registry
+    again); inference, status and health are refused alike. Before, only ``ModelInfer`` was."""
+    pytest.importorskip("tritonclient.grpc")
+    from ortcapture.serving import grpc_service
+
+    pb2 = grpc_service.pb2()
+    store = ShmStore(LocalRegistry())
+
+    class Ctx:
+        code = details = None
+
+        def set_code(self, code):
+            self.code = code
+
+        def set_details(self, details):
+            self.details = details
+
+        def peer(self):
+            return "ipv4:127.0.0.1:5000"
+
+        def invocation_metadata(self):
+            return []
+
+    class Host(grpc_service.GrpcIngress):
+        spec, options, shm = SPEC, None, store
+        router = Router(SPEC, None, None, shm=store)
+
+        async def ready(self):
+            return True
+
+        async def infer(self, feeds, **kw):
+            raise AssertionError("a draining tier ran a request")
+
+    key, _ = obj
+    host = Host()
+    calls = [(host.SystemSharedMemoryRegister, pb2.SystemSharedMemoryRegisterRequest(name="r", key=key, byte_size=64)),
+             (host.SystemSharedMemoryStatus, pb2.SystemSharedMemoryStatusRequest()),
+             (host.ModelInfer, _grpc_request(np.zeros((1, 4), np.float32))),
+             (host.ServerLive, pb2.ServerLiveRequest())]
+    ctx = Ctx()
+    run(host.SystemSharedMemoryRegister(calls[0][1].SerializeToString(), ctx))  # not draining: registered
+    assert ctx.code is None and [r["name"] for r in run(store.status(None))] == ["r"]
+    run(store.unregister(None))
+    host._draining = True
+    for rpc, msg in calls:
+        ctx = Ctx()
+        run(rpc(msg.SerializeToString(), ctx))
+        assert ctx.code.name == "UNAVAILABLE" and ctx.details == "the server is shutting down", rpc.__name__
+    assert run(store.status(None)) == [] and host._in_flight == 0
+    assert Host._draining is False and Host._in_flight == 0  # the instance's, not the class's

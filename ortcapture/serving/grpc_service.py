@@ -258,7 +258,8 @@ class GrpcIngress:
 
     #: requests being answered (the host class counts its HTTP ones in the same attribute: a shutdown waits for both)
     _in_flight: int = 0
-    #: set by the host class when it shuts down: new calls are refused
+    #: set by the host class when it shuts down: every RPC is refused then (``UNAVAILABLE``), as HTTP is (503) — a
+    #: shared memory registration after the drain unregistered every region would make the registry again
     _draining: bool = False
 
     # -- plumbing ------------------------------------------------------------------------------------------------
@@ -298,8 +299,11 @@ class GrpcIngress:
                      model: tuple[str, str] | None = None):
         """Parse ``request`` as ``names[0]``, check the token (``auth``) and the model it names (``model``: the
         message's name and version fields), answer ``await work(msg)``; a :class:`ProtocolError` becomes its gRPC
-        status and an empty ``names[1]``, anything else ``INTERNAL``."""
+        status and an empty ``names[1]``, anything else ``INTERNAL``. While the host class drains, ``UNAVAILABLE``
+        ("the server is shutting down") before anything else."""
         response_type = getattr(pb2(), names[1])
+        if self._draining:
+            return self._refuse(ctx, 503, "the server is shutting down", response_type())
         if auth and not self._authorized(ctx):
             return self._refuse(ctx, 401, "this server needs 'authorization: Bearer <token>' metadata",
                                 response_type())
@@ -378,9 +382,6 @@ class GrpcIngress:
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
         """``ModelInfer``: the REST path's checks and batching (the ingress's ``infer``); outputs as
         ``raw_output_contents``, or written to the shared memory regions they name."""
-        if self._draining:
-            return self._refuse(grpc_context, 503, "the server is shutting down", pb2().ModelInferResponse())
-
         async def _work(msg):
             if not await self.ready():
                 raise ProtocolError(f"model {self.spec.name!r} is not ready: its replicas are not warm yet", 503)

@@ -270,9 +270,10 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
 
     # -- lifecycle, readiness, reports ---------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> dict:
-        """Graceful shutdown, first step, on this tier replica: answer new HTTP requests with a 503 and wait (at
-        most ``timeout_s`` seconds) until the requests in flight have their answers. Returns ``{"replica": id,
-        "in_flight": requests still in flight then (0 normally)}``."""
+        """Graceful shutdown, first step, on this tier replica: answer new HTTP requests with a 503 (gRPC ones with
+        ``UNAVAILABLE``) and wait (at most ``timeout_s`` seconds) until the requests in flight have their answers.
+        Returns ``{"replica": id, "in_flight": HTTP and gRPC requests still being answered then, "infers":
+        infer() calls still running then (those requests' and the handle's)}`` (0 and 0 normally)."""
         self._draining = True
         self._bodies.close()  # bodies still arriving: 503 now (a stalled one would hold the drain to its end)
         deadline = time.monotonic() + timeout_s
@@ -281,7 +282,7 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         await self.shm.shutdown()  # every shared memory region unregistered and unmapped
         if self._slots is not None:
             self._slots.close()
-        return {"replica": self.replica_id, "in_flight": self._in_flight + self._infers}
+        return {"replica": self.replica_id, "in_flight": self._in_flight, "infers": self._infers}
 
     def __del__(self):
         """Serve's graceful shutdown of this replica: its batch slots' shared memory object is unlinked (a replica
