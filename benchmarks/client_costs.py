@@ -23,25 +23,21 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import paired  # noqa: E402 - benchmarks/paired.py, beside this file
+
 
 def _pairs(http_call, grpc_call, iters: int) -> dict:
-    t_http, t_grpc = [], []
-    for _ in range(iters):
-        for f, out in ((http_call, t_http), (grpc_call, t_grpc)):
-            t0 = time.perf_counter_ns()
-            f()
-            out.append((time.perf_counter_ns() - t0) / 1000)
+    t_http, t_grpc = paired.time_pairs(http_call, grpc_call, iters)
     return {"http_us": round(statistics.median(t_http), 1), "grpc_us": round(statistics.median(t_grpc), 1),
-            "grpc_over_http": round(statistics.median(g / h for g, h in zip(t_grpc, t_http)), 2)}
+            "grpc_over_http": round(paired.median_ratio(t_grpc, t_http), 2)}
 
 
 def measure(iters: int) -> dict:
@@ -91,18 +87,5 @@ def measure(iters: int) -> dict:
                                                                                      iters)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    res = {"machine": f"{os.cpu_count()} CPUs", "iters": args.iters, **measure(args.iters)}
-    print(json.dumps(res, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(paired.main(__doc__, measure))

@@ -23,7 +23,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -34,7 +33,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
+import paired  # noqa: E402 - benchmarks/paired.py, beside this file
 from ortcapture.serving import grpc_service, protocol  # noqa: E402
 from ortcapture.serving.protocol import ModelSpec, TensorSpec  # noqa: E402
 
@@ -44,16 +45,10 @@ SPEC = ModelSpec(name="ref", inputs=(TensorSpec("images", np.dtype(np.float32), 
 
 
 def _pairs(old, new, iters: int) -> dict:
-    t_old, t_new = [], []
-    for _ in range(iters):
-        for f, out in ((old, t_old), (new, t_new)):
-            t0 = time.perf_counter_ns()
-            f()
-            out.append((time.perf_counter_ns() - t0) / 1000)
-    ratios = [a / b for a, b in zip(t_old, t_new)]
+    t_old, t_new = paired.time_pairs(old, new, iters)
     return {"old_us": round(statistics.median(t_old), 1), "new_us": round(statistics.median(t_new), 1),
             "saved_us": round(statistics.median(t_old) - statistics.median(t_new), 1),
-            "old_over_new": round(statistics.median(ratios), 3)}
+            "old_over_new": round(paired.median_ratio(t_old, t_new), 3)}
 
 
 def http_parse(iters: int) -> dict:
@@ -186,20 +181,10 @@ def shm_lookup(iters: int) -> dict | None:
         os.unlink(path)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    res = {"machine": f"{os.cpu_count()} CPUs", "iters": args.iters, "http_parse": http_parse(args.iters),
-           "grpc_decode": grpc_decode(args.iters), "rest_shm": rest_shm(args.iters),
-           "shm_lookup": shm_lookup(args.iters)}
-    print(json.dumps(res, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+def measure(iters: int) -> dict:
+    return {"http_parse": http_parse(iters), "grpc_decode": grpc_decode(iters), "rest_shm": rest_shm(iters),
+            "shm_lookup": shm_lookup(iters)}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(paired.main(__doc__, measure))
