@@ -109,3 +109,43 @@ def no_host_path(monkeypatch):
         monkeypatch.setattr(tcopy.np, "from_dlpack", boom)
 
     return arm
+
+
+def _process_state() -> str:
+    """What the process holds when a device test fails: live sessions, their captured graphs, threads, memory (the
+    first CI failure on ORT 1.27 WebGPU — replays of fresh captures read wrong values in 5 tests of one process — did
+    not reproduce locally; this section says next time whether old sessions or threads were still around)."""
+    import gc
+    import threading
+
+    from ortcapture._session.session import InferenceSession as Captured
+
+    live = [o for o in gc.get_objects() if isinstance(o, ort.InferenceSession)]
+    ours = [o for o in live if isinstance(o, Captured)]
+    graphs = 0
+    for s in ours:
+        try:
+            graphs += len(s.captured_graphs)
+        except Exception:  # noqa: BLE001 - a diagnostic: a session in any state is counted as it can be
+            pass
+    try:
+        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except OSError:
+        rss = -1
+    threads = sorted(t.name for t in threading.enumerate())
+    return (f"onnxruntime {ort.__version__}; live InferenceSessions: {len(live)} ({len(ours)} ortcapture, "
+            f"{graphs} captured graphs); threads: {threads}; RSS {rss} MiB; gc counts {gc.get_count()}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    device = {"webgpu", "cuda", "backend"} & (set(item.keywords) | set(getattr(item, "fixturenames", ())))
+    if report.when == "call" and report.failed and device:
+        report.sections.append(("ortcapture process state", _process_state()))
+    log = os.environ.get("ORTCAPTURE_DEVICE_ERROR_LOG")  # tools/test.sh: Dawn's device errors, by the test that met them
+    if log and "WebGPU device error" in report.capstderr:
+        lines = [ln for ln in report.capstderr.splitlines() if "device error" in ln]
+        with open(log, "a") as f:
+            f.write(f"{item.nodeid} ({report.when}, {report.outcome}): {len(lines)} x {lines[0].strip()[:300]}\n")

@@ -50,6 +50,9 @@ for v in $versions; do
       export ORTCAPTURE_REQUIRE_SERVE=0
     fi
     echo "=== onnxruntime $v: pytest ==="
+    # Dawn's "WebGPU device error" lines, by the test whose output held them (tests/conftest.py): none in a good run
+    export ORTCAPTURE_DEVICE_ERROR_LOG="$root/$logdir/webgpu-device-errors-$v.txt"
+    rm -f "$ORTCAPTURE_DEVICE_ERROR_LOG"
     # every skip's reason goes to the log; the console gets their count (1,000 lines of "CUDA EP unavailable" buried
     # the failures a fresh user looks for)
     "$venv/bin/python" -m pytest -q -rfEs -p no:cacheprovider --color=$color "$@" | tee "$logdir/pytest-$v.txt" \
@@ -60,6 +63,11 @@ for v in $versions; do
   # pytest's own last line: "N passed, M skipped ... in T s" (or why it stopped)
   last=$(grep -v '^[[:space:]]*$' "$logdir/pytest-$v.txt" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g; s/^=* *//; s/ *=*$//' || true)
   summary+=("onnxruntime $v: ${last:-no pytest summary}")
+  deverr="$logdir/webgpu-device-errors-$v.txt"
+  if [ -s "$deverr" ]; then
+    echo "WebGPU device errors (onnxruntime $v), by test:"; cat "$deverr"
+    summary+=("onnxruntime $v: WebGPU device errors in $(wc -l < "$deverr") test(s), listed above ($deverr)")
+  fi
 done
 [ $docs_done = 1 ] || summary+=("docs: not built (only in .venv, the onnxruntime $(sed -n 's/^NEWEST_ORT=//p' tools/bootstrap.sh) environment)")
 echo

@@ -136,6 +136,11 @@ class GraphDispatcher:
         with self.lock:
             return sum(1 for e in self._entries.values() if isinstance(e, Refused))
 
+    def refusals(self) -> list[BaseException]:
+        """Why each refused key was refused: the errors, in the order the keys were last used."""
+        with self.lock:
+            return [e.error for e in self._entries.values() if isinstance(e, Refused)]
+
     def __iter__(self) -> Iterator:
         return iter(self.entries())
 
