@@ -68,6 +68,7 @@ Quick CPU check: python benchmarks/bench_serving.py --provider cpu --arms produc
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -255,13 +256,24 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
         lock = threading.Lock()
         # the gRPC clients (and the shm paths' regions, registered once per client) are set up before the clock, here
         # (tritonclient's CUDA regions make its one CUDA stream on first use: not from several threads at once)
-        prepared = {k: _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
-                                  refs[0].nbytes, refs[0].shape) for k in range(threads)} \
-            if path in PREPARED_PATHS else {}
+        try:
+            prepared = {k: _grpc_call(path, url, k, input_name, output_name, model_name, images[0].nbytes,
+                                      refs[0].nbytes, refs[0].shape) for k in range(threads)} \
+                if path in PREPARED_PATHS else {}
+        except Exception as exc:  # noqa: BLE001 - the cell fails, counted; this process stays for the next ones
+            conn.send({"latencies": [], "wrong": 0, "errors": [f"set-up: {exc!r}"[:200]], "n_errors": threads})
+            continue
         t_end = time.perf_counter() + warm + seconds
         t_meas = time.perf_counter() + warm
 
         def run_thread(k):
+            try:
+                _run_thread(k)
+            except Exception as exc:  # noqa: BLE001 - a thread that died is an error of the cell, not a silent gap
+                with lock:
+                    errors.append(f"thread {k}: {exc!r}"[:200])
+
+        def _run_thread(k):
             mine, cleanup = [], None
             if path == "handle":
                 handle = serve.get_deployment_handle("Model", app)
@@ -324,6 +336,14 @@ def _client_main(conn, address, shape, refs, input_name, output_name, model_name
     ray.shutdown()
 
 
+def _answer(conn, threads: int) -> dict:
+    """A client process's answer for a cell; one that died meanwhile answers with every thread an error."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return {"latencies": [], "wrong": 0, "errors": ["the client process is gone"], "n_errors": threads}
+
+
 def _grpc_call(path, url, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
     """One client thread's call for the ``grpc`` path (raw tensors) or a shared memory path (the image written to
     this client's input region, the answer read from its output region: both registered once, here): ``shm`` and
@@ -364,6 +384,10 @@ class _PerThread:
         return getattr(client, name)
 
 
+#: shared memory set-ups of this client process: each one's region names are its own (``b<pid>-<n>-<k>``)
+_SETUPS = itertools.count()
+
+
 def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, in_bytes, out_bytes, out_shape):
     """A shared memory path through ``client`` (of ``lib_client``: ``tritonclient.grpc`` or ``tritonclient.http``,
     which share these calls): system shared memory (``cuda`` false, ``tritonclient.utils.shared_memory``) or CUDA
@@ -373,7 +397,7 @@ def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, 
     if cuda:
         import tritonclient.utils.cuda_shared_memory as lib
 
-        tag = f"c{os.getpid()}-{k}"
+        tag = f"c{os.getpid()}-{next(_SETUPS)}-{k}"
         regions = [lib.create_shared_memory_region(f"{tag}-{io}", n, 0) for io, n in (("in", in_bytes),
                                                                                         ("out", out_bytes))]
         # written once here, before the client threads start: tritonclient makes its one CUDA stream per device on
@@ -387,7 +411,7 @@ def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, 
     else:
         import tritonclient.utils.shared_memory as lib
 
-        tag = f"b{os.getpid()}-{k}"
+        tag = f"b{os.getpid()}-{next(_SETUPS)}-{k}"
         regions = [lib.create_shared_memory_region(f"{tag}-{io}", f"/{tag}-{io}", n) for io, n in
                    (("in", in_bytes), ("out", out_bytes))]
         for io, n in (("in", in_bytes), ("out", out_bytes)):
@@ -408,23 +432,26 @@ def _shm_call(client, lib_client, cuda, k, input_name, output_name, model_name, 
         return np.array(lib.get_contents_as_numpy(hout, np.float32, list(out_shape)))
 
     def cleanup():
-        try:
-            for name in (f"{tag}-in", f"{tag}-out"):
-                unregister(name)
-        finally:
-            for h in regions:
-                lib.destroy_shared_memory_region(h)
-            client.close()
+        failed = []
+        for step in [lambda n=name: unregister(n) for name in (f"{tag}-in", f"{tag}-out")] + \
+                [lambda h=h: lib.destroy_shared_memory_region(h) for h in regions] + [client.close]:
+            try:  # each step whatever the others did: a region left registered would refuse the next cell's
+                step()
+            except Exception as exc:  # noqa: BLE001 - raised together below
+                failed.append(repr(exc)[:100])
+        if failed:
+            raise RuntimeError("; ".join(failed))
     return call, cleanup
 
 
 def _commit() -> str | None:
-    """The code's commit: ``git rev-parse --short HEAD``, else ``.gpu/commit.txt`` (what tools/device_run.sh
-    carries to a device machine, whose copy of the tree may have no ``.git``), else ``None``."""
+    """The code's commit: ``git describe --always --dirty`` (``-dirty``: the tree had changes not committed, as it
+    has when numbers are measured before their commit), else ``.gpu/commit.txt`` (what tools/device_run.sh carries to
+    a device machine, whose copy of the tree may have no ``.git``), else ``None``."""
     import subprocess
 
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         pass
@@ -685,6 +712,7 @@ def main() -> int:
         p = ctx_mp.Process(target=_client_main, args=(b, address, shape, refs, input_name, output_name, "yolo"),
                            daemon=True)
         p.start()
+        b.close()  # the child's end: a client process that dies is an EOFError here, not a wait for ever
         clients.append((p, a))
     log(f"{nproc} client processes")
     named = {**{p.pid: "client" for p, _ in clients}, os.getpid(): "bench driver"}  # cpu_use's groups by pid
@@ -740,7 +768,7 @@ def main() -> int:
                         targets.update({"tier0": tiers[0]} if tiers else {})
                         tag = f"{arm}-{level}" + ("" if path == "handle" else f"-{path}")
                         spy = cpu_use.PySpy(args.py_spy_bin, targets, args.seconds - 0.3, args.out, tag)
-                    outs = [conn.recv() for (p, conn), _ in zip(clients, per)]
+                    outs = [_answer(conn, n) for (p, conn), n in zip(clients, per)]
                     cpu = cpu_use.use(cpu0, cpu_use.sample(named))
                     spied = spy.wait() if spy is not None else None
                     held = stalled.held()

@@ -442,3 +442,29 @@ def test_a_merged_run_whose_join_fails_fails_its_calls_only():
     assert isinstance(got[0], MemoryError) and isinstance(got[1], MemoryError)
     for x, answer in zip(xs[2:], got[2:]):
         np.testing.assert_array_equal(answer[0]["outputs"]["y"], 2 * x)
+
+
+def test_a_draining_tier_refuses_handle_calls_and_answers_its_own_requests():
+    """A handle's ``infer`` was let in while the tier replica drained (HTTP got a 503, gRPC ``UNAVAILABLE``): calls
+    that kept coming held the drain to its timeout, which then closed the batch slots and shared memory under them
+    (found by review). Now the handle is refused at once, with a 503 and a retry hint; the routes' requests, let in
+    before the drain, still run (``_infer``)."""
+    from ortcapture.serving import tier as tier_mod
+
+    ran = []
+
+    async def _infer(feeds, device_outputs=None):
+        ran.append(feeds)
+        return {"outputs": {"Y": feeds["X"]}}
+
+    t = tier_mod.ModelTier.__new__(tier_mod.ModelTier)
+    t._refused = {"draining": 0}
+    t._infer = _infer
+    x = np.ones((1, 4), np.float32)
+    t._draining = False
+    assert asyncio.run(t.infer({"X": x}))["outputs"]["Y"] is x and len(ran) == 1
+    t._draining = True
+    res = asyncio.run(t.infer({"X": x}))
+    assert res["status"] == 503 and res["error"] == "the server is shutting down" and res["retry_after"] > 0
+    assert len(ran) == 1 and t._refused["draining"] == 1
+    assert asyncio.run(t._infer({"X": x}))["outputs"]["Y"] is x  # the routes' path is not the handle's

@@ -721,6 +721,40 @@ def test_an_input_named_twice_is_refused_before_its_region_is_read_again(obj, mo
     store.close()
 
 
+class _Ctx:
+    """A gRPC servicer context as ``GrpcIngress`` uses it (code, details, peer, metadata)."""
+    code = details = None
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+    def peer(self):
+        return "ipv4:127.0.0.1:5000"
+
+    def invocation_metadata(self):
+        return []
+
+
+def _grpc_host(store):
+    """A ``GrpcIngress`` host over ``store`` whose ``_infer`` must not run."""
+    from ortcapture.serving import grpc_service
+
+    class Host(grpc_service.GrpcIngress):
+        spec, options, shm = SPEC, None, store
+        router = Router(SPEC, None, None, shm=store)
+
+        async def ready(self):
+            return True
+
+        async def _infer(self, feeds, **kw):
+            raise AssertionError("a draining tier ran a request")
+
+    return Host
+
+
 def test_every_grpc_rpc_is_unavailable_while_the_tier_drains(obj):
     """A draining tier answers every RPC ``UNAVAILABLE`` before touching anything, as HTTP answers 503: a shared
     memory registration arriving after the drain unregistered every region must not register (nor make the registry
@@ -730,46 +764,66 @@ def test_every_grpc_rpc_is_unavailable_while_the_tier_drains(obj):
 
     pb2 = grpc_service.pb2()
     store = ShmStore(LocalRegistry())
-
-    class Ctx:
-        code = details = None
-
-        def set_code(self, code):
-            self.code = code
-
-        def set_details(self, details):
-            self.details = details
-
-        def peer(self):
-            return "ipv4:127.0.0.1:5000"
-
-        def invocation_metadata(self):
-            return []
-
-    class Host(grpc_service.GrpcIngress):
-        spec, options, shm = SPEC, None, store
-        router = Router(SPEC, None, None, shm=store)
-
-        async def ready(self):
-            return True
-
-        async def infer(self, feeds, **kw):
-            raise AssertionError("a draining tier ran a request")
-
+    Host = _grpc_host(store)
     key, _ = obj
     host = Host()
     calls = [(host.SystemSharedMemoryRegister, pb2.SystemSharedMemoryRegisterRequest(name="r", key=key, byte_size=64)),
              (host.SystemSharedMemoryStatus, pb2.SystemSharedMemoryStatusRequest()),
              (host.ModelInfer, _grpc_request(np.zeros((1, 4), np.float32))),
              (host.ServerLive, pb2.ServerLiveRequest())]
-    ctx = Ctx()
+    ctx = _Ctx()
     run(host.SystemSharedMemoryRegister(calls[0][1].SerializeToString(), ctx))  # not draining: registered
     assert ctx.code is None and [r["name"] for r in run(store.status(None))] == ["r"]
     run(store.unregister(None))
     host._draining = True
     for rpc, msg in calls:
-        ctx = Ctx()
+        ctx = _Ctx()
         run(rpc(msg.SerializeToString(), ctx))
         assert ctx.code.name == "UNAVAILABLE" and ctx.details == "the server is shutting down", rpc.__name__
     assert run(store.status(None)) == [] and host._in_flight == 0
-    assert Host._draining is False and Host._in_flight == 0  # the instance's, not the class's
+    assert "_draining" in vars(host) and "_draining" not in vars(Host)  # set on the instance, not on the class
+
+
+def test_a_drain_waits_for_a_registration_let_in_before_it(obj):
+    """Only ``ModelInfer`` counted in ``_in_flight``: a shared memory registration let in just before the drain
+    began was not waited for — the drain unregistered every region and ended the registry, then the registration
+    landed (and, through the actor, made the registry again; found by review). Every RPC counts now: a drain that
+    waits for ``_in_flight`` then shuts the store down leaves no region behind."""
+    pytest.importorskip("tritonclient.grpc")
+    from ortcapture.serving import grpc_service
+
+    pb2 = grpc_service.pb2()
+    gate = None
+
+    class SlowRegistry(LocalRegistry):
+        async def register(self, *a):
+            await gate.wait()
+            return await super().register(*a)
+
+    store = ShmStore(SlowRegistry())
+    host = _grpc_host(store)()
+    key, _ = obj
+    msg = pb2.SystemSharedMemoryRegisterRequest(name="r", key=key, byte_size=64)
+
+    async def scenario():
+        nonlocal gate
+        gate = asyncio.Event()
+        ctx = _Ctx()
+        rpc = asyncio.ensure_future(host.SystemSharedMemoryRegister(msg.SerializeToString(), ctx))
+        await asyncio.sleep(0.05)  # past the drain check, waiting for the registry
+        counted = host._in_flight
+        host._draining = True  # the drain (ModelTier.drain): refuse new RPCs, wait for those in flight, shut down
+        asyncio.get_running_loop().call_later(0.1, gate.set)
+        for _ in range(100):
+            if not host._in_flight:
+                break
+            await asyncio.sleep(0.02)
+        left = host._in_flight
+        await store.shutdown()
+        await rpc
+        return counted, left, ctx, await store.status(None)
+
+    counted, left, ctx, regions = run(scenario())
+    assert counted == 1 and left == 0
+    assert ctx.code is None  # it was let in: answered, then unregistered by the shutdown
+    assert regions == []

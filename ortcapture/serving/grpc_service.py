@@ -254,7 +254,7 @@ class GrpcIngress:
     """The ``GRPCInferenceService`` methods of the ingress deployment (a mixin). The class it is mixed into has
     ``spec`` (:class:`ModelSpec`), ``options`` (``token``), ``router`` (:class:`ortcapture.serving.routes.Router`),
     ``shm`` (:class:`ortcapture.serving.shm_store.ShmStore` or ``None``) and ``async ready()`` / ``async
-    infer(feeds)`` — the ones the REST routes call."""
+    _infer(feeds, device_outputs)`` — the ones the REST routes call."""
 
     #: requests being answered (the host class counts its HTTP ones in the same attribute: a shutdown waits for both)
     _in_flight: int = 0
@@ -300,10 +300,20 @@ class GrpcIngress:
         """Parse ``request`` as ``names[0]``, check the token (``auth``) and the model it names (``model``: the
         message's name and version fields), answer ``await work(msg)``; a :class:`ProtocolError` becomes its gRPC
         status and an empty ``names[1]``, anything else ``INTERNAL``. While the host class drains, ``UNAVAILABLE``
-        ("the server is shutting down") before anything else."""
+        ("the server is shutting down") before anything else. Every RPC let in counts in ``_in_flight`` until it is
+        answered, so a drain waits for it: a shared memory registration that passed the check just before the drain
+        began would otherwise land after the drain unregistered every region, and make the registry again."""
         response_type = getattr(pb2(), names[1])
         if self._draining:
             return self._refuse(ctx, 503, "the server is shutting down", response_type())
+        self._in_flight += 1
+        try:
+            return await self._answer(ctx, request, names, work, response_type, auth, model)
+        finally:
+            self._in_flight -= 1
+
+    async def _answer(self, ctx, request, names, work, response_type, auth, model):
+        """:meth:`_serve` past the drain check."""
         if auth and not self._authorized(ctx):
             return self._refuse(ctx, 401, "this server needs 'authorization: Bearer <token>' metadata",
                                 response_type())
@@ -387,7 +397,7 @@ class GrpcIngress:
                 raise ProtocolError(f"model {self.spec.name!r} is not ready: its replicas are not warm yet", 503)
             req, plan = await decode_infer(msg, self.spec, self.shm)
             try:
-                result = await self.infer(req.inputs, **(plan.infer_kwargs() if plan is not None else {}))
+                result = await self._infer(req.inputs, **(plan.infer_kwargs() if plan is not None else {}))
                 if "error" in result:
                     raise ProtocolError(str(result["error"]), int(result.get("status", 500)))
                 entries = () if plan is None else (self.shm.write_outputs(plan, result["outputs"], self.spec)
@@ -396,12 +406,8 @@ class GrpcIngress:
             finally:
                 if plan is not None:  # the output regions' descriptors it holds
                     plan.close()
-        self._in_flight += 1
-        try:
-            return await self._serve(grpc_context, request, ("ModelInferRequest", "ModelInferResponse"), _work,
-                                     model=("model_name", "model_version"))
-        finally:
-            self._in_flight -= 1
+        return await self._serve(grpc_context, request, ("ModelInferRequest", "ModelInferResponse"), _work,
+                                 model=("model_name", "model_version"))
 
     # -- system shared memory ------------------------------------------------------------------------------------
     def _shm_or_refuse(self):

@@ -101,12 +101,12 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self._refresh: asyncio.Future | None = None  # a stale yes being asked again in the background (ready())
         self._ready_resets, self._distrusted_at = 0, float("-inf")  # batches that found no session replica
         self._draining = False  # set by drain(): new requests get a 503, the ones in flight finish
-        self._in_flight = 0  # HTTP requests being answered
-        self._infers = 0  # infer() calls being answered (HTTP and handle)
+        self._in_flight = 0  # HTTP and gRPC requests being answered (GrpcIngress counts its own)
+        self._infers = 0  # requests being answered by _infer() (HTTP, gRPC and handle)
         self._bodies = BodyGate(options.max_pending_bodies)  # requests whose body is still arriving
         self._queued = 0  # requests waiting for a session replica's answer
         self._refused = {"queue_full": 0, "bodies_pending": 0, "body_timeout": 0, "body_evicted": 0,
-                         "request_timeout": 0, "client_gone": 0, "bad_request": 0}
+                         "request_timeout": 0, "client_gone": 0, "bad_request": 0, "draining": 0}
         self._sent = {"session_calls": 0, "requests_sent": 0, "session_call_ns": 0, "slot_batches": 0,
                       "slot_misses": 0}
         self._others: dict[str, tuple[float, dict]] = {}
@@ -115,13 +115,24 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
         self.shm = ShmStore(ActorRegistry(f"{options.app_name}-shm"), allow_remote=options.allow_remote_shared_memory,
                             cuda_open=self._cuda_open if provider == "cuda" else None, provider=provider,
                             peers_known=client_address_known(options))
-        self.router = Router(self.spec, self.ready, self.infer, server_version=ortcapture.__version__,
+        self.router = Router(self.spec, self.ready, self._infer, server_version=ortcapture.__version__,
                              token=options.token, ingress_stats=self._ingress_stats, shm=self.shm,
                              align_inputs=False)  # each request's rows are copied into its batch (or sent by Ray)
 
     # -- the handle method and the router's backend -------------------------------------------------------------
     async def infer(self, feeds: dict, device_outputs: dict | None = None) -> dict:
-        """One request, ``{input name: numpy array}`` (its rows along the batch dim, at most ``max_batch_size``).
+        """The handle's method: one request, as :meth:`_infer` answers it — except while this replica drains, when
+        it is refused at once (``{"error": "the server is shutting down", "status": 503, "retry_after": s}``), as
+        HTTP (503) and gRPC (``UNAVAILABLE``) requests are: a handle call let in then would hold the drain to its
+        timeout and find the batch slots and shared memory closed under it."""
+        if self._draining:
+            self._refused["draining"] += 1
+            return {"error": "the server is shutting down", "status": 503, "retry_after": RETRY_AFTER_S}
+        return await self._infer(feeds, device_outputs)
+
+    async def _infer(self, feeds: dict, device_outputs: dict | None = None) -> dict:
+        """One request, ``{input name: numpy array}`` (its rows along the batch dim, at most ``max_batch_size``): the
+        HTTP and gRPC routes' backend (their requests were let in before any drain, and are answered through it).
         From the HTTP and gRPC routes, an input may be a :class:`~ortcapture.serving.cuda_shm.DeviceTensor` (in a
         CUDA region) and ``device_outputs`` ``{output name: Ref}`` names CUDA regions the session replica writes
         those outputs into (:mod:`ortcapture.serving.cuda_shm`).
