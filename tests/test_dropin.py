@@ -304,7 +304,34 @@ def test_a_release_from_another_thread_during_a_capture_is_no_refusal(backend):
     """Another thread releasing graphs while a shape (or a bucket) was being captured and checked made the drop-in
     remember that shape as refused — uncaptured for good — and a bucket session refuse the bucket, raising
     GraphReleasedError on every later run (found by review). Such a failure now runs that request as ORT runs it,
-    and the next one captures again. Bounded: 2 x 2.5 s."""
+    and the next one captures again. Bounded: 2 x 2.5 s.
+
+    WebGPU: in a child process. Where ORT has no native release (< 1.30) the test leaves ~900 captured graphs that only
+    the sessions' end frees, with four threads' work, on the process's one WebGPU device; the one CI failure of the
+    ORT 1.27 run (2026-12-07) began in this test and went on in four later tests of that process (fresh captures
+    verified wrong), and did not reproduce."""
+    if backend.name == "webgpu":
+        _in_child("_release_during_capture", backend.name)
+    else:
+        _release_during_capture(backend)
+
+
+def _in_child(function: str, backend: str) -> None:
+    """Run ``tests.test_dropin.<function>(Backend(backend))`` in a new Python process (its asserts fail this test)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from tests.conftest import Backend; from tests import test_dropin as t; "
+            f"t.{function}(Backend(sys.argv[1])); print('CHILD OK')")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code, backend], cwd=root, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    assert proc.returncode == 0 and "CHILD OK" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+
+
+def _release_during_capture(backend) -> None:
+    """The body of :func:`test_a_release_from_another_thread_during_a_capture_is_no_refusal`."""
     plain = ort.InferenceSession(tiny.bucket_model(), providers=["CPUExecutionProvider"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
