@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """What one request costs the *client* in CPU, per Triton client library (issue 45: why gRPC trails HTTP when the
-clients share the server's machine, as in ``bench_serving.py``), paired call by call in one process, no server.
+clients share the server's machine, as in ``bench_serving.py``), timed in alternating blocks in one process
+(``benchmarks/paired.py``), no server.
 
 The request is the reference model's: one 1.2 MB float32 image in, ``output0`` of (1, 22, 2100) float32 back. Arms
-(median µs per request over ``--iters`` pairs):
+(median µs per request over ``--iters`` calls each):
 
 * ``request``: building the request as each client's ``infer`` does before sending — ``tritonclient.http``: an
   ``InferInput`` with ``set_data_from_numpy(binary_data=True)`` and the body
@@ -34,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paired  # noqa: E402 - benchmarks/paired.py, beside this file
 
 
-def _pairs(http_call, grpc_call, iters: int) -> dict:
-    t_http, t_grpc = paired.time_pairs(http_call, grpc_call, iters)
+def _compare(http_call, grpc_call, iters: int) -> dict:
+    t_http, t_grpc = paired.time_blocks(http_call, grpc_call, iters)
     return {"http_us": round(statistics.median(t_http), 1), "grpc_us": round(statistics.median(t_grpc), 1),
             "grpc_over_http": round(paired.median_ratio(t_grpc, t_http), 2)}
 
@@ -83,7 +84,7 @@ def measure(iters: int) -> dict:
 
     for a, b in ((http_response(), y), (grpc_response(), y)):  # both read the answer right
         np.testing.assert_array_equal(a, b)
-    return {"request": _pairs(http_request, grpc_request, iters), "response": _pairs(http_response, grpc_response,
+    return {"request": _compare(http_request, grpc_request, iters), "response": _compare(http_response, grpc_response,
                                                                                      iters)}
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """What a batching-tier replica spends per request on the steps the fifteenth session changed (issues 44, 45),
-each beside what it replaced, paired call by call in one process (no GPU, no server: the tier's own code).
+each beside what it replaced, timed in alternating blocks in one process (``benchmarks/paired.py``; no GPU,
+no server: the tier's own code).
 
-Arms (median µs per request over ``--iters`` pairs, and the median per-pair ratio):
+Arms (median µs per request over ``--iters`` calls each, and their ratio):
 
 * ``http_parse``: :func:`ortcapture.serving.protocol.parse_infer_request` of a REST body (the reference model's
   1.2 MB float32 image behind a JSON header of odd length, as tritonclient sends it) with ``align=True`` (the old
@@ -44,8 +45,8 @@ SPEC = ModelSpec(name="ref", inputs=(TensorSpec("images", np.dtype(np.float32), 
                  max_rows=8, max_body_bytes=64 << 20)
 
 
-def _pairs(old, new, iters: int) -> dict:
-    t_old, t_new = paired.time_pairs(old, new, iters)
+def _compare(old, new, iters: int) -> dict:
+    t_old, t_new = paired.time_blocks(old, new, iters)
     return {"old_us": round(statistics.median(t_old), 1), "new_us": round(statistics.median(t_new), 1),
             "saved_us": round(statistics.median(t_old) - statistics.median(t_new), 1),
             "old_over_new": round(paired.median_ratio(t_old, t_new), 3)}
@@ -57,7 +58,7 @@ def http_parse(iters: int) -> dict:
                                    "parameters": {"binary_data_size": x.nbytes}}]}).encode()
     head += b" " * ((1 - len(head)) % 4)  # an odd header length: the image starts unaligned
     body = head + x.tobytes()
-    return _pairs(lambda: protocol.parse_infer_request(body, len(head), SPEC),
+    return _compare(lambda: protocol.parse_infer_request(body, len(head), SPEC),
                   lambda: protocol.parse_infer_request(body, len(head), SPEC, align=False), iters)
 
 
@@ -86,7 +87,7 @@ def grpc_decode(iters: int) -> dict:
                            "parameters": {"binary_data_output": True}}).encode()
         protocol.parse_infer_request(head + b"".join(raw), len(head), SPEC)
 
-    return _pairs(old, new, iters)
+    return _compare(old, new, iters)
 
 
 def _done(coro):
@@ -120,7 +121,7 @@ def rest_shm(iters: int) -> dict:
             head, n, plan = _done(store.prepare_http(body, None, SPEC))
             protocol.parse_infer_request(head + b"".join(plan.pieces), n, SPEC, plan.device_inputs, align=False)
 
-        return _pairs(old, new, iters)
+        return _compare(old, new, iters)
     finally:
         store.close()
         os.unlink(path)
