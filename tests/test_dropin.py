@@ -318,15 +318,11 @@ def test_a_release_from_another_thread_during_a_capture_is_no_refusal(backend):
 
 def _in_child(function: str, backend: str) -> None:
     """Run ``tests.test_dropin.<function>(Backend(backend))`` in a new Python process (its asserts fail this test)."""
-    import os
-    import subprocess
-    import sys
+    from tests.children import run_python
 
     code = ("import sys; from tests.conftest import Backend; from tests import test_dropin as t; "
             f"t.{function}(Backend(sys.argv[1])); print('CHILD OK')")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code, backend], cwd=root, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    proc = run_python(code, backend, timeout=300)
     assert proc.returncode == 0 and "CHILD OK" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
 
 

@@ -3,9 +3,6 @@
 compared with a raw onnxruntime session side by side."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -163,10 +160,9 @@ _CONCURRENT = textwrap.dedent("""
 
 
 def _concurrent(name: str) -> None:
-    env = dict(os.environ, PYTHONFAULTHANDLER="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _CONCURRENT, name], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
+    from tests.children import run_python
+
+    proc = run_python(_CONCURRENT, name, timeout=300)
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, tail
     assert "Command encoding already finished" not in tail and "already finished" not in tail, tail

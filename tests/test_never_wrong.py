@@ -496,14 +496,9 @@ def test_a_none_feed_is_left_out_as_ort_does_never_a_segfault(webgpu):
     keeps its default, a required one gets ORT's "missing" error — so ortcapture leaves None feeds out before ORT,
     on every EP (a reviewer: raising instead broke the initializer-default case). In a child process: a crash fails
     the test, not the run."""
-    import os
-    import subprocess
-    import sys
+    from tests.children import run_python
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-c", _NONE_FEEDS], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python(_NONE_FEEDS, timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-1500:])
     lines = proc.stdout.split("\n")
     assert lines[:6] == ["ValueError True"] * 4 + ["DEFAULT [11.0, 22.0]"] * 2, proc.stdout

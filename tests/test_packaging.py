@@ -7,12 +7,13 @@ error naming the extras. The no-ORT runs are subprocesses whose meta path refuse
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.children import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 # a fresh interpreter in which ``import onnxruntime`` fails as it does where no ORT distribution is installed
@@ -29,9 +30,7 @@ CLI = NO_ORT + "from ortcapture.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def run_without_ort(code: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-                          cwd=cwd or ROOT, timeout=120)
+    return run_python(code, *args, cwd=cwd, timeout=120)
 
 
 def test_import_without_ort_and_the_first_use_names_the_extras():
