@@ -282,9 +282,10 @@ class ModelTier(GrpcIngress):  # the gRPC methods (ortcapture.serving.grpc_servi
     # -- lifecycle, readiness, reports ---------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> dict:
         """Graceful shutdown, first step, on this tier replica: answer new HTTP requests with a 503 (gRPC ones with
-        ``UNAVAILABLE``) and wait (at most ``timeout_s`` seconds) until the requests in flight have their answers.
-        Returns ``{"replica": id, "in_flight": HTTP and gRPC requests still being answered then, "infers":
-        infer() calls still running then (those requests' and the handle's)}`` (0 and 0 normally)."""
+        ``UNAVAILABLE``, handle calls with a 503 answer) and wait (at most ``timeout_s`` seconds) until the requests
+        in flight have their answers. Returns ``{"replica": id, "in_flight": HTTP and gRPC requests still being
+        answered then, "infers": requests still in :meth:`_infer` then (those requests' and the handle's)}`` (0 and 0
+        normally)."""
         self._draining = True
         self._bodies.close()  # bodies still arriving: 503 now (a stalled one would hold the drain to its end)
         deadline = time.monotonic() + timeout_s
